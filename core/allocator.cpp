@@ -1,0 +1,108 @@
+#include "core/allocator.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
+#include <vector>
+
+#include "core/check.h"
+
+namespace trainer {
+
+void BlockDeleter::operator()(void* p) const {
+  if (p) allocator->release(p, bytes);
+}
+
+namespace {
+
+// Size classes: multiples of 64 B up to 4 KiB, then 8 steps per power of two
+// (at most 12.5% waste), so a cached block serves nearby sizes.
+size_t size_class(size_t bytes) {
+  if (bytes <= 4096) return (bytes + 63) & ~size_t(63);
+  size_t pow2 = size_t(1) << (63 - __builtin_clzll(bytes - 1));  // largest power of two < bytes
+  size_t step = pow2 / 8;
+  return (bytes + step - 1) / step * step;
+}
+
+class CpuCachingAllocator final : public Allocator {
+ public:
+  DataPtr allocate(size_t bytes) override {
+    size_t cls = size_class(bytes == 0 ? 1 : bytes);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.allocations;
+      auto it = free_.find(cls);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        stats_.cached_bytes -= int64_t(cls);
+        ++stats_.cache_hits;
+      }
+      stats_.current_bytes += int64_t(cls);
+      if (stats_.current_bytes > stats_.peak_bytes) stats_.peak_bytes = stats_.current_bytes;
+    }
+    if (!p) {
+      p = std::aligned_alloc(kCpuAlignment, cls);
+      if (!p) {
+        empty_cache();
+        p = std::aligned_alloc(kCpuAlignment, cls);
+      }
+      if (!p) throw std::bad_alloc();
+    }
+    return DataPtr(p, BlockDeleter{this, cls});
+  }
+
+  AllocatorStats stats() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+  void reset_peak() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak_bytes = stats_.current_bytes;
+  }
+
+  void empty_cache() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [cls, blocks] : free_)
+      for (void* p : blocks) std::free(p);
+    free_.clear();
+    stats_.cached_bytes = 0;
+  }
+
+ protected:
+  void release(void* p, size_t cls) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_[cls].push_back(p);
+    stats_.current_bytes -= int64_t(cls);
+    stats_.cached_bytes += int64_t(cls);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;
+  AllocatorStats stats_;
+};
+
+Allocator* g_allocators[kNumDeviceKinds] = {};
+
+}  // namespace
+
+void register_allocator(DeviceKind kind, Allocator* a) { g_allocators[int(kind)] = a; }
+
+Allocator& allocator(Device device) {
+  if (device.is_cpu()) {
+    // Never destroyed: tensors in static objects may release blocks at exit.
+    static Allocator* cpu = new CpuCachingAllocator();
+    return *cpu;
+  }
+  Allocator* a = g_allocators[int(device.kind)];
+  if (!a)
+    throw Error(cat("device ", device, " requested but this build has no CUDA backend; ",
+                    "rebuild with -DTRAINER_CUDA=ON on a machine with the CUDA toolkit"));
+  return *a;
+}
+
+}  // namespace trainer

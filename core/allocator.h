@@ -1,0 +1,57 @@
+// Memory for tensors. Each device kind has one Allocator; the CPU one is a
+// caching allocator: blocks are 64-byte aligned (a cache line, the widest
+// vector load) and kept in size-class free lists when released, so the
+// steady-state training step never calls the system allocator. CUDA's
+// allocator (core/cuda) has the same interface and is stream-ordered.
+//
+//   DataPtr p = allocator(Device{kCPU}).allocate(1024);
+//   AllocatorStats s = allocator(Device{kCPU}).stats();   // current and peak bytes
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/device.h"
+
+namespace trainer {
+
+struct AllocatorStats {
+  int64_t current_bytes = 0;   // handed out and not yet released
+  int64_t peak_bytes = 0;      // max of current_bytes since the last reset_peak()
+  int64_t cached_bytes = 0;    // held in free lists
+  int64_t allocations = 0;     // allocate() calls
+  int64_t cache_hits = 0;      // of which served from the cache
+};
+
+class Allocator;
+
+// An owning pointer to a block; releases it to its allocator.
+struct BlockDeleter {
+  Allocator* allocator = nullptr;
+  size_t bytes = 0;
+  void operator()(void* p) const;
+};
+using DataPtr = std::unique_ptr<void, BlockDeleter>;
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual DataPtr allocate(size_t bytes) = 0;
+  virtual AllocatorStats stats() const = 0;
+  virtual void reset_peak() = 0;
+  // Returns cached blocks to the system.
+  virtual void empty_cache() = 0;
+
+ protected:
+  friend struct BlockDeleter;
+  virtual void release(void* p, size_t bytes) = 0;
+};
+
+// The allocator of a device. CUDA's is registered by the CUDA backend.
+Allocator& allocator(Device device);
+void register_allocator(DeviceKind kind, Allocator* allocator);
+
+inline constexpr size_t kCpuAlignment = 64;
+
+}  // namespace trainer

@@ -1,0 +1,205 @@
+// Define-by-run autograd (DESIGN.md "Autograd").
+//
+// Each differentiable op is a struct with a typed Saved, a forward and a
+// backward; apply<Op>(args...) runs forward and, when grad mode is on and an
+// input requires a gradient, records a node that owns the Saved. backward()
+// walks the recorded graph in reverse creation order, sums the gradients
+// arriving at each node before running it, and frees each node's Saved once
+// it has run (unless retain_graph). The same API defines the built-in ops and
+// custom ones (tensor-parallel and communication ops):
+//
+//   struct ScaleOp {
+//     struct Saved { double k; };
+//     static constexpr const char* name = "scale";
+//     static Tensor forward(Saved& s, const Tensor& x, double k) { s.k = k; return x * k; }
+//     static TensorList backward(Saved& s, const TensorList& grad_out, const GradMask&) {
+//       return {grad_out[0] * s.k};
+//     }
+//   };
+//   Tensor y = autograd::apply<ScaleOp>(x, 3.0);
+//
+// Rules for an Op:
+//   - forward runs with grad mode off and may return a Tensor or a TensorList;
+//   - Saved holds only what backward needs; output tensors may be saved
+//     (apply hands the caller a separate handle, so there is no cycle);
+//   - backward gets one gradient per output (undefined where an output got
+//     none: treat as zeros) and returns one per tensor input, in argument
+//     order (TensorList arguments contribute one per element); entries whose
+//     GradMask bit is false may be left undefined;
+//   - backward runs with grad mode off (no double backward).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace trainer::autograd {
+
+bool grad_enabled();
+void set_grad_enabled(bool enabled);
+
+// Disables recording in its scope (evaluation, optimizer updates).
+class NoGradGuard {
+ public:
+  NoGradGuard() : previous_(grad_enabled()) { set_grad_enabled(false); }
+  ~NoGradGuard() { set_grad_enabled(previous_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Which inputs of a node need a gradient.
+class GradMask {
+ public:
+  GradMask() = default;
+  explicit GradMask(std::vector<bool> bits) : bits_(std::move(bits)) {}
+  bool operator[](size_t i) const { return i < bits_.size() && bits_[i]; }
+  size_t size() const { return bits_.size(); }
+
+ private:
+  std::vector<bool> bits_;
+};
+
+struct Edge {
+  std::shared_ptr<class Node> node;  // null: the input needs no gradient
+  uint32_t input_nr = 0;
+};
+
+class Node {
+ public:
+  virtual ~Node() = default;
+  virtual const char* name() const = 0;
+  // Gradients of the inputs from gradients of the outputs.
+  virtual TensorList apply(const TensorList& grad_outputs) = 0;
+  // Frees what forward saved.
+  virtual void release_saved() {}
+
+  const std::vector<Edge>& next_edges() const { return next_; }
+  uint64_t sequence_nr() const { return sequence_nr_; }
+  uint32_t num_outputs() const { return num_outputs_; }
+  GradMask needs_input_grad() const;
+
+  void set_next_edges(std::vector<Edge> next) { next_ = std::move(next); }
+  void set_num_outputs(uint32_t n) { num_outputs_ = n; }
+  void set_output_meta(uint32_t i, const Tensor& out);
+  // Shape, dtype and device of output i, to make zeros where no gradient arrived.
+  Tensor zeros_for_output(uint32_t i) const;
+
+ protected:
+  Node();
+
+ private:
+  std::vector<Edge> next_;
+  uint64_t sequence_nr_;
+  uint32_t num_outputs_ = 1;
+  struct OutputMeta {
+    Shape shape;
+    DType dtype;
+    Device device;
+  };
+  std::vector<OutputMeta> output_meta_;
+};
+
+// The gradient sink of a leaf: accumulates into grad() and fires its hooks.
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(Tensor leaf) : leaf_(std::move(leaf)) {}
+  const char* name() const override { return "AccumulateGrad"; }
+  TensorList apply(const TensorList& grad_outputs) override;
+  const Tensor& leaf() const { return leaf_; }
+
+ private:
+  Tensor leaf_;
+};
+
+// The edge that carries a gradient into t: its grad_fn, or its leaf's accumulator.
+Edge gradient_edge(const Tensor& t);
+
+// Runs the backward pass from roots with the given gradients.
+void run_backward(const TensorList& roots, const TensorList& grads, bool retain_graph);
+
+// ---- defining ops ----
+
+template <class Op>
+class OpNode final : public Node {
+ public:
+  const char* name() const override { return Op::name; }
+  TensorList apply(const TensorList& grad_outputs) override {
+    CHECK(!released_) << Op::name
+                      << ": backward through a graph whose saved tensors were freed; "
+                         "pass retain_graph=true to the first backward";
+    return Op::backward(saved, grad_outputs, needs_input_grad());
+  }
+  void release_saved() override {
+    saved = typename Op::Saved{};
+    released_ = true;
+  }
+  typename Op::Saved saved{};
+
+ private:
+  bool released_ = false;
+};
+
+namespace detail {
+inline void collect_inputs(TensorList&) {}
+template <class A, class... Rest>
+void collect_inputs(TensorList& out, const A& a, const Rest&... rest) {
+  using D = std::decay_t<A>;
+  if constexpr (std::is_same_v<D, Tensor>) {
+    out.push_back(a);
+  } else if constexpr (std::is_same_v<D, TensorList>) {
+    out.insert(out.end(), a.begin(), a.end());
+  }
+  collect_inputs(out, rest...);
+}
+// A fresh handle on the same data, so Saved may hold forward's result.
+Tensor alias_for_output(const Tensor& t);
+bool any_requires_grad(const TensorList& inputs);
+void connect(Node& node, const TensorList& inputs);
+}  // namespace detail
+
+template <class Op, class... Args>
+auto apply(const Args&... args) {
+  using Result = decltype(Op::forward(std::declval<typename Op::Saved&>(), args...));
+  static_assert(std::is_same_v<Result, Tensor> || std::is_same_v<Result, TensorList>,
+                "Op::forward returns Tensor or TensorList");
+  TensorList inputs;
+  detail::collect_inputs(inputs, args...);
+  if (!grad_enabled() || !detail::any_requires_grad(inputs)) {
+    typename Op::Saved unused{};
+    return Op::forward(unused, args...);
+  }
+  auto node = std::make_shared<OpNode<Op>>();
+  Result result;
+  {
+    NoGradGuard no_grad;
+    result = Op::forward(node->saved, args...);
+  }
+  detail::connect(*node, inputs);
+  auto wire = [&](const Tensor& out, uint32_t i) {
+    node->set_output_meta(i, out);
+    if (!is_floating(out.dtype())) return out;  // indices carry no gradient
+    Tensor alias = detail::alias_for_output(out);
+    AutogradMeta& m = alias.impl()->meta();
+    m.grad_fn = node;
+    m.output_nr = i;
+    m.requires_grad = true;
+    return alias;
+  };
+  if constexpr (std::is_same_v<Result, Tensor>) {
+    node->set_num_outputs(1);
+    return wire(result, 0);
+  } else {
+    node->set_num_outputs(uint32_t(result.size()));
+    TensorList outs;
+    for (uint32_t i = 0; i < result.size(); ++i) outs.push_back(wire(result[i], i));
+    return outs;
+  }
+}
+
+}  // namespace trainer::autograd

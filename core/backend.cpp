@@ -1,0 +1,105 @@
+#include "core/backend.h"
+
+#include "core/ref/ref_backend.h"
+
+namespace trainer {
+
+const char* unary_op_name(UnaryOp op) {
+  static const char* names[] = {"neg",  "exp",     "log",  "sqrt",      "rsqrt",    "abs",
+                                "tanh", "sigmoid", "relu", "gelu_tanh", "gelu_erf", "silu"};
+  return names[int(op)];
+}
+
+const char* binary_op_name(BinaryOp op) {
+  static const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum"};
+  return names[int(op)];
+}
+
+void Backend::unsupported(const char* op) const {
+  throw Error(cat("op '", op, "' is not available on the ", name(), " backend"));
+}
+
+void Backend::copy(const Tensor&, const Tensor&) { unsupported("copy"); }
+void Backend::fill(const Tensor&, double) { unsupported("fill"); }
+void Backend::copy_across(const Tensor&, const Tensor&) { unsupported("copy_across"); }
+void Backend::unary(UnaryOp op, const Tensor&, const Tensor&) { unsupported(unary_op_name(op)); }
+void Backend::unary_backward(UnaryOp op, const Tensor&, const Tensor&, const Tensor&,
+                             const Tensor&) {
+  unsupported(unary_op_name(op));
+}
+void Backend::binary(BinaryOp op, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(binary_op_name(op));
+}
+void Backend::binary_scalar(BinaryOp op, const Tensor&, double, bool, const Tensor&) {
+  unsupported(binary_op_name(op));
+}
+void Backend::where(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("where");
+}
+void Backend::clamp(const Tensor&, double, double, const Tensor&) { unsupported("clamp"); }
+void Backend::clamp_backward(const Tensor&, const Tensor&, double, double, const Tensor&) {
+  unsupported("clamp_backward");
+}
+void Backend::compare(CompareOp, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("compare");
+}
+void Backend::reduce(ReduceOp, const Tensor&, uint64_t, const Tensor&) { unsupported("reduce"); }
+void Backend::var(const Tensor&, uint64_t, int64_t, const Tensor&) { unsupported("var"); }
+void Backend::max_dim(const Tensor&, int, const Tensor&, const Tensor&) { unsupported("max_dim"); }
+void Backend::matmul(const Tensor&, const Tensor&, const Tensor&) { unsupported("matmul"); }
+void Backend::softmax(const Tensor&, int, bool, const Tensor&) { unsupported("softmax"); }
+void Backend::softmax_backward(const Tensor&, const Tensor&, int, bool, const Tensor&) {
+  unsupported("softmax_backward");
+}
+void Backend::cross_entropy(const Tensor&, const Tensor&, double, int64_t, const Tensor&,
+                            const Tensor&) {
+  unsupported("cross_entropy");
+}
+void Backend::cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&, double, int64_t,
+                                     const Tensor&) {
+  unsupported("cross_entropy_backward");
+}
+void Backend::index_select(const Tensor&, int, const Tensor&, const Tensor&) {
+  unsupported("index_select");
+}
+void Backend::index_add(const Tensor&, int, const Tensor&, const Tensor&) {
+  unsupported("index_add");
+}
+void Backend::gather(const Tensor&, int, const Tensor&, const Tensor&) { unsupported("gather"); }
+void Backend::scatter_add(const Tensor&, int, const Tensor&, const Tensor&) {
+  unsupported("scatter_add");
+}
+void Backend::concat(const TensorList&, int, const Tensor&) { unsupported("concat"); }
+void Backend::uniform(const Tensor&, double, double, PhiloxKey) { unsupported("uniform"); }
+void Backend::normal(const Tensor&, double, double, PhiloxKey) { unsupported("normal"); }
+void Backend::bernoulli(const Tensor&, double, PhiloxKey) { unsupported("bernoulli"); }
+
+namespace {
+Backend* g_backends[kNumDeviceKinds] = {};
+thread_local bool t_use_reference = false;
+}  // namespace
+
+void register_backend(DeviceKind kind, Backend* b) { g_backends[int(kind)] = b; }
+
+Backend& reference_backend() {
+  static Backend* ref = new RefBackend();
+  return *ref;
+}
+
+Backend& cpu_backend();  // core/cpu/cpu_backend.cpp
+
+Backend& backend(Device device) {
+  if (device.is_cpu()) return t_use_reference ? reference_backend() : cpu_backend();
+  Backend* b = g_backends[int(device.kind)];
+  if (!b)
+    throw Error(cat("device ", device, " requested but this build has no CUDA backend; ",
+                    "rebuild with -DTRAINER_CUDA=ON on a machine with the CUDA toolkit"));
+  return *b;
+}
+
+ReferenceKernelsGuard::ReferenceKernelsGuard() : previous_(t_use_reference) {
+  t_use_reference = true;
+}
+ReferenceKernelsGuard::~ReferenceKernelsGuard() { t_use_reference = previous_; }
+
+}  // namespace trainer

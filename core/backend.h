@@ -1,0 +1,127 @@
+// The kernel interface every device implements (DESIGN.md "Devices").
+//
+// Ops (core/ops.h) validate, compute output shapes, allocate outputs and
+// record autograd; then they dispatch once, through backend(device), to a
+// kernel here. Kernels never allocate their outputs and accept strided,
+// broadcast (stride-0) inputs; outputs are contiguous unless stated.
+//
+// Three implementations:
+//   RefBackend  (core/ref)  plain single-threaded loops computing in double:
+//                           the oracle of the tests and the fallback of every
+//                           dispatch. Never goes away.
+//   CpuBackend  (core/cpu)  derives from RefBackend and overrides the kernels
+//                           it makes fast (oneDNN, vectorised OpenMP loops).
+//   CudaBackend (core/cuda) registered when the CUDA backend is built.
+//
+// A kernel a backend lacks throws an Error naming the op and the device, like
+// ggml's supports_op. ReferenceKernelsGuard routes CPU ops to RefBackend so a
+// test can run the same op through both paths.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/op_kinds.h"
+#include "core/rng.h"
+#include "core/tensor.h"
+
+namespace trainer {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // ---- memory ----
+  // dst[i] = convert(src[i]); src already broadcast to dst's shape; any strides.
+  virtual void copy(const Tensor& src, const Tensor& dst);
+  virtual void fill(const Tensor& dst, double value);
+  // Copies between this device and the host (either side may be the CPU).
+  virtual void copy_across(const Tensor& src, const Tensor& dst);
+
+  // ---- elementwise (inputs broadcast to out's shape by the caller) ----
+  virtual void unary(UnaryOp op, const Tensor& x, const Tensor& out);
+  // grad_x = grad * f'(x); y = f(x) is passed for ops whose derivative uses it.
+  virtual void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                              const Tensor& grad_x);
+  virtual void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);
+  // out = a op s (or s op a when scalar_first).
+  virtual void binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first,
+                             const Tensor& out);
+  // out = cond ? a : b (cond boolean).
+  virtual void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);
+  // out = min(max(x, lo), hi); grad_x = grad where lo <= x <= hi, else 0.
+  virtual void clamp(const Tensor& x, double lo, double hi, const Tensor& out);
+  virtual void clamp_backward(const Tensor& grad, const Tensor& x, double lo, double hi,
+                              const Tensor& grad_x);
+  // out (boolean) = a op b, inputs broadcast to out's shape.
+  virtual void compare(CompareOp op, const Tensor& a, const Tensor& b, const Tensor& out);
+
+  // ---- reductions ----
+  // Reduces x over the dims whose bit is set in dims_mask into out, whose
+  // shape is x's with those dims set to 1 (keepdim layout, contiguous).
+  virtual void reduce(ReduceOp op, const Tensor& x, uint64_t dims_mask, const Tensor& out);
+  // Variance over dims with a correction (1 = unbiased); out as in reduce.
+  virtual void var(const Tensor& x, uint64_t dims_mask, int64_t correction, const Tensor& out);
+  // Max (or argmax) along one dim: values and indices (i64), both keepdim layout.
+  virtual void max_dim(const Tensor& x, int dim, const Tensor& values, const Tensor& indices);
+
+  // ---- linear algebra ----
+  // out[..., M, N] = a[..., M, K] @ b[..., K, N]; batch dims already broadcast
+  // (stride 0 allowed); any strides.
+  virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out);
+
+  // ---- softmax and losses ----
+  virtual void softmax(const Tensor& x, int dim, bool log, const Tensor& out);
+  // grad_x from grad of y = softmax(x) (or log_softmax when log).
+  virtual void softmax_backward(const Tensor& grad, const Tensor& y, int dim, bool log,
+                                const Tensor& grad_x);
+  // logits [N, C], target [N] (i64). loss[n] = -sum_c q_c log p_c with
+  // q = (1 - eps) onehot + eps / C; 0 where target == ignore_index.
+  // logp [N, C] receives log_softmax(logits) for the backward.
+  virtual void cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                             int64_t ignore_index, const Tensor& loss, const Tensor& logp);
+  // grad_logits[n, c] = grad_loss[n] * (p_c - q_c), 0 for ignored rows.
+  virtual void cross_entropy_backward(const Tensor& grad_loss, const Tensor& logp,
+                                      const Tensor& target, double label_smoothing,
+                                      int64_t ignore_index, const Tensor& grad_logits);
+
+  // ---- indexing ----
+  // out = x.index_select(dim, index): out.size(dim) == index.numel().
+  virtual void index_select(const Tensor& x, int dim, const Tensor& index, const Tensor& out);
+  // dst.index_select(dim, index) += src (scatter-add; repeated indices add up).
+  virtual void index_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src);
+  // out[i][j][k] = x[i][index[i][j][k]][k] for dim 1 (torch.gather).
+  virtual void gather(const Tensor& x, int dim, const Tensor& index, const Tensor& out);
+  // dst[i][index[i][j][k]][k] += src[i][j][k] for dim 1.
+  virtual void scatter_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src);
+  // out = concatenation of inputs along dim.
+  virtual void concat(const TensorList& inputs, int dim, const Tensor& out);
+
+  // ---- random (counter-based, identical on every device) ----
+  virtual void uniform(const Tensor& out, double lo, double hi, PhiloxKey key);
+  virtual void normal(const Tensor& out, double mean, double std, PhiloxKey key);
+  virtual void bernoulli(const Tensor& out, double p, PhiloxKey key);
+
+ protected:
+  [[noreturn]] void unsupported(const char* op) const;
+};
+
+// The backend of a device (the reference one for CPU under ReferenceKernelsGuard).
+Backend& backend(Device device);
+void register_backend(DeviceKind kind, Backend* backend);
+Backend& reference_backend();
+
+// While alive, CPU ops on this thread run the reference kernels.
+class ReferenceKernelsGuard {
+ public:
+  ReferenceKernelsGuard();
+  ~ReferenceKernelsGuard();
+  ReferenceKernelsGuard(const ReferenceKernelsGuard&) = delete;
+  ReferenceKernelsGuard& operator=(const ReferenceKernelsGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+}  // namespace trainer

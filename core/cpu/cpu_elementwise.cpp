@@ -1,0 +1,226 @@
+// CPU fast paths for elementwise kernels: the shared math
+// (core/elementwise_math.h) inside the strided loops of core/cpu/loops.h,
+// with a unit-stride branch the compiler vectorises.
+#include <cstring>
+
+#include "core/cpu/cpu_backend.h"
+#include "core/cpu/loops.h"
+#include "core/elementwise_math.h"
+
+namespace trainer {
+
+using cpu::for_each_run;
+
+namespace {
+
+template <class T>
+using A = acc_t<T>;
+
+// out = f(a, b) over element type T (all operands T).
+template <class T, class F>
+void map2(const Tensor& out, const Tensor& a, const Tensor& b, F f) {
+  for_each_run<3>(out.shape(), {&out, &a, &b}, [f](char* const* p, const int64_t* s, int64_t n) {
+    T* o = reinterpret_cast<T*>(p[0]);
+    const T* x = reinterpret_cast<const T*>(p[1]);
+    const T* y = reinterpret_cast<const T*>(p[2]);
+    if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = store_as<T>(f(load(x[i]), load(y[i])));
+    } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {
+      const A<T> yv = load(y[0]);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = store_as<T>(f(load(x[i]), yv));
+    } else if (s[0] == 1 && s[1] == 0 && s[2] == 1) {
+      const A<T> xv = load(x[0]);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = store_as<T>(f(xv, load(y[i])));
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        o[i * s[0]] = store_as<T>(f(load(x[i * s[1]]), load(y[i * s[2]])));
+    }
+  });
+}
+
+// out = f(a) over element type T.
+template <class T, class F>
+void map1(const Tensor& out, const Tensor& a, F f) {
+  for_each_run<2>(out.shape(), {&out, &a}, [f](char* const* p, const int64_t* s, int64_t n) {
+    T* o = reinterpret_cast<T*>(p[0]);
+    const T* x = reinterpret_cast<const T*>(p[1]);
+    if (s[0] == 1 && s[1] == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = store_as<T>(f(load(x[i])));
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = store_as<T>(f(load(x[i * s[1]])));
+    }
+  });
+}
+
+// out = f(a, b, c) over element type T.
+template <class T, class F>
+void map3(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& c, F f) {
+  for_each_run<4>(out.shape(), {&out, &a, &b, &c},
+                  [f](char* const* p, const int64_t* s, int64_t n) {
+                    T* o = reinterpret_cast<T*>(p[0]);
+                    const T* x = reinterpret_cast<const T*>(p[1]);
+                    const T* y = reinterpret_cast<const T*>(p[2]);
+                    const T* z = reinterpret_cast<const T*>(p[3]);
+                    if (s[0] == 1 && s[1] == 1 && s[2] == 1 && s[3] == 1) {
+#pragma omp simd
+                      for (int64_t i = 0; i < n; ++i)
+                        o[i] = store_as<T>(f(load(x[i]), load(y[i]), load(z[i])));
+                    } else {
+                      for (int64_t i = 0; i < n; ++i)
+                        o[i * s[0]] = store_as<T>(
+                            f(load(x[i * s[1]]), load(y[i * s[2]]), load(z[i * s[3]])));
+                    }
+                  });
+}
+
+bool same_dtype(std::initializer_list<const Tensor*> ts, DType t) {
+  for (const Tensor* x : ts)
+    if (x->defined() && x->dtype() != t) return false;
+  return true;
+}
+
+}  // namespace
+
+void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
+  if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous() &&
+      src.shape() == dst.shape()) {
+    const char* s = static_cast<const char*>(src.data_ptr());
+    char* d = static_cast<char*>(dst.data_ptr());
+    size_t es = dtype_size(src.dtype());
+    cpu::parallel_for(src.numel(), 1 << 18, [&](int64_t b, int64_t e) {
+      std::memcpy(d + b * es, s + b * es, size_t(e - b) * es);
+    });
+    return;
+  }
+  dispatch_all(dst.dtype(), "copy", [&](auto dtag) {
+    using D = typename decltype(dtag)::type;
+    dispatch_all(src.dtype(), "copy", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      for_each_run<2>(dst.shape(), {&dst, &src}, [](char* const* p, const int64_t* s, int64_t n) {
+        D* o = reinterpret_cast<D*>(p[0]);
+        const S* x = reinterpret_cast<const S*>(p[1]);
+        for (int64_t i = 0; i < n; ++i) {
+          auto v = load(x[i * s[1]]);
+          if constexpr (std::is_same_v<D, bool>)
+            o[i * s[0]] = v != decltype(v)(0);
+          else
+            o[i * s[0]] = store_as<D>(acc_t<D>(v));
+        }
+      });
+    });
+  });
+}
+
+void CpuBackend::fill(const Tensor& dst, double value) {
+  dispatch_all(dst.dtype(), "fill", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T v;
+    if constexpr (std::is_same_v<T, bool>)
+      v = value != 0.0;
+    else
+      v = store_as<T>(acc_t<T>(value));
+    for_each_run<1>(dst.shape(), {&dst}, [v](char* const* p, const int64_t* s, int64_t n) {
+      T* o = reinterpret_cast<T*>(p[0]);
+      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = v;
+    });
+  });
+}
+
+void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  dispatch_floating(out.dtype(), unary_op_name(op), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    math::visit_unary(op, [&](auto f) { map1<T>(out, x, [f](A<T> v) { return f(v); }); });
+  });
+}
+
+void CpuBackend::unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                                const Tensor& grad_x) {
+  dispatch_floating(grad_x.dtype(), unary_op_name(op), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    math::visit_unary(op, [&](auto f) {
+      // Operands: (x, y, grad); y may be absent for ops whose derivative uses only x.
+      const Tensor& yy = y.defined() ? y : x;
+      map3<T>(grad_x, x, yy, grad, [f](A<T> xv, A<T> yv, A<T> g) { return f.grad(xv, yv, g); });
+    });
+  });
+}
+
+void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (!same_dtype({&a, &b}, out.dtype())) return RefBackend::binary(op, a, b, out);
+  dispatch_floating(out.dtype(), binary_op_name(op), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    math::visit_binary(op, [&](auto f) { map2<T>(out, a, b, f); });
+  });
+}
+
+void CpuBackend::binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first,
+                               const Tensor& out) {
+  if (a.dtype() != out.dtype()) return RefBackend::binary_scalar(op, a, s, scalar_first, out);
+  dispatch_floating(out.dtype(), binary_op_name(op), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const A<T> sv = A<T>(s);
+    math::visit_binary(op, [&](auto f) {
+      if (scalar_first)
+        map1<T>(out, a, [f, sv](A<T> v) { return f(sv, v); });
+      else
+        map1<T>(out, a, [f, sv](A<T> v) { return f(v, sv); });
+    });
+  });
+}
+
+void CpuBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (cond.dtype() != DType::boolean || !same_dtype({&a, &b}, out.dtype()))
+    return RefBackend::where(cond, a, b, out);
+  dispatch_all(out.dtype(), "where", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    for_each_run<4>(out.shape(), {&out, &cond, &a, &b},
+                    [](char* const* p, const int64_t* s, int64_t n) {
+                      T* o = reinterpret_cast<T*>(p[0]);
+                      const bool* c = reinterpret_cast<const bool*>(p[1]);
+                      const T* x = reinterpret_cast<const T*>(p[2]);
+                      const T* y = reinterpret_cast<const T*>(p[3]);
+                      for (int64_t i = 0; i < n; ++i)
+                        o[i * s[0]] = c[i * s[1]] ? x[i * s[2]] : y[i * s[3]];
+                    });
+  });
+}
+
+void CpuBackend::clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
+  dispatch_floating(out.dtype(), "clamp", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const A<T> l = A<T>(lo), h = A<T>(hi);
+    map1<T>(out, x, [l, h](A<T> v) { return math::clamp(v, l, h); });
+  });
+}
+
+void CpuBackend::clamp_backward(const Tensor& grad, const Tensor& x, double lo, double hi,
+                                const Tensor& grad_x) {
+  dispatch_floating(grad_x.dtype(), "clamp_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const A<T> l = A<T>(lo), h = A<T>(hi);
+    map2<T>(grad_x, grad, x, [l, h](A<T> g, A<T> v) { return v >= l && v <= h ? g : A<T>(0); });
+  });
+}
+
+void CpuBackend::compare(CompareOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (a.dtype() != b.dtype() || !is_floating(a.dtype())) return RefBackend::compare(op, a, b, out);
+  dispatch_floating(a.dtype(), "compare", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    for_each_run<3>(out.shape(), {&out, &a, &b},
+                    [op](char* const* p, const int64_t* s, int64_t n) {
+                      bool* o = reinterpret_cast<bool*>(p[0]);
+                      const T* x = reinterpret_cast<const T*>(p[1]);
+                      const T* y = reinterpret_cast<const T*>(p[2]);
+                      for (int64_t i = 0; i < n; ++i) {
+                        A<T> u = load(x[i * s[1]]), v = load(y[i * s[2]]);
+                        o[i * s[0]] = op == CompareOp::eq ? u == v : (op == CompareOp::lt ? u < v : u > v);
+                      }
+                    });
+  });
+}
+
+}  // namespace trainer

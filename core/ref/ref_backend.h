@@ -1,0 +1,58 @@
+// The reference backend: plain single-threaded loops over multi-indices,
+// computing in double (float types) so rounding is not the question a test
+// asks. It is the oracle of every fast-path test and the fallback of every
+// dispatch (CpuBackend derives from it). Obviously right beats fast here.
+//
+// Files: ref_elementwise.cpp, ref_reduce.cpp, ref_linalg.cpp, ref_nn.cpp,
+// ref_index.cpp, ref_random.cpp; helpers in ref_util.h.
+#pragma once
+
+#include "core/backend.h"
+
+namespace trainer {
+
+class RefBackend : public Backend {
+ public:
+  const char* name() const override { return "reference"; }
+
+  void copy(const Tensor& src, const Tensor& dst) override;
+  void fill(const Tensor& dst, double value) override;
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out) override;
+  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                      const Tensor& grad_x) override;
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first,
+                     const Tensor& out) override;
+  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void clamp(const Tensor& x, double lo, double hi, const Tensor& out) override;
+  void clamp_backward(const Tensor& grad, const Tensor& x, double lo, double hi,
+                      const Tensor& grad_x) override;
+  void compare(CompareOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
+
+  void reduce(ReduceOp op, const Tensor& x, uint64_t dims_mask, const Tensor& out) override;
+  void var(const Tensor& x, uint64_t dims_mask, int64_t correction, const Tensor& out) override;
+  void max_dim(const Tensor& x, int dim, const Tensor& values, const Tensor& indices) override;
+
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out) override;
+
+  void softmax(const Tensor& x, int dim, bool log, const Tensor& out) override;
+  void softmax_backward(const Tensor& grad, const Tensor& y, int dim, bool log,
+                        const Tensor& grad_x) override;
+  void cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                     int64_t ignore_index, const Tensor& loss, const Tensor& logp) override;
+  void cross_entropy_backward(const Tensor& grad_loss, const Tensor& logp, const Tensor& target,
+                              double label_smoothing, int64_t ignore_index,
+                              const Tensor& grad_logits) override;
+
+  void index_select(const Tensor& x, int dim, const Tensor& index, const Tensor& out) override;
+  void index_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src) override;
+  void gather(const Tensor& x, int dim, const Tensor& index, const Tensor& out) override;
+  void scatter_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src) override;
+  void concat(const TensorList& inputs, int dim, const Tensor& out) override;
+
+  void uniform(const Tensor& out, double lo, double hi, PhiloxKey key) override;
+  void normal(const Tensor& out, double mean, double std, PhiloxKey key) override;
+  void bernoulli(const Tensor& out, double p, PhiloxKey key) override;
+};
+
+}  // namespace trainer

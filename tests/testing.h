@@ -1,0 +1,137 @@
+// Test helpers: the finite-difference gradient checker, fast-versus-reference
+// comparison, tensor builders and closeness checks that name the index.
+//
+//   gradcheck([](const TensorList& in) { return tanh(in[0]) * in[1]; },
+//             {rand_f64({3, 4}, gen), rand_f64({4}, gen)});
+//   check_fast_vs_reference([](const TensorList& in) { return softmax(in[0], 1); },
+//                           {rand_f32({5, 7}, gen)});
+#pragma once
+
+#include <cmath>
+#include <functional>
+#include <sstream>
+
+#include "core/ops.h"
+// Catch2 has its own CHECK: project headers come first (their inline code is
+// already expanded), then Catch's CHECK replaces ours in test code.
+#undef CHECK
+#include <catch2/catch.hpp>
+
+namespace trainer::testing {
+
+using Fn = std::function<Tensor(const TensorList&)>;
+
+inline Tensor rand_tensor(const Shape& shape, Generator& gen, double lo = -1.0, double hi = 1.0,
+                          DType dtype = DType::f32) {
+  return uniform(shape, lo, hi, gen, DType::f32).to(dtype);
+}
+inline Tensor rand_f64(const Shape& shape, Generator& gen, double lo = -1.0, double hi = 1.0) {
+  return uniform(shape, lo, hi, gen, DType::f64);
+}
+
+// The same values as x in a non-contiguous layout (every other element of a
+// wider buffer, last dim).
+inline Tensor non_contiguous(const Tensor& x) {
+  Shape wide = x.shape();
+  if (wide.empty()) return x;
+  wide.back() *= 2;
+  Tensor buf = zeros(wide, x.dtype(), x.device());
+  Tensor view = buf.slice(-1, 0, wide.back(), 2);
+  view.copy_(x);
+  return view;
+}
+
+// Checks |a - b| <= atol + rtol |b| elementwise; reports the first failure.
+inline void require_close(const Tensor& actual, const Tensor& expected, double rtol, double atol,
+                          const std::string& what = "") {
+  INFO(what);
+  REQUIRE(actual.defined());
+  REQUIRE(expected.defined());
+  REQUIRE(shape_str(actual.shape()) == shape_str(expected.shape()));
+  std::vector<double> a = actual.to_vector<double>(), e = expected.to_vector<double>();
+  for (size_t i = 0; i < a.size(); ++i) {
+    bool both_nan = std::isnan(a[i]) && std::isnan(e[i]);
+    bool both_inf = std::isinf(a[i]) && a[i] == e[i];
+    if (both_nan || both_inf) continue;
+    if (!(std::fabs(a[i] - e[i]) <= atol + rtol * std::fabs(e[i]))) {
+      std::ostringstream msg;
+      msg << what << ": mismatch at flat index " << i << " of shape " << actual.shape_str()
+          << ": actual " << a[i] << ", expected " << e[i];
+      FAIL(msg.str());
+    }
+  }
+}
+
+// A fixed pseudo-random cotangent so every output element matters.
+inline Tensor probe_like(const Tensor& out, uint64_t seed = 1234) {
+  Generator g(seed, 77);
+  return uniform(out.shape(), 0.5, 1.5, g, DType::f64).to(out.dtype());
+}
+
+// Compares analytic gradients of sum(f(inputs) * v) with central finite
+// differences in double. Inputs must be f64; those not floating are passed
+// through. eps is the step; tolerances are on |analytic - numeric|.
+inline void gradcheck(const Fn& f, TensorList inputs, double eps = 1e-6, double atol = 1e-5,
+                      double rtol = 1e-4) {
+  for (Tensor& t : inputs)
+    if (t.dtype() == DType::f64) t = t.detach().contiguous().requires_grad_();
+  Tensor out = f(inputs);
+  REQUIRE(out.dtype() == DType::f64);
+  Tensor v = probe_like(out);
+  sum(out * v).backward();
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    Tensor x = inputs[k];
+    if (x.dtype() != DType::f64) continue;
+    Tensor numeric = zeros(x.shape(), DType::f64);
+    double* px = x.data<double>();
+    double* pn = numeric.data<double>();
+    autograd::NoGradGuard no_grad;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      double orig = px[i];
+      px[i] = orig + eps;
+      double plus = sum(f(inputs) * v).item<double>();
+      px[i] = orig - eps;
+      double minus = sum(f(inputs) * v).item<double>();
+      px[i] = orig;
+      pn[i] = (plus - minus) / (2 * eps);
+    }
+    Tensor analytic = x.grad().defined() ? x.grad() : zeros(x.shape(), DType::f64);
+    require_close(analytic, numeric, rtol, atol, "gradient of input " + std::to_string(k));
+  }
+}
+
+// Runs f (forward and backward) with the CPU fast kernels and with the
+// reference kernels on the same inputs and compares outputs and gradients.
+inline void check_fast_vs_reference(const Fn& f, const TensorList& inputs, double rtol = 1e-5,
+                                    double atol = 1e-5) {
+  auto run = [&](TensorList& grads) {
+    TensorList in;
+    for (const Tensor& t : inputs)
+      in.push_back(is_floating(t.dtype()) ? t.detach().requires_grad_() : t);
+    Tensor out = f(in);
+    if (is_floating(out.dtype()) && out.requires_grad()) {
+      Tensor v = probe_like(out);
+      out.backward(v);
+    }
+    for (const Tensor& t : in) grads.push_back(is_floating(t.dtype()) ? t.grad() : Tensor());
+    return out;
+  };
+  TensorList fast_grads, ref_grads;
+  Tensor fast = run(fast_grads);
+  Tensor ref;
+  {
+    ReferenceKernelsGuard guard;
+    ref = run(ref_grads);
+  }
+  require_close(fast, ref, rtol, atol, "forward");
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (!ref_grads[k].defined()) continue;
+    require_close(fast_grads[k], ref_grads[k], rtol, atol, "gradient of input " + std::to_string(k));
+  }
+}
+
+// [cuda] tests call this first: without a GPU the test exits 77, which CTest
+// reports as skipped.
+void require_gpu_or_skip();
+
+}  // namespace trainer::testing
