@@ -73,6 +73,50 @@ void Backend::concat(const TensorList&, int, const Tensor&) { unsupported("conca
 void Backend::uniform(const Tensor&, double, double, PhiloxKey) { unsupported("uniform"); }
 void Backend::normal(const Tensor&, double, double, PhiloxKey) { unsupported("normal"); }
 void Backend::bernoulli(const Tensor&, double, PhiloxKey) { unsupported("bernoulli"); }
+void Backend::conv2d(const Tensor&, const Tensor&, const Tensor&, const Conv2dAttrs&, bool,
+                     const Tensor&) {
+  unsupported("conv2d");
+}
+void Backend::conv2d_backward_data(const Tensor&, const Tensor&, const Conv2dAttrs&,
+                                   const Tensor&) {
+  unsupported("conv2d_backward_data");
+}
+void Backend::conv2d_backward_weights(const Tensor&, const Tensor&, const Conv2dAttrs&,
+                                      const Tensor&, const Tensor&) {
+  unsupported("conv2d_backward_weights");
+}
+Tensor Backend::max_pool2d(const Tensor&, const Pool2dAttrs&, const Tensor&) {
+  unsupported("max_pool2d");
+}
+void Backend::max_pool2d_backward(const Tensor&, const Tensor&, const Pool2dAttrs&,
+                                  const Tensor&) {
+  unsupported("max_pool2d_backward");
+}
+void Backend::avg_pool2d(const Tensor&, const Pool2dAttrs&, const Tensor&) {
+  unsupported("avg_pool2d");
+}
+void Backend::avg_pool2d_backward(const Tensor&, const Pool2dAttrs&, const Tensor&) {
+  unsupported("avg_pool2d_backward");
+}
+void Backend::adaptive_avg_pool2d(const Tensor&, const Tensor&) {
+  unsupported("adaptive_avg_pool2d");
+}
+void Backend::adaptive_avg_pool2d_backward(const Tensor&, const Tensor&) {
+  unsupported("adaptive_avg_pool2d_backward");
+}
+void Backend::batch_norm_forward(const Tensor&, const Tensor&, const Tensor&, double, bool,
+                                 const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("batch_norm_forward");
+}
+void Backend::batch_norm_inference(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, double, const Tensor&) {
+  unsupported("batch_norm_inference");
+}
+void Backend::batch_norm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, double, const Tensor&, const Tensor&,
+                                  const Tensor&) {
+  unsupported("batch_norm_backward");
+}
 
 namespace {
 Backend* g_backends[kNumDeviceKinds] = {};

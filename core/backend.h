@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/conv_attrs.h"
 #include "core/op_kinds.h"
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -102,6 +103,50 @@ class Backend {
   virtual void uniform(const Tensor& out, double lo, double hi, PhiloxKey key);
   virtual void normal(const Tensor& out, double mean, double std, PhiloxKey key);
   virtual void bernoulli(const Tensor& out, double p, PhiloxKey key);
+
+  // ---- convolution, pooling, batch norm ----
+  // Images are [N, C, H, W] in any strides; the ops pass channels-last ones
+  // (NHWC in memory), the layout the fast paths want. Weights keep PyTorch's
+  // [O, I/groups, kH, kW], contiguous; per-channel tensors are [C], contiguous.
+  //
+  // out[n, o, y, x] = bias[o] + sum_{i, ky, kx} w[o, i, ky, kx] *
+  //     x[n, g(o) * I/groups + i, y * stride - pad + ky * dilation, (same in x)]
+  // with zero padding, then relu when fuse_relu; bias may be undefined.
+  virtual void conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                      const Conv2dAttrs& attrs, bool fuse_relu, const Tensor& out);
+  virtual void conv2d_backward_data(const Tensor& grad_out, const Tensor& weight,
+                                    const Conv2dAttrs& attrs, const Tensor& grad_x);
+  // grad_bias may be undefined (no bias).
+  virtual void conv2d_backward_weights(const Tensor& grad_out, const Tensor& x,
+                                       const Conv2dAttrs& attrs, const Tensor& grad_weight,
+                                       const Tensor& grad_bias);
+  // out = max over each window (padding never wins). Returns the argmax
+  // record the backward routes gradients by, in the backend's own form (the
+  // reference: i64 flat indices y * W + x into the input plane, shaped like out).
+  virtual Tensor max_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out);
+  virtual void max_pool2d_backward(const Tensor& grad_out, const Tensor& argmax,
+                                   const Pool2dAttrs& attrs, const Tensor& grad_x);
+  virtual void avg_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out);
+  virtual void avg_pool2d_backward(const Tensor& grad_out, const Pool2dAttrs& attrs,
+                                   const Tensor& grad_x);
+  // Output size from out's shape; windows by adaptive_start/adaptive_end.
+  virtual void adaptive_avg_pool2d(const Tensor& x, const Tensor& out);
+  virtual void adaptive_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x);
+  // Training: mean and (biased) var of each channel over N, H, W, and
+  // out = (x - mean) / sqrt(var + eps) * gamma + beta, then relu when fuse_relu.
+  virtual void batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                  double eps, bool fuse_relu, const Tensor& out,
+                                  const Tensor& mean, const Tensor& var);
+  // Evaluation: as above with the running statistics.
+  virtual void batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                    const Tensor& running_mean, const Tensor& running_var,
+                                    double eps, const Tensor& out);
+  // Gradients of the training forward (without relu: the op masks grad_out
+  // first), given the mean and var it computed.
+  virtual void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
+                                   const Tensor& mean, const Tensor& var, double eps,
+                                   const Tensor& grad_x, const Tensor& grad_gamma,
+                                   const Tensor& grad_beta);
 
  protected:
   [[noreturn]] void unsupported(const char* op) const;

@@ -7,6 +7,7 @@
 //   ops_linalg.cpp       matmul
 //   ops_nn.cpp           softmax, log_softmax, cross_entropy, dropout
 //   ops_index.cpp        concat, stack, split, index_select, gather, embedding
+//   ops_conv.cpp         conv2d, pooling, batch norm, channels-last layout (core/ops_conv.h)
 //   tensor.cpp           views, copies, factories
 //   random.cpp           uniform, normal, bernoulli, randperm
 //
@@ -112,7 +113,8 @@ struct CrossEntropyOptions {
   int64_t ignore_index = -100;
   enum class Reduction { mean, sum, none } reduction = Reduction::mean;
 };
-// logits [N, C], target [N] (i64 class indices). Mean over non-ignored rows.
+// logits [N, C], target [N] (i64 class indices). Mean over non-ignored rows
+// (0, with a zero gradient, when every row is ignored; PyTorch gives NaN).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target,
                      const CrossEntropyOptions& options = {});
 // Zeroes each element with probability p and scales the rest by 1/(1-p);

@@ -73,15 +73,24 @@ TRAINER_HD float philox_uniform(PhiloxKey key, uint64_t i) {
   return uint_to_unit(r.v[i % 4]);
 }
 
-// Element i of a standard normal draw. Box-Muller runs in double on both
-// host and device so the rounded float agrees bit for bit in practice.
-TRAINER_HD float philox_normal(PhiloxKey key, uint64_t i) {
-  Philox4x32 r = philox_block(key, i / 2);
+// Elements 2b and 2b + 1 of a standard normal draw, from counter block b.
+// Box-Muller runs in double on both host and device so the rounded float
+// agrees bit for bit in practice.
+struct NormalPair {
+  float v[2];
+};
+TRAINER_HD NormalPair philox_normal_pair(PhiloxKey key, uint64_t block) {
+  Philox4x32 r = philox_block(key, block);
   double u1 = double(uint_to_unit_open0(r.v[0]));
   double u2 = double(uint_to_unit(r.v[1]));
   double radius = sqrt(-2.0 * log(u1));
   double theta = 6.283185307179586476925 * u2;
-  return float(i % 2 == 0 ? radius * cos(theta) : radius * sin(theta));
+  return NormalPair{{float(radius * cos(theta)), float(radius * sin(theta))}};
+}
+
+// Element i of a standard normal draw.
+TRAINER_HD float philox_normal(PhiloxKey key, uint64_t i) {
+  return philox_normal_pair(key, i / 2).v[i % 2];
 }
 
 // Blocks consumed by a draw of n elements.

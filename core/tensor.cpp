@@ -58,6 +58,7 @@ int64_t Tensor::size(int d) const { return impl_->shape[wrap_dim(d)]; }
 int64_t Tensor::stride(int d) const { return impl_->strides[wrap_dim(d)]; }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to misplace
   int64_t expected = 1;
   for (int i = dim() - 1; i >= 0; --i) {
     if (impl_->shape[i] == 1) continue;
@@ -147,7 +148,7 @@ namespace {
 // The strides of x viewed as shape, if its memory allows (PyTorch's rule:
 // each group of merged/split dims must be contiguous within itself).
 std::optional<Shape> view_strides(const Tensor& x, const Shape& shape) {
-  if (x.is_contiguous()) return contiguous_strides(shape);
+  if (x.is_contiguous()) return contiguous_strides(shape);  // includes every empty tensor
   const Shape& old_shape = x.shape();
   const Shape& old_strides = x.strides();
   Shape strides(shape.size());

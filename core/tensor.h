@@ -140,6 +140,13 @@ class Tensor {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
+// A tensor with its global name ("layer1.0.conv1.weight"): parameters,
+// buffers, optimizer state, checkpoint entries.
+struct NamedTensor {
+  std::string name;
+  Tensor tensor;
+};
+
 struct AutogradMeta {
   bool requires_grad = false;
   Tensor grad;

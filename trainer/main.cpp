@@ -1,11 +1,16 @@
-// The trainer binary. Subcommands arrive with their issues (train, eval,
-// plan, launch, sample); until then `trainer info` is the smoke run: it
-// builds a tiny graph, runs backward and reports the build.
+// The trainer binary:
+//   trainer train RECIPE [key=value ...] [--resume auto|DIR] [--init-from FILE] [--dry-run]
+//   trainer eval RECIPE [key=value ...] --checkpoint DIR
+//   trainer launch --nproc-per-node N -- <trainer args>
+//   trainer info          the build, and a smoke test of the engine
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
+#include "trainer/launch.h"
+#include "trainer/recipe.h"
+#include "trainer/train.h"
 
 using namespace trainer;
 
@@ -35,9 +40,38 @@ int main(int argc, char** argv) {
   CLI::App app{"trainer: a from-scratch deep-learning trainer"};
   app.require_subcommand(1);
   CLI::App* info = app.add_subcommand("info", "print the build and run a smoke test");
+  TrainArgs train_args;
+  CLI::App* train = app.add_subcommand("train", "train from a recipe");
+  train->add_option("recipe", train_args.recipe, "recipe YAML file")->required();
+  train->add_option("overrides", train_args.overrides,
+                    "key=value overrides of recipe keys (dotted paths, e.g. training.epochs=3)");
+  train->add_option("--resume", train_args.resume,
+                    "'auto': continue from the newest complete checkpoint of the run, if any; "
+                    "or a checkpoint directory");
+  train->add_option("--init-from", train_args.init_from,
+                    "load weights by name from a safetensors file before training");
+  train->add_flag("!--init-non-strict", train_args.init_strict,
+                  "with --init-from: skip missing, unexpected and mis-shaped tensors");
+  train->add_flag("--dry-run", train_args.dry_run,
+                  "print the resolved recipe, model summary, memory estimate and layout, then exit");
+  std::string keys = "Recipe keys (YAML sections, or key=value overrides):";
+  for (const std::string& k : recipe_keys()) keys += "\n  " + k;
+  train->footer(keys);
+  EvalArgs eval_args;
+  CLI::App* eval = app.add_subcommand("eval", "evaluate a checkpoint on the recipe's validation set");
+  eval->add_option("recipe", eval_args.recipe, "recipe YAML file")->required();
+  eval->add_option("overrides", eval_args.overrides, "key=value overrides of recipe keys");
+  eval->add_option("--checkpoint", eval_args.checkpoint,
+                   "a checkpoint directory, or a checkpoints/ folder (its latest)")
+      ->required();
+  LaunchOptions launch_options;
+  CLI::App* launch = add_launch_command(app, launch_options);
   CLI11_PARSE(app, argc, argv);
   try {
     if (*info) return run_info();
+    if (*train) return train_command(train_args);
+    if (*eval) return eval_command(eval_args);
+    if (*launch) return run_launch(launch_options);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

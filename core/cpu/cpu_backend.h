@@ -4,9 +4,10 @@
 //   cpu_elementwise.cpp  vectorised OpenMP loops (core/cpu/loops.h)
 //   cpu_reduce.cpp       reductions
 //   cpu_linalg.cpp       oneDNN matmul, primitives cached per shape
-//   cpu_nn.cpp           oneDNN softmax / log_softmax, fused cross-entropy
+//   cpu_nn.cpp           softmax / log_softmax (vectorised rows), fused cross-entropy
 //   cpu_index.cpp        concat, index_select/add, gather/scatter_add
 //   cpu_random.cpp       Philox draws, parallel over counter blocks
+//   cpu_conv.cpp         oneDNN convolution, pooling, batch norm, primitives cached per shape
 #pragma once
 
 #include "core/ref/ref_backend.h"
@@ -33,14 +34,57 @@ class CpuBackend : public RefBackend {
   void compare(CompareOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
 
   // ---- cpu_reduce.cpp ----
+  void reduce(ReduceOp op, const Tensor& x, uint64_t dims_mask, const Tensor& out) override;
+  void var(const Tensor& x, uint64_t dims_mask, int64_t correction, const Tensor& out) override;
+  void max_dim(const Tensor& x, int dim, const Tensor& values, const Tensor& indices) override;
 
   // ---- cpu_linalg.cpp ----
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out) override;
 
   // ---- cpu_nn.cpp ----
+  void softmax(const Tensor& x, int dim, bool log, const Tensor& out) override;
+  void softmax_backward(const Tensor& grad, const Tensor& y, int dim, bool log,
+                        const Tensor& grad_x) override;
+  void cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                     int64_t ignore_index, const Tensor& loss, const Tensor& logp) override;
+  void cross_entropy_backward(const Tensor& grad_loss, const Tensor& logp, const Tensor& target,
+                              double label_smoothing, int64_t ignore_index,
+                              const Tensor& grad_logits) override;
 
   // ---- cpu_index.cpp ----
+  void index_select(const Tensor& x, int dim, const Tensor& index, const Tensor& out) override;
+  void index_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src) override;
+  void gather(const Tensor& x, int dim, const Tensor& index, const Tensor& out) override;
+  void scatter_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src) override;
+  void concat(const TensorList& inputs, int dim, const Tensor& out) override;
 
   // ---- cpu_random.cpp ----
+  void uniform(const Tensor& out, double lo, double hi, PhiloxKey key) override;
+  void normal(const Tensor& out, double mean, double std, PhiloxKey key) override;
+  void bernoulli(const Tensor& out, double p, PhiloxKey key) override;
+
+  // ---- cpu_conv.cpp ----
+  void conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dAttrs& attrs,
+              bool fuse_relu, const Tensor& out) override;
+  void conv2d_backward_data(const Tensor& grad_out, const Tensor& weight, const Conv2dAttrs& attrs,
+                            const Tensor& grad_x) override;
+  void conv2d_backward_weights(const Tensor& grad_out, const Tensor& x, const Conv2dAttrs& attrs,
+                               const Tensor& grad_weight, const Tensor& grad_bias) override;
+  Tensor max_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
+  void max_pool2d_backward(const Tensor& grad_out, const Tensor& argmax, const Pool2dAttrs& attrs,
+                           const Tensor& grad_x) override;
+  void avg_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
+  void avg_pool2d_backward(const Tensor& grad_out, const Pool2dAttrs& attrs,
+                           const Tensor& grad_x) override;
+  void batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                          bool fuse_relu, const Tensor& out, const Tensor& mean,
+                          const Tensor& var) override;
+  void batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                            const Tensor& running_mean, const Tensor& running_var, double eps,
+                            const Tensor& out) override;
+  void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
+                           const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
+                           const Tensor& grad_gamma, const Tensor& grad_beta) override;
 };
 
 Backend& cpu_backend();

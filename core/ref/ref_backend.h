@@ -4,7 +4,7 @@
 // dispatch (CpuBackend derives from it). Obviously right beats fast here.
 //
 // Files: ref_elementwise.cpp, ref_reduce.cpp, ref_linalg.cpp, ref_nn.cpp,
-// ref_index.cpp, ref_random.cpp; helpers in ref_util.h.
+// ref_index.cpp, ref_random.cpp, ref_conv.cpp; helpers in ref_util.h.
 #pragma once
 
 #include "core/backend.h"
@@ -53,6 +53,31 @@ class RefBackend : public Backend {
   void uniform(const Tensor& out, double lo, double hi, PhiloxKey key) override;
   void normal(const Tensor& out, double mean, double std, PhiloxKey key) override;
   void bernoulli(const Tensor& out, double p, PhiloxKey key) override;
+
+  // ---- ref_conv.cpp ----
+  void conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dAttrs& attrs,
+              bool fuse_relu, const Tensor& out) override;
+  void conv2d_backward_data(const Tensor& grad_out, const Tensor& weight, const Conv2dAttrs& attrs,
+                            const Tensor& grad_x) override;
+  void conv2d_backward_weights(const Tensor& grad_out, const Tensor& x, const Conv2dAttrs& attrs,
+                               const Tensor& grad_weight, const Tensor& grad_bias) override;
+  Tensor max_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
+  void max_pool2d_backward(const Tensor& grad_out, const Tensor& argmax, const Pool2dAttrs& attrs,
+                           const Tensor& grad_x) override;
+  void avg_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
+  void avg_pool2d_backward(const Tensor& grad_out, const Pool2dAttrs& attrs,
+                           const Tensor& grad_x) override;
+  void adaptive_avg_pool2d(const Tensor& x, const Tensor& out) override;
+  void adaptive_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x) override;
+  void batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                          bool fuse_relu, const Tensor& out, const Tensor& mean,
+                          const Tensor& var) override;
+  void batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                            const Tensor& running_mean, const Tensor& running_var, double eps,
+                            const Tensor& out) override;
+  void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
+                           const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
+                           const Tensor& grad_gamma, const Tensor& grad_beta) override;
 };
 
 }  // namespace trainer

@@ -1,0 +1,145 @@
+// Allreduce benchmark, nccl-tests style: for f32 sum from 1 KiB to 256 MiB,
+// the time per allreduce (the slowest rank's mean), algbw = bytes / time and
+// busbw = algbw * 2(n-1)/n (the per-rank traffic of a ring, comparable across
+// world sizes). When OpenMPI was found at configure time, rank 0 then runs
+// bench/mpi/mpi_allreduce under mpirun with the same sizes and prints both
+// side by side. The copy bound is this machine's single-thread memcpy
+// bandwidth: on one node every byte of busbw costs at least one copy.
+//
+//   trainer launch --nproc-per-node 2 --program build/bench_allreduce -- [--min-bytes B]
+//   [--max-bytes B] [--shm]
+//
+// --shm turns off UCX peer failure detection, which lets UCX use shared
+// memory instead of TCP over loopback (see CommOptions::detect_peer_failure).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "comm/collectives.h"
+
+using namespace trainer;
+using namespace trainer::comm;
+
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+// About 200 MB moved per size, 3 to 1000 iterations (the MPI program uses the same rule).
+int iterations(size_t bytes) {
+  return int(std::clamp<size_t>((size_t(200) << 20) / std::max<size_t>(bytes, 1), 3, 1000));
+}
+
+// Mean seconds per allreduce of `bytes`, the slowest rank's.
+double time_allreduce(Communicator& world, std::vector<float>& data, size_t bytes) {
+  const size_t count = bytes / sizeof(float);
+  allreduce(world, data.data(), count, DType::f32);  // warm-up: connections, pages
+  barrier(world);
+  const int iters = iterations(bytes);
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) allreduce(world, data.data(), count, DType::f32);
+  double mean[1] = {Seconds(std::chrono::steady_clock::now() - start).count() / iters};
+  allreduce(world, mean, 1, DType::f64, {.op = ReduceOp::max});
+  return mean[0];
+}
+
+// Single-thread memcpy bandwidth in GB/s (bytes read, as busbw counts them).
+double memcpy_bandwidth() {
+  const size_t bytes = size_t(256) << 20;
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto start = std::chrono::steady_clock::now();
+    std::memcpy(rep % 2 ? a.data() : b.data(), rep % 2 ? b.data() : a.data(), bytes);
+    best = std::min(best, Seconds(std::chrono::steady_clock::now() - start).count());
+  }
+  return double(bytes) / best / 1e9;
+}
+
+// "bytes microseconds" lines of the MPI program, by size; empty without MPI.
+std::map<size_t, double> run_mpi(int ranks, size_t min_bytes, size_t max_bytes) {
+  std::map<size_t, double> times;
+#if defined(TRAINER_MPIEXEC) && defined(TRAINER_MPI_ALLREDUCE)
+  std::string command =
+      cat(TRAINER_MPIEXEC, " --allow-run-as-root --oversubscribe -np ", ranks, " ",
+          TRAINER_MPI_ALLREDUCE, " ", min_bytes, " ", max_bytes, " 2>/dev/null");
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (!pipe) return times;
+  size_t bytes;
+  double us;
+  while (std::fscanf(pipe, "%zu %lf", &bytes, &us) == 2) times[bytes] = us;
+  ::pclose(pipe);
+#else
+  (void)ranks, (void)min_bytes, (void)max_bytes;
+#endif
+  return times;
+}
+
+size_t parse_bytes(int& i, int argc, char** argv) {
+  if (i + 1 >= argc) throw Error(cat(argv[i], " needs a value"));
+  return std::strtoull(argv[++i], nullptr, 10);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    size_t min_bytes = 1024, max_bytes = size_t(256) << 20;
+    CommOptions options;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "--min-bytes")
+        min_bytes = parse_bytes(i, argc, argv);
+      else if (a == "--max-bytes")
+        max_bytes = parse_bytes(i, argc, argv);
+      else if (a == "--shm")
+        options.detect_peer_failure = false;
+      else
+        throw Error(cat("unknown argument ", a, "; use --min-bytes B --max-bytes B --shm"));
+    }
+    Bootstrap boot = detect_bootstrap();
+    const int n = boot.world_size;
+    std::vector<std::pair<size_t, double>> ours;
+    {
+      auto world = init_world(boot, options);
+      std::vector<float> data(max_bytes / sizeof(float), 1.0f);
+      for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2)
+        ours.emplace_back(bytes, time_allreduce(*world, data, bytes));
+      barrier(*world);
+    }
+    if (boot.rank != 0) return 0;
+    // The other ranks have left; OpenMPI gets the machine to itself.
+    std::map<size_t, double> mpi = run_mpi(n, min_bytes, max_bytes);
+    double copy = memcpy_bandwidth();
+    auto bus = [&](double algbw) { return algbw * 2.0 * (n - 1) / n; };
+    std::printf("# allreduce f32 sum, %d ranks, in place; time = slowest rank's mean; UCX %s\n", n,
+                options.detect_peer_failure ? "with peer failure detection (tcp)"
+                                            : "shared memory (--shm)");
+    std::printf("# copy bound: single-thread memcpy %.2f GB/s\n", copy);
+    std::printf("# %12s %11s | %10s %9s %9s | %10s %9s %9s | %7s\n", "bytes", "count", "time(us)",
+                "algbw", "busbw", "mpi(us)", "algbw", "busbw", "speedup");
+    for (auto [bytes, seconds] : ours) {
+      double algbw = double(bytes) / seconds / 1e9;
+      std::printf("  %12zu %11zu | %10.1f %9.3f %9.3f |", bytes, bytes / sizeof(float),
+                  seconds * 1e6, algbw, bus(algbw));
+      if (auto it = mpi.find(bytes); it != mpi.end()) {
+        double mpi_algbw = double(bytes) / (it->second * 1e-6) / 1e9;
+        std::printf(" %10.1f %9.3f %9.3f | %6.2fx\n", it->second, mpi_algbw, bus(mpi_algbw),
+                    it->second / (seconds * 1e6));
+      } else {
+        std::printf(" %10s %9s %9s | %7s\n", "-", "-", "-", "-");
+      }
+    }
+    std::printf("# largest size: busbw %.2f GB/s = %.2f of the copy bound\n",
+                bus(double(ours.back().first) / ours.back().second / 1e9),
+                bus(double(ours.back().first) / ours.back().second / 1e9) / copy);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_allreduce: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,71 @@
+// The collective algorithms behind comm/collectives.h, one file each, written
+// over OpChannel: the send/recv of one operation of one communicator (its
+// tags carry the communicator id, the operation's sequence number and a
+// message index chosen by the algorithm). Each waits with the operation's
+// timeout and errors name the peer (Request::wait).
+//
+//   allreduce_ring.cpp                 reduce-scatter then all-gather, segmented and pipelined;
+//                                      its two phases also serve reduce_scatter and allgather
+//   allreduce_recursive_doubling.cpp   log2(n) full-buffer exchanges, for small messages
+//   broadcast_binomial.cpp             binomial tree from the root
+//   barrier_dissemination.cpp          log2(n) rounds of empty messages
+#pragma once
+
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/reduce.h"
+
+namespace trainer::comm {
+
+class OpChannel {
+ public:
+  OpChannel(Communicator& comm, uint32_t seq, const char* op, Millis timeout)
+      : comm_(comm), seq_(seq), op_(op), timeout_(timeout) {}
+
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+
+  Request isend(int peer, uint32_t message, const void* data, size_t bytes) {
+    return comm_.transport().isend(comm_.world_rank(peer),
+                                   tag(message, comm_.world_rank(comm_.rank())), data, bytes, op_);
+  }
+  Request irecv(int peer, uint32_t message, void* data, size_t bytes) {
+    return comm_.transport().irecv(comm_.world_rank(peer), tag(message, comm_.world_rank(peer)),
+                                   data, bytes, op_);
+  }
+  // Each wait may last the timeout without progress.
+  void wait(Request& r) const { r.wait(timeout_); }
+  void wait_all(std::vector<Request>& requests) const {
+    for (Request& r : requests) wait(r);
+    requests.clear();
+  }
+
+ private:
+  uint64_t tag(uint32_t message, int source_world_rank) const {
+    return make_tag(comm_.id(), TagKind::collective, seq_, message, source_world_rank);
+  }
+
+  Communicator& comm_;
+  uint32_t seq_;
+  const char* op_;
+  Millis timeout_;
+};
+
+// In place on count elements of dtype at data; every rank ends with the reduction.
+void allreduce_ring(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,
+                    size_t segment_bytes);
+void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType dtype,
+                                  ReduceOp op);
+
+// The ring's phases on data split into size() equal chunks of chunk_count elements:
+// afterwards rank r holds chunk r reduced over all ranks (avg: scaled by 1/size)...
+void reduce_scatter_ring(OpChannel& ch, void* data, size_t chunk_count, DType dtype, ReduceOp op,
+                         size_t segment_bytes);
+// ...and, given chunk r on rank r, every rank holds every chunk (chunks of chunk_bytes bytes).
+void all_gather_ring(OpChannel& ch, void* data, size_t chunk_bytes, size_t segment_bytes);
+
+void broadcast_binomial(OpChannel& ch, void* data, size_t bytes, int root);
+void barrier_dissemination(OpChannel& ch);
+
+}  // namespace trainer::comm

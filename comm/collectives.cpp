@@ -1,0 +1,195 @@
+#include "comm/collectives.h"
+
+#include <cstring>
+#include <functional>
+
+#include "comm/algorithms.h"
+#include "comm/log.h"
+
+namespace trainer::comm {
+
+namespace {
+
+using Task = std::function<void()>;
+
+Millis timeout_of(const Communicator& comm, Millis timeout) {
+  return timeout.count() > 0 ? timeout : comm.options().timeout;
+}
+
+void check_reducible(DType dtype, size_t segment_bytes) {
+  CHECK(is_floating(dtype)) << "reductions take f32, bf16, f16 or f64, not " << dtype;
+  CHECK(segment_bytes > 0) << "segment_bytes must be positive";
+}
+
+void check_cpu_contiguous(const Tensor& t, const char* what) {
+  CHECK(t.defined() && t.device().is_cpu() && t.is_contiguous())
+      << what << " takes a contiguous CPU tensor, got " << (t.defined() ? t.str() : "undefined");
+}
+
+// Each *_task validates, takes the sequence number (so the order of issue is
+// the order on the wire) and returns the work, run inline or on the progress thread.
+Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
+                    const AllreduceOptions& o) {
+  check_reducible(dtype, o.segment_bytes);
+  const uint32_t seq = comm.next_seq();
+  const size_t bytes = count * dtype_size(dtype);
+  AllreduceAlgorithm algorithm = o.algorithm;
+  if (algorithm == AllreduceAlgorithm::automatic)
+    algorithm = bytes <= o.small_message_bytes ? AllreduceAlgorithm::recursive_doubling
+                                               : AllreduceAlgorithm::ring;
+  COMM_LOG(LogLevel::debug, "allreduce #", seq, " on communicator ", comm.id(), " (", comm.size(),
+           " ranks): ", count, " x ", dtype, ", ", reduce_op_name(o.op), ", ",
+           algorithm_name(algorithm));
+  Millis timeout = timeout_of(comm, o.timeout);
+  return [&comm, data, count, dtype, o, seq, algorithm, timeout] {
+    if (algorithm == AllreduceAlgorithm::ring) {
+      OpChannel ch(comm, seq, "allreduce(ring)", timeout);
+      allreduce_ring(ch, data, count, dtype, o.op, o.segment_bytes);
+    } else {
+      OpChannel ch(comm, seq, "allreduce(recursive doubling)", timeout);
+      allreduce_recursive_doubling(ch, data, count, dtype, o.op);
+    }
+  };
+}
+
+Task reduce_scatter_task(Communicator& comm, const void* input, void* output, size_t count,
+                         DType dtype, const CollectiveOptions& o) {
+  check_reducible(dtype, o.segment_bytes);
+  const uint32_t seq = comm.next_seq();
+  COMM_LOG(LogLevel::debug, "reduce_scatter #", seq, " on communicator ", comm.id(), ": ", count,
+           " x ", dtype, " per rank, ", reduce_op_name(o.op), ", ring");
+  Millis timeout = timeout_of(comm, o.timeout);
+  return [&comm, input, output, count, dtype, o, seq, timeout] {
+    const size_t bytes = count * dtype_size(dtype);
+    std::vector<char> work(bytes * size_t(comm.size()));
+    std::memcpy(work.data(), input, work.size());
+    OpChannel ch(comm, seq, "reduce_scatter(ring)", timeout);
+    reduce_scatter_ring(ch, work.data(), count, dtype, o.op, o.segment_bytes);
+    std::memcpy(output, work.data() + bytes * size_t(comm.rank()), bytes);
+  };
+}
+
+Task allgather_task(Communicator& comm, const void* input, void* output, size_t bytes,
+                    const CollectiveOptions& o) {
+  CHECK(o.segment_bytes > 0) << "segment_bytes must be positive";
+  const uint32_t seq = comm.next_seq();
+  COMM_LOG(LogLevel::debug, "allgather #", seq, " on communicator ", comm.id(), ": ", bytes,
+           " bytes per rank, ring");
+  Millis timeout = timeout_of(comm, o.timeout);
+  return [&comm, input, output, bytes, o, seq, timeout] {
+    std::memmove(static_cast<char*>(output) + bytes * size_t(comm.rank()), input, bytes);
+    OpChannel ch(comm, seq, "allgather(ring)", timeout);
+    all_gather_ring(ch, output, bytes, o.segment_bytes);
+  };
+}
+
+Task broadcast_task(Communicator& comm, void* data, size_t bytes, int root,
+                    const CollectiveOptions& o) {
+  CHECK(root >= 0 && root < comm.size()) << "broadcast root " << root << " of " << comm.size();
+  const uint32_t seq = comm.next_seq();
+  COMM_LOG(LogLevel::debug, "broadcast #", seq, " on communicator ", comm.id(), ": ", bytes,
+           " bytes from ", root, ", binomial tree");
+  Millis timeout = timeout_of(comm, o.timeout);
+  return [&comm, data, bytes, root, seq, timeout] {
+    OpChannel ch(comm, seq, "broadcast(binomial)", timeout);
+    broadcast_binomial(ch, data, bytes, root);
+  };
+}
+
+// Moves the task into the progress thread together with what must stay alive.
+Work enqueue_keeping(Communicator& comm, Task task, const Tensor& keep) {
+  return comm.enqueue([task = std::move(task), keep] { task(); });
+}
+
+}  // namespace
+
+std::string_view algorithm_name(AllreduceAlgorithm algorithm) {
+  switch (algorithm) {
+    case AllreduceAlgorithm::automatic:
+      return "automatic";
+    case AllreduceAlgorithm::ring:
+      return "ring";
+    case AllreduceAlgorithm::recursive_doubling:
+      return "recursive doubling";
+  }
+  return "?";
+}
+
+void allreduce(Communicator& comm, void* data, size_t count, DType dtype,
+               const AllreduceOptions& options) {
+  allreduce_task(comm, data, count, dtype, options)();
+}
+void reduce_scatter(Communicator& comm, const void* input, void* output, size_t count, DType dtype,
+                    const CollectiveOptions& options) {
+  reduce_scatter_task(comm, input, output, count, dtype, options)();
+}
+void allgather(Communicator& comm, const void* input, void* output, size_t bytes,
+               const CollectiveOptions& options) {
+  allgather_task(comm, input, output, bytes, options)();
+}
+void broadcast(Communicator& comm, void* data, size_t bytes, int root,
+               const CollectiveOptions& options) {
+  broadcast_task(comm, data, bytes, root, options)();
+}
+void barrier(Communicator& comm, const CollectiveOptions& options) {
+  OpChannel ch(comm, comm.next_seq(), "barrier", timeout_of(comm, options.timeout));
+  barrier_dissemination(ch);
+}
+
+Work allreduce_async(Communicator& comm, void* data, size_t count, DType dtype,
+                     const AllreduceOptions& options) {
+  return comm.enqueue(allreduce_task(comm, data, count, dtype, options));
+}
+Work reduce_scatter_async(Communicator& comm, const void* input, void* output, size_t count,
+                          DType dtype, const CollectiveOptions& options) {
+  return comm.enqueue(reduce_scatter_task(comm, input, output, count, dtype, options));
+}
+Work allgather_async(Communicator& comm, const void* input, void* output, size_t bytes,
+                     const CollectiveOptions& options) {
+  return comm.enqueue(allgather_task(comm, input, output, bytes, options));
+}
+Work broadcast_async(Communicator& comm, void* data, size_t bytes, int root,
+                     const CollectiveOptions& options) {
+  return comm.enqueue(broadcast_task(comm, data, bytes, root, options));
+}
+
+void allreduce(Communicator& comm, const Tensor& t, const AllreduceOptions& options) {
+  check_cpu_contiguous(t, "allreduce");
+  allreduce(comm, t.data_ptr(), size_t(t.numel()), t.dtype(), options);
+}
+
+Work allreduce_async(Communicator& comm, const Tensor& t, const AllreduceOptions& options) {
+  check_cpu_contiguous(t, "allreduce_async");
+  return enqueue_keeping(
+      comm, allreduce_task(comm, t.data_ptr(), size_t(t.numel()), t.dtype(), options), t);
+}
+
+Tensor reduce_scatter(Communicator& comm, const Tensor& input, const CollectiveOptions& options) {
+  check_cpu_contiguous(input, "reduce_scatter");
+  CHECK(input.dim() >= 1 && input.size(0) % comm.size() == 0)
+      << "reduce_scatter: dim 0 of " << input.shape_str() << " is not a multiple of "
+      << comm.size();
+  Shape shape = input.shape();
+  shape[0] /= comm.size();
+  Tensor out = empty(shape, input.dtype());
+  reduce_scatter(comm, input.data_ptr(), out.data_ptr(), size_t(out.numel()), input.dtype(),
+                 options);
+  return out;
+}
+
+Tensor allgather(Communicator& comm, const Tensor& input, const CollectiveOptions& options) {
+  check_cpu_contiguous(input, "allgather");
+  CHECK(input.dim() >= 1) << "allgather takes a tensor of at least one dim";
+  Shape shape = input.shape();
+  shape[0] *= comm.size();
+  Tensor out = empty(shape, input.dtype());
+  allgather(comm, input.data_ptr(), out.data_ptr(), input.nbytes(), options);
+  return out;
+}
+
+void broadcast(Communicator& comm, const Tensor& t, int root, const CollectiveOptions& options) {
+  check_cpu_contiguous(t, "broadcast");
+  broadcast(comm, t.data_ptr(), t.nbytes(), root, options);
+}
+
+}  // namespace trainer::comm

@@ -1,0 +1,77 @@
+// Collectives over a communicator, on raw CPU buffers or CPU tensors
+// (contiguous). Reductions take f32, bf16 or f16 (and f64) with sum, avg or
+// max; allgather and broadcast move bytes of any dtype. Every rank of the
+// communicator calls the same collectives in the same order with the same
+// counts. The public calls validate, pack the options and pick the algorithm
+// (logged at debug level); the algorithms live in comm/allreduce_ring.cpp and
+// its siblings (see comm/algorithms.h).
+//
+// The *_async variants return a Work handle and run on the communicator's
+// progress thread, so the caller can compute meanwhile; buffers (tensors are
+// kept alive by the handle) must not be touched until wait().
+//
+//   allreduce(*world, grad, {.op = ReduceOp::avg});
+//   Work w = allreduce_async(*dp, bucket, {.algorithm = AllreduceAlgorithm::ring});
+//   Tensor shard = reduce_scatter(*dp, flat, {.op = ReduceOp::sum});   // [n*k] -> [k]
+//   Tensor all = allgather(*dp, shard);                                // [k] -> [n*k]
+#pragma once
+
+#include "comm/communicator.h"
+#include "comm/reduce.h"
+#include "core/tensor.h"
+
+namespace trainer::comm {
+
+enum class AllreduceAlgorithm { automatic, ring, recursive_doubling };
+
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::sum;
+  AllreduceAlgorithm algorithm = AllreduceAlgorithm::automatic;
+  size_t segment_bytes = 1 << 20;         // the ring's pipeline unit
+  size_t small_message_bytes = 64 << 10;  // automatic: recursive doubling up to this size
+  Millis timeout{0};                      // per wait without progress; 0: the communicator's
+};
+
+struct CollectiveOptions {
+  ReduceOp op = ReduceOp::sum;     // reduce_scatter
+  size_t segment_bytes = 1 << 20;  // reduce_scatter, allgather
+  Millis timeout{0};               // 0: the communicator's
+};
+
+// ---- raw buffers ----
+// data: count elements, reduced in place.
+void allreduce(Communicator& comm, void* data, size_t count, DType dtype,
+               const AllreduceOptions& options = {});
+// input: size() * count elements; output: count elements, block rank() of the reduction.
+void reduce_scatter(Communicator& comm, const void* input, void* output, size_t count, DType dtype,
+                    const CollectiveOptions& options = {});
+// input: bytes; output: size() * bytes, block r from rank r.
+void allgather(Communicator& comm, const void* input, void* output, size_t bytes,
+               const CollectiveOptions& options = {});
+void broadcast(Communicator& comm, void* data, size_t bytes, int root,
+               const CollectiveOptions& options = {});
+void barrier(Communicator& comm, const CollectiveOptions& options = {});
+
+Work allreduce_async(Communicator& comm, void* data, size_t count, DType dtype,
+                     const AllreduceOptions& options = {});
+Work reduce_scatter_async(Communicator& comm, const void* input, void* output, size_t count,
+                          DType dtype, const CollectiveOptions& options = {});
+Work allgather_async(Communicator& comm, const void* input, void* output, size_t bytes,
+                     const CollectiveOptions& options = {});
+Work broadcast_async(Communicator& comm, void* data, size_t bytes, int root,
+                     const CollectiveOptions& options = {});
+
+// ---- CPU tensors (contiguous) ----
+void allreduce(Communicator& comm, const Tensor& t, const AllreduceOptions& options = {});
+Work allreduce_async(Communicator& comm, const Tensor& t, const AllreduceOptions& options = {});
+// [size() * k, ...] -> [k, ...]
+Tensor reduce_scatter(Communicator& comm, const Tensor& input,
+                      const CollectiveOptions& options = {});
+// [k, ...] -> [size() * k, ...]
+Tensor allgather(Communicator& comm, const Tensor& input, const CollectiveOptions& options = {});
+void broadcast(Communicator& comm, const Tensor& t, int root,
+               const CollectiveOptions& options = {});
+
+std::string_view algorithm_name(AllreduceAlgorithm algorithm);
+
+}  // namespace trainer::comm

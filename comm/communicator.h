@@ -1,0 +1,89 @@
+// Communicators: a group of ranks with its own tag space. init_world()
+// connects every process of the job (store, UCX transport) and returns the
+// world communicator; split(color, key) makes the sub-groups that carry the
+// data-, pipeline- and tensor-parallel traffic. Collectives live in
+// comm/collectives.h; this header owns membership, ids, sequence numbers,
+// point-to-point messages and the progress thread of non-blocking work.
+//
+//   auto world = init_world(detect_bootstrap(), {.timeout = Millis(60000)});
+//   auto tp = world->split(world->rank() / 4, world->rank());   // groups of 4
+//   tp->isend(1, /*tag=*/7, buf, bytes).wait(...);
+//
+// Glossary: rank = index in this communicator, world rank = index in the job,
+// size = ranks in this communicator, id = the communicator's field of the tag
+// (unique among the communicators of each process), seq = per-communicator
+// operation counter (every rank issues operations in the same order).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "comm/bootstrap.h"
+#include "comm/transport.h"
+#include "comm/work.h"
+
+namespace trainer::comm {
+
+struct CommOptions {
+  Millis timeout{300000};          // each wait of an operation without progress
+  Millis connect_timeout{120000};  // reaching the store and the address exchange
+  // UCX peer error handling: a dead peer is reported at once. UCX 1.13's
+  // shared-memory transports (posix, sysv, cma) lack it, so within a node this
+  // selects TCP over loopback; false selects shared memory (several times
+  // faster for small messages) and leaves dead peers to the timeout.
+  bool detect_peer_failure = true;
+};
+
+class ProgressThread;
+struct World;
+
+class Communicator {
+ public:
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return int(members_.size()); }
+  int world_rank(int rank) const { return members_[rank]; }
+  uint32_t id() const { return id_; }
+  const CommOptions& options() const { return options_; }
+  Transport& transport() const;
+
+  // Ranks passing the same color form a communicator, ordered by (key, rank
+  // in this one); a negative color joins none and gets nullptr. Collective
+  // over this communicator.
+  std::shared_ptr<Communicator> split(int color, int key);
+
+  // Point-to-point inside the group: tags below 2^15; messages with the same
+  // tag between the same pair match in send order.
+  Request isend(int peer, uint32_t tag, const void* data, size_t bytes);
+  Request irecv(int peer, uint32_t tag, void* data, size_t bytes);
+
+  // ---- used by the collectives ----
+  // The sequence number of the next operation; taken when it is issued.
+  uint32_t next_seq() { return seq_.fetch_add(1); }
+  // Runs fn on this communicator's progress thread after the work queued before it.
+  Work enqueue(std::function<void()> fn);
+
+ private:
+  friend std::shared_ptr<Communicator> init_world(const Bootstrap& boot,
+                                                  const CommOptions& options);
+  Communicator(std::shared_ptr<World> world, uint32_t id, std::vector<int> members, int rank,
+               const CommOptions& options);
+
+  std::shared_ptr<World> world_;
+  uint32_t id_;
+  std::vector<int> members_;  // world rank of each rank
+  int rank_;
+  CommOptions options_;
+  std::atomic<uint32_t> seq_{0};
+  std::unique_ptr<ProgressThread> progress_;
+};
+
+// Connects this process to the job described by boot (rank 0 serves the store).
+std::shared_ptr<Communicator> init_world(const Bootstrap& boot, const CommOptions& options = {});
+
+}  // namespace trainer::comm

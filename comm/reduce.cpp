@@ -1,0 +1,42 @@
+#include "comm/reduce.h"
+
+#include <algorithm>
+
+namespace trainer::comm {
+
+std::string_view reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::max:
+      return "max";
+  }
+  return "?";
+}
+
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
+  dispatch_floating(dtype, "reduce", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* d = static_cast<T*>(dst);
+    const T* s = static_cast<const T*>(src);
+    if (op == ReduceOp::max) {
+      for (size_t i = 0; i < count; ++i) d[i] = store_as<T>(std::max(load(d[i]), load(s[i])));
+    } else {
+      for (size_t i = 0; i < count; ++i) d[i] = store_as<T>(load(d[i]) + load(s[i]));
+    }
+  });
+}
+
+void scale(void* data, size_t count, DType dtype, double factor) {
+  dispatch_floating(dtype, "scale", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    T* d = static_cast<T*>(data);
+    const A f = A(factor);
+    for (size_t i = 0; i < count; ++i) d[i] = store_as<T>(load(d[i]) * f);
+  });
+}
+
+}  // namespace trainer::comm

@@ -1,0 +1,25 @@
+// The reduction math of the collectives, on raw buffers of a floating dtype
+// (f32, bf16, f16; f64 too). bf16/f16 are loaded to f32, combined, and
+// rounded back (core/dtype.h load/store_as), so every rank rounds the same way.
+//
+//   reduce_into(mine, received, count, DType::bf16, ReduceOp::sum);  // mine[i] = mine[i] +
+//   received[i]
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+#include "core/dtype.h"
+
+namespace trainer::comm {
+
+// avg reduces as sum and the collective scales its result by 1/size once.
+enum class ReduceOp { sum, avg, max };
+std::string_view reduce_op_name(ReduceOp op);
+
+// dst[i] = dst[i] (op) src[i] for i < count.
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
+// data[i] *= factor.
+void scale(void* data, size_t count, DType dtype, double factor);
+
+}  // namespace trainer::comm

@@ -1,0 +1,246 @@
+#include "comm/transport.h"
+
+#include <ucp/api/ucp.h>
+
+#include <thread>
+
+#include "comm/log.h"
+#include "core/check.h"
+
+#define UCS_CHECK(expr)                                             \
+  do {                                                              \
+    ucs_status_t ucs_status_ = (expr);                              \
+    CHECK(ucs_status_ == UCS_OK) << ucs_status_string(ucs_status_); \
+  } while (0)
+
+namespace trainer::comm {
+
+namespace {
+// Idle progress passes before a waiting thread yields its core: with more
+// ranks than cores, spinning would starve the peer we are waiting for.
+constexpr int kSpinsBeforeYield = 16;
+// How long closing the endpoints may take at shutdown.
+constexpr Millis kCloseTimeout{2000};
+}  // namespace
+
+struct Transport::Ucx {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+};
+
+struct Transport::Peer {
+  int rank = -1;
+  ucp_ep_h ep = nullptr;
+  std::atomic<int> status{UCS_OK};  // set by the error callback
+};
+
+namespace {
+void on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* peer = static_cast<std::atomic<int>*>(arg);
+  peer->store(int(status));
+}
+}  // namespace
+
+Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_failure)
+    : rank_(rank), world_size_(world_size) {
+  CHECK(rank >= 0 && rank < world_size) << rank << " of " << world_size;
+  CHECK(world_size <= (1 << kTagRankBits)) << world_size;
+  if (world_size == 1) return;
+  CHECK(store != nullptr) << "a world of " << world_size << " ranks needs the store";
+
+  ucx_ = std::make_unique<Ucx>();
+  ucp_config_t* config = nullptr;
+  UCS_CHECK(ucp_config_read(nullptr, nullptr, &config));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG;
+  params.mt_workers_shared = 0;
+  UCS_CHECK(ucp_init(&params, config, &ucx_->context));
+  ucp_config_release(config);
+
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // our mutex serialises every call
+  UCS_CHECK(ucp_worker_create(ucx_->context, &wparams, &ucx_->worker));
+
+  ucp_address_t* address = nullptr;
+  size_t address_bytes = 0;
+  UCS_CHECK(ucp_worker_get_address(ucx_->worker, &address, &address_bytes));
+  store->set(cat("ucx/address/", rank),
+             std::string(reinterpret_cast<const char*>(address), address_bytes));
+  ucp_worker_release_address(ucx_->worker, address);
+
+  peers_.resize(world_size);
+  for (int p = 0; p < world_size; ++p) {
+    if (p == rank) continue;
+    std::string remote = store->get(cat("ucx/address/", p));
+    auto peer = std::make_unique<Peer>();
+    peer->rank = p;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+    ep.err_mode = detect_peer_failure ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_handler.cb = on_peer_error;
+    ep.err_handler.arg = &peer->status;
+    UCS_CHECK(ucp_ep_create(ucx_->worker, &ep, &peer->ep));
+    peers_[p] = std::move(peer);
+  }
+  store->barrier("ucx/wired", world_size);
+  COMM_LOG(LogLevel::debug, "transport: connected to ", world_size - 1, " peers");
+}
+
+Transport::~Transport() {
+  if (!ucx_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<ucs_status_ptr_t> closing;
+  for (auto& peer : peers_) {
+    if (!peer) continue;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    // A failed endpoint cannot be flushed; a healthy one may still hold our last sends.
+    param.flags = peer->status.load() != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(peer->ep, &param);
+    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+  }
+  Clock::time_point deadline = Clock::now() + kCloseTimeout;
+  for (void* req : closing) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < deadline)
+      ucp_worker_progress(ucx_->worker);
+    ucp_request_free(req);
+  }
+  ucp_worker_destroy(ucx_->worker);
+  ucp_cleanup(ucx_->context);
+}
+
+Request Transport::isend(int peer, uint64_t tag, const void* data, size_t bytes, const char* op) {
+  CHECK(peer >= 0 && peer < world_size_ && peer != rank_) << "send to rank " << peer;
+  Request r;
+  r.transport_ = this;
+  r.peer_ = peer;
+  r.is_send_ = true;
+  r.bytes_ = bytes;
+  r.op_ = op;
+  if (!peer_failure(peer).empty()) r.fail("cannot send");
+  ucp_request_param_t param{};
+  ucs_status_ptr_t req;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    req = ucp_tag_send_nbx(peers_[peer]->ep, data, bytes, tag, &param);
+  }
+  if (UCS_PTR_IS_ERR(req)) r.fail(cat("send failed: ", ucs_status_string(UCS_PTR_STATUS(req))));
+  r.ucx_ = req;  // null: completed immediately
+  return r;
+}
+
+Request Transport::irecv(int peer, uint64_t tag, void* data, size_t bytes, const char* op) {
+  CHECK(peer >= 0 && peer < world_size_ && peer != rank_) << "receive from rank " << peer;
+  Request r;
+  r.transport_ = this;
+  r.peer_ = peer;
+  r.bytes_ = bytes;
+  r.op_ = op;
+  // Always a request, so test() reads the received length from it.
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  ucs_status_ptr_t req;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    req = ucp_tag_recv_nbx(ucx_->worker, data, bytes, tag, ~ucp_tag_t(0), &param);
+  }
+  if (UCS_PTR_IS_ERR(req)) r.fail(cat("receive failed: ", ucs_status_string(UCS_PTR_STATUS(req))));
+  r.ucx_ = req;
+  return r;
+}
+
+bool Transport::progress() {
+  if (!ucx_) return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ucp_worker_progress(ucx_->worker) != 0;
+}
+
+std::string Transport::peer_failure(int peer) const {
+  if (!peers_[peer]) return "";
+  int status = peers_[peer]->status.load();
+  return status == UCS_OK ? "" : ucs_status_string(ucs_status_t(status));
+}
+
+Request& Request::operator=(Request&& other) noexcept {
+  if (this != &other) {
+    release();
+    transport_ = other.transport_;
+    ucx_ = other.ucx_;
+    peer_ = other.peer_;
+    is_send_ = other.is_send_;
+    bytes_ = other.bytes_;
+    op_ = other.op_;
+    other.ucx_ = nullptr;
+  }
+  return *this;
+}
+
+void Request::release() {
+  if (!ucx_) return;
+  std::lock_guard<std::mutex> lock(transport_->mutex_);
+  if (ucp_request_check_status(ucx_) == UCS_INPROGRESS && !is_send_)
+    ucp_request_cancel(transport_->ucx_->worker, ucx_);
+  ucp_request_free(ucx_);
+  ucx_ = nullptr;
+}
+
+void Request::fail(const std::string& why) {
+  release();
+  // A rank stuck behind a dead one waits on a healthy peer: name the dead ones too.
+  std::string failed;
+  for (int p = 0; p < transport_->world_size_; ++p) {
+    std::string failure = p == peer_ ? "" : transport_->peer_failure(p);
+    if (!failure.empty())
+      failed += cat(failed.empty() ? "; UCX reports failed peers: " : ", ", "rank ", p, " (",
+                    failure, ")");
+  }
+  throw Error(cat("rank ", transport_->rank_, ": ", op_, ": ",
+                  is_send_ ? "send to" : "receive from", " rank ", peer_, " (", bytes_,
+                  " bytes): ", why, failed));
+}
+
+bool Request::test() {
+  if (!ucx_) return true;
+  ucs_status_t status;
+  size_t length = bytes_;
+  {
+    std::lock_guard<std::mutex> lock(transport_->mutex_);
+    ucp_worker_progress(transport_->ucx_->worker);
+    if (is_send_) {
+      status = ucp_request_check_status(ucx_);
+    } else {
+      ucp_tag_recv_info_t info{};
+      status = ucp_tag_recv_request_test(ucx_, &info);
+      length = info.length;
+    }
+  }
+  if (status == UCS_INPROGRESS) {
+    std::string failure = transport_->peer_failure(peer_);
+    if (!failure.empty()) fail(cat("the peer failed (", failure, "); its process probably died"));
+    return false;
+  }
+  if (status != UCS_OK) fail(ucs_status_string(status));
+  if (length != bytes_)
+    fail(cat("received ", length, " bytes (do all ranks pass the same count?)"));
+  std::lock_guard<std::mutex> lock(transport_->mutex_);
+  ucp_request_free(ucx_);
+  ucx_ = nullptr;
+  return true;
+}
+
+void Request::wait(Millis timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  for (int idle = 0; !test(); ++idle) {
+    if (Clock::now() >= deadline)
+      fail(
+          cat("timed out after ", timeout.count(),
+              " ms; the peer is hung or dead, or the ranks issued operations in different orders"));
+    if (idle >= kSpinsBeforeYield) std::this_thread::yield();
+  }
+}
+
+}  // namespace trainer::comm

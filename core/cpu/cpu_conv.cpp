@@ -1,0 +1,501 @@
+// CPU convolution, pooling and batch norm on oneDNN.
+//
+// Images arrive channels-last (core/ops_conv.h) and are described to oneDNN
+// as nhwc, which its AVX-512 convolutions run natively; weights stay in
+// PyTorch's oihw (goihw with groups) and are reordered to whatever blocked
+// format the chosen convolution wants, gradients reordered back. Primitives
+// and reorders are built once per (shapes, strides, attributes, thread count)
+// and cached; each call binds pointers and runs (STYLE.md "Set up once, run
+// many"). Max pooling's argmax record is oneDNN's workspace. Types other than
+// f32, and adaptive pooling whose windows do not tile the input (the op sends
+// tiling ones to avg_pool2d), run the reference kernels.
+#include <omp.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string_view>
+#include <unordered_map>
+
+#include "core/cpu/cpu_backend.h"
+#include "core/cpu/onednn.h"
+#include "core/ops_conv.h"
+
+namespace trainer {
+
+namespace {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+constexpr memory::data_type kF32 = memory::data_type::f32;
+
+bool fast_dtype(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->defined() && t->dtype() != DType::f32) return false;
+  return true;
+}
+
+memory::dims dims_of(const Tensor& t) { return memory::dims(t.shape().begin(), t.shape().end()); }
+
+// An image operand: plain nhwc when channels-last, else its own strides.
+memory::desc image_md(const Tensor& t) {
+  if (is_channels_last(t)) return DNNL_CHECK(memory::desc(dims_of(t), kF32, tag::nhwc));
+  return DNNL_CHECK(
+      memory::desc(dims_of(t), kF32, memory::dims(t.strides().begin(), t.strides().end())));
+}
+
+// Conv weights [O, I/g, kH, kW] as oneDNN sees them: oihw, or goihw with groups.
+memory::dims weight_dims(const Shape& w, int64_t groups) {
+  if (groups == 1) return {w[0], w[1], w[2], w[3]};
+  return {groups, w[0] / groups, w[1], w[2], w[3]};
+}
+memory::desc user_weights_md(const Shape& w, int64_t groups) {
+  return DNNL_CHECK(
+      memory::desc(weight_dims(w, groups), kF32, groups == 1 ? tag::oihw : tag::goihw));
+}
+memory::desc any_weights_md(const Shape& w, int64_t groups) {
+  return DNNL_CHECK(memory::desc(weight_dims(w, groups), kF32, tag::any));
+}
+memory::desc vector_md(int64_t n) { return DNNL_CHECK(memory::desc({n}, kF32, tag::x)); }
+
+memory bind(const memory::desc& md, const Tensor& t) {
+  return DNNL_CHECK(memory(md, cpu::dnnl_engine(), t.data_ptr()));
+}
+// A scratch buffer of md's size from the caching allocator, bound to md.
+memory scratch(const memory::desc& md, Tensor& holder) {
+  holder = empty({int64_t(md.get_size())}, DType::u8);
+  return bind(md, holder);
+}
+
+void run(const dnnl::primitive& p, const std::unordered_map<int, memory>& args) {
+  DNNL_CHECK(p.execute(cpu::dnnl_stream(), args));
+  DNNL_CHECK(cpu::dnnl_stream().wait());
+}
+
+// ---- the primitive cache ----
+
+// Everything a primitive depends on, as a flat list of integers.
+struct Key {
+  std::vector<int64_t> words;
+  bool operator==(const Key& o) const { return words == o.words; }
+  Key& add(std::initializer_list<int64_t> ws) {
+    words.insert(words.end(), ws.begin(), ws.end());
+    return *this;
+  }
+  Key& add(const Tensor& t) {
+    if (!t.defined()) return add({-1});
+    add({t.dim()});
+    words.insert(words.end(), t.shape().begin(), t.shape().end());
+    words.insert(words.end(), t.strides().begin(), t.strides().end());
+    return *this;
+  }
+  Key& add(const Conv2dAttrs& a) {
+    return add({a.stride[0], a.stride[1], a.padding[0], a.padding[1], a.dilation[0], a.dilation[1],
+                a.groups});
+  }
+  Key& add(const Pool2dAttrs& a) {
+    return add({a.kernel[0], a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1],
+                int64_t(a.count_include_pad)});
+  }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t w : k.words) h = (h ^ size_t(w)) * 1099511628211ull;
+    return h;
+  }
+};
+
+Key make_key(const char* kind) {
+  Key k;
+  k.add({int64_t(std::hash<std::string_view>()(kind)), omp_get_max_threads()});
+  return k;
+}
+
+// One cache per primitive kind; entries live for the process.
+template <class Entry>
+class Cache {
+ public:
+  template <class Make>
+  const Entry& get(const Key& key, Make&& make) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = map_.find(key);
+    if (it == map_.end()) it = map_.emplace(key, std::make_unique<Entry>(make())).first;
+    return *it->second;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> map_;
+};
+
+// A reorder from one weights layout to another, or none when they agree.
+std::optional<dnnl::reorder> maybe_reorder(const memory::desc& from, const memory::desc& to) {
+  if (from == to) return std::nullopt;
+  return DNNL_CHECK(dnnl::reorder(
+      dnnl::reorder::primitive_desc(cpu::dnnl_engine(), from, cpu::dnnl_engine(), to)));
+}
+
+// ---- convolution ----
+
+memory::dims conv_dilation(const Conv2dAttrs& a) {  // oneDNN counts extra gaps: 0 = dense
+  return {a.dilation[0] - 1, a.dilation[1] - 1};
+}
+memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int64_t out_w, int64_t kh,
+                           int64_t kw, const Pair& stride, const Pair& pad, const Pair& dilation) {
+  // The padding the last window actually reaches (floor mode may leave input unread).
+  auto one = [](int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, int64_t d) {
+    return std::max<int64_t>(0, (out - 1) * s + (k - 1) * d + 1 - in - p);
+  };
+  return {one(in_h, out_h, kh, stride[0], pad[0], dilation[0]),
+          one(in_w, out_w, kw, stride[1], pad[1], dilation[1])};
+}
+
+dnnl::convolution_forward::desc conv_forward_desc(const Tensor& x, const Tensor& w, bool bias,
+                                                  const Tensor& out, const Conv2dAttrs& a) {
+  memory::dims pad_r = right_padding(x.size(2), x.size(3), out.size(2), out.size(3), w.size(2),
+                                     w.size(3), a.stride, a.padding, a.dilation);
+  memory::desc bias_md = bias ? vector_md(out.size(1)) : memory::desc();
+  return DNNL_CHECK(dnnl::convolution_forward::desc(
+      dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, image_md(x),
+      any_weights_md(w.shape(), a.groups), bias_md, image_md(out), {a.stride[0], a.stride[1]},
+      conv_dilation(a), {a.padding[0], a.padding[1]}, pad_r));
+}
+
+struct ConvForward {
+  dnnl::convolution_forward::primitive_desc pd;
+  dnnl::convolution_forward prim;
+  std::optional<dnnl::reorder> weights_in;  // user oihw -> pd's weights layout
+};
+
+struct ConvBackwardData {
+  dnnl::convolution_backward_data::primitive_desc pd;
+  dnnl::convolution_backward_data prim;
+  std::optional<dnnl::reorder> weights_in;
+};
+
+struct ConvBackwardWeights {
+  dnnl::convolution_backward_weights::primitive_desc pd;
+  dnnl::convolution_backward_weights prim;
+  std::optional<dnnl::reorder> weights_out;  // pd's weights layout -> user oihw
+};
+
+// Weights in the layout a primitive wants: the user buffer itself, or a reordered copy.
+memory weights_for(const std::optional<dnnl::reorder>& reorder, const memory::desc& want,
+                   const Tensor& w, int64_t groups, Tensor& holder) {
+  memory user = bind(user_weights_md(w.shape(), groups), w);
+  if (!reorder) return user;
+  memory m = scratch(want, holder);
+  run(*reorder, {{DNNL_ARG_FROM, user}, {DNNL_ARG_TO, m}});
+  return m;
+}
+
+}  // namespace
+
+void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                        const Conv2dAttrs& a, bool fuse_relu, const Tensor& out) {
+  if (!fast_dtype({&x, &weight, &bias, &out}))
+    return RefBackend::conv2d(x, weight, bias, a, fuse_relu, out);
+  static Cache<ConvForward> cache;
+  Key key = make_key("conv_fwd").add(x).add(weight).add(bias).add(out).add(a).add({fuse_relu});
+  const ConvForward& e = cache.get(key, [&] {
+    dnnl::primitive_attr attr;
+    if (fuse_relu) {
+      dnnl::post_ops ops;
+      ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+      attr.set_post_ops(ops);
+    }
+    auto pd = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
+        conv_forward_desc(x, weight, bias.defined(), out, a), attr, cpu::dnnl_engine()));
+    return ConvForward{pd, dnnl::convolution_forward(pd),
+                       maybe_reorder(user_weights_md(weight.shape(), a.groups), pd.weights_desc())};
+  });
+  Tensor w_buf;
+  std::unordered_map<int, memory> args = {
+      {DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
+      {DNNL_ARG_WEIGHTS, weights_for(e.weights_in, e.pd.weights_desc(), weight, a.groups, w_buf)},
+      {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)}};
+  if (bias.defined()) args[DNNL_ARG_BIAS] = bind(e.pd.bias_desc(), bias);
+  run(e.prim, args);
+}
+
+// Forward: out = conv(x, w) + b. Backward data: grad_x = conv_transpose(grad_out, w).
+void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weight,
+                                      const Conv2dAttrs& a, const Tensor& grad_x) {
+  if (!fast_dtype({&grad_out, &weight, &grad_x}))
+    return RefBackend::conv2d_backward_data(grad_out, weight, a, grad_x);
+  static Cache<ConvBackwardData> cache;
+  Key key = make_key("conv_bwd_data").add(grad_out).add(weight).add(grad_x).add(a);
+  const ConvBackwardData& e = cache.get(key, [&] {
+    auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
+        conv_forward_desc(grad_x, weight, false, grad_out, a), cpu::dnnl_engine()));
+    memory::dims pad_r =
+        right_padding(grad_x.size(2), grad_x.size(3), grad_out.size(2), grad_out.size(3),
+                      weight.size(2), weight.size(3), a.stride, a.padding, a.dilation);
+    auto desc = DNNL_CHECK(dnnl::convolution_backward_data::desc(
+        dnnl::algorithm::convolution_direct, image_md(grad_x),
+        any_weights_md(weight.shape(), a.groups), image_md(grad_out), {a.stride[0], a.stride[1]},
+        conv_dilation(a), {a.padding[0], a.padding[1]}, pad_r));
+    auto pd =
+        DNNL_CHECK(dnnl::convolution_backward_data::primitive_desc(desc, cpu::dnnl_engine(), hint));
+    return ConvBackwardData{
+        pd, dnnl::convolution_backward_data(pd),
+        maybe_reorder(user_weights_md(weight.shape(), a.groups), pd.weights_desc())};
+  });
+  Tensor w_buf;
+  run(e.prim,
+      {{DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
+       {DNNL_ARG_WEIGHTS, weights_for(e.weights_in, e.pd.weights_desc(), weight, a.groups, w_buf)},
+       {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)}});
+}
+
+// Forward: out = conv(x, w) + b. Backward weights: grad_w = correlate(grad_out, x),
+// grad_b = sum of grad_out over N, OH, OW.
+void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x,
+                                         const Conv2dAttrs& a, const Tensor& grad_weight,
+                                         const Tensor& grad_bias) {
+  if (!fast_dtype({&grad_out, &x, &grad_weight, &grad_bias}))
+    return RefBackend::conv2d_backward_weights(grad_out, x, a, grad_weight, grad_bias);
+  static Cache<ConvBackwardWeights> cache;
+  Key key =
+      make_key("conv_bwd_weights").add(grad_out).add(x).add(grad_weight).add(grad_bias).add(a);
+  const ConvBackwardWeights& e = cache.get(key, [&] {
+    bool bias = grad_bias.defined();
+    auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
+        conv_forward_desc(x, grad_weight, bias, grad_out, a), cpu::dnnl_engine()));
+    memory::dims pad_r =
+        right_padding(x.size(2), x.size(3), grad_out.size(2), grad_out.size(3), grad_weight.size(2),
+                      grad_weight.size(3), a.stride, a.padding, a.dilation);
+    auto desc = DNNL_CHECK(dnnl::convolution_backward_weights::desc(
+        dnnl::algorithm::convolution_direct, image_md(x),
+        any_weights_md(grad_weight.shape(), a.groups),
+        bias ? vector_md(grad_weight.size(0)) : memory::desc(), image_md(grad_out),
+        {a.stride[0], a.stride[1]}, conv_dilation(a), {a.padding[0], a.padding[1]}, pad_r));
+    auto pd = DNNL_CHECK(
+        dnnl::convolution_backward_weights::primitive_desc(desc, cpu::dnnl_engine(), hint));
+    return ConvBackwardWeights{
+        pd, dnnl::convolution_backward_weights(pd),
+        maybe_reorder(pd.diff_weights_desc(), user_weights_md(grad_weight.shape(), a.groups))};
+  });
+  memory user = bind(user_weights_md(grad_weight.shape(), a.groups), grad_weight);
+  Tensor w_buf;
+  memory gw = e.weights_out ? scratch(e.pd.diff_weights_desc(), w_buf) : user;
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
+                                          {DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
+                                          {DNNL_ARG_DIFF_WEIGHTS, gw}};
+  if (grad_bias.defined()) args[DNNL_ARG_DIFF_BIAS] = bind(e.pd.diff_bias_desc(), grad_bias);
+  run(e.prim, args);
+  if (e.weights_out) run(*e.weights_out, {{DNNL_ARG_FROM, gw}, {DNNL_ARG_TO, user}});
+}
+
+namespace {
+
+// ---- pooling ----
+
+dnnl::algorithm pool_algorithm(bool max, const Pool2dAttrs& a) {
+  if (max) return dnnl::algorithm::pooling_max;
+  return a.count_include_pad ? dnnl::algorithm::pooling_avg_include_padding
+                             : dnnl::algorithm::pooling_avg_exclude_padding;
+}
+
+dnnl::pooling_forward::primitive_desc pool_forward_pd(bool max, const Tensor& x, const Tensor& out,
+                                                      const Pool2dAttrs& a) {
+  memory::dims pad_r = right_padding(x.size(2), x.size(3), out.size(2), out.size(3), a.kernel[0],
+                                     a.kernel[1], a.stride, a.padding, {1, 1});
+  auto desc = DNNL_CHECK(dnnl::pooling_forward::desc(
+      dnnl::prop_kind::forward_training, pool_algorithm(max, a), image_md(x), image_md(out),
+      {a.stride[0], a.stride[1]}, {a.kernel[0], a.kernel[1]}, {a.padding[0], a.padding[1]}, pad_r));
+  return DNNL_CHECK(dnnl::pooling_forward::primitive_desc(desc, cpu::dnnl_engine()));
+}
+
+struct PoolForward {
+  dnnl::pooling_forward::primitive_desc pd;
+  dnnl::pooling_forward prim;
+};
+struct PoolBackward {
+  dnnl::pooling_backward::primitive_desc pd;
+  dnnl::pooling_backward prim;
+};
+
+const PoolForward& pool_forward(bool max, const Tensor& x, const Tensor& out,
+                                const Pool2dAttrs& a) {
+  static Cache<PoolForward> cache;
+  Key key = make_key("pool_fwd").add({max}).add(x).add(out).add(a);
+  return cache.get(key, [&] {
+    auto pd = pool_forward_pd(max, x, out, a);
+    return PoolForward{pd, dnnl::pooling_forward(pd)};
+  });
+}
+
+const PoolBackward& pool_backward(bool max, const Tensor& grad_out, const Tensor& grad_x,
+                                  const Pool2dAttrs& a) {
+  static Cache<PoolBackward> cache;
+  Key key = make_key("pool_bwd").add({max}).add(grad_out).add(grad_x).add(a);
+  return cache.get(key, [&] {
+    auto hint = pool_forward_pd(max, grad_x, grad_out, a);
+    memory::dims pad_r =
+        right_padding(grad_x.size(2), grad_x.size(3), grad_out.size(2), grad_out.size(3),
+                      a.kernel[0], a.kernel[1], a.stride, a.padding, {1, 1});
+    auto desc = DNNL_CHECK(dnnl::pooling_backward::desc(
+        pool_algorithm(max, a), image_md(grad_x), image_md(grad_out), {a.stride[0], a.stride[1]},
+        {a.kernel[0], a.kernel[1]}, {a.padding[0], a.padding[1]}, pad_r));
+    auto pd = DNNL_CHECK(dnnl::pooling_backward::primitive_desc(desc, cpu::dnnl_engine(), hint));
+    return PoolBackward{pd, dnnl::pooling_backward(pd)};
+  });
+}
+
+}  // namespace
+
+Tensor CpuBackend::max_pool2d(const Tensor& x, const Pool2dAttrs& a, const Tensor& out) {
+  if (!fast_dtype({&x, &out})) return RefBackend::max_pool2d(x, a, out);
+  const PoolForward& e = pool_forward(true, x, out, a);
+  Tensor workspace;
+  memory ws = scratch(e.pd.workspace_desc(), workspace);
+  run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
+               {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
+               {DNNL_ARG_WORKSPACE, ws}});
+  return workspace;
+}
+
+// Forward: out = x[argmax of the window]. Backward: grad_x[argmax] += grad_out.
+void CpuBackend::max_pool2d_backward(const Tensor& grad_out, const Tensor& argmax,
+                                     const Pool2dAttrs& a, const Tensor& grad_x) {
+  if (argmax.dtype() == DType::i64)  // the reference forward ran (non-f32 types)
+    return RefBackend::max_pool2d_backward(grad_out, argmax, a, grad_x);
+  const PoolBackward& e = pool_backward(true, grad_out, grad_x, a);
+  run(e.prim, {{DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
+               {DNNL_ARG_WORKSPACE, bind(e.pd.workspace_desc(), argmax)},
+               {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)}});
+}
+
+void CpuBackend::avg_pool2d(const Tensor& x, const Pool2dAttrs& a, const Tensor& out) {
+  if (!fast_dtype({&x, &out})) return RefBackend::avg_pool2d(x, a, out);
+  const PoolForward& e = pool_forward(false, x, out, a);
+  run(e.prim,
+      {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)}, {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)}});
+}
+
+// Forward: out = window sum / divisor. Backward: window inputs += grad_out / divisor.
+void CpuBackend::avg_pool2d_backward(const Tensor& grad_out, const Pool2dAttrs& a,
+                                     const Tensor& grad_x) {
+  if (!fast_dtype({&grad_out, &grad_x}))
+    return RefBackend::avg_pool2d_backward(grad_out, a, grad_x);
+  const PoolBackward& e = pool_backward(false, grad_out, grad_x, a);
+  run(e.prim, {{DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
+               {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)}});
+}
+
+namespace {
+
+// ---- batch norm ----
+
+// Batch norm with gamma (scale) and beta (shift).
+dnnl::normalization_flags affine() {
+  return dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
+}
+
+// relu (training only) fuses it into the normalisation; oneDNN then writes a
+// relu mask to a workspace for its own backward, which we do not use (the op
+// masks the gradient by out > 0), so the workspace is scratch.
+dnnl::batch_normalization_forward::primitive_desc bn_forward_pd(const Tensor& x, double eps,
+                                                                bool training, bool relu) {
+  auto flags = training ? affine() : affine() | dnnl::normalization_flags::use_global_stats;
+  if (relu) flags = flags | dnnl::normalization_flags::fuse_norm_relu;
+  auto kind = training ? dnnl::prop_kind::forward_training : dnnl::prop_kind::forward_inference;
+  auto desc =
+      DNNL_CHECK(dnnl::batch_normalization_forward::desc(kind, image_md(x), float(eps), flags));
+  return DNNL_CHECK(dnnl::batch_normalization_forward::primitive_desc(desc, cpu::dnnl_engine()));
+}
+
+struct BnForward {
+  dnnl::batch_normalization_forward::primitive_desc pd;
+  dnnl::batch_normalization_forward prim;
+};
+struct BnBackward {
+  dnnl::batch_normalization_backward::primitive_desc pd;
+  dnnl::batch_normalization_backward prim;
+};
+
+Key bn_key(const char* kind, const Tensor& x, double eps) {
+  int64_t eps_bits;
+  std::memcpy(&eps_bits, &eps, sizeof eps);
+  return make_key(kind).add(x).add({eps_bits});
+}
+
+const BnForward& bn_forward(const Tensor& x, double eps, bool training, bool relu) {
+  static Cache<BnForward> cache;
+  const char* kind = !training ? "bn_infer" : relu ? "bn_train_relu" : "bn_train";
+  return cache.get(bn_key(kind, x, eps), [&] {
+    auto pd = bn_forward_pd(x, eps, training, relu);
+    return BnForward{pd, dnnl::batch_normalization_forward(pd)};
+  });
+}
+
+// Per-channel [C] operands: gamma, beta, mean, var and their gradients.
+memory channel_mem(const Tensor& t) { return bind(vector_md(t.numel()), t); }
+
+}  // namespace
+
+void CpuBackend::batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                    double eps, bool fuse_relu, const Tensor& out,
+                                    const Tensor& mean, const Tensor& var) {
+  if (!fast_dtype({&x, &gamma, &beta, &out, &mean, &var}))
+    return RefBackend::batch_norm_forward(x, gamma, beta, eps, fuse_relu, out, mean, var);
+  const BnForward& e = bn_forward(x, eps, true, fuse_relu);
+  std::unordered_map<int, memory> args = {
+      {DNNL_ARG_SRC, bind(e.pd.src_desc(), x)}, {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
+      {DNNL_ARG_SCALE, channel_mem(gamma)},     {DNNL_ARG_SHIFT, channel_mem(beta)},
+      {DNNL_ARG_MEAN, channel_mem(mean)},       {DNNL_ARG_VARIANCE, channel_mem(var)}};
+  Tensor workspace;
+  if (fuse_relu) args[DNNL_ARG_WORKSPACE] = scratch(e.pd.workspace_desc(), workspace);
+  run(e.prim, args);
+}
+
+void CpuBackend::batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                      const Tensor& running_mean, const Tensor& running_var,
+                                      double eps, const Tensor& out) {
+  if (!fast_dtype({&x, &gamma, &beta, &running_mean, &running_var, &out}))
+    return RefBackend::batch_norm_inference(x, gamma, beta, running_mean, running_var, eps, out);
+  const BnForward& e = bn_forward(x, eps, false, false);
+  run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
+               {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
+               {DNNL_ARG_SCALE, channel_mem(gamma)},
+               {DNNL_ARG_SHIFT, channel_mem(beta)},
+               {DNNL_ARG_MEAN, channel_mem(running_mean)},
+               {DNNL_ARG_VARIANCE, channel_mem(running_var)}});
+}
+
+// Forward: out = (x - mean) / sqrt(var + eps) * gamma + beta with batch statistics.
+// Backward: grad_x, grad_gamma, grad_beta as in RefBackend::batch_norm_backward.
+void CpuBackend::batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
+                                     const Tensor& mean, const Tensor& var, double eps,
+                                     const Tensor& grad_x, const Tensor& grad_gamma,
+                                     const Tensor& grad_beta) {
+  if (!fast_dtype({&grad_out, &x, &gamma, &mean, &var, &grad_x, &grad_gamma, &grad_beta}))
+    return RefBackend::batch_norm_backward(grad_out, x, gamma, mean, var, eps, grad_x, grad_gamma,
+                                           grad_beta);
+  static Cache<BnBackward> cache;
+  Key key = bn_key("bn_bwd", x, eps).add(grad_out).add(grad_x);
+  const BnBackward& e = cache.get(key, [&] {
+    auto hint = bn_forward_pd(x, eps, true, false);
+    auto desc = DNNL_CHECK(dnnl::batch_normalization_backward::desc(
+        dnnl::prop_kind::backward, image_md(grad_out), image_md(x), float(eps), affine()));
+    auto pd = DNNL_CHECK(
+        dnnl::batch_normalization_backward::primitive_desc(desc, cpu::dnnl_engine(), hint));
+    return BnBackward{pd, dnnl::batch_normalization_backward(pd)};
+  });
+  // oneDNN 2.6 asks for a shift operand whenever use_shift is set, though
+  // this backward (no fused relu) never reads it: gamma's buffer stands in.
+  run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
+               {DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
+               {DNNL_ARG_SCALE, channel_mem(gamma)},
+               {DNNL_ARG_SHIFT, channel_mem(gamma)},
+               {DNNL_ARG_MEAN, channel_mem(mean)},
+               {DNNL_ARG_VARIANCE, channel_mem(var)},
+               {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)},
+               {DNNL_ARG_DIFF_SCALE, channel_mem(grad_gamma)},
+               {DNNL_ARG_DIFF_SHIFT, channel_mem(grad_beta)}});
+}
+
+}  // namespace trainer

@@ -1,0 +1,55 @@
+// The oneDNN glue the CPU kernels share: one engine and one stream for the
+// process, the DNNL_CHECK error wrapper and dtype mapping. Include only from
+// the .cpp files that build oneDNN primitives (dnnl.hpp is slow to compile).
+//
+//   dnnl::matmul::primitive_desc pd = DNNL_CHECK(dnnl::matmul::primitive_desc(desc,
+//   cpu::dnnl_engine())); DNNL_CHECK(prim.execute(cpu::dnnl_stream(), args));
+//
+// oneDNN's C++ API reports failures by throwing dnnl::error; DNNL_CHECK turns
+// one into a CHECK failure that prints the failing call, oneDNN's message and
+// its status name, then aborts (DESIGN.md "Errors").
+#pragma once
+
+#include <oneapi/dnnl/dnnl.hpp>
+#include <optional>
+
+#include "core/check.h"
+#include "core/dtype.h"
+
+namespace trainer::cpu {
+
+// The CPU engine and its stream, created on first use.
+dnnl::engine& dnnl_engine();
+dnnl::stream& dnnl_stream();
+
+// The oneDNN data type of a dtype, or nullopt when oneDNN has none we use.
+std::optional<dnnl::memory::data_type> dnnl_dtype(DType t);
+
+[[noreturn]] void dnnl_fail(const char* file, int line, const char* expr, const dnnl::error& e);
+
+// Runs fn(), turning a thrown dnnl::error into a CHECK failure naming expr.
+template <class Fn>
+decltype(auto) dnnl_call(const char* file, int line, const char* expr, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const dnnl::error& e) {
+    dnnl_fail(file, line, expr, e);
+  }
+}
+
+// A primitive descriptor, or nullopt when oneDNN has no implementation for
+// these descriptors (dnnl_unimplemented); any other error is a CHECK failure.
+template <class PrimitiveDesc, class... Args>
+std::optional<PrimitiveDesc> try_primitive_desc(const char* what, Args&&... args) {
+  try {
+    return PrimitiveDesc(std::forward<Args>(args)...);
+  } catch (const dnnl::error& e) {
+    if (e.status == dnnl_unimplemented) return std::nullopt;
+    dnnl_fail(__FILE__, __LINE__, what, e);
+  }
+}
+
+}  // namespace trainer::cpu
+
+#define DNNL_CHECK(expr) \
+  ::trainer::cpu::dnnl_call(__FILE__, __LINE__, #expr, [&]() -> decltype(auto) { return expr; })

@@ -1,0 +1,157 @@
+// CudaBackend's elementwise and random kernels: validate the operands, make
+// their device current, describe them as Launch<N> and enqueue the kernel of
+// copy.cu, elementwise.cu or random.cu on the current stream.
+#include "core/cuda/cuda_backend.h"
+
+#include <cmath>
+
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/device.h"
+#include "core/cuda/kernel_scope.h"
+#include "core/cuda/stream.h"
+
+namespace trainer::cuda {
+
+namespace {
+
+void check_dtypes(const char* op, DType t, std::initializer_list<const Tensor*> ops) {
+  for (const Tensor* x : ops)
+    CHECK(x->dtype() == t) << op << ": operand of dtype " << x->dtype() << ", expected " << t;
+}
+
+// A contiguous copy of x in dtype t on x's device (x may be broadcast).
+Tensor materialize(Backend& b, const Tensor& x, DType t) {
+  Tensor out = empty(x.shape(), t, x.device());
+  b.copy(x, out);
+  return out;
+}
+
+}  // namespace
+
+void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
+  KernelScope scope("copy", {&dst, &src});
+  if (src.dtype() == dst.dtype() && src.shape() == dst.shape() && src.is_contiguous() &&
+      dst.is_contiguous()) {
+    CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), dst.nbytes(),
+                               cudaMemcpyDeviceToDevice, scope.stream()));
+    return;
+  }
+  for_each_launch<2>(dst.shape(), {&dst, &src}, [&](const Launch<2>& g) {
+    launch_copy(g, dst.dtype(), src.dtype(), scope.stream());
+  });
+}
+
+void CudaBackend::fill(const Tensor& dst, double value) {
+  KernelScope scope("fill", {&dst});
+  if (value == 0.0 && !std::signbit(value) && dst.is_contiguous()) {  // all-zero bits
+    CUDA_CHECK(cudaMemsetAsync(dst.data_ptr(), 0, dst.nbytes(), scope.stream()));
+    return;
+  }
+  for_each_launch<1>(dst.shape(), {&dst}, [&](const Launch<1>& g) {
+    launch_fill(g, dst.dtype(), value, scope.stream());
+  });
+}
+
+void CudaBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  KernelScope scope(unary_op_name(op), {&out, &x});
+  check_dtypes(unary_op_name(op), out.dtype(), {&x});
+  for_each_launch<2>(out.shape(), {&out, &x}, [&](const Launch<2>& g) {
+    launch_unary(op, g, out.dtype(), scope.stream());
+  });
+}
+
+void CudaBackend::unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                                 const Tensor& grad_x) {
+  // y may be absent for ops whose derivative reads only x.
+  const Tensor& yy = y.defined() ? y : x;
+  KernelScope scope(unary_op_name(op), {&grad_x, &grad, &x, &yy});
+  check_dtypes(unary_op_name(op), grad_x.dtype(), {&grad, &x, &yy});
+  for_each_launch<4>(grad_x.shape(), {&grad_x, &x, &yy, &grad}, [&](const Launch<4>& g) {
+    launch_unary_backward(op, g, grad_x.dtype(), scope.stream());
+  });
+}
+
+void CudaBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  KernelScope scope(binary_op_name(op), {&out, &a, &b});
+  check_dtypes(binary_op_name(op), out.dtype(), {&a, &b});
+  for_each_launch<3>(out.shape(), {&out, &a, &b}, [&](const Launch<3>& g) {
+    launch_binary(op, g, out.dtype(), scope.stream());
+  });
+}
+
+void CudaBackend::binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first,
+                                const Tensor& out) {
+  KernelScope scope(binary_op_name(op), {&out, &a});
+  check_dtypes(binary_op_name(op), out.dtype(), {&a});
+  for_each_launch<2>(out.shape(), {&out, &a}, [&](const Launch<2>& g) {
+    launch_binary_scalar(op, g, out.dtype(), s, scalar_first, scope.stream());
+  });
+}
+
+void CudaBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  KernelScope scope("where", {&out, &cond, &a, &b});
+  check_dtypes("where", out.dtype(), {&a, &b});
+  CHECK(cond.dtype() == DType::boolean) << "where: condition of dtype " << cond.dtype();
+  for_each_launch<4>(out.shape(), {&out, &cond, &a, &b}, [&](const Launch<4>& g) {
+    launch_where(g, out.dtype(), scope.stream());
+  });
+}
+
+void CudaBackend::clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
+  KernelScope scope("clamp", {&out, &x});
+  check_dtypes("clamp", out.dtype(), {&x});
+  for_each_launch<2>(out.shape(), {&out, &x}, [&](const Launch<2>& g) {
+    launch_clamp(g, out.dtype(), lo, hi, scope.stream());
+  });
+}
+
+void CudaBackend::clamp_backward(const Tensor& grad, const Tensor& x, double lo, double hi,
+                                 const Tensor& grad_x) {
+  KernelScope scope("clamp_backward", {&grad_x, &grad, &x});
+  check_dtypes("clamp_backward", grad_x.dtype(), {&grad, &x});
+  for_each_launch<3>(grad_x.shape(), {&grad_x, &grad, &x}, [&](const Launch<3>& g) {
+    launch_clamp_backward(g, grad_x.dtype(), lo, hi, scope.stream());
+  });
+}
+
+void CudaBackend::compare(CompareOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  KernelScope scope("compare", {&out, &a, &b});
+  CHECK(out.dtype() == DType::boolean) << "compare: output of dtype " << out.dtype();
+  if (a.dtype() != b.dtype()) {
+    // Mixed dtypes compare in double, as the reference kernels do.
+    return compare(op, materialize(*this, a, DType::f64), materialize(*this, b, DType::f64), out);
+  }
+  for_each_launch<3>(out.shape(), {&out, &a, &b}, [&](const Launch<3>& g) {
+    launch_compare(op, g, a.dtype(), scope.stream());
+  });
+}
+
+void CudaBackend::uniform(const Tensor& out, double lo, double hi, PhiloxKey key) {
+  KernelScope scope("uniform", {&out});
+  for_each_launch<1>(out.shape(), {&out}, [&](const Launch<1>& g) {
+    launch_uniform(g, out.dtype(), lo, hi, key, scope.stream());
+  });
+}
+
+void CudaBackend::normal(const Tensor& out, double mean, double std, PhiloxKey key) {
+  KernelScope scope("normal", {&out});
+  for_each_launch<1>(out.shape(), {&out}, [&](const Launch<1>& g) {
+    launch_normal(g, out.dtype(), mean, std, key, scope.stream());
+  });
+}
+
+void CudaBackend::bernoulli(const Tensor& out, double p, PhiloxKey key) {
+  KernelScope scope("bernoulli", {&out});
+  for_each_launch<1>(out.shape(), {&out}, [&](const Launch<1>& g) {
+    launch_bernoulli(g, out.dtype(), p, key, scope.stream());
+  });
+}
+
+namespace {
+[[maybe_unused]] const bool g_registered = [] {
+  register_backend(kCUDA, new CudaBackend());
+  return true;
+}();
+}  // namespace
+
+}  // namespace trainer::cuda

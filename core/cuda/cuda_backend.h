@@ -1,0 +1,98 @@
+// The CUDA backend: backend(Device{kCUDA, i}) (core/backend.h), registered
+// from a static initialiser when the CUDA build is on.
+//
+// Every kernel runs on its operands' device (made current for the call) and
+// on that device's current stream (stream.h), and returns without waiting;
+// results are ordered by the stream. Copies to the host wait for the data.
+// Files:
+//   cuda_backend.cpp  elementwise and random kernels: Tensor -> Launch<N> (launch.h)
+//   transfer.cpp      copy_across: host <-> device through pinned staging buffers
+//   copy.cu           copy with dtype conversion, fill, where (every dtype)
+//   elementwise.cu    the math kernels, on the functors of core/elementwise_math.h
+//   random.cu         Philox draws, identical to the CPU's
+// Kernels not listed here (matmul, reductions, ...) fall to Backend's
+// default, which throws an Error naming the op.
+//
+// Allocation: temporaries and outputs are allocated on the current device,
+// so code creating CUDA tensors for cuda:i runs with i current
+// (cuda::set_device / DeviceGuard); one device per process is the norm.
+#pragma once
+
+#include <array>
+#include <cstddef>
+
+#include "core/backend.h"
+#include "core/cpu/loops.h"
+#include "core/cuda/launch.h"
+
+namespace trainer::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  const char* name() const override { return "cuda"; }
+
+  // ---- cuda_backend.cpp ----
+  void copy(const Tensor& src, const Tensor& dst) override;
+  void fill(const Tensor& dst, double value) override;
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out) override;
+  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                      const Tensor& grad_x) override;
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void binary_scalar(BinaryOp op, const Tensor& a, double s, bool scalar_first,
+                     const Tensor& out) override;
+  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void clamp(const Tensor& x, double lo, double hi, const Tensor& out) override;
+  void clamp_backward(const Tensor& grad, const Tensor& x, double lo, double hi,
+                      const Tensor& grad_x) override;
+  void compare(CompareOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void uniform(const Tensor& out, double lo, double hi, PhiloxKey key) override;
+  void normal(const Tensor& out, double mean, double std, PhiloxKey key) override;
+  void bernoulli(const Tensor& out, double p, PhiloxKey key) override;
+
+  // ---- transfer.cpp ----
+  void copy_across(const Tensor& src, const Tensor& dst) override;
+};
+
+// Host <-> device copies of pageable memory go through two pinned staging
+// buffers of staging_bytes each, alternating so the host copies one chunk
+// while the DMA engine moves the other. Pinned host memory is copied
+// directly. (An option so tests can force many chunks with small tensors.)
+struct TransferOptions {
+  size_t staging_bytes = size_t(4) << 20;
+};
+void set_transfer_options(const TransferOptions& options);
+TransferOptions transfer_options();
+
+// Calls fn(launch) for the elementwise launches covering shape: one, unless
+// more than kMaxDims dims remain after merging, in which case the outer dims
+// are looped on the host. ops[0] is the output; all ops have `shape`.
+template <size_t N, class Fn>
+void for_each_launch(const Shape& shape, const std::array<const Tensor*, N>& ops, Fn&& fn) {
+  const int64_t numel = shape_numel(shape);
+  if (numel == 0) return;
+  const cpu::LoopPlan<N> p = cpu::make_loop_plan(shape, ops);
+  const int outer = std::max(0, p.ndim - kMaxDims);  // dims looped on the host
+  Launch<int(N)> g;
+  g.ndim = p.ndim - outer;
+  g.numel = 1;
+  for (int d = 0; d < g.ndim; ++d) {
+    g.sizes[d] = p.shape[outer + d];
+    g.numel *= g.sizes[d];
+    for (size_t k = 0; k < N; ++k) g.strides[k][d] = p.strides[k][outer + d];
+  }
+  g.contiguous = g.ndim == 1;
+  for (size_t k = 0; k < N; ++k) g.contiguous = g.contiguous && g.strides[k][0] == 1;
+  int64_t idx[cpu::kMaxLoopDims] = {};  // index over the outer dims
+  for (int64_t o = 0; o < numel / g.numel; ++o) {
+    for (size_t k = 0; k < N; ++k) {
+      int64_t off = 0;
+      for (int d = 0; d < outer; ++d) off += idx[d] * p.strides[k][d];
+      g.data[k] = p.base[k] + off * int64_t(p.elem_size[k]);
+    }
+    g.first_index = o * g.numel;
+    fn(static_cast<const Launch<int(N)>&>(g));
+    for (int d = outer - 1; d >= 0 && ++idx[d] == p.shape[d]; --d) idx[d] = 0;
+  }
+}
+
+}  // namespace trainer::cuda

@@ -1,0 +1,204 @@
+// IDX reading (gzip through zlib) and Fashion-MNIST.
+#include "data/idx.h"
+
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+namespace trainer::data {
+
+namespace {
+
+// The whole file, decompressed if it is gzipped (gzread passes plain files
+// through unchanged).
+std::vector<uint8_t> read_maybe_gzipped(const std::string& path) {
+  gzFile file = gzopen(path.c_str(), "rb");
+  if (!file) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
+  gzbuffer(file, 1 << 18);
+  std::vector<uint8_t> bytes;
+  constexpr size_t kChunk = size_t(1) << 22;
+  for (;;) {
+    size_t size = bytes.size();
+    bytes.resize(size + kChunk);
+    int got = gzread(file, bytes.data() + size, unsigned(kChunk));
+    if (got < 0) break;
+    bytes.resize(size + size_t(got));
+    if (got == 0) break;
+  }
+  int errnum = Z_OK;
+  std::string message = gzerror(file, &errnum);  // owned by file: copy before gzclose
+  gzclose(file);
+  if (errnum != Z_OK)
+    throw Error(cat(path, ": corrupt or truncated gzip stream (zlib: ", message,
+                    "); download or reinstall the file"));
+  return bytes;
+}
+
+uint32_t load_be32(const uint8_t* p) {
+  return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | uint32_t(p[3]);
+}
+
+// The element types of the IDX format: code, bytes per element, tensor dtype.
+struct IdxType {
+  uint8_t code;
+  int bytes;
+  DType dtype;
+  const char* name;
+};
+constexpr IdxType kIdxTypes[] = {
+    {0x08, 1, DType::u8, "u8"},   {0x09, 1, DType::i32, "i8"},  {0x0B, 2, DType::i32, "i16"},
+    {0x0C, 4, DType::i32, "i32"}, {0x0D, 4, DType::f32, "f32"}, {0x0E, 8, DType::f64, "f64"},
+};
+
+// Big-endian element i of a payload of type t, as the tensor's type.
+template <class T>
+T load_element(const uint8_t* p, const IdxType& t) {
+  uint64_t u = 0;
+  for (int b = 0; b < t.bytes; ++b) u = (u << 8) | p[b];
+  switch (t.code) {
+    case 0x09:
+      return T(int8_t(u));
+    case 0x0B:
+      return T(int16_t(u));
+    case 0x0C:
+      return T(int32_t(u));
+    case 0x0D: {
+      uint32_t bits = uint32_t(u);
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return T(f);
+    }
+    case 0x0E: {
+      double d;
+      std::memcpy(&d, &u, 8);
+      return T(d);
+    }
+    default:
+      return T(u);
+  }
+}
+
+template <class T>
+void convert_payload(const uint8_t* payload, const IdxType& t, uint64_t numel, T* dst) {
+  for (uint64_t i = 0; i < numel; ++i) dst[i] = load_element<T>(payload + i * t.bytes, t);
+}
+
+std::string find_file(const std::string& dir, const std::string& name) {
+  for (const std::string& candidate : {name + ".gz", name}) {
+    std::string path = (std::filesystem::path(dir) / candidate).string();
+    if (std::filesystem::exists(path)) return path;
+  }
+  throw Error(cat("Fashion-MNIST: neither ", name, ".gz nor ", name, " in ", dir,
+                  "; install the Debian package dataset-fashion-mnist or set data.root to the "
+                  "folder holding the IDX files"));
+}
+
+}  // namespace
+
+Tensor read_idx(const std::string& path) {
+  std::vector<uint8_t> bytes = read_maybe_gzipped(path);
+  if (bytes.size() < 4)
+    throw Error(cat(path, ": not an IDX file (", bytes.size(), " bytes, the header needs 4)"));
+  if (bytes[0] != 0 || bytes[1] != 0)
+    throw Error(cat(path, ": not an IDX file (magic bytes ", int(bytes[0]), " ", int(bytes[1]),
+                    ", expected 0 0)"));
+  const IdxType* type = nullptr;
+  for (const IdxType& t : kIdxTypes)
+    if (t.code == bytes[2]) type = &t;
+  if (!type) throw Error(cat(path, ": unknown IDX element type code ", int(bytes[2])));
+  int ndim = bytes[3];
+  if (ndim == 0) throw Error(cat(path, ": IDX header with 0 dims"));
+  size_t header = 4 + 4 * size_t(ndim);
+  if (bytes.size() < header)
+    throw Error(cat(path, ": truncated IDX header: ", ndim, " dims need ", header,
+                    " bytes, the file has ", bytes.size()));
+  Shape shape;
+  uint64_t numel = 1;
+  for (int d = 0; d < ndim; ++d) {
+    shape.push_back(int64_t(load_be32(bytes.data() + 4 + 4 * d)));
+    numel *= uint64_t(shape.back());
+    if (numel > (uint64_t(1) << 40))
+      throw Error(cat(path, ": IDX dims ", shape_str(shape), "... are implausibly large"));
+  }
+  uint64_t expected = numel * uint64_t(type->bytes);
+  uint64_t actual = bytes.size() - header;
+  if (actual != expected)
+    throw Error(cat(path, ": ", actual < expected ? "truncated" : "overlong",
+                    " IDX payload: the header announces ", type->name, " ", shape_str(shape), " = ",
+                    expected, " bytes, the file holds ", actual, " bytes after the header"));
+
+  Tensor out = empty(shape, type->dtype);
+  const uint8_t* payload = bytes.data() + header;
+  if (type->dtype == DType::u8) {
+    std::memcpy(out.data_ptr(), payload, expected);
+    return out;
+  }
+  switch (type->dtype) {
+    case DType::i32:
+      convert_payload(payload, *type, numel, out.data<int32_t>());
+      break;
+    case DType::f32:
+      convert_payload(payload, *type, numel, out.data<float>());
+      break;
+    default:
+      convert_payload(payload, *type, numel, out.data<double>());
+      break;
+  }
+  return out;
+}
+
+const char* split_name(Split split) { return split == Split::train ? "train" : "val"; }
+
+MnistDataset::MnistDataset(Tensor images, Tensor labels, int64_t num_classes, std::string source)
+    : images_(std::move(images)),
+      labels_(std::move(labels)),
+      num_classes_(num_classes),
+      source_(std::move(source)) {
+  CHECK(images_.dtype() == DType::u8 && images_.dim() == 3 && images_.is_contiguous())
+      << "MnistDataset: images must be contiguous u8 [N, H, W], got " << images_.shape_str();
+  CHECK(labels_.dtype() == DType::i64 && labels_.dim() == 1 && labels_.size(0) == images_.size(0))
+      << "MnistDataset: labels must be i64 [N], got " << labels_.shape_str();
+}
+
+int64_t MnistDataset::label(int64_t index) const { return labels_.data<int64_t>()[index]; }
+
+DecodedImage MnistDataset::load(int64_t index, int) const {
+  int h = int(images_.size(1)), w = int(images_.size(2));
+  uint8_t* p = images_.data<uint8_t>() + index * int64_t(h) * w;
+  return DecodedImage{cv::Mat(h, w, CV_8UC1, p), h, w};
+}
+
+std::string MnistDataset::describe(int64_t index) const { return cat(source_, "[", index, "]"); }
+
+MnistDataset load_fashion_mnist(const std::string& dir, Split split) {
+  std::string prefix = split == Split::train ? "train" : "t10k";
+  std::string images_path = find_file(dir, prefix + "-images-idx3-ubyte");
+  std::string labels_path = find_file(dir, prefix + "-labels-idx1-ubyte");
+  Tensor images = read_idx(images_path);
+  Tensor labels = read_idx(labels_path);
+  if (images.dtype() != DType::u8 || images.dim() != 3)
+    throw Error(cat(images_path, ": expected u8 images [N, H, W], got ", dtype_name(images.dtype()),
+                    " ", images.shape_str()));
+  if (labels.dtype() != DType::u8 || labels.dim() != 1 || labels.size(0) != images.size(0))
+    throw Error(cat(labels_path, ": expected ", images.size(0), " u8 labels, got ",
+                    dtype_name(labels.dtype()), " ", labels.shape_str()));
+  const int64_t num_classes = int64_t(fashion_mnist_classes().size());
+  const uint8_t* raw = labels.data<uint8_t>();
+  for (int64_t i = 0; i < labels.numel(); ++i)
+    if (raw[i] >= num_classes)
+      throw Error(cat(labels_path, ": label ", int(raw[i]), " of item ", i, " is outside [0, ",
+                      num_classes, ")"));
+  return MnistDataset(images, labels.to(DType::i64), num_classes, images_path);
+}
+
+const std::vector<std::string>& fashion_mnist_classes() {
+  static const std::vector<std::string> names = {"T-shirt/top", "Trouser",   "Pullover", "Dress",
+                                                 "Coat",        "Sandal",    "Shirt",    "Sneaker",
+                                                 "Bag",         "Ankle boot"};
+  return names;
+}
+
+}  // namespace trainer::data

@@ -1,0 +1,108 @@
+// Module: the base of every layer and model. It owns named parameters
+// (trainable leaves), buffers (state saved in checkpoints but not trained,
+// e.g. batch-norm running statistics) and submodules, and names them the way
+// PyTorch's state_dict does, so checkpoints interoperate:
+//
+//   layer1.0.conv1.weight   bn1.running_mean   bn1.num_batches_tracked
+//
+//   class Block : public Module {
+//    public:
+//     explicit Block(Generator& gen) {
+//       conv = register_module("conv", std::make_shared<Conv2d>(Conv2dOptions{3, 8, 3}, gen));
+//       bn = register_module("bn", std::make_shared<BatchNorm2d>(8));
+//     }
+//     Tensor forward(const Tensor& x) override { return relu_channels_last((*bn)((*conv)(x))); }
+//     std::shared_ptr<Conv2d> conv;
+//     std::shared_ptr<BatchNorm2d> bn;
+//   };
+//
+// Registration order is the order of named_parameters(), as in PyTorch.
+// train()/eval() set the mode of the whole tree. Modules are held by
+// shared_ptr and are not copyable (a copy would alias the parameters).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace trainer {
+
+class Module {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // Single-tensor layers and models implement forward; operator() calls it.
+  virtual Tensor forward(const Tensor& x) = 0;
+  Tensor operator()(const Tensor& x) { return forward(x); }
+
+  // Recursive, in registration order, with dotted names.
+  std::vector<NamedTensor> named_parameters() const;
+  std::vector<NamedTensor> named_buffers() const;
+  // Parameters and buffers in state_dict order (each module's parameters,
+  // its buffers, then its submodules): everything a checkpoint holds.
+  std::vector<NamedTensor> state() const;
+  TensorList parameters() const;
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
+    return children_;
+  }
+  // Elements over all parameters.
+  int64_t num_parameters() const;
+
+  // Sets the mode of this module and all its submodules.
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  // Drops every parameter's gradient.
+  void zero_grad();
+
+  // Calls fn on this module and every submodule, parents first (torch's apply).
+  void apply(const std::function<void(Module&)>& fn);
+
+ protected:
+  // Marks t as trainable and records it under name; returns t.
+  Tensor register_parameter(const std::string& name, Tensor t);
+  Tensor register_buffer(const std::string& name, Tensor t);
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
+    add_child(name, m);
+    return m;
+  }
+
+ private:
+  void add_child(const std::string& name, std::shared_ptr<Module> m);
+  void collect(const std::string& prefix, bool params, bool buffers,
+               std::vector<NamedTensor>& out) const;
+
+  std::vector<NamedTensor> params_, buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+// A chain of modules named "0", "1", ... (torch.nn.Sequential).
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  explicit Sequential(std::vector<std::shared_ptr<Module>> modules);
+  void push_back(std::shared_ptr<Module> m);
+  size_t size() const { return children().size(); }
+  Module& operator[](size_t i) const { return *children()[i].second; }
+  Tensor forward(const Tensor& x) override;
+};
+
+// Parameters split for weight decay: biases and normalisation weights (every
+// parameter with at most one dim) go to no_decay, the rest to decay. Recipes
+// give no_decay a weight decay of 0.
+struct WeightDecaySplit {
+  std::vector<NamedTensor> decay, no_decay;
+};
+WeightDecaySplit split_weight_decay(const Module& m);
+
+}  // namespace trainer

@@ -1,0 +1,134 @@
+#include "models/resnet.h"
+
+#include "core/check.h"
+
+namespace trainer {
+
+namespace {
+
+std::shared_ptr<Conv2d> conv(int64_t in, int64_t out, int64_t k, int64_t stride, Generator& gen) {
+  Conv2dOptions o{.in_channels = in,
+                  .out_channels = out,
+                  .kernel = {k, k},
+                  .attrs = {.stride = {stride, stride}, .padding = {k / 2, k / 2}},
+                  .bias = false,
+                  .init = ConvInit::kaiming_normal_fan_out};
+  return std::make_shared<Conv2d>(o, gen);
+}
+
+// conv1x1 (stride) -> bn, when the block changes the shape of its input.
+std::shared_ptr<Sequential> make_downsample(int64_t in, int64_t out, int64_t stride,
+                                            Generator& gen) {
+  if (stride == 1 && in == out) return nullptr;
+  return std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
+      conv(in, out, 1, stride, gen), std::make_shared<BatchNorm2d>(out)});
+}
+
+// The closing residual of a block: relu(out + identity), channels-last kept.
+Tensor residual_relu(const Tensor& out, const Tensor& x, const std::shared_ptr<Sequential>& down) {
+  Tensor identity = down ? (*down)(x) : x;
+  return relu_channels_last(add_channels_last(out, identity));
+}
+
+}  // namespace
+
+BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen) {
+  conv1 = register_module("conv1", conv(in_planes, planes, 3, stride, gen));
+  bn1 = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
+  conv2 = register_module("conv2", conv(planes, planes, 3, 1, gen));
+  bn2 = register_module("bn2", std::make_shared<BatchNorm2d>(planes));
+  downsample = make_downsample(in_planes, planes * kExpansion, stride, gen);
+  if (downsample) register_module("downsample", downsample);
+}
+
+Tensor BasicBlock::forward(const Tensor& x) {
+  Tensor out = conv_bn(*conv1, *bn1, x, /*relu=*/true);
+  out = conv_bn(*conv2, *bn2, out, /*relu=*/false);
+  return residual_relu(out, x, downsample);
+}
+
+Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen) {
+  conv1 = register_module("conv1", conv(in_planes, planes, 1, 1, gen));
+  bn1 = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
+  conv2 = register_module("conv2", conv(planes, planes, 3, stride, gen));
+  bn2 = register_module("bn2", std::make_shared<BatchNorm2d>(planes));
+  conv3 = register_module("conv3", conv(planes, planes * kExpansion, 1, 1, gen));
+  bn3 = register_module("bn3", std::make_shared<BatchNorm2d>(planes * kExpansion));
+  downsample = make_downsample(in_planes, planes * kExpansion, stride, gen);
+  if (downsample) register_module("downsample", downsample);
+}
+
+Tensor Bottleneck::forward(const Tensor& x) {
+  Tensor out = conv_bn(*conv1, *bn1, x, /*relu=*/true);
+  out = conv_bn(*conv2, *bn2, out, /*relu=*/true);
+  out = conv_bn(*conv3, *bn3, out, /*relu=*/false);
+  return residual_relu(out, x, downsample);
+}
+
+template <class Block>
+std::shared_ptr<Sequential> ResNet::make_layer(int64_t& in_planes, int64_t planes, int blocks,
+                                               int64_t stride, Generator& gen) {
+  auto layer = std::make_shared<Sequential>();
+  for (int b = 0; b < blocks; ++b) {
+    layer->push_back(std::make_shared<Block>(in_planes, planes, b == 0 ? stride : 1, gen));
+    in_planes = planes * Block::kExpansion;
+  }
+  return layer;
+}
+
+ResNet::ResNet(const ResNetOptions& o) : options_(o) {
+  struct Config {
+    int depth;
+    bool bottleneck;
+    int blocks[4];
+  };
+  static const Config kConfigs[] = {{18, false, {2, 2, 2, 2}},
+                                    {34, false, {3, 4, 6, 3}},
+                                    {50, true, {3, 4, 6, 3}},
+                                    {101, true, {3, 4, 23, 3}},
+                                    {152, true, {3, 8, 36, 3}}};
+  const Config* cfg = nullptr;
+  for (const Config& c : kConfigs)
+    if (c.depth == o.depth) cfg = &c;
+  if (!cfg) throw Error(cat("ResNet depth ", o.depth, " is not one of 18, 34, 50, 101, 152"));
+  CHECK(o.num_classes >= 1 && o.in_channels >= 1 && o.width >= 1) << "ResNet options";
+
+  Generator gen(o.seed, kStreamInit);
+  conv1_ = register_module("conv1", o.small_input ? conv(o.in_channels, o.width, 3, 1, gen)
+                                                  : conv(o.in_channels, o.width, 7, 2, gen));
+  bn1_ = register_module("bn1", std::make_shared<BatchNorm2d>(o.width));
+  maxpool_ = std::make_shared<MaxPool2d>(
+      Pool2dAttrs{.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}});
+  int64_t in_planes = o.width;
+  for (int i = 0; i < 4; ++i) {
+    int64_t planes = o.width << i, stride = i == 0 ? 1 : 2;
+    layers_[i] = cfg->bottleneck
+                     ? make_layer<Bottleneck>(in_planes, planes, cfg->blocks[i], stride, gen)
+                     : make_layer<BasicBlock>(in_planes, planes, cfg->blocks[i], stride, gen);
+    register_module("layer" + std::to_string(i + 1), layers_[i]);
+  }
+  avgpool_ = std::make_shared<AdaptiveAvgPool2d>(1, 1);
+  fc_ = register_module("fc", std::make_shared<Linear>(in_planes, o.num_classes, gen));
+
+  // Convs were drawn kaiming_normal(fan_out), batch norms start at weight 1,
+  // bias 0, fc as nn.Linear: torchvision's initialisation.
+  if (o.zero_init_residual) {
+    apply([](Module& m) {
+      if (auto* b = dynamic_cast<Bottleneck*>(&m)) b->bn3->weight.detach().zero_();
+      if (auto* b = dynamic_cast<BasicBlock*>(&m)) b->bn2->weight.detach().zero_();
+    });
+  }
+}
+
+Tensor ResNet::forward(const Tensor& x) {
+  Tensor y = conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
+  if (!options_.small_input) y = (*maxpool_)(y);
+  for (const auto& layer : layers_) y = (*layer)(y);
+  return (*fc_)((*avgpool_)(y).flatten(1));
+}
+
+std::shared_ptr<ResNet> resnet(const ResNetOptions& options) {
+  return std::make_shared<ResNet>(options);
+}
+
+}  // namespace trainer

@@ -1,0 +1,257 @@
+#include "optim/optimizer.h"
+
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "core/autograd.h"
+#include "core/cpu/loops.h"
+#include "optim/optim_math.h"
+
+namespace trainer::optim {
+namespace {
+
+// Elements per task of an update loop: below this a parameter updates on one thread.
+constexpr int64_t kUpdateGrain = 1 << 15;
+
+// Calls fn(TypeTag<T>{}) for the two dtypes an optimizer updates.
+template <class Fn>
+void dispatch_param_dtype(DType dtype, Fn&& fn) {
+  if (dtype == DType::f64)
+    fn(TypeTag<double>{});
+  else
+    fn(TypeTag<float>{});
+}
+
+void require_option(bool ok, const char* kind, const char* field, const char* rule, double value) {
+  if (!ok) throw Error(cat(kind, ": ", field, " must be ", rule, ", got ", value));
+}
+
+int64_t read_step(const Tensor& step) { return step.data<int64_t>()[0]; }
+
+}  // namespace
+
+TensorList parameters(const std::vector<ParamGroup>& groups) {
+  TensorList out;
+  for (const ParamGroup& g : groups)
+    for (const NamedTensor& p : g.params) out.push_back(p.tensor);
+  return out;
+}
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, double weight_decay,
+                     const char* kind)
+    : kind_(kind), groups_(std::move(groups)), weight_decay_(weight_decay) {
+  set_lr(lr);
+  require_option(weight_decay >= 0 && std::isfinite(weight_decay), kind_, "weight_decay",
+                 ">= 0 and finite", weight_decay);
+  std::set<std::string> names;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const ParamGroup& g = groups_[gi];
+    std::string where = cat("param group ", gi);
+    if (g.weight_decay && !(*g.weight_decay >= 0 && std::isfinite(*g.weight_decay)))
+      throw Error(
+          cat(kind_, ": ", where, ": weight_decay must be >= 0 and finite, got ", *g.weight_decay));
+    if (!(g.lr_scale >= 0 && std::isfinite(g.lr_scale)))
+      throw Error(cat(kind_, ": ", where, ": lr_scale must be >= 0 and finite, got ", g.lr_scale));
+    for (const NamedTensor& p : g.params) {
+      if (p.name.empty()) throw Error(cat(kind_, ": ", where, " has a parameter without a name"));
+      if (!names.insert(p.name).second)
+        throw Error(cat(kind_, ": parameter '", p.name, "' appears twice in the param groups"));
+      const Tensor& t = p.tensor;
+      if (!t.defined())
+        throw Error(cat(kind_, ": parameter '", p.name, "' is an undefined tensor"));
+      if (t.dtype() != DType::f32 && t.dtype() != DType::f64)
+        throw Error(cat(kind_, ": parameter '", p.name, "' is ", t.dtype(),
+                        "; optimizers update f32 (or f64) master weights"));
+      if (!t.device().is_cpu())
+        throw Error(cat(kind_, ": parameter '", p.name, "' is on ", t.device(),
+                        "; this optimizer updates CPU tensors"));
+      if (!t.is_contiguous())
+        throw Error(cat(kind_, ": parameter '", p.name, "' is not contiguous (shape ",
+                        t.shape_str(), ", strides ", shape_str(t.strides()), ")"));
+    }
+  }
+}
+
+void Optimizer::init_state() {
+  std::vector<std::string> slots = state_slots();
+  state_.clear();
+  for (const ParamGroup& g : groups_) {
+    std::vector<ParamState>& group_state = state_.emplace_back();
+    for (const NamedTensor& p : g.params) {
+      ParamState s;
+      s.step = zeros({}, DType::i64);
+      for (size_t k = 0; k < slots.size(); ++k) s.slots.push_back(zeros_like(p.tensor));
+      group_state.push_back(std::move(s));
+    }
+  }
+}
+
+void Optimizer::set_lr(double lr) {
+  require_option(lr >= 0 && std::isfinite(lr), kind_, "lr", ">= 0 and finite", lr);
+  lr_ = lr;
+}
+
+void Optimizer::step() {
+  autograd::NoGradGuard no_grad;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const ParamGroup& g = groups_[gi];
+    double lr = lr_ * g.lr_scale;
+    double weight_decay = g.weight_decay.value_or(weight_decay_);
+    for (size_t pi = 0; pi < g.params.size(); ++pi) {
+      const NamedTensor& p = g.params[pi];
+      Tensor grad = p.tensor.grad();
+      if (!grad.defined()) continue;
+      if (grad.shape() != p.tensor.shape() || grad.dtype() != p.tensor.dtype() ||
+          !grad.device().is_cpu())
+        throw Error(cat(kind_, ": the gradient of '", p.name, "' is ", grad.dtype(), " ",
+                        grad.shape_str(), " on ", grad.device(), ", expected ", p.tensor.dtype(),
+                        " ", p.tensor.shape_str(), " on cpu"));
+      ParamState& s = state_[gi][pi];
+      int64_t step = read_step(s.step) + 1;
+      update(p.tensor, grad.is_contiguous() ? grad : grad.contiguous(), s.slots, step, lr,
+             weight_decay);
+      s.step.data<int64_t>()[0] = step;
+    }
+  }
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  for (const ParamGroup& g : groups_)
+    for (const NamedTensor& p : g.params) {
+      Tensor grad = p.tensor.grad();
+      if (!grad.defined()) continue;
+      if (set_to_none)
+        p.tensor.set_grad(Tensor());
+      else
+        grad.zero_();
+    }
+}
+
+std::vector<NamedTensor> Optimizer::state() const {
+  std::vector<std::string> slots = state_slots();
+  std::vector<NamedTensor> out;
+  for (size_t gi = 0; gi < groups_.size(); ++gi)
+    for (size_t pi = 0; pi < groups_[gi].params.size(); ++pi) {
+      const std::string& name = groups_[gi].params[pi].name;
+      const ParamState& s = state_[gi][pi];
+      out.push_back({name + ".step", s.step});
+      for (size_t k = 0; k < slots.size(); ++k) out.push_back({name + "." + slots[k], s.slots[k]});
+    }
+  return out;
+}
+
+void Optimizer::load_state(const std::vector<NamedTensor>& state) {
+  std::vector<NamedTensor> live = this->state();
+  std::map<std::string, const Tensor*> given;
+  for (const NamedTensor& e : state)
+    if (!given.emplace(e.name, &e.tensor).second)
+      throw Error(cat(kind_, " state: entry '", e.name, "' appears twice"));
+  std::set<std::string> known;
+  for (const NamedTensor& e : live) known.insert(e.name);
+  for (const NamedTensor& e : state)
+    if (!known.count(e.name))
+      throw Error(cat(kind_, " state: unexpected entry '", e.name,
+                      "' (no such parameter or slot in this optimizer; was it saved with "
+                      "other options or another model?)"));
+  // Validate everything before touching a buffer.
+  for (const NamedTensor& e : live) {
+    auto it = given.find(e.name);
+    if (it == given.end()) throw Error(cat(kind_, " state: missing entry '", e.name, "'"));
+    const Tensor& t = *it->second;
+    if (!t.defined()) throw Error(cat(kind_, " state: entry '", e.name, "' is undefined"));
+    if (t.shape() != e.tensor.shape() || t.dtype() != e.tensor.dtype())
+      throw Error(cat(kind_, " state: entry '", e.name, "' is ", t.dtype(), " ", t.shape_str(),
+                      ", expected ", e.tensor.dtype(), " ", e.tensor.shape_str()));
+    if (e.tensor.dim() == 0 && e.tensor.dtype() == DType::i64 && t.item<int64_t>() < 0)
+      throw Error(cat(kind_, " state: entry '", e.name, "' is a negative step count (",
+                      t.item<int64_t>(), ")"));
+  }
+  for (NamedTensor& e : live) e.tensor.copy_(*given.at(e.name));
+}
+
+// ---- SGD ----
+
+SGD::SGD(std::vector<ParamGroup> groups, const SGDOptions& options)
+    : Optimizer(std::move(groups), options.lr, options.weight_decay, "SGD"), options_(options) {
+  require_option(options.momentum >= 0 && std::isfinite(options.momentum), kind_, "momentum",
+                 ">= 0 and finite", options.momentum);
+  require_option(std::isfinite(options.dampening), kind_, "dampening", "finite", options.dampening);
+  if (options.nesterov && (options.momentum <= 0 || options.dampening != 0))
+    throw Error(cat("SGD: nesterov needs momentum > 0 and dampening == 0, got momentum ",
+                    options.momentum, ", dampening ", options.dampening));
+  init_state();
+}
+
+std::vector<std::string> SGD::state_slots() const {
+  if (options_.momentum == 0) return {};
+  return {"momentum_buffer"};
+}
+
+void SGD::update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots, int64_t step,
+                 double lr, double weight_decay) {
+  dispatch_param_dtype(param.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    SgdScalars<T> s = sgd_scalars<T>(lr, options_.momentum, options_.dampening, weight_decay,
+                                     options_.nesterov, step == 1);
+    T* __restrict p = param.data<T>();
+    const T* __restrict g = grad.data<T>();
+    T* __restrict buf = slots.empty() ? nullptr : slots[0].data<T>();
+    cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
+      const SgdScalars<T> sc = s;  // local: the element stores cannot alias it
+      if (buf) {
+        for (int64_t i = begin; i < end; ++i) sgd_update(sc, p[i], g[i], buf[i]);
+      } else {
+        for (int64_t i = begin; i < end; ++i) {
+          T unused = 0;
+          sgd_update(sc, p[i], g[i], unused);
+        }
+      }
+    });
+  });
+}
+
+// ---- AdamW ----
+
+AdamW::AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options)
+    : Optimizer(std::move(groups), options.lr, options.weight_decay, "AdamW"), options_(options) {
+  require_option(options.betas.first >= 0 && options.betas.first < 1, kind_, "betas[0]",
+                 "in [0, 1)", options.betas.first);
+  require_option(options.betas.second >= 0 && options.betas.second < 1, kind_, "betas[1]",
+                 "in [0, 1)", options.betas.second);
+  require_option(options.eps >= 0 && std::isfinite(options.eps), kind_, "eps", ">= 0 and finite",
+                 options.eps);
+  init_state();
+}
+
+std::vector<std::string> AdamW::state_slots() const {
+  if (options_.amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+void AdamW::update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots,
+                   int64_t step, double lr, double weight_decay) {
+  dispatch_param_dtype(param.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AdamWScalars<T> s = adamw_scalars<T>(lr, options_.betas.first, options_.betas.second,
+                                         options_.eps, weight_decay, options_.amsgrad, step);
+    T* __restrict p = param.data<T>();
+    const T* __restrict g = grad.data<T>();
+    T* __restrict m = slots[0].data<T>();
+    T* __restrict v = slots[1].data<T>();
+    T* __restrict vmax = options_.amsgrad ? slots[2].data<T>() : nullptr;
+    cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
+      const AdamWScalars<T> sc = s;  // local: the element stores cannot alias it
+      if (vmax) {
+        for (int64_t i = begin; i < end; ++i) adamw_update(sc, p[i], g[i], m[i], v[i], vmax[i]);
+      } else {
+        for (int64_t i = begin; i < end; ++i) {
+          T unused = 0;
+          adamw_update(sc, p[i], g[i], m[i], v[i], unused);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace trainer::optim

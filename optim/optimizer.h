@@ -1,0 +1,147 @@
+// Optimizers: SGD and AdamW over named parameter groups, with their state as
+// a named set of tensors (checkpoints save it, data parallelism shards it).
+//
+// The update math lives in optim_math.h, shared with the CUDA kernels; this
+// file owns the bookkeeping: parameter groups, per-parameter state, the step
+// counters, the learning rate the schedule sets each step, and state I/O.
+//
+//   std::vector<ParamGroup> groups = {{decay_params}, {no_decay_params, 0.0}};
+//   SGD opt(groups, {.lr = 0.1, .momentum = 0.9, .nesterov = true, .weight_decay = 5e-4});
+//   for (int64_t step = 0; ...; ++step) {
+//     opt.set_lr(schedule.lr(step));
+//     loss.backward();
+//     opt.step();
+//     opt.zero_grad();
+//   }
+//   save(opt.state());  ...  opt.load_state(load());   // resumes bit for bit
+//
+// Semantics follow torch.optim: a parameter without a gradient is skipped
+// (its state and step counter do not advance); zero_grad sets gradients to
+// none by default. Parameters and state are contiguous f32 (the model's
+// master weights) or f64 (tests), on the CPU.
+//
+// State names: "<param name>.<slot>", slots "step" (0-d i64: the number of
+// updates this parameter has received), "momentum_buffer" (SGD with
+// momentum), "exp_avg", "exp_avg_sq", "max_exp_avg_sq" (AdamW, the last with
+// amsgrad). Every entry exists from construction (buffers start at zero), so
+// the set of names depends only on the parameters and the options.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace trainer::optim {
+
+using trainer::NamedTensor;
+
+struct ParamGroup {
+  std::vector<NamedTensor> params;
+  // Unset: the optimizer's weight_decay. Recipes put biases and norm weights
+  // in a group with 0.
+  std::optional<double> weight_decay = std::nullopt;
+  // This group's lr is lr() * lr_scale.
+  double lr_scale = 1;
+};
+
+// All parameter tensors of the groups, in order (for clip_grad_norm, loss scaling).
+TensorList parameters(const std::vector<ParamGroup>& groups);
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One update of every parameter that has a gradient, in place, not recorded by autograd.
+  void step();
+  // Drops the gradients (set_to_none) or fills them with zeros.
+  void zero_grad(bool set_to_none = true);
+
+  // The base learning rate; the schedule sets it before each step.
+  void set_lr(double lr);
+  double lr() const { return lr_; }
+
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+
+  // The state as named tensors that alias the live buffers (save them before
+  // the next step, or clone).
+  std::vector<NamedTensor> state() const;
+  // Copies a state saved by state() into this optimizer's buffers. The names
+  // must match exactly and each entry's shape and dtype; otherwise throws
+  // Error naming the entry and changes nothing.
+  void load_state(const std::vector<NamedTensor>& state);
+
+ protected:
+  // Per-parameter state: the step counter and the slots named by state_slots().
+  struct ParamState {
+    Tensor step;                // 0-d i64
+    std::vector<Tensor> slots;  // parameter-shaped, in state_slots() order
+  };
+  // Checks the groups (unique non-empty names, contiguous f32/f64 CPU
+  // tensors) and the lr; the derived constructor then calls init_state().
+  Optimizer(std::vector<ParamGroup> groups, double lr, double weight_decay, const char* kind);
+  void init_state();
+
+  // The names of the per-parameter state tensors, e.g. {"exp_avg", "exp_avg_sq"}.
+  virtual std::vector<std::string> state_slots() const = 0;
+  // Updates one parameter. step is its update count including this one (1 on
+  // the first); param, grad and the slots are contiguous and of one dtype.
+  virtual void update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots,
+                      int64_t step, double lr, double weight_decay) = 0;
+
+  const char* kind_;  // "SGD", "AdamW": prefixes error messages
+
+ private:
+  std::vector<ParamGroup> groups_;
+  double lr_;
+  double weight_decay_;
+  std::vector<std::vector<ParamState>> state_;  // [group][param]
+};
+
+// torch.optim.SGD: momentum, dampening, Nesterov, coupled (L2) weight decay.
+struct SGDOptions {
+  double lr = 0.1;
+  double momentum = 0;
+  double dampening = 0;
+  bool nesterov = false;  // needs momentum > 0 and dampening == 0
+  double weight_decay = 0;
+};
+
+class SGD final : public Optimizer {
+ public:
+  SGD(std::vector<ParamGroup> groups, const SGDOptions& options);
+  const SGDOptions& options() const { return options_; }
+
+ private:
+  std::vector<std::string> state_slots() const override;
+  void update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots, int64_t step,
+              double lr, double weight_decay) override;
+  SGDOptions options_;
+};
+
+// torch.optim.AdamW: decoupled weight decay, bias-corrected moments, optional amsgrad.
+struct AdamWOptions {
+  double lr = 1e-3;
+  std::pair<double, double> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  bool amsgrad = false;
+};
+
+class AdamW final : public Optimizer {
+ public:
+  AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options);
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  std::vector<std::string> state_slots() const override;
+  void update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots, int64_t step,
+              double lr, double weight_decay) override;
+  AdamWOptions options_;
+};
+
+}  // namespace trainer::optim

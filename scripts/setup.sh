@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs every Debian package the project needs (idempotent: apt runs only
+# when something is missing) and makes a Release build in ./build.
+#
+#   bash scripts/setup.sh            # packages + build
+#   BUILD_DIR=build-asan CMAKE_ARGS="-DTRAINER_SANITIZE=address,undefined" bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config
+  libdnnl-dev libucx-dev libyaml-cpp-dev libopencv-dev catch2
+  nlohmann-json3-dev libcli11-dev zlib1g-dev
+  openmpi-bin libopenmpi-dev
+  dataset-fashion-mnist bible-kjv
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+BUILD_DIR=${BUILD_DIR:-build}
+# CUDA: AUTO builds the backend wherever nvcc and cuDNN are found.
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
+ninja -C "$BUILD_DIR" -j"$(nproc)"
+echo "setup: built $BUILD_DIR"

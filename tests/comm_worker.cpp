@@ -1,0 +1,264 @@
+// The rank program of the multi-process comm tests (tests/test_comm_mp.cpp),
+// started by `trainer launch` or forked by the test with torchrun-style
+// variables. Each scenario checks results against closed forms and prints
+// mismatches with rank, index, expected and actual; the exit code tells the test.
+//
+//   comm_worker collectives            every collective, dtype, op and algorithm; exit 0
+//   comm_worker kill VICTIM TIMEOUT_MS the victim SIGKILLs itself mid-run; the others must
+//                                      get an Error within the timeout and exit 3
+//   comm_worker hang VICTIM TIMEOUT_MS the victim stops taking part (exit 5 later); likewise
+//   comm_worker fail RANK CODE         RANK exits with CODE at once, the others idle for a minute
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/collectives.h"
+
+using namespace trainer;
+using namespace trainer::comm;
+
+namespace {
+
+int g_rank = 0;
+int g_checks = 0;
+int g_failures = 0;
+
+// Rank r's element i: (r + 1) + i % 7, exact in every dtype for the sizes used.
+double input_value(int rank, size_t i) { return double(rank + 1) + double(i % 7); }
+
+double expected_reduction(ReduceOp op, int n, size_t i) {
+  switch (op) {
+    case ReduceOp::sum:
+      return n * (n + 1) / 2.0 + n * double(i % 7);
+    case ReduceOp::avg:
+      return (n * (n + 1) / 2.0 + n * double(i % 7)) / n;
+    case ReduceOp::max:
+      return double(n) + double(i % 7);
+  }
+  return 0;
+}
+
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return 1e-2;
+    case DType::f16:
+      return 1e-3;
+    default:
+      return 1e-6;
+  }
+}
+
+template <class T>
+std::vector<T> make_input(int rank, size_t count) {
+  std::vector<T> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = store_as<T>(float(input_value(rank, i)));
+  return v;
+}
+
+// Compares and reports the first mismatch of one check.
+template <class T, class Expected>
+void expect(const std::string& what, const std::vector<T>& actual, Expected&& expected,
+            DType dtype) {
+  ++g_checks;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    double a = double(load(actual[i])), e = expected(i);
+    if (std::fabs(a - e) > tolerance(dtype) * std::fabs(e)) {
+      std::printf("rank %d: %s: mismatch at index %zu: expected %g, actual %g\n", g_rank,
+                  what.c_str(), i, e, a);
+      ++g_failures;
+      return;
+    }
+  }
+}
+
+template <class T>
+void check_allreduce(Communicator& comm, size_t count, ReduceOp op, AllreduceAlgorithm algorithm,
+                     size_t segment_bytes) {
+  std::vector<T> data = make_input<T>(comm.rank(), count);
+  AllreduceOptions o{.op = op, .algorithm = algorithm, .segment_bytes = segment_bytes};
+  allreduce(comm, data.data(), count, dtype_of<T>(), o);
+  expect(
+      cat("allreduce ", dtype_of<T>(), " ", reduce_op_name(op), " ", algorithm_name(algorithm),
+          " count ", count, " segment ", segment_bytes, " (", comm.size(), " ranks)"),
+      data, [&](size_t i) { return expected_reduction(op, comm.size(), i); }, dtype_of<T>());
+}
+
+template <class T>
+void check_all_allreduces(Communicator& comm) {
+  const int n = comm.size();
+  for (size_t count : {size_t(0), size_t(1), size_t(n * 3 + 1), size_t(1000), size_t(4099)})
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max})
+      for (AllreduceAlgorithm a : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring,
+                                   AllreduceAlgorithm::recursive_doubling})
+        for (size_t segment : {size_t(64), size_t(1) << 20}) {
+          if (a == AllreduceAlgorithm::recursive_doubling && segment != 64)
+            continue;  // no segments
+          check_allreduce<T>(comm, count, op, a, segment);
+        }
+}
+
+void check_reduce_scatter(Communicator& comm, size_t count) {
+  const int n = comm.size();
+  std::vector<float> input = make_input<float>(comm.rank(), count * size_t(n)), output(count);
+  reduce_scatter(comm, input.data(), output.data(), count, DType::f32,
+                 {.op = ReduceOp::sum, .segment_bytes = 32});
+  size_t first = count * size_t(comm.rank());
+  expect(
+      cat("reduce_scatter count ", count), output,
+      [&](size_t i) { return expected_reduction(ReduceOp::sum, n, first + i); }, DType::f32);
+}
+
+void check_allgather(Communicator& comm, size_t count) {
+  const int n = comm.size();
+  std::vector<float> input(count), output(count * size_t(n));
+  for (size_t i = 0; i < count; ++i) input[i] = float(comm.rank() * 1000 + int(i));
+  allgather(comm, input.data(), output.data(), count * sizeof(float), {.segment_bytes = 24});
+  expect(
+      cat("allgather count ", count), output,
+      [&](size_t i) { return double(i / count * 1000 + i % count); }, DType::f32);
+}
+
+void check_broadcast(Communicator& comm, size_t count) {
+  for (int root = 0; root < comm.size(); ++root) {
+    std::vector<float> data(count, -1.0f);
+    if (comm.rank() == root)
+      for (size_t i = 0; i < count; ++i) data[i] = float(root * 100 + int(i % 50));
+    broadcast(comm, data.data(), count * sizeof(float), root);
+    expect(
+        cat("broadcast from ", root, " count ", count), data,
+        [&](size_t i) { return double(root * 100 + int(i % 50)); }, DType::f32);
+  }
+}
+
+// Splits into even and odd world ranks, ordered backwards, and reduces in each
+// group at once (their tags must not mix).
+void check_split(Communicator& world) {
+  auto group = world.split(world.rank() % 2, -world.rank());
+  const int n = world.size();
+  int members = (n + 1 - world.rank() % 2) / 2;
+  ++g_checks;
+  if (group->size() != members ||
+      group->world_rank(0) != (n - 1) - ((n - 1) % 2 != world.rank() % 2)) {
+    std::printf("rank %d: split: size %d (expected %d), first member %d\n", g_rank, group->size(),
+                members, group->world_rank(0));
+    ++g_failures;
+  }
+  std::vector<float> data = make_input<float>(world.rank(), 37);
+  allreduce(*group, data.data(), data.size(), DType::f32,
+            {.op = ReduceOp::sum, .segment_bytes = 16});
+  double rank_sum = 0;
+  for (int r = world.rank() % 2; r < n; r += 2) rank_sum += r + 1;
+  expect(
+      "allreduce in split group", data,
+      [&](size_t i) { return rank_sum + members * double(i % 7); }, DType::f32);
+  auto none = world.split(world.rank() == 0 ? 0 : -1, 0);
+  ++g_checks;
+  if ((world.rank() == 0) != (none != nullptr)) {
+    std::printf("rank %d: split with negative color returned %p\n", g_rank,
+                static_cast<void*>(none.get()));
+    ++g_failures;
+  }
+}
+
+// Two non-blocking allreduces and a blocking one in flight together.
+void check_async(Communicator& comm) {
+  std::vector<float> a = make_input<float>(comm.rank(), 5000),
+                     b = make_input<float>(comm.rank(), 77);
+  Work wa = allreduce_async(comm, a.data(), a.size(), DType::f32,
+                            {.algorithm = AllreduceAlgorithm::ring, .segment_bytes = 512});
+  Tensor t = from_vector(make_input<float>(comm.rank(), 301));
+  Work wt = allreduce_async(comm, t, {.op = ReduceOp::max});
+  allreduce(comm, b.data(), b.size(), DType::f32, {});
+  wa.wait();
+  wt.wait();
+  auto sum = [&](size_t i) { return expected_reduction(ReduceOp::sum, comm.size(), i); };
+  expect("allreduce_async ring", a, sum, DType::f32);
+  expect("allreduce during async", b, sum, DType::f32);
+  expect(
+      "allreduce_async tensor max", t.to_vector<float>(),
+      [&](size_t i) { return expected_reduction(ReduceOp::max, comm.size(), i); }, DType::f32);
+  Tensor gathered = allgather(comm, full({2, 3}, double(comm.rank())));
+  expect(
+      "allgather tensor", gathered.to_vector<float>(), [&](size_t i) { return double(i / 6); },
+      DType::f32);
+}
+
+int run_collectives(Communicator& world) {
+  check_all_allreduces<float>(world);
+  check_all_allreduces<bf16>(world);
+  check_all_allreduces<f16>(world);
+  for (size_t count : {size_t(1), size_t(13), size_t(300)}) {
+    check_reduce_scatter(world, count);
+    check_allgather(world, count);
+    check_broadcast(world, count);
+  }
+  barrier(world);
+  check_split(world);
+  check_async(world);
+  barrier(world);
+  std::printf("rank %d: %d checks, %d failed\n", g_rank, g_checks, g_failures);
+  return g_failures ? 1 : 0;
+}
+
+// The victim dies (SIGKILL) or hangs (sleeps through three timeouts) after a
+// first allreduce; the others keep reducing and must get an Error.
+int run_victim(Communicator& world, int victim, int timeout_ms, bool hang) {
+  std::vector<float> data(4096, 1.0f);
+  AllreduceOptions o{
+      .algorithm = AllreduceAlgorithm::ring, .segment_bytes = 1024, .timeout = Millis(timeout_ms)};
+  allreduce(world, data.data(), data.size(), DType::f32, o);
+  if (world.rank() == victim && !hang) ::raise(SIGKILL);
+  if (world.rank() == victim) {
+    std::this_thread::sleep_for(Millis(3 * timeout_ms));
+    return 5;
+  }
+  auto start = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < 1000; ++i) allreduce(world, data.data(), data.size(), DType::f32, o);
+  } catch (const Error& e) {
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("rank %d: caught after %.2f s: %s\n", g_rank, seconds, e.what());
+    return 3;
+  }
+  std::printf("rank %d: no error although rank %d %s\n", g_rank, victim, hang ? "hung" : "died");
+  return 1;
+}
+
+// The failing rank crashes (no cleanup); the others idle until the launcher stops them.
+int run_fail(Communicator& world, int failing, int code) {
+  if (world.rank() == failing) std::_Exit(code);
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string scenario = argc > 1 ? argv[1] : "collectives";
+  try {
+    Bootstrap boot = detect_bootstrap();
+    g_rank = boot.rank;
+    auto world = init_world(boot, {.timeout = Millis(60000), .connect_timeout = Millis(30000)});
+    if (scenario == "collectives") return run_collectives(*world);
+    if ((scenario == "kill" || scenario == "hang") && argc == 4)
+      return run_victim(*world, std::atoi(argv[2]), std::atoi(argv[3]), scenario == "hang");
+    if (scenario == "fail" && argc == 4)
+      return run_fail(*world, std::atoi(argv[2]), std::atoi(argv[3]));
+    std::fprintf(stderr,
+                 "usage: comm_worker collectives | kill|hang VICTIM TIMEOUT_MS | fail RANK CODE\n");
+    return 2;
+  } catch (const Error& e) {
+    std::printf("rank %d: error: %s\n", g_rank, e.what());
+    return 4;
+  }
+}

@@ -1,0 +1,249 @@
+// Convolution, pooling and batch-norm ops: finite-difference gradients (f64,
+// reference kernels), oneDNN against the reference on odd random shapes in
+// channels-last layout, and a few closed forms.
+#include "tests/testing.h"
+
+#include <random>
+
+#include "core/ops_conv.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+
+namespace {
+
+Tensor image_f64(const Shape& s, Generator& gen) { return rand_f64(s, gen); }
+
+// f32 image in channels-last layout (what the layers pass), values in [-1, 1).
+Tensor image_cl(const Shape& s, Generator& gen) {
+  autograd::NoGradGuard no_grad;
+  return to_channels_last(rand_tensor(s, gen));
+}
+
+}  // namespace
+
+TEST_CASE("conv2d: layout helpers", "[layers][conv]") {
+  Tensor x = empty_channels_last({2, 3, 4, 5});
+  REQUIRE(x.strides() == Shape{60, 1, 15, 3});
+  REQUIRE(is_channels_last(x));
+  REQUIRE(!is_channels_last(zeros({2, 3, 4, 5})));
+  REQUIRE(is_channels_last(zeros({2, 1, 4, 5})));  // one channel: both layouts agree
+  Generator gen(1);
+  Tensor a = rand_tensor({2, 3, 4, 5}, gen);
+  Tensor b = to_channels_last(a);
+  REQUIRE(is_channels_last(b));
+  require_close(b, a, 0, 0, "to_channels_last keeps values");
+  REQUIRE(is_channels_last(relu_channels_last(b)));
+  REQUIRE(is_channels_last(add_channels_last(b, b)));
+  require_close(add_channels_last(b, b), a * 2.0, 0, 0, "add_channels_last");
+}
+
+TEST_CASE("conv2d: closed form of a 1x1 convolution and of a 3x3 box filter", "[layers][conv]") {
+  Generator gen(2);
+  Tensor x = rand_tensor({2, 3, 4, 5}, gen);
+  Tensor w = rand_tensor({4, 3, 1, 1}, gen);
+  Tensor b = rand_tensor({4}, gen);
+  // A 1x1 conv is a matmul over channels.
+  Tensor expected =
+      (matmul(x.permute({0, 2, 3, 1}), w.reshape({4, 3}).t()) + b).permute({0, 3, 1, 2});
+  Tensor y = conv2d(x, w, b);
+  REQUIRE(is_channels_last(y));
+  require_close(y, expected, 1e-5, 1e-5, "1x1 conv");
+  // All-ones 3x3 kernel with padding 1 on all-ones input: 9 inside, 6 on edges, 4 at corners.
+  Tensor ones_x = ones({1, 1, 4, 4});
+  Tensor box = conv2d(ones_x, ones({1, 1, 3, 3}), {}, {.padding = {1, 1}});
+  std::vector<float> v = box.contiguous().to_vector<float>();
+  REQUIRE(v == std::vector<float>{4, 6, 6, 4, 6, 9, 9, 6, 6, 9, 9, 6, 4, 6, 6, 4});
+}
+
+TEST_CASE("conv2d: gradients match finite differences", "[layers][conv]") {
+  Generator gen(3);
+  struct Case {
+    Shape x, w;
+    Conv2dAttrs a;
+    bool bias, relu;
+  };
+  std::vector<Case> cases = {
+      {{2, 3, 7, 6}, {4, 3, 3, 3}, {.stride = {2, 2}, .padding = {1, 1}}, true, false},
+      {{1, 2, 8, 7}, {3, 2, 3, 2}, {.padding = {2, 1}, .dilation = {2, 2}}, false, false},
+      {{2, 4, 5, 5}, {6, 2, 3, 3}, {.stride = {1, 2}, .padding = {1, 0}, .groups = 2}, true, false},
+      {{1, 3, 5, 6}, {2, 3, 2, 3}, {.padding = {1, 1}}, true, true},
+  };
+  for (const Case& c : cases) {
+    INFO("x " << shape_str(c.x) << " w " << shape_str(c.w) << " groups " << c.a.groups);
+    TensorList in = {image_f64(c.x, gen), rand_f64(c.w, gen)};
+    if (c.bias) in.push_back(rand_f64({c.w[0]}, gen));
+    gradcheck(
+        [&](const TensorList& t) {
+          return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), c.a, c.relu);
+        },
+        in);
+  }
+}
+
+TEST_CASE("conv2d: oneDNN matches the reference on odd shapes", "[layers][conv]") {
+  Generator gen(4);
+  std::mt19937 pick(4);
+  auto r = [&](int lo, int hi) {
+    return int64_t(std::uniform_int_distribution<int>(lo, hi)(pick));
+  };
+  for (int iter = 0; iter < 12; ++iter) {
+    int64_t groups = iter % 3 == 2 ? r(2, 3) : 1;
+    int64_t I = groups * r(1, 4), O = groups * r(1, 5), k = r(1, 3) * 2 - 1 + (iter % 4 == 3);
+    Conv2dAttrs a{.stride = {r(1, 2), r(1, 2)},
+                  .padding = {r(0, 2), r(0, 1)},
+                  .dilation = {iter % 5 == 4 ? 2 : 1, 1},
+                  .groups = groups};
+    Shape xs = {r(1, 3), I, r(7, 13), r(6, 11)};
+    bool bias = iter % 2 == 0, relu = iter % 4 == 1;
+    INFO("iter " << iter << " x " << shape_str(xs) << " O " << O << " k " << k);
+    TensorList in = {image_cl(xs, gen), rand_tensor({O, I / groups, k, k}, gen)};
+    if (bias) in.push_back(rand_tensor({O}, gen));
+    check_fast_vs_reference(
+        [&](const TensorList& t) {
+          Tensor y = conv2d(t[0], t[1], bias ? t[2] : Tensor(), a, relu);
+          REQUIRE(is_channels_last(y));
+          return y;
+        },
+        in, 1e-4, 1e-4);
+  }
+  // A row-major input and a non-contiguous one go through the same path.
+  Tensor x = non_contiguous(rand_tensor({2, 5, 9, 7}, gen));
+  check_fast_vs_reference([](const TensorList& t) { return conv2d(t[0], t[1], t[2]); },
+                          {x, rand_tensor({3, 5, 3, 3}, gen), rand_tensor({3}, gen)}, 1e-4, 1e-4);
+}
+
+TEST_CASE("pooling: closed forms", "[layers][pool]") {
+  Tensor x = arange(16, DType::f32).reshape({1, 1, 4, 4});
+  REQUIRE(max_pool2d(x, {}).contiguous().to_vector<float>() == std::vector<float>{5, 7, 13, 15});
+  REQUIRE(avg_pool2d(x, {}).contiguous().to_vector<float>() ==
+          std::vector<float>{2.5, 4.5, 10.5, 12.5});
+  // Padding 1, kernel 3, stride 2 on a 4x4 of ones: corners see 4 of 9 (include_pad) or 4 of 4.
+  Pool2dAttrs a{.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}};
+  Tensor o = ones({1, 1, 4, 4});
+  REQUIRE(std::fabs(avg_pool2d(o, a).contiguous().to_vector<float>()[0] - 4.0f / 9.0f) < 1e-6f);
+  a.count_include_pad = false;
+  REQUIRE(avg_pool2d(o, a).contiguous().to_vector<float>()[0] == 1.0f);
+  // Adaptive 5 -> 3: windows [0,2), [1,4), [3,5).
+  Tensor row = arange(5, DType::f32).reshape({1, 1, 1, 5});
+  std::vector<float> ad = adaptive_avg_pool2d(row, 1, 3).contiguous().to_vector<float>();
+  REQUIRE(ad == std::vector<float>{0.5f, 2.0f, 3.5f});
+  REQUIRE(adaptive_avg_pool2d(x, 1, 1).contiguous().to_vector<float>()[0] == 7.5f);
+}
+
+TEST_CASE("pooling: gradients match finite differences", "[layers][pool]") {
+  Generator gen(5);
+  Pool2dAttrs max_a{.kernel = {3, 2}, .stride = {2, 1}, .padding = {1, 1}};
+  gradcheck([&](const TensorList& t) { return max_pool2d(t[0], max_a); },
+            {image_f64({2, 3, 7, 6}, gen)});
+  for (bool include : {true, false}) {
+    Pool2dAttrs a{
+        .kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}, .count_include_pad = include};
+    gradcheck([&](const TensorList& t) { return avg_pool2d(t[0], a); },
+              {image_f64({2, 2, 7, 8}, gen)});
+  }
+  gradcheck([](const TensorList& t) { return adaptive_avg_pool2d(t[0], 3, 2); },
+            {image_f64({1, 2, 7, 5}, gen)});
+  gradcheck([](const TensorList& t) { return adaptive_avg_pool2d(t[0], 1, 1); },
+            {image_f64({2, 3, 4, 5}, gen)});
+}
+
+TEST_CASE("pooling: oneDNN matches the reference on odd shapes", "[layers][pool]") {
+  Generator gen(6);
+  std::mt19937 pick(6);
+  auto r = [&](int lo, int hi) {
+    return int64_t(std::uniform_int_distribution<int>(lo, hi)(pick));
+  };
+  for (int iter = 0; iter < 10; ++iter) {
+    Pool2dAttrs a{.kernel = {r(1, 3), r(2, 3)}, .stride = {r(1, 3), r(1, 2)}};
+    a.padding = {r(0, a.kernel[0] / 2), r(0, a.kernel[1] / 2)};
+    a.count_include_pad = iter % 2 == 0;
+    Shape xs = {r(1, 3), r(1, 9), r(5, 12), r(5, 11)};
+    INFO("iter " << iter << " x " << shape_str(xs) << " kernel " << a.kernel[0] << "x"
+                 << a.kernel[1] << " stride " << a.stride[0] << "x" << a.stride[1] << " pad "
+                 << a.padding[0] << "x" << a.padding[1]);
+    Tensor x = image_cl(xs, gen);
+    check_fast_vs_reference([&](const TensorList& t) { return max_pool2d(t[0], a); }, {x});
+    check_fast_vs_reference([&](const TensorList& t) { return avg_pool2d(t[0], a); }, {x});
+    check_fast_vs_reference([&](const TensorList& t) { return adaptive_avg_pool2d(t[0], 1, 1); },
+                            {x});
+  }
+}
+
+TEST_CASE("batch_norm: training forward and gradients", "[layers][bn]") {
+  Generator gen(7);
+  Tensor x = image_f64({3, 4, 5, 3}, gen);
+  Tensor gamma = rand_f64({4}, gen, 0.5, 1.5), beta = rand_f64({4}, gen);
+  BatchNormResult r = batch_norm_train(x, gamma, beta, 1e-5);
+  // Closed form: batch mean and biased variance over N, H, W.
+  Tensor mean = sum(x, {0, 2, 3}) / 45.0;
+  Tensor centered = x - mean.reshape({1, 4, 1, 1});
+  Tensor var = sum(centered * centered, {0, 2, 3}) / 45.0;
+  require_close(r.mean, mean, 1e-12, 1e-12, "mean");
+  require_close(r.var, var, 1e-12, 1e-12, "var");
+  Tensor expected =
+      centered * rsqrt(var + 1e-5).reshape({1, 4, 1, 1}) * gamma.reshape({1, 4, 1, 1}) +
+      beta.reshape({1, 4, 1, 1});
+  require_close(r.out, expected, 1e-10, 1e-10, "out");
+  REQUIRE(is_channels_last(r.out));
+  gradcheck([](const TensorList& t) { return batch_norm_train(t[0], t[1], t[2], 1e-5).out; },
+            {x, gamma, beta});
+  gradcheck([](const TensorList& t) { return batch_norm_train(t[0], t[1], t[2], 1e-5, true).out; },
+            {x, gamma, beta});
+  require_close(batch_norm_train(x, gamma, beta, 1e-5, true).out, relu(expected), 1e-10, 1e-10,
+                "fused relu");
+  Tensor rm = rand_f64({4}, gen), rv = rand_f64({4}, gen, 0.5, 2.0);
+  gradcheck([&](const TensorList& t) { return batch_norm_eval(t[0], t[1], t[2], rm, rv, 1e-5); },
+            {x, gamma, beta});
+}
+
+TEST_CASE("batch_norm: oneDNN matches the reference on odd shapes", "[layers][bn]") {
+  Generator gen(8);
+  for (Shape xs : {Shape{3, 5, 7, 3}, Shape{1, 7, 9, 11}, Shape{5, 3, 1, 1}}) {
+    INFO("x " << shape_str(xs));
+    Tensor x = image_cl(xs, gen) * 3.0 + 0.5;
+    Tensor gamma = rand_tensor({xs[1]}, gen, 0.5, 1.5), beta = rand_tensor({xs[1]}, gen);
+    check_fast_vs_reference(
+        [](const TensorList& t) { return batch_norm_train(t[0], t[1], t[2], 1e-5).out; },
+        {x, gamma, beta}, 1e-4, 1e-4);
+    check_fast_vs_reference(
+        [](const TensorList& t) { return batch_norm_train(t[0], t[1], t[2], 1e-5, true).out; },
+        {x, gamma, beta}, 1e-4, 1e-4);
+    Tensor rm = rand_tensor({xs[1]}, gen), rv = rand_tensor({xs[1]}, gen, 0.5, 2.0);
+    check_fast_vs_reference(
+        [&](const TensorList& t) { return batch_norm_eval(t[0], t[1], t[2], rm, rv, 1e-5); },
+        {x, gamma, beta}, 1e-4, 1e-4);
+    BatchNormResult fast = batch_norm_train(x, gamma, beta, 1e-5);
+    ReferenceKernelsGuard guard;
+    BatchNormResult ref = batch_norm_train(x, gamma, beta, 1e-5);
+    require_close(fast.mean, ref.mean, 1e-5, 1e-5, "mean");
+    require_close(fast.var, ref.var, 1e-4, 1e-5, "var");
+  }
+}
+
+TEST_CASE("conv2d_bn_eval: folded conv + bn + relu equals the unfused sequence", "[layers][bn]") {
+  Generator gen(9);
+  Tensor x = image_cl({2, 5, 9, 8}, gen);
+  Tensor w = rand_tensor({6, 5, 3, 3}, gen), gamma = rand_tensor({6}, gen, 0.5, 1.5);
+  Tensor beta = rand_tensor({6}, gen), rm = rand_tensor({6}, gen),
+         rv = rand_tensor({6}, gen, 0.5, 2);
+  Conv2dAttrs a{.stride = {2, 2}, .padding = {1, 1}};
+  for (bool relu : {true, false}) {
+    Tensor unfused = batch_norm_eval(conv2d(x, w, {}, a), gamma, beta, rm, rv, 1e-5);
+    if (relu) unfused = relu_channels_last(unfused);
+    Tensor fused = conv2d_bn_eval(x, w, {}, a, gamma, beta, rm, rv, 1e-5, relu);
+    REQUIRE(is_channels_last(fused));
+    require_close(fused, unfused, 1e-5, 1e-5, relu ? "with relu" : "without relu");
+  }
+  // Differentiable: gradients agree with the unfused graph (f64, reference kernels).
+  Tensor x64 = image_f64({1, 2, 5, 5}, gen);
+  Tensor w64 = rand_f64({3, 2, 3, 3}, gen), b64 = rand_f64({3}, gen);
+  Tensor g64 = rand_f64({3}, gen, 0.5, 1.5), be64 = rand_f64({3}, gen);
+  Tensor rm64 = rand_f64({3}, gen), rv64 = rand_f64({3}, gen, 0.5, 2.0);
+  gradcheck(
+      [&](const TensorList& t) {
+        return conv2d_bn_eval(t[0], t[1], t[2], {.padding = {1, 1}}, t[3], t[4], rm64, rv64, 1e-5,
+                              true);
+      },
+      {x64, w64, b64, g64, be64});
+}

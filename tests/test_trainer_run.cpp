@@ -1,0 +1,177 @@
+// End-to-end runs of the trainer binary: SIGTERM leaves a valid checkpoint,
+// resuming reproduces the uninterrupted run bit for bit, and the default
+// recipe learns.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <regex>
+
+#include "tests/testing.h"
+#include "trainer/checkpoint.h"
+#include "trainer/safetensors.h"
+
+using namespace trainer;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;
+};
+
+// Runs `trainer args...`; when `stop_after` appears in its output, sends SIGTERM.
+RunResult run_trainer(const std::vector<std::string>& args, const std::string& stop_after = "") {
+  int out[2];
+  REQUIRE(pipe(out) == 0);
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    dup2(out[1], 1);
+    dup2(out[1], 2);
+    close(out[0]);
+    std::vector<char*> argv{const_cast<char*>(TRAINER_BINARY)};
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(TRAINER_BINARY, argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  RunResult r;
+  bool signalled = false;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(out[0], buf, sizeof buf)) > 0) {
+    r.output.append(buf, size_t(n));
+    if (!stop_after.empty() && !signalled && r.output.find(stop_after) != std::string::npos) {
+      kill(pid, SIGTERM);
+      signalled = true;
+    }
+  }
+  close(out[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+std::string model_bytes(const std::string& checkpoint_dir) {
+  return read_file(checkpoint_dir + "/model.safetensors");
+}
+
+fs::path fresh(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("trainer_run_" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+std::vector<std::string> recipe_args(const std::string& recipe, const fs::path& out,
+                                     std::vector<std::string> extra) {
+  std::vector<std::string> a{"train", std::string(TRAINER_SOURCE_DIR) + "/recipes/" + recipe,
+                             "output_dir=" + out.string(), "training.threads=1", "data.workers=1"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// Straight run vs. interrupted (SIGTERM after step `stop`) + --resume auto.
+void check_resume_equivalence(const std::string& recipe, std::vector<std::string> extra,
+                              int64_t steps, const std::string& stop_line) {
+  extra.push_back("training.steps=" + std::to_string(steps));
+  fs::path straight = fresh(recipe + "_straight"), resumed = fresh(recipe + "_resumed");
+  RunResult a = run_trainer(recipe_args(recipe, straight, extra));
+  INFO(a.output);
+  REQUIRE(a.exit_code == 0);
+
+  RunResult b1 = run_trainer(recipe_args(recipe, resumed, extra), stop_line);
+  INFO(b1.output);
+  REQUIRE(b1.exit_code == 0);
+  REQUIRE(b1.output.find("received signal 15") != std::string::npos);
+  CheckpointDir ckpt((resumed / "checkpoints").string(), 100);
+  std::optional<std::string> mid = ckpt.latest_complete();
+  REQUIRE(mid);
+  REQUIRE(fs::path(*mid).filename().string() < CheckpointDir::step_name(steps));
+
+  std::vector<std::string> resume = recipe_args(recipe, resumed, extra);
+  resume.push_back("--resume");
+  resume.push_back("auto");
+  RunResult b2 = run_trainer(resume);
+  INFO(b2.output);
+  REQUIRE(b2.exit_code == 0);
+  REQUIRE(b2.output.find("resumed from") != std::string::npos);
+
+  std::string last = CheckpointDir::step_name(steps);
+  REQUIRE(model_bytes((straight / "checkpoints" / last).string()) ==
+          model_bytes((resumed / "checkpoints" / last).string()));
+  REQUIRE(read_file((straight / "checkpoints" / last / "optimizer.safetensors").string()) ==
+          read_file((resumed / "checkpoints" / last / "optimizer.safetensors").string()));
+}
+
+}  // namespace
+
+TEST_CASE("train: SIGTERM checkpoints, and resuming the MLP is bit-identical", "[train]") {
+  check_resume_equivalence("fmnist_mlp.yaml", {"training.global_batch=32", "training.log_every=5"},
+                           40, "step 10/40");
+}
+
+TEST_CASE("train: resuming the CNN (batch norm, dropout, grad accumulation) is bit-identical",
+          "[train][slow]") {
+  check_resume_equivalence(
+      "fmnist_cnn.yaml",
+      {"training.global_batch=32", "training.grad_accum=2", "training.log_every=5"}, 30,
+      "step 10/30");
+}
+
+TEST_CASE("train: bad recipes and arguments fail with a message, not a crash", "[train]") {
+  fs::path out = fresh("bad");
+  RunResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"training.epoch=3"}));
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.output.find("did you mean 'training.epochs'") != std::string::npos);
+  r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"--resume", "/nonexistent"}));
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.output.find("not a complete checkpoint") != std::string::npos);
+  r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"model.num_classes=7"}));
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.output.find("model.num_classes is 7 but the dataset has 10") != std::string::npos);
+}
+
+TEST_CASE("train: a corrupt checkpoint is refused and the previous one is untouched", "[train]") {
+  fs::path out = fresh("corrupt");
+  RunResult r = run_trainer(recipe_args("fmnist_mlp.yaml", out,
+                                        {"training.steps=4", "training.checkpoint_every=2",
+                                         "training.global_batch=16"}));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  fs::path last = out / "checkpoints" / CheckpointDir::step_name(4);
+  std::string good = read_file((last / "model.safetensors").string());
+  std::string bad = good.substr(0, good.size() / 2);
+  write_file_atomic((last / "model.safetensors").string(), bad);
+  r = run_trainer(recipe_args("fmnist_mlp.yaml", out,
+                              {"training.steps=8", "training.global_batch=16", "--resume",
+                               last.string()}));
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.output.find("not a valid safetensors file") != std::string::npos);
+  REQUIRE(fs::exists(out / "checkpoints" / CheckpointDir::step_name(2) / "model.safetensors"));
+}
+
+TEST_CASE("train: --dry-run prints the summary and memory estimate", "[train]") {
+  fs::path out = fresh("dry");
+  RunResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"--dry-run"}));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.output.find("total  421,834 parameters") != std::string::npos);
+  REQUIRE(r.output.find("memory estimate") != std::string::npos);
+  REQUIRE(!fs::exists(out / "checkpoints"));
+}
+
+TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][slow]") {
+  fs::path out = fresh("accuracy");
+  RunResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out,
+                                        {"training.epochs=1", "training.threads=2"}));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex("final eval top1 ([0-9.]+)%")));
+  REQUIRE(std::stod(m[1]) >= 88.0);
+}

@@ -1,0 +1,43 @@
+// `trainer launch`: starts the ranks of this node as child processes, the way
+// torchrun does, and supervises them.
+//
+//   trainer launch --nproc-per-node 4 -- train recipe.yaml
+//   trainer launch --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr node01 --master-port
+//   29500 -- train r.yaml
+//
+// Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT and TRAINER_JOB_TOKEN (the launcher's own TRAINER_JOB_TOKEN when
+// set; else a fresh random one on a single node, or one derived from the
+// master address and port across nodes, where every launcher must agree).
+// SIGINT and SIGTERM are forwarded to the children. When a child fails, the
+// others get SIGTERM, then SIGKILL after the grace period, and the launcher
+// returns the failed child's exit code (128 + signal for a killed one).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace trainer {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;            // 0: a free port of this host (single node only)
+  std::string program;            // empty: this trainer binary
+  std::vector<std::string> args;  // passed to every rank
+  double grace_seconds = 10.0;    // between SIGTERM and SIGKILL when stopping ranks
+};
+
+// Registers the subcommand; its options fill `options`.
+CLI::App* add_launch_command(CLI::App& app, LaunchOptions& options);
+
+// Runs the local ranks to completion; returns the launcher's exit code.
+int run_launch(const LaunchOptions& options);
+
+}  // namespace trainer

@@ -1,0 +1,69 @@
+#include "trainer/metrics.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+
+namespace trainer {
+
+MetricsLog::MetricsLog(const std::string& dir, bool tensorboard) {
+  std::filesystem::create_directories(dir);
+  std::string path = dir + "/metrics.jsonl";
+  jsonl_ = std::fopen(path.c_str(), "a");
+  if (!jsonl_) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
+  if (tensorboard) tb_ = std::make_unique<TensorBoardWriter>(dir + "/tb");
+}
+
+MetricsLog::~MetricsLog() {
+  if (jsonl_) std::fclose(jsonl_);
+}
+
+void MetricsLog::write(const std::string& split, int64_t step, const Scalars& scalars) {
+  using namespace std::chrono;
+  nlohmann::ordered_json j;
+  j["split"] = split;
+  j["step"] = step;
+  j["time"] = duration<double>(system_clock::now().time_since_epoch()).count();
+  for (const auto& [name, value] : scalars) {
+    if (std::isfinite(value))
+      j[name] = value;
+    else
+      j[name] = nullptr;  // JSON has no NaN/inf
+    if (tb_) tb_->add_scalar(split + "/" + name, value, step);
+  }
+  std::string line = j.dump() + "\n";
+  std::fwrite(line.data(), 1, line.size(), jsonl_);
+  std::fflush(jsonl_);
+  if (tb_) tb_->flush();
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  int64_t s = int64_t(seconds + 0.5);
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm%02llds", (long long)(s / 3600),
+                  (long long)(s / 60 % 60), (long long)(s % 60));
+  else if (s >= 60)
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%llds", (long long)s);
+  return buf;
+}
+
+std::string progress_line(const Progress& p) {
+  char buf[256];
+  double frac = p.total_steps > 0 ? double(p.step) / double(p.total_steps) : 0.0;
+  std::snprintf(buf, sizeof buf,
+                "epoch %lld step %lld/%lld (%.1f%%) | loss %.4f | lr %.4g | %.0f samples/s | ETA %s",
+                (long long)p.epoch, (long long)p.step, (long long)p.total_steps, 100.0 * frac, p.loss,
+                p.lr, p.samples_per_second, format_duration(p.eta_seconds).c_str());
+  return buf;
+}
+
+}  // namespace trainer

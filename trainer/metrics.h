@@ -1,0 +1,54 @@
+// Run logs: a JSONL file of metrics (one object per line, appended, flushed
+// per record so a crash loses nothing) mirrored to TensorBoard, and the
+// console progress line.
+//
+//   MetricsLog log("runs/x");                  // runs/x/metrics.jsonl, runs/x/tb/
+//   log.write("train", step, {{"loss", 0.4}, {"lr", 0.1}});
+//   std::cout << progress_line(p) << "\n";    // "epoch 2 step 1200/4680 | loss 0.4123 | ..."
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "trainer/tensorboard.h"
+
+namespace trainer {
+
+using Scalars = std::vector<std::pair<std::string, double>>;
+
+class MetricsLog {
+ public:
+  // tensorboard: also write TensorBoard events under dir/tb.
+  explicit MetricsLog(const std::string& dir, bool tensorboard = true);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+
+  // One JSONL record {"split": ..., "step": ..., "time": ..., <scalars>}; TensorBoard tags "<split>/<name>".
+  void write(const std::string& split, int64_t step, const Scalars& scalars);
+
+ private:
+  std::FILE* jsonl_ = nullptr;
+  std::unique_ptr<TensorBoardWriter> tb_;
+};
+
+struct Progress {
+  int64_t epoch = 0;
+  int64_t step = 0;
+  int64_t total_steps = 0;
+  double loss = 0;
+  double lr = 0;
+  double samples_per_second = 0;
+  double eta_seconds = 0;  // negative: unknown
+};
+
+// "epoch 2 step 1200/4680 (25.6%) | loss 0.4123 | lr 0.1 | 2950 samples/s | ETA 3m12s"
+std::string progress_line(const Progress& p);
+// 3725 s -> "1h02m05s"
+std::string format_duration(double seconds);
+
+}  // namespace trainer

@@ -1,0 +1,343 @@
+#include "trainer/recipe.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+#include "core/check.h"
+
+namespace trainer {
+
+namespace {
+
+// Where a value came from, for messages: "recipes/x.yaml:12" or "override 'a=b'".
+struct Origin {
+  std::string text;
+};
+
+Origin origin_of(const std::string& file, const YAML::Node& node) {
+  const YAML::Mark m = node.Mark();
+  return Origin{m.line >= 0 ? cat(file, ":", m.line + 1) : file};
+}
+
+// Shortest faithful text for a number (yaml-cpp would print 17 digits).
+std::string format_number(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.10g", x);
+  return buf;
+}
+
+// One key of the schema, bound to a field of a Recipe.
+struct Field {
+  std::string path;
+  std::function<void(const YAML::Node&, const Origin&)> parse;
+  std::function<YAML::Node()> emit;
+};
+
+[[noreturn]] void type_error(const Origin& o, const std::string& path, const char* expected,
+                             const YAML::Node& v) {
+  std::string got = v.IsScalar() ? "'" + v.Scalar() + "'" : (v.IsSequence() ? "a list" : "a map");
+  throw Error(cat(o.text, ": key '", path, "' expects ", expected, ", got ", got));
+}
+
+template <class T>
+T scalar_as(const YAML::Node& v, const Origin& o, const std::string& path, const char* expected) {
+  if (!v.IsScalar()) type_error(o, path, expected, v);
+  try {
+    return v.as<T>();
+  } catch (const YAML::Exception&) {
+    type_error(o, path, expected, v);
+  }
+}
+
+template <class T>
+void check_range(T value, T lo, T hi, const Origin& o, const std::string& path) {
+  if (value < lo || value > hi)
+    throw Error(cat(o.text, ": key '", path, "' = ", value, " is out of range [", lo, ", ", hi, "]"));
+}
+
+Field int_field(std::string path, int64_t* p, int64_t lo, int64_t hi) {
+  return Field{path,
+               [=](const YAML::Node& v, const Origin& o) {
+                 int64_t x = scalar_as<int64_t>(v, o, path, "an integer");
+                 check_range(x, lo, hi, o, path);
+                 *p = x;
+               },
+               [=] { return YAML::Node(*p); }};
+}
+
+Field float_field(std::string path, double* p, double lo, double hi) {
+  return Field{path,
+               [=](const YAML::Node& v, const Origin& o) {
+                 double x = scalar_as<double>(v, o, path, "a number");
+                 check_range(x, lo, hi, o, path);
+                 *p = x;
+               },
+               [=] { return YAML::Node(format_number(*p)); }};
+}
+
+Field bool_field(std::string path, bool* p) {
+  return Field{path,
+               [=](const YAML::Node& v, const Origin& o) {
+                 *p = scalar_as<bool>(v, o, path, "true or false");
+               },
+               [=] { return YAML::Node(*p); }};
+}
+
+// A string; `choices` empty means free text.
+Field string_field(std::string path, std::string* p, std::vector<std::string> choices = {}) {
+  return Field{path,
+               [=](const YAML::Node& v, const Origin& o) {
+                 std::string s = scalar_as<std::string>(v, o, path, "a string");
+                 if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
+                   std::string list;
+                   for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
+                   throw Error(cat(o.text, ": key '", path, "' = '", s, "' is not one of: ", list));
+                 }
+                 *p = s;
+               },
+               [=] { return YAML::Node(*p); }};
+}
+
+Field float_list_field(std::string path, std::vector<double>* p, double lo, double hi) {
+  return Field{path,
+               [=](const YAML::Node& v, const Origin& o) {
+                 if (!v.IsSequence()) type_error(o, path, "a list of numbers", v);
+                 std::vector<double> out;
+                 for (const YAML::Node& e : v) {
+                   double x = scalar_as<double>(e, o, path, "a list of numbers");
+                   check_range(x, lo, hi, o, path);
+                   out.push_back(x);
+                 }
+                 *p = out;
+               },
+               [=] {
+                 YAML::Node n(YAML::NodeType::Sequence);
+                 for (double x : *p) n.push_back(format_number(x));
+                 n.SetStyle(YAML::EmitterStyle::Flow);
+                 return n;
+               }};
+}
+
+constexpr int64_t kBig = std::numeric_limits<int32_t>::max();
+
+std::vector<Field> schema(Recipe& r) {
+  ModelRecipe& m = r.model;
+  DataRecipe& d = r.data;
+  OptimizerRecipe& op = r.optimizer;
+  ScheduleRecipe& s = r.schedule;
+  TrainingRecipe& t = r.training;
+  ParallelRecipe& p = r.parallel;
+  return {
+      string_field("model.name", &m.name,
+                   {"small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+                    "resnet18_small", "resnet34_small", "resnet50_small", "gpt", "lstm_lm"}),
+      int_field("model.num_classes", &m.num_classes, 1, 1000000),
+      int_field("model.in_channels", &m.in_channels, 1, 4096),
+      bool_field("model.zero_init_residual", &m.zero_init_residual),
+      int_field("model.vocab_size", &m.vocab_size, 2, 10000000),
+      int_field("model.context", &m.context, 1, 1 << 20),
+      int_field("model.n_layer", &m.n_layer, 1, 1024),
+      int_field("model.n_head", &m.n_head, 1, 1024),
+      int_field("model.d_model", &m.d_model, 1, 1 << 16),
+      int_field("model.hidden", &m.hidden, 1, 1 << 16),
+      float_field("model.dropout", &m.dropout, 0.0, 0.99),
+      bool_field("model.tie_weights", &m.tie_weights),
+
+      string_field("data.name", &d.name, {"fashion_mnist", "image_folder", "text"}),
+      string_field("data.root", &d.root),
+      int_field("data.image_size", &d.image_size, 1, 4096),
+      int_field("data.resize", &d.resize, 0, 8192),
+      bool_field("data.augment", &d.augment),
+      int_field("data.workers", &d.workers, 0, 256),
+      int_field("data.prefetch", &d.prefetch, 1, 1024),
+      string_field("data.bad_files", &d.bad_files, {"skip", "error"}),
+      float_field("data.val_fraction", &d.val_fraction, 0.0, 0.9),
+
+      string_field("optimizer.name", &op.name, {"sgd", "adamw"}),
+      float_field("optimizer.lr", &op.lr, 0.0, 100.0),
+      bool_field("optimizer.scale_lr", &op.scale_lr),
+      float_field("optimizer.momentum", &op.momentum, 0.0, 1.0),
+      float_field("optimizer.dampening", &op.dampening, 0.0, 1.0),
+      bool_field("optimizer.nesterov", &op.nesterov),
+      float_field("optimizer.weight_decay", &op.weight_decay, 0.0, 1.0),
+      bool_field("optimizer.decay_norm_and_bias", &op.decay_norm_and_bias),
+      float_field("optimizer.beta1", &op.beta1, 0.0, 0.999999),
+      float_field("optimizer.beta2", &op.beta2, 0.0, 0.999999999),
+      float_field("optimizer.eps", &op.eps, 0.0, 1.0),
+      float_field("optimizer.clip_grad_norm", &op.clip_grad_norm, 0.0, 1e9),
+
+      string_field("schedule.name", &s.name, {"constant", "step", "multistep", "cosine"}),
+      float_field("schedule.warmup_epochs", &s.warmup_epochs, 0.0, 1e6),
+      int_field("schedule.warmup_steps", &s.warmup_steps, 0, kBig),
+      float_field("schedule.step_size", &s.step_size, 1e-9, 1e9),
+      float_list_field("schedule.milestones", &s.milestones, 0.0, 1e9),
+      float_field("schedule.gamma", &s.gamma, 0.0, 1.0),
+      float_field("schedule.min_lr", &s.min_lr, 0.0, 100.0),
+
+      int_field("training.epochs", &t.epochs, 0, 1000000),
+      int_field("training.steps", &t.steps, 0, kBig),
+      int_field("training.global_batch", &t.global_batch, 1, 1 << 24),
+      int_field("training.grad_accum", &t.grad_accum, 1, 65536),
+      int_field("training.eval_every", &t.eval_every, 0, kBig),
+      int_field("training.log_every", &t.log_every, 1, kBig),
+      int_field("training.checkpoint_every", &t.checkpoint_every, 0, kBig),
+      int_field("training.keep_last", &t.keep_last, 1, 100000),
+      int_field("training.max_nonfinite", &t.max_nonfinite, 1, 1000000),
+      int_field("training.threads", &t.threads, 0, 4096),
+      bool_field("training.trace", &t.trace),
+
+      int_field("parallel.dp", &p.dp, 0, 1 << 20),
+      int_field("parallel.pp", &p.pp, 1, 4096),
+      int_field("parallel.tp", &p.tp, 1, 4096),
+      int_field("parallel.micro_batches", &p.micro_batches, 1, 65536),
+      string_field("parallel.schedule", &p.schedule, {"gpipe", "1f1b"}),
+      int_field("parallel.bucket_mb", &p.bucket_mb, 1, 1 << 16),
+      bool_field("parallel.zero1", &p.zero1),
+      bool_field("parallel.sync_bn", &p.sync_bn),
+
+      string_field("precision", &r.precision, {"fp32", "bf16", "fp16"}),
+      string_field("device", &r.device, {"cpu", "cuda"}),
+      int_field("seed", &r.seed, 0, std::numeric_limits<int64_t>::max()),
+      string_field("output_dir", &r.output_dir),
+  };
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string closest_key(const std::vector<Field>& fields, const std::string& path) {
+  std::string best;
+  size_t best_d = SIZE_MAX;
+  for (const Field& f : fields) {
+    size_t d = edit_distance(path, f.path);
+    // Also compare with just the last component, for keys under the wrong section.
+    std::string last = f.path.substr(f.path.rfind('.') + 1);
+    std::string path_last = path.substr(path.rfind('.') + 1);
+    d = std::min(d, edit_distance(path_last, last) + 1);
+    if (d < best_d) best_d = d, best = f.path;
+  }
+  return best;
+}
+
+const Field* find_field(const std::vector<Field>& fields, const std::string& path) {
+  for (const Field& f : fields)
+    if (f.path == path) return &f;
+  return nullptr;
+}
+
+bool is_section(const std::vector<Field>& fields, const std::string& path) {
+  for (const Field& f : fields)
+    if (f.path.rfind(path + ".", 0) == 0) return true;
+  return false;
+}
+
+void walk(const std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
+          const std::string& file) {
+  if (!node.IsMap())
+    throw Error(cat(origin_of(file, node).text, ": ",
+                    prefix.empty() ? "a recipe must be a YAML map of sections"
+                                   : "section '" + prefix + "' must be a map"));
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    std::string key = it->first.as<std::string>();
+    std::string path = prefix.empty() ? key : prefix + "." + key;
+    Origin o = origin_of(file, it->first);
+    if (const Field* f = find_field(fields, path)) {
+      f->parse(it->second, o);
+    } else if (is_section(fields, path)) {
+      walk(fields, it->second, path, file);
+    } else {
+      throw Error(cat(o.text, ": unknown key '", path, "'; did you mean '", closest_key(fields, path),
+                      "'? (`trainer train --help` lists the recipe keys)"));
+    }
+  }
+}
+
+void apply_override(const std::vector<Field>& fields, const std::string& text) {
+  size_t eq = text.find('=');
+  Origin o{cat("override '", text, "'")};
+  if (eq == std::string::npos || eq == 0)
+    throw Error(cat(o.text, ": expected key=value, e.g. training.epochs=3"));
+  std::string path = text.substr(0, eq);
+  const Field* f = find_field(fields, path);
+  if (!f)
+    throw Error(cat(o.text, ": unknown key '", path, "'; did you mean '", closest_key(fields, path),
+                    "'?"));
+  YAML::Node value;
+  try {
+    value = YAML::Load(text.substr(eq + 1));
+  } catch (const YAML::Exception& e) {
+    throw Error(cat(o.text, ": cannot parse the value: ", e.msg));
+  }
+  if (value.IsNull()) value = YAML::Node(std::string());
+  f->parse(value, o);
+}
+
+}  // namespace
+
+Recipe parse_recipe(const std::string& text, const std::string& name,
+                    const std::vector<std::string>& overrides) {
+  Recipe r;
+  r.source = name;
+  std::vector<Field> fields = schema(r);
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw Error(cat(name, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));
+  }
+  if (!root.IsNull()) walk(fields, root, "", name);
+  for (const std::string& o : overrides) apply_override(fields, o);
+  return r;
+}
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) throw Error(cat("cannot open recipe ", path, ": ", std::strerror(errno)));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return parse_recipe(buf.str(), path, overrides);
+}
+
+std::string recipe_to_yaml(const Recipe& r) {
+  Recipe copy = r;
+  YAML::Node root(YAML::NodeType::Map);
+  for (const Field& f : schema(copy)) {
+    size_t dot = f.path.find('.');
+    if (dot == std::string::npos)
+      root[f.path] = f.emit();
+    else
+      root[f.path.substr(0, dot)][f.path.substr(dot + 1)] = f.emit();
+  }
+  YAML::Emitter out;
+  out << root;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::vector<std::string> recipe_keys() {
+  Recipe r;
+  std::vector<std::string> keys;
+  for (const Field& f : schema(r)) keys.push_back(f.path);
+  return keys;
+}
+
+}  // namespace trainer

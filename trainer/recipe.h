@@ -1,0 +1,123 @@
+// Recipes: YAML files parsed once into typed structs (STYLE.md item 9).
+//
+// Every key of the schema is declared once in recipe.cpp (path, type,
+// default, range) and bound to a struct field. Parsing walks the YAML tree;
+// an unknown key is an error naming the file, the line and the closest valid
+// key; a wrong type or an out-of-range value names the key, the value and
+// the accepted range. Command-line overrides `training.epochs=3` go through
+// the same table. Nothing below trainer/ reads a recipe: the loop converts
+// these structs into the option structs of models/, data/, optim/ and comm/.
+//
+//   Recipe r = load_recipe("recipes/fmnist_cnn.yaml", {"training.epochs=1"});
+//   std::cout << recipe_to_yaml(r);   // the resolved recipe, printed at start
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+struct ModelRecipe {
+  std::string name = "small_cnn";  // small_cnn, mlp, resnet18..152, resnet*_small, gpt, lstm_lm
+  int64_t num_classes = 10;
+  int64_t in_channels = 1;
+  bool zero_init_residual = false;
+  // Language models.
+  int64_t vocab_size = 256;
+  int64_t context = 256;
+  int64_t n_layer = 6;
+  int64_t n_head = 6;
+  int64_t d_model = 384;
+  int64_t hidden = 512;  // LSTM
+  double dropout = 0.0;
+  bool tie_weights = true;
+};
+
+struct DataRecipe {
+  std::string name = "fashion_mnist";  // fashion_mnist, image_folder, text
+  std::string root;                    // empty: the dataset's default location
+  int64_t image_size = 28;             // training crop / eval center crop
+  int64_t resize = 0;                  // eval: shorter side before the crop (0: image_size * 8/7)
+  bool augment = false;                // random crop + flip for training
+  int64_t workers = 2;
+  int64_t prefetch = 4;
+  std::string bad_files = "skip";  // skip | error
+  double val_fraction = 0.1;       // text: the last fraction of the corpus
+};
+
+struct OptimizerRecipe {
+  std::string name = "sgd";  // sgd | adamw
+  double lr = 0.1;
+  bool scale_lr = false;  // linear scaling rule: lr x global_batch / 256
+  double momentum = 0.9;
+  double dampening = 0.0;
+  bool nesterov = false;
+  double weight_decay = 0.0;
+  bool decay_norm_and_bias = true;  // false: no weight decay on biases and norm weights
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double clip_grad_norm = 0.0;  // 0: off
+};
+
+struct ScheduleRecipe {
+  std::string name = "constant";  // constant | step | multistep | cosine
+  double warmup_epochs = 0.0;
+  int64_t warmup_steps = 0;
+  double step_size = 30;           // epochs
+  std::vector<double> milestones;  // epochs
+  double gamma = 0.1;
+  double min_lr = 0.0;  // cosine floor
+};
+
+struct TrainingRecipe {
+  int64_t epochs = 1;
+  int64_t steps = 0;  // > 0 overrides epochs
+  int64_t global_batch = 128;
+  int64_t grad_accum = 1;
+  int64_t eval_every = 0;  // steps; 0: at the end of each epoch
+  int64_t log_every = 50;
+  int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch
+  int64_t keep_last = 3;
+  int64_t max_nonfinite = 5;  // consecutive non-finite losses before aborting
+  int64_t threads = 0;        // 0: all cores
+  bool trace = false;         // Chrome-trace timeline
+};
+
+struct ParallelRecipe {
+  int64_t dp = 0;  // 0: the world size divided by pp x tp
+  int64_t pp = 1;
+  int64_t tp = 1;
+  int64_t micro_batches = 1;
+  std::string schedule = "1f1b";  // gpipe | 1f1b
+  int64_t bucket_mb = 25;
+  bool zero1 = false;
+  bool sync_bn = false;
+};
+
+struct Recipe {
+  std::string source;  // the file it came from
+  ModelRecipe model;
+  DataRecipe data;
+  OptimizerRecipe optimizer;
+  ScheduleRecipe schedule;
+  TrainingRecipe training;
+  ParallelRecipe parallel;
+  std::string precision = "fp32";  // fp32 | bf16 | fp16
+  std::string device = "cpu";      // cpu | cuda
+  int64_t seed = 0;
+  std::string output_dir = "runs/default";
+};
+
+// Parses a recipe file, then applies `key=value` overrides in order.
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
+// Parses recipe text (name is used in messages).
+Recipe parse_recipe(const std::string& text, const std::string& name,
+                    const std::vector<std::string>& overrides = {});
+// The resolved recipe as YAML (every key, defaults included).
+std::string recipe_to_yaml(const Recipe& r);
+// Every valid dotted key, in schema order.
+std::vector<std::string> recipe_keys();
+
+}  // namespace trainer

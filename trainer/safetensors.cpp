@@ -1,0 +1,206 @@
+#include "trainer/safetensors.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace trainer {
+
+namespace {
+
+using json = nlohmann::json;
+
+struct DTypeName {
+  DType dtype;
+  const char* name;
+};
+constexpr DTypeName kDTypeNames[] = {
+    {DType::f32, "F32"}, {DType::f64, "F64"}, {DType::bf16, "BF16"}, {DType::f16, "F16"},
+    {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"},     {DType::boolean, "BOOL"},
+};
+
+const char* safetensors_dtype(DType t) {
+  for (const DTypeName& d : kDTypeNames)
+    if (d.dtype == t) return d.name;
+  return "?";
+}
+
+bool parse_dtype(const std::string& s, DType* out) {
+  for (const DTypeName& d : kDTypeNames)
+    if (s == d.name) {
+      *out = d.dtype;
+      return true;
+    }
+  return false;
+}
+
+[[noreturn]] void bad(const std::string& file, const std::string& what) {
+  throw Error(cat(file, ": not a valid safetensors file: ", what,
+                  ". The file may be truncated or corrupt; use an earlier checkpoint or re-export it"));
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, const std::string& bytes) {
+  std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw Error(cat("cannot create ", tmp, ": ", std::strerror(errno)));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      ::close(fd);
+      throw Error(cat("cannot write ", tmp, ": ", std::strerror(e)));
+    }
+    done += size_t(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0)
+    throw Error(cat("cannot flush ", tmp, ": ", std::strerror(errno)));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw Error(cat("cannot rename ", tmp, " to ", path, ": ", std::strerror(errno)));
+  fsync_dir(std::filesystem::path(path).parent_path().string());
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw Error(cat("cannot read ", path));
+  return bytes;
+}
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<Tensor> cpu;
+  uint64_t offset = 0;
+  for (const auto& [name, t] : tensors) {  // NamedTensor
+    CHECK(t.defined()) << "write_safetensors: tensor '" << name << "' is undefined";
+    CHECK(!header.contains(name)) << "write_safetensors: duplicate name '" << name << "'";
+    Tensor c = t.detach().to(Device{}).contiguous();
+    uint64_t bytes = c.nbytes();
+    header[name] = {{"dtype", safetensors_dtype(c.dtype())},
+                    {"shape", c.shape()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    cpu.push_back(c);
+  }
+  std::string h = header.dump();
+  h.resize((h.size() + 7) / 8 * 8, ' ');  // align the data to 8 bytes, as the reference writer
+  std::string out;
+  out.reserve(8 + h.size() + offset);
+  uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) out.push_back(char((n >> (8 * i)) & 0xff));
+  out += h;
+  for (const Tensor& c : cpu) out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  write_file_atomic(path, out);
+}
+
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {
+  if (bytes.size() < 8) bad(name, cat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(bytes[i])) << (8 * i);
+  if (n > kSafetensorsMaxHeader) bad(name, cat("header length ", n, " exceeds the limit"));
+  if (n > bytes.size() - 8)
+    bad(name, cat("header length ", n, " exceeds the ", bytes.size() - 8, " bytes that follow"));
+  json header;
+  try {
+    header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + int64_t(n));
+  } catch (const json::exception& e) {
+    bad(name, cat("header is not valid JSON (", e.what(), ")"));
+  }
+  if (!header.is_object()) bad(name, "header is not a JSON object");
+
+  const uint64_t data_start = 8 + n;
+  const uint64_t data_size = bytes.size() - data_start;
+  SafetensorsFile file;
+  struct Span {
+    uint64_t begin, end;
+    std::string name;
+    DType dtype;
+    Shape shape;
+  };
+  std::vector<Span> spans;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (key == "__metadata__") {
+      if (!v.is_object()) bad(name, "__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) bad(name, cat("__metadata__ value '", m.key(), "' is not a string"));
+        file.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    auto entry = [&](const std::string& what) { return cat("tensor '", key, "': ", what); };
+    if (!v.is_object()) bad(name, entry("entry is not an object"));
+    if (!v.contains("dtype") || !v["dtype"].is_string()) bad(name, entry("missing dtype"));
+    DType dtype;
+    if (!parse_dtype(v["dtype"].get<std::string>(), &dtype))
+      bad(name, entry(cat("unsupported dtype ", v["dtype"].get<std::string>())));
+    if (!v.contains("shape") || !v["shape"].is_array()) bad(name, entry("missing shape"));
+    Shape shape;
+    uint64_t numel = 1;
+    for (const json& d : v["shape"]) {
+      if (!d.is_number_unsigned()) bad(name, entry("shape holds a non-integer or negative size"));
+      uint64_t s = d.get<uint64_t>();
+      if (s > (uint64_t(1) << 40) || (s && numel > (uint64_t(1) << 48) / s))
+        bad(name, entry("shape is implausibly large"));
+      numel *= s;
+      shape.push_back(int64_t(s));
+    }
+    const json& off = v.contains("data_offsets") ? v["data_offsets"] : json();
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned())
+      bad(name, entry("data_offsets must be two non-negative integers"));
+    uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+    if (b > e || e > data_size)
+      bad(name, entry(cat("data_offsets [", b, ", ", e, ") outside the ", data_size, " data bytes")));
+    if (e - b != numel * dtype_size(dtype))
+      bad(name, entry(cat("data_offsets cover ", e - b, " bytes but shape ", shape_str(shape), " of ",
+                          dtype_name(dtype), " needs ", numel * dtype_size(dtype))));
+    spans.push_back({b, e, key, dtype, shape});
+  }
+  // The data must be covered exactly: no overlaps, no gaps, nothing trailing.
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+  });
+  uint64_t pos = 0;
+  for (const Span& s : spans) {
+    if (s.begin != pos)
+      bad(name, cat("tensor '", s.name, "' starts at ", s.begin, " but the previous data ends at ", pos,
+                    " (overlap or gap)"));
+    pos = s.end;
+  }
+  if (pos != data_size) bad(name, cat("data section is ", data_size, " bytes but tensors cover ", pos));
+  // Only now, with every span checked, copy the tensors out.
+  for (const Span& s : spans) {
+    Tensor t = empty(s.shape, s.dtype);
+    std::memcpy(t.data_ptr(), bytes.data() + data_start + s.begin, s.end - s.begin);
+    file.tensors.emplace(s.name, std::move(t));
+  }
+  return file;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  return parse_safetensors(read_file(path), path);
+}
+
+}  // namespace trainer

@@ -1,0 +1,49 @@
+// safetensors files (the format of Hugging Face's safetensors): an 8-byte
+// little-endian header length N, N bytes of JSON
+//   {"name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]},
+//    "__metadata__": {"key": "value"}}
+// then the raw little-endian tensor bytes, offsets relative to the data start.
+//
+// Loading validates everything before touching tensor memory: the header
+// length against the file size and a cap, the JSON, each dtype, shape and
+// offset pair (size = numel x element size, inside the data, no overlaps,
+// no gaps), so a truncated, corrupt or hostile file is a trainer::Error that
+// names the file and the entry, never a crash.
+//
+//   write_safetensors("model.safetensors", {{"fc.weight", w}}, {{"step", "100"}});
+//   SafetensorsFile f = read_safetensors("model.safetensors");
+//   Tensor w = f.tensors.at("fc.weight");
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace trainer {
+
+struct SafetensorsFile {
+  std::map<std::string, Tensor> tensors;  // CPU, contiguous
+  std::map<std::string, std::string> metadata;
+};
+
+// Writes tensors (copied to CPU, contiguous) to path via a temporary file
+// that is fsynced and renamed, so path is either the old or the new file.
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+SafetensorsFile read_safetensors(const std::string& path);
+// Parses an in-memory image of a file; `name` is used in error messages.
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name);
+
+// Largest header accepted (the reference implementation's limit).
+inline constexpr uint64_t kSafetensorsMaxHeader = 100 * 1000 * 1000;
+
+// Writes bytes to path atomically: temporary file, fsync, rename, fsync of
+// the directory.
+void write_file_atomic(const std::string& path, const std::string& bytes);
+std::string read_file(const std::string& path);
+
+}  // namespace trainer

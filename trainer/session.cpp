@@ -1,0 +1,368 @@
+#include "trainer/session.h"
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/allocator.h"
+#include "core/ops.h"
+#include "data/idx.h"
+#include "data/image_folder.h"
+#include "layers/linear.h"
+#include "models/registry.h"
+#include "trainer/safetensors.h"
+
+namespace trainer {
+
+namespace {
+
+using json = nlohmann::json;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::shared_ptr<Module> build_model(const Recipe& r) {
+  const ModelRecipe& m = r.model;
+  if (m.name == "gpt" || m.name == "lstm_lm")
+    throw Error(cat(r.source, ": model.name '", m.name,
+                    "' is a language model; the language-model models are not built yet"));
+  ModelOptions o;
+  o.num_classes = m.num_classes;
+  o.in_channels = m.in_channels;
+  o.image_size = r.data.image_size;
+  o.zero_init_residual = m.zero_init_residual;
+  o.dropout = m.dropout;
+  o.seed = uint64_t(r.seed);
+  std::string name = m.name;
+  if (ends_with(name, "_small")) {
+    o.small_input = true;
+    name = name.substr(0, name.size() - 6);
+  }
+  return make_model(name, o);
+}
+
+data::TransformOptions transform_options(const Recipe& r, bool train, int channels) {
+  data::TransformOptions t;
+  t.size = int(r.data.image_size);
+  t.seed = uint64_t(r.seed);
+  if (r.data.name == "fashion_mnist") {
+    t.mode = data::TransformMode::plain;
+    t.mean = {data::kFashionMnistMean};
+    t.std = {data::kFashionMnistStd};
+  } else {
+    t.mode = train && r.data.augment ? data::TransformMode::train : data::TransformMode::eval;
+    t.resize = r.data.resize > 0 ? int(r.data.resize) : int(std::lround(r.data.image_size * 8.0 / 7.0));
+    if (channels == 1) t.mean = {0.5f}, t.std = {0.5f};
+  }
+  return t;
+}
+
+std::vector<optim::ParamGroup> param_groups(const Recipe& r, const Module& model) {
+  if (r.optimizer.decay_norm_and_bias) return {optim::ParamGroup{model.named_parameters()}};
+  WeightDecaySplit split = split_weight_decay(model);
+  return {optim::ParamGroup{split.decay}, optim::ParamGroup{split.no_decay, 0.0}};
+}
+
+int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
+  return int64_t(std::llround(epochs * double(steps_per_epoch)));
+}
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = int(s.size()) - 3; i > 0; i -= 3) s.insert(size_t(i), ",");
+  return s;
+}
+
+}  // namespace
+
+Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
+  const Recipe& r = recipe_;
+  if (r.device != "cpu")
+    throw Error(cat(r.source, ": device '", r.device,
+                    "': the training loop runs on the CPU for now (the CUDA op set is issue 9)"));
+  if (r.precision != "fp32")
+    throw Error(cat(r.source, ": precision '", r.precision,
+                    "': mixed precision needs the CUDA backend; use precision: fp32 on the CPU"));
+  const int64_t world = 1;  // data parallelism arrives with parallel/
+  const TrainingRecipe& t = r.training;
+  if (t.global_batch % (t.grad_accum * world) != 0)
+    throw Error(cat(r.source, ": training.global_batch ", t.global_batch,
+                    " is not divisible by training.grad_accum x world size (", t.grad_accum * world,
+                    ")"));
+  micro_batch_ = t.global_batch / (t.grad_accum * world);
+
+  // ---- data ----
+  if (r.data.name == "fashion_mnist") {
+    std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
+    train_set_ = std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
+    val_set_ = std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
+  } else if (r.data.name == "image_folder") {
+    if (r.data.root.empty())
+      throw Error(cat(r.source, ": data.root must name a folder with train/ and val/ for image_folder"));
+    auto train = std::make_unique<data::ImageFolder>(r.data.root + "/train");
+    auto val = std::make_unique<data::ImageFolder>(r.data.root + "/val");
+    data::check_same_classes(*train, *val);
+    train_set_ = std::move(train);
+    val_set_ = std::move(val);
+  } else {
+    throw Error(cat(r.source, ": data.name '", r.data.name,
+                    "' is for language models, which are not built yet"));
+  }
+  if (train_set_->num_classes() != r.model.num_classes)
+    throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes, " but the dataset has ",
+                    train_set_->num_classes(), " classes"));
+  if (train_set_->channels() != r.model.in_channels)
+    throw Error(cat(r.source, ": model.in_channels is ", r.model.in_channels,
+                    " but the dataset's images have ", train_set_->channels(), " channels"));
+
+  data::LoaderOptions lo;
+  lo.batch_size = micro_batch_;
+  lo.num_workers = int(r.data.workers);
+  lo.prefetch_batches = int(r.data.prefetch);
+  lo.bad_files = r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
+  lo.report_epochs = false;
+  lo.drop_last = true;  // every step sees the same batch size
+  data::SamplerOptions so{.dataset_size = train_set_->size(), .seed = uint64_t(r.seed)};
+  train_loader_ = std::make_unique<data::Loader>(
+      *train_set_, data::ImageTransform(transform_options(r, true, train_set_->channels()),
+                                        train_set_->channels()),
+      data::DistributedSampler(so), lo);
+  data::SamplerOptions vo{.dataset_size = val_set_->size(), .shuffle = false};
+  lo.drop_last = false;
+  val_loader_ = std::make_unique<data::Loader>(
+      *val_set_, data::ImageTransform(transform_options(r, false, val_set_->channels()),
+                                      val_set_->channels()),
+      data::DistributedSampler(vo), lo);
+
+  steps_per_epoch_ = train_loader_->batches_per_epoch() / t.grad_accum;
+  if (steps_per_epoch_ == 0)
+    throw Error(cat(r.source, ": training.global_batch ", t.global_batch, " is larger than the ",
+                    train_set_->size(), " training samples"));
+  total_steps_ = t.steps > 0 ? t.steps : t.epochs * steps_per_epoch_;
+
+  // ---- model and optimizer ----
+  model_ = build_model(r);
+  const OptimizerRecipe& o = r.optimizer;
+  if (o.name == "sgd") {
+    optimizer_ = std::make_unique<optim::SGD>(
+        param_groups(r, *model_),
+        optim::SGDOptions{o.lr, o.momentum, o.dampening, o.nesterov, o.weight_decay});
+  } else {
+    optim::AdamWOptions a;
+    a.lr = o.lr;
+    a.betas = {o.beta1, o.beta2};
+    a.eps = o.eps;
+    a.weight_decay = o.weight_decay;
+    optimizer_ = std::make_unique<optim::AdamW>(param_groups(r, *model_), a);
+  }
+
+  const ScheduleRecipe& s = r.schedule;
+  optim::ScheduleOptions so_lr;
+  so_lr.kind = s.name == "step"        ? optim::ScheduleKind::step
+               : s.name == "multistep" ? optim::ScheduleKind::multistep
+               : s.name == "cosine"    ? optim::ScheduleKind::cosine
+                                       : optim::ScheduleKind::constant;
+  so_lr.base_lr = o.lr;
+  so_lr.step_size = std::max<int64_t>(1, epochs_to_steps(s.step_size, steps_per_epoch_));
+  for (double m : s.milestones) so_lr.milestones.push_back(epochs_to_steps(m, steps_per_epoch_));
+  so_lr.gamma = s.gamma;
+  so_lr.t_max = total_steps_;
+  so_lr.min_lr = s.min_lr;
+  so_lr.warmup = s.warmup_steps + epochs_to_steps(s.warmup_epochs, steps_per_epoch_);
+  if (o.scale_lr) so_lr.global_batch = t.global_batch;
+  schedule_.emplace(so_lr);
+}
+
+void Session::rekey_dropout(int64_t micro) {
+  uint64_t layer = 0;
+  model_->apply([&](Module& m) {
+    if (auto* d = dynamic_cast<Dropout*>(&m)) {
+      // Stream: purpose in the low 8 bits, the layer above; offset: 2^32
+      // blocks per micro-step, far more than any layer draws.
+      d->generator() = Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8),
+                                 uint64_t(micro) << 32);
+    }
+  });
+}
+
+Tensor Session::forward(const Tensor& images) { return (*model_)(images.permute({0, 3, 1, 2})); }
+
+EvalMetrics Session::evaluate() {
+  autograd::NoGradGuard no_grad;
+  model_->eval();
+  EvalMetrics m;
+  double loss_sum = 0;
+  int64_t top1 = 0, top5 = 0;
+  val_loader_->start_epoch(0);
+  data::Batch batch;
+  CrossEntropyOptions sum_loss;
+  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
+  while (val_loader_->next(batch)) {
+    Tensor logits = forward(batch.images);
+    loss_sum += cross_entropy(logits, batch.labels, sum_loss).item<double>();
+    std::vector<float> l = logits.to_vector<float>();
+    std::vector<int64_t> y = batch.labels.to_vector<int64_t>();
+    int64_t C = logits.size(1);
+    for (size_t n = 0; n < y.size(); ++n) {
+      // Rank of the target: how many classes score strictly higher.
+      float target = l[n * size_t(C) + size_t(y[n])];
+      int64_t higher = 0;
+      for (int64_t c = 0; c < C; ++c) higher += l[n * size_t(C) + size_t(c)] > target;
+      top1 += higher < 1;
+      top5 += higher < 5;
+    }
+    m.samples += int64_t(y.size());
+  }
+  model_->train();
+  if (m.samples > 0) {
+    m.loss = loss_sum / double(m.samples);
+    m.top1 = 100.0 * double(top1) / double(m.samples);
+    m.top5 = 100.0 * double(top5) / double(m.samples);
+  }
+  return m;
+}
+
+void Session::save(const std::string& dir, const TrainState& s) const {
+  write_safetensors(dir + "/model.safetensors", model_->state(), {{"format", "pt"}});
+  write_safetensors(dir + "/optimizer.safetensors", optimizer_->state());
+  json j;
+  j["step"] = s.step;
+  j["epoch"] = s.epoch;
+  j["position"] = s.position;
+  j["best_metric"] = s.best_metric;
+  j["nonfinite_skipped"] = s.nonfinite_skipped;
+  j["lr"] = optimizer_->lr();
+  j["rng"] = {{"seed", recipe_.seed},
+              {"init_stream", uint64_t(kStreamInit)},
+              {"dropout", "re-keyed per micro-step from (seed, layer, micro-step)"},
+              {"augment", "keyed by (seed, epoch, sample index)"}};
+  j["parallel"] = {{"world_size", 1}, {"dp", 1}, {"pp", 1}, {"tp", 1}};
+  j["recipe"] = recipe_to_yaml(recipe_);
+  write_file_atomic(dir + "/trainer_state.json", j.dump(2) + "\n");
+}
+
+std::vector<std::string> load_named(const std::vector<NamedTensor>& targets,
+                                    const std::map<std::string, Tensor>& source) {
+  std::vector<std::string> problems;
+  std::map<std::string, bool> used;
+  for (const NamedTensor& t : targets) {
+    auto it = source.find(t.name);
+    if (it == source.end()) {
+      problems.push_back(cat("missing: ", t.name, " ", t.tensor.shape_str()));
+      continue;
+    }
+    used[t.name] = true;
+    if (it->second.shape() != t.tensor.shape() || it->second.dtype() != t.tensor.dtype()) {
+      problems.push_back(cat("mis-shaped: ", t.name, " is ", it->second.shape_str(), " ",
+                             it->second.dtype(), " in the file, ", t.tensor.shape_str(), " ",
+                             t.tensor.dtype(), " in the model"));
+    }
+  }
+  for (const auto& [name, tensor] : source)
+    if (!used.count(name)) problems.push_back(cat("unexpected: ", name, " ", tensor.shape_str()));
+  return problems;
+}
+
+namespace {
+void copy_named(const std::vector<NamedTensor>& targets, const std::map<std::string, Tensor>& source) {
+  autograd::NoGradGuard no_grad;
+  for (const NamedTensor& t : targets) {
+    auto it = source.find(t.name);
+    if (it != source.end() && it->second.shape() == t.tensor.shape() &&
+        it->second.dtype() == t.tensor.dtype()) {
+      Tensor dst = t.tensor;  // a handle on the model's tensor
+      dst.copy_(it->second);
+    }
+  }
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += "\n  " + l;
+  return out;
+}
+}  // namespace
+
+TrainState Session::load(const std::string& dir) {
+  SafetensorsFile model_file = read_safetensors(dir + "/model.safetensors");
+  std::vector<std::string> problems = load_named(model_->state(), model_file.tensors);
+  if (!problems.empty())
+    throw Error(cat(dir, "/model.safetensors does not match the recipe's model:", join_lines(problems)));
+  SafetensorsFile optim_file = read_safetensors(dir + "/optimizer.safetensors");
+  std::vector<NamedTensor> optim_state;
+  for (const auto& [name, t] : optim_file.tensors) optim_state.push_back({name, t});
+  std::string state_path = dir + "/trainer_state.json";
+  json j;
+  try {
+    j = json::parse(read_file(state_path));
+  } catch (const json::exception& e) {
+    throw Error(cat(state_path, ": not valid JSON (", e.what(), "); use an earlier checkpoint"));
+  }
+  TrainState s;
+  try {
+    s.step = j.at("step").get<int64_t>();
+    s.epoch = j.at("epoch").get<int64_t>();
+    s.position = j.at("position").get<int64_t>();
+    s.best_metric = j.at("best_metric").get<double>();
+    s.nonfinite_skipped = j.at("nonfinite_skipped").get<int64_t>();
+  } catch (const json::exception& e) {
+    throw Error(cat(state_path, ": missing or wrong field (", e.what(), ")"));
+  }
+  if (s.step < 0 || s.epoch < 0 || s.position < 0)
+    throw Error(cat(state_path, ": negative step, epoch or position"));
+  // Everything validated: now change the model and optimizer.
+  optimizer_->load_state(optim_state);
+  copy_named(model_->state(), model_file.tensors);
+  return s;
+}
+
+void Session::init_from(const std::string& path, bool strict) {
+  SafetensorsFile f = read_safetensors(path);
+  std::vector<std::string> problems = load_named(model_->state(), f.tensors);
+  if (!problems.empty()) {
+    if (strict)
+      throw Error(cat(path, " does not match the model (pass --init-non-strict to load what matches):",
+                      join_lines(problems)));
+    std::fprintf(stderr, "init-from %s: loading what matches; skipped:%s\n", path.c_str(),
+                 join_lines(problems).c_str());
+  }
+  copy_named(model_->state(), f.tensors);
+}
+
+std::string Session::summary() {
+  std::ostringstream out;
+  out << "model " << recipe_.model.name << ":\n";
+  for (const auto& [name, child] : model_->children())
+    out << "  " << name << "  " << with_commas(child->num_parameters()) << "\n";
+  int64_t params = model_->num_parameters();
+  out << "  total  " << with_commas(params) << " parameters\n";
+
+  // Memory: parameters, gradients and optimizer state exactly; activations
+  // measured as the allocator's peak over one training step at batch 2,
+  // scaled to the micro-batch.
+  int64_t state_copies = recipe_.optimizer.name == "adamw" ? 2 : (recipe_.optimizer.momentum > 0 ? 1 : 0);
+  Allocator& a = allocator(Device{});
+  int64_t before = a.stats().current_bytes;
+  a.reset_peak();
+  {
+    Tensor images = zeros({2, recipe_.data.image_size, recipe_.data.image_size, recipe_.model.in_channels});
+    Tensor loss = cross_entropy(forward(images), zeros({2}, DType::i64));
+    loss.backward();
+  }
+  int64_t activations = (a.stats().peak_bytes - before - params * 4) / 2 * micro_batch_;
+  model_->zero_grad();
+  double mib = 1.0 / (1024.0 * 1024.0);
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB, "
+                "activations %.1f MiB (micro-batch %lld)\n",
+                double(params) * 4 * mib, double(params) * 4 * mib,
+                double(params) * 4 * double(state_copies) * mib,
+                double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_);
+  out << buf;
+  return out.str();
+}
+
+}  // namespace trainer
