@@ -16,19 +16,10 @@ void BlockDeleter::operator()(void* p) const {
 
 namespace {
 
-// Size classes: multiples of 64 B up to 4 KiB, then 8 steps per power of two
-// (at most 12.5% waste), so a cached block serves nearby sizes.
-size_t size_class(size_t bytes) {
-  if (bytes <= 4096) return (bytes + 63) & ~size_t(63);
-  size_t pow2 = size_t(1) << (63 - __builtin_clzll(bytes - 1));  // largest power of two < bytes
-  size_t step = pow2 / 8;
-  return (bytes + step - 1) / step * step;
-}
-
 class CpuCachingAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
-    size_t cls = size_class(bytes == 0 ? 1 : bytes);
+    size_t cls = size_class(bytes == 0 ? 1 : bytes, kCpuAlignment);
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);

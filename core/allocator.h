@@ -54,4 +54,14 @@ void register_allocator(DeviceKind kind, Allocator* allocator);
 
 inline constexpr size_t kCpuAlignment = 64;
 
+// The size class a caching allocator rounds a request up to: multiples of
+// `granule` up to 4 KiB, then 8 steps per power of two (at most 12.5%
+// waste), so a cached block serves nearby sizes.
+inline size_t size_class(size_t bytes, size_t granule) {
+  if (bytes <= 4096) return (bytes + granule - 1) / granule * granule;
+  size_t pow2 = size_t(1) << (63 - __builtin_clzll(bytes - 1));  // largest power of two < bytes
+  size_t step = pow2 / 8;
+  return (bytes + step - 1) / step * step;
+}
+
 }  // namespace trainer

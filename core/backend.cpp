@@ -117,6 +117,14 @@ void Backend::batch_norm_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&) {
   unsupported("batch_norm_backward");
 }
+void Backend::layer_norm_forward(const Tensor&, const Tensor&, const Tensor&, double,
+                                 const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("layer_norm_forward");
+}
+void Backend::layer_norm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("layer_norm_backward");
+}
 
 namespace {
 Backend* g_backends[kNumDeviceKinds] = {};

@@ -148,6 +148,21 @@ class Backend {
                                    const Tensor& grad_x, const Tensor& grad_gamma,
                                    const Tensor& grad_beta);
 
+  // ---- layer norm (core/ops_transformer.h) ----
+  // x [R, D] contiguous, normalised over D: out = (x - mean) * rstd * weight
+  // + bias with rstd = 1 / sqrt(var + eps) (biased var); weight, bias [D]
+  // contiguous. mean and rstd [R] receive the statistics for the backward.
+  virtual void layer_norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                  double eps, const Tensor& out, const Tensor& mean,
+                                  const Tensor& rstd);
+  // With xhat = (x - mean) rstd and gw = grad_out * weight:
+  // grad_x = rstd (gw - mean_D(gw) - xhat mean_D(gw xhat)),
+  // grad_weight = sum_R(grad_out xhat), grad_bias = sum_R(grad_out);
+  // grad_out [R, D] contiguous.
+  virtual void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                   const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                                   const Tensor& grad_weight, const Tensor& grad_bias);
+
  protected:
   [[noreturn]] void unsupported(const char* op) const;
 };

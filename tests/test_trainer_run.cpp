@@ -175,3 +175,47 @@ TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][s
   REQUIRE(std::regex_search(r.output, m, std::regex("final eval top1 ([0-9.]+)%")));
   REQUIRE(std::stod(m[1]) >= 88.0);
 }
+
+TEST_CASE("train: --init-from loads weights by name, strictly by default", "[train]") {
+  fs::path src = fresh("init_src"), dst = fresh("init_dst"), bad = fresh("init_bad");
+  RunResult r = run_trainer(recipe_args("fmnist_mlp.yaml", src,
+                                        {"training.steps=3", "training.global_batch=16"}));
+  REQUIRE(r.exit_code == 0);
+  std::string weights = (src / "checkpoints" / CheckpointDir::step_name(3) / "model.safetensors").string();
+  // lr 0 and no weight decay: the weights stay exactly those loaded.
+  r = run_trainer(recipe_args("fmnist_mlp.yaml", dst,
+                              {"training.steps=1", "training.global_batch=16", "optimizer.lr=0",
+                               "optimizer.weight_decay=0", "--init-from", weights}));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  SafetensorsFile loaded = read_safetensors(weights);
+  SafetensorsFile after =
+      read_safetensors((dst / "checkpoints" / CheckpointDir::step_name(1) / "model.safetensors").string());
+  for (const auto& [name, t] : loaded.tensors) {
+    INFO(name);
+    REQUIRE(std::memcmp(after.tensors.at(name).data_ptr(), t.data_ptr(), t.nbytes()) == 0);
+  }
+  // MLP weights into the CNN: every problem is listed; non-strict goes on.
+  r = run_trainer(recipe_args("fmnist_cnn.yaml", bad,
+                              {"training.steps=1", "training.global_batch=16", "--init-from", weights}));
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.output.find("missing: conv1.weight") != std::string::npos);
+  REQUIRE(r.output.find("unexpected: fc3.weight") != std::string::npos);
+  REQUIRE(r.output.find("mis-shaped: fc1.weight") != std::string::npos);
+  r = run_trainer(recipe_args("fmnist_cnn.yaml", bad,
+                              {"training.steps=1", "training.global_batch=16", "--init-from", weights,
+                               "--init-non-strict"}));
+  REQUIRE(r.exit_code == 0);
+}
+
+TEST_CASE("train: non-finite losses are skipped, then abort after max_nonfinite in a row", "[train]") {
+  fs::path out = fresh("nonfinite");
+  RunResult r = run_trainer(recipe_args("fmnist_mlp.yaml", out,
+                                        {"training.steps=50", "training.global_batch=16",
+                                         "optimizer.name=sgd", "optimizer.lr=100",
+                                         "training.max_nonfinite=3"}));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.output.find("non-finite loss, step skipped") != std::string::npos);
+  REQUIRE(r.output.find("was not finite for 4 steps in a row") != std::string::npos);
+}

@@ -8,6 +8,7 @@
 //   cpu_index.cpp        concat, index_select/add, gather/scatter_add
 //   cpu_random.cpp       Philox draws, parallel over counter blocks
 //   cpu_conv.cpp         oneDNN convolution, pooling, batch norm, primitives cached per shape
+//   cpu_layernorm.cpp    layer norm, vectorised rows with OpenMP over rows
 #pragma once
 
 #include "core/ref/ref_backend.h"
@@ -85,6 +86,11 @@ class CpuBackend : public RefBackend {
   void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
                            const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
                            const Tensor& grad_gamma, const Tensor& grad_beta) override;
+  void layer_norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          const Tensor& out, const Tensor& mean, const Tensor& rstd) override;
+  void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                           const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                           const Tensor& grad_weight, const Tensor& grad_bias) override;
 };
 
 Backend& cpu_backend();

@@ -13,14 +13,8 @@ namespace trainer::cuda {
 
 namespace {
 
-// Size classes: multiples of 512 B (cudaMalloc aligns to 256 B) up to 4 KiB,
-// then 8 steps per power of two (at most 12.5% waste).
-size_t size_class(size_t bytes) {
-  if (bytes <= 4096) return (bytes + 511) & ~size_t(511);
-  size_t pow2 = size_t(1) << (63 - __builtin_clzll(bytes - 1));  // largest power of two < bytes
-  size_t step = pow2 / 8;
-  return (bytes + step - 1) / step * step;
-}
+// Size classes in multiples of 512 B (cudaMalloc aligns to 256 B).
+constexpr size_t kCudaGranule = 512;
 
 std::string gib(int64_t bytes) { return cat(double(bytes) / double(1 << 30), " GiB"); }
 
@@ -32,7 +26,7 @@ class CudaCachingAllocator final : public Allocator {
                   "or CUDA_VISIBLE_DEVICES is empty); run on the CPU instead");
     int device = current_device();
     cudaStream_t stream = current_stream(device);
-    size_t cls = size_class(bytes == 0 ? 1 : bytes);
+    size_t cls = size_class(bytes == 0 ? 1 : bytes, kCudaGranule);
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -78,6 +78,11 @@ class RefBackend : public Backend {
   void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
                            const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
                            const Tensor& grad_gamma, const Tensor& grad_beta) override;
+  void layer_norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          const Tensor& out, const Tensor& mean, const Tensor& rstd) override;
+  void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                           const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                           const Tensor& grad_weight, const Tensor& grad_bias) override;
 };
 
 }  // namespace trainer

@@ -1,0 +1,76 @@
+#include "layers/transformer.h"
+
+#include "core/ops_transformer.h"
+#include "layers/init.h"
+
+namespace trainer {
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen) {
+  CHECK(num_embeddings >= 1 && dim >= 1)
+      << "Embedding: " << num_embeddings << " embeddings of width " << dim;
+  weight = register_parameter("weight", empty({num_embeddings, dim}));
+  normal_(weight, 0.0, 0.02, gen);
+}
+
+Tensor Embedding::forward(const Tensor& indices) { return embedding(weight, indices); }
+
+LayerNorm::LayerNorm(int64_t dim, double eps, bool with_bias) : eps_(eps) {
+  CHECK(dim >= 1) << "LayerNorm: width " << dim;
+  weight = register_parameter("weight", ones({dim}));
+  if (with_bias) bias = register_parameter("bias", zeros({dim}));
+}
+
+Tensor LayerNorm::forward(const Tensor& x) {
+  Tensor b = bias.defined() ? bias : zeros(weight.shape(), weight.dtype(), weight.device());
+  return layer_norm(x, weight, b, eps_);
+}
+
+CausalSelfAttention::CausalSelfAttention(const TransformerOptions& o, Generator& gen,
+                                         uint64_t dropout_site)
+    : num_heads_(o.num_heads), attn_p_(o.dropout), attn_gen_(o.seed, dropout_stream(dropout_site)) {
+  CHECK(o.num_heads >= 1 && o.d_model % o.num_heads == 0)
+      << "CausalSelfAttention: width " << o.d_model << " is not a multiple of " << o.num_heads
+      << " heads";
+  c_attn =
+      register_module("c_attn", std::make_shared<Linear>(o.d_model, 3 * o.d_model, gen, o.bias));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(o.d_model, o.d_model, gen, o.bias));
+  resid_dropout = register_module(
+      "resid_dropout",
+      std::make_shared<Dropout>(o.dropout, Generator(o.seed, dropout_stream(dropout_site + 1))));
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x) {
+  CHECK(x.dim() == 3) << "CausalSelfAttention expects [B, T, D], got " << x.shape_str();
+  int64_t D = x.size(2);
+  Tensor qkv = (*c_attn)(x);  // [B, T, 3D]: q, k, v side by side
+  Tensor y = causal_attention(qkv.narrow(2, 0, D), qkv.narrow(2, D, D), qkv.narrow(2, 2 * D, D),
+                              num_heads_, attn_p_, is_training(), attn_gen_);
+  return (*resid_dropout)((*c_proj)(y));
+}
+
+MLP::MLP(const TransformerOptions& o, Generator& gen, uint64_t dropout_site) {
+  c_fc = register_module("c_fc", std::make_shared<Linear>(o.d_model, 4 * o.d_model, gen, o.bias));
+  c_proj =
+      register_module("c_proj", std::make_shared<Linear>(4 * o.d_model, o.d_model, gen, o.bias));
+  dropout = register_module(
+      "dropout",
+      std::make_shared<Dropout>(o.dropout, Generator(o.seed, dropout_stream(dropout_site))));
+}
+
+Tensor MLP::forward(const Tensor& x) {
+  return (*dropout)((*c_proj)(gelu((*c_fc)(x), GeluApprox::tanh)));
+}
+
+Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index) {
+  ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
+  attn = register_module("attn", std::make_shared<CausalSelfAttention>(o, gen, 3 * index));
+  ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
+  mlp = register_module("mlp", std::make_shared<MLP>(o, gen, 3 * index + 2));
+}
+
+Tensor Block::forward(const Tensor& x) {
+  Tensor h = x + (*attn)((*ln_1)(x));
+  return h + (*mlp)((*ln_2)(h));
+}
+
+}  // namespace trainer

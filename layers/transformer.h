@@ -1,0 +1,95 @@
+// Transformer layers: Embedding, LayerNorm, causal self-attention, MLP and
+// the pre-LN block, named as nanoGPT names them so state dicts interoperate:
+//
+//   ln_1.weight  attn.c_attn.weight [3D, D]  attn.c_proj.weight [D, D]
+//   ln_2.weight  mlp.c_fc.weight [4D, D]     mlp.c_proj.weight [D, 4D]
+//
+//   TransformerOptions o{.d_model = 384, .num_heads = 6, .dropout = 0.1};
+//   Block block(o, gen, /*dropout_stream=*/0);
+//   Tensor y = block(x);                       // [B, T, D] -> [B, T, D]
+//
+// Linear layers keep nn.Linear's initialisation; models re-initialise them
+// (models/gpt.h does as GPT-2). Dropout masks come from generators
+// Generator(seed, dropout_stream(k)), one per dropout site.
+#pragma once
+
+#include <memory>
+
+#include "core/rng.h"
+#include "layers/linear.h"
+
+namespace trainer {
+
+struct TransformerOptions {
+  int64_t d_model = 384;
+  int64_t num_heads = 6;
+  double dropout = 0.0;  // attention weights and both residual branches
+  bool bias = true;      // in the Linear and LayerNorm layers
+  double ln_eps = 1e-5;
+  uint64_t seed = 0;  // of the dropout generators
+};
+
+// A stream of kStreamDropout's family for dropout site k (distinct per k).
+inline uint64_t dropout_stream(uint64_t k) { return uint64_t(kStreamDropout) | (k << 32); }
+
+// Rows of weight [V, D] picked by integer indices [...] -> [..., D];
+// weight initialised normal(0, 0.02) as GPT-2 (nn.Embedding uses std 1).
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim, Generator& gen);
+  Tensor forward(const Tensor& indices) override;
+
+  Tensor weight;  // [V, D]
+};
+
+// layer_norm over the last dim; weight ones, bias zeros (none without bias).
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(int64_t dim, double eps = 1e-5, bool bias = true);
+  Tensor forward(const Tensor& x) override;
+
+  Tensor weight, bias;  // [D], [D] (bias undefined without bias)
+
+ private:
+  double eps_;
+};
+
+// x [B, T, D] -> resid_dropout(c_proj(causal_attention(split3(c_attn(x))))).
+class CausalSelfAttention : public Module {
+ public:
+  // Dropout sites dropout_site and dropout_site + 1.
+  CausalSelfAttention(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
+  Tensor forward(const Tensor& x) override;
+
+  std::shared_ptr<Linear> c_attn, c_proj;
+  std::shared_ptr<Dropout> resid_dropout;
+
+ private:
+  int64_t num_heads_;
+  double attn_p_;
+  Generator attn_gen_;
+};
+
+// x -> dropout(c_proj(gelu_tanh(c_fc(x)))), hidden width 4D.
+class MLP : public Module {
+ public:
+  MLP(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
+  Tensor forward(const Tensor& x) override;
+
+  std::shared_ptr<Linear> c_fc, c_proj;
+  std::shared_ptr<Dropout> dropout;
+};
+
+// Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Uses dropout
+// sites 3 * index .. 3 * index + 2.
+class Block : public Module {
+ public:
+  Block(const TransformerOptions& o, Generator& gen, uint64_t index);
+  Tensor forward(const Tensor& x) override;
+
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<MLP> mlp;
+};
+
+}  // namespace trainer
