@@ -101,11 +101,12 @@ Result measure_in_child(const Case& c, int threads, int steps) {
 
 // Runs bench_train_torch.py for one case; empty result if torch is unavailable.
 Result measure_torch(const Case& c, int threads, int steps) {
-  std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_train_torch.py --model " +
-                    c.model + " --batch " + std::to_string(c.batch) + " --size " +
-                    std::to_string(c.size) + " --channels " + std::to_string(c.channels) +
-                    " --classes " + std::to_string(c.classes) + " --threads " +
-                    std::to_string(threads) + " --steps " + std::to_string(steps) + " 2>/dev/null";
+  std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR +
+                    "/bench/bench_train_torch.py --model " + c.model + " --batch " +
+                    std::to_string(c.batch) + " --size " + std::to_string(c.size) + " --channels " +
+                    std::to_string(c.channels) + " --classes " + std::to_string(c.classes) +
+                    " --threads " + std::to_string(threads) + " --steps " + std::to_string(steps) +
+                    " 2>/dev/null";
   Result r;
   if (FILE* p = popen(cmd.c_str(), "r")) {
     r.ok = std::fscanf(p, "%lf %lf", &r.samples_per_second, &r.peak_mib) == 2;
@@ -122,16 +123,21 @@ int main(int argc, char** argv) {
   std::string only;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--threads" && i + 1 < argc) threads = {std::atoi(argv[++i])};
-    else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
-    else if (a == "--case" && i + 1 < argc) only = argv[++i];
+    if (a == "--threads" && i + 1 < argc)
+      threads = {std::atoi(argv[++i])};
+    else if (a == "--steps" && i + 1 < argc)
+      steps = std::atoi(argv[++i]);
+    else if (a == "--case" && i + 1 < argc)
+      only = argv[++i];
     else {
       std::fprintf(stderr, "usage: bench_train [--threads N] [--steps N] [--case NAME]\n");
       return 2;
     }
   }
-  std::printf("training step = forward + backward + SGD(momentum) step, synthetic data, median of %d steps\n",
-              steps);
+  std::printf(
+      "training step = forward + backward + SGD(momentum) step, synthetic data, median of %d "
+      "steps\n",
+      steps);
   std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr", "ours samp/s",
               "peak MiB", "torch samp/s", "peak MiB", "ratio");
   for (const Case& c : kCases) {
@@ -142,8 +148,10 @@ int main(int argc, char** argv) {
       char torch_cols[64] = "           -         -";
       char ratio[16] = "      -";
       if (torch.ok) {
-        std::snprintf(torch_cols, sizeof torch_cols, "%12.1f %9.0f", torch.samples_per_second, torch.peak_mib);
-        std::snprintf(ratio, sizeof ratio, "%6.2fx", ours.samples_per_second / torch.samples_per_second);
+        std::snprintf(torch_cols, sizeof torch_cols, "%12.1f %9.0f", torch.samples_per_second,
+                      torch.peak_mib);
+        std::snprintf(ratio, sizeof ratio, "%6.2fx",
+                      ours.samples_per_second / torch.samples_per_second);
       }
       std::printf("%-14s %5lld %3d | %12.1f %9.0f | %s | %s\n", c.name, (long long)c.batch, t,
                   ours.samples_per_second, ours.peak_mib, torch_cols, ratio);

@@ -17,11 +17,11 @@
 namespace trainer {
 
 struct AllocatorStats {
-  int64_t current_bytes = 0;   // handed out and not yet released
-  int64_t peak_bytes = 0;      // max of current_bytes since the last reset_peak()
-  int64_t cached_bytes = 0;    // held in free lists
-  int64_t allocations = 0;     // allocate() calls
-  int64_t cache_hits = 0;      // of which served from the cache
+  int64_t current_bytes = 0;  // handed out and not yet released
+  int64_t peak_bytes = 0;     // max of current_bytes since the last reset_peak()
+  int64_t cached_bytes = 0;   // held in free lists
+  int64_t allocations = 0;    // allocate() calls
+  int64_t cache_hits = 0;     // of which served from the cache
 };
 
 class Allocator;

@@ -40,8 +40,8 @@ TensorList AccumulateGrad::apply(const TensorList& grad_outputs) {
   const Tensor& g = grad_outputs[0];
   AutogradMeta& m = leaf_.impl()->meta();
   if (g.defined()) {
-    CHECK(g.shape() == leaf_.shape()) << "gradient of shape " << g.shape_str()
-                                      << " for a leaf of shape " << leaf_.shape_str();
+    CHECK(g.shape() == leaf_.shape())
+        << "gradient of shape " << g.shape_str() << " for a leaf of shape " << leaf_.shape_str();
     if (!m.grad.defined()) {
       // Take the gradient when nothing else refers to it; otherwise copy, so
       // later in-place accumulation never writes into another tensor.

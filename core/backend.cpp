@@ -88,8 +88,7 @@ void Backend::conv2d_backward_weights(const Tensor&, const Tensor&, const Conv2d
 Tensor Backend::max_pool2d(const Tensor&, const Pool2dAttrs&, const Tensor&) {
   unsupported("max_pool2d");
 }
-void Backend::max_pool2d_backward(const Tensor&, const Tensor&, const Pool2dAttrs&,
-                                  const Tensor&) {
+void Backend::max_pool2d_backward(const Tensor&, const Tensor&, const Pool2dAttrs&, const Tensor&) {
   unsupported("max_pool2d_backward");
 }
 void Backend::avg_pool2d(const Tensor&, const Pool2dAttrs&, const Tensor&) {
@@ -117,8 +116,8 @@ void Backend::batch_norm_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&) {
   unsupported("batch_norm_backward");
 }
-void Backend::layer_norm_forward(const Tensor&, const Tensor&, const Tensor&, double,
-                                 const Tensor&, const Tensor&, const Tensor&) {
+void Backend::layer_norm_forward(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&,
+                                 const Tensor&, const Tensor&) {
   unsupported("layer_norm_forward");
 }
 void Backend::layer_norm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,

@@ -135,8 +135,8 @@ class Backend {
   // Training: mean and (biased) var of each channel over N, H, W, and
   // out = (x - mean) / sqrt(var + eps) * gamma + beta, then relu when fuse_relu.
   virtual void batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                                  double eps, bool fuse_relu, const Tensor& out,
-                                  const Tensor& mean, const Tensor& var);
+                                  double eps, bool fuse_relu, const Tensor& out, const Tensor& mean,
+                                  const Tensor& var);
   // Evaluation: as above with the running statistics.
   virtual void batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                     const Tensor& running_mean, const Tensor& running_var,

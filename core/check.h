@@ -36,12 +36,14 @@ std::string cat(Args&&... args) {
 void set_log_rank(int rank);
 int log_rank();
 
-[[noreturn]] void check_fail(const char* file, int line, const char* expr, const std::string& message);
+[[noreturn]] void check_fail(const char* file, int line, const char* expr,
+                             const std::string& message);
 
 namespace detail {
 class CheckFailStream {
  public:
-  CheckFailStream(const char* file, int line, const char* expr) : file_(file), line_(line), expr_(expr) {}
+  CheckFailStream(const char* file, int line, const char* expr)
+      : file_(file), line_(line), expr_(expr) {}
   [[noreturn]] ~CheckFailStream() { check_fail(file_, line_, expr_, stream_.str()); }
   std::ostream& stream() { return stream_; }
 
@@ -60,10 +62,11 @@ struct Voidify {
 
 #define TRAINER_LIKELY(x) __builtin_expect(!!(x), 1)
 
-#define CHECK(cond)                   \
-  TRAINER_LIKELY(cond) ? (void)0      \
-                       : ::trainer::detail::Voidify() & \
-                             ::trainer::detail::CheckFailStream(__FILE__, __LINE__, #cond).stream()
+#define CHECK(cond)                    \
+  TRAINER_LIKELY(cond)                 \
+      ? (void)0                        \
+      : ::trainer::detail::Voidify() & \
+            ::trainer::detail::CheckFailStream(__FILE__, __LINE__, #cond).stream()
 
 #define CHECK_EQ(a, b) CHECK((a) == (b)) << "(" << (a) << " vs " << (b) << ") "
 #define CHECK_NE(a, b) CHECK((a) != (b)) << "(" << (a) << " vs " << (b) << ") "

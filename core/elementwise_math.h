@@ -32,51 +32,105 @@ TRAINER_HD float m_abs(float x) { return fabsf(x); }
 TRAINER_HD double m_abs(double x) { return ::fabs(x); }
 
 struct Neg {
-  template <class T> TRAINER_HD T operator()(T x) const { return -x; }
-  template <class T> TRAINER_HD T grad(T, T, T g) const { return -g; }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return -x;
+  }
+  template <class T>
+  TRAINER_HD T grad(T, T, T g) const {
+    return -g;
+  }
 };
 struct Exp {
-  template <class T> TRAINER_HD T operator()(T x) const { return m_exp(x); }
-  template <class T> TRAINER_HD T grad(T, T y, T g) const { return g * y; }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return m_exp(x);
+  }
+  template <class T>
+  TRAINER_HD T grad(T, T y, T g) const {
+    return g * y;
+  }
 };
 struct Log {
-  template <class T> TRAINER_HD T operator()(T x) const { return m_log(x); }
-  template <class T> TRAINER_HD T grad(T x, T, T g) const { return g / x; }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return m_log(x);
+  }
+  template <class T>
+  TRAINER_HD T grad(T x, T, T g) const {
+    return g / x;
+  }
 };
 struct Sqrt {
-  template <class T> TRAINER_HD T operator()(T x) const { return m_sqrt(x); }
-  template <class T> TRAINER_HD T grad(T, T y, T g) const { return g / (T(2) * y); }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return m_sqrt(x);
+  }
+  template <class T>
+  TRAINER_HD T grad(T, T y, T g) const {
+    return g / (T(2) * y);
+  }
 };
 struct Rsqrt {
-  template <class T> TRAINER_HD T operator()(T x) const { return T(1) / m_sqrt(x); }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return T(1) / m_sqrt(x);
+  }
   // d/dx x^-1/2 = -1/2 x^-3/2 = -y^3 / 2
-  template <class T> TRAINER_HD T grad(T, T y, T g) const { return g * T(-0.5) * y * y * y; }
+  template <class T>
+  TRAINER_HD T grad(T, T y, T g) const {
+    return g * T(-0.5) * y * y * y;
+  }
 };
 struct Abs {
-  template <class T> TRAINER_HD T operator()(T x) const { return m_abs(x); }
-  template <class T> TRAINER_HD T grad(T x, T, T g) const {
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return m_abs(x);
+  }
+  template <class T>
+  TRAINER_HD T grad(T x, T, T g) const {
     return x > T(0) ? g : (x < T(0) ? -g : T(0));
   }
 };
 struct Tanh {
-  template <class T> TRAINER_HD T operator()(T x) const { return m_tanh(x); }
-  template <class T> TRAINER_HD T grad(T, T y, T g) const { return g * (T(1) - y * y); }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return m_tanh(x);
+  }
+  template <class T>
+  TRAINER_HD T grad(T, T y, T g) const {
+    return g * (T(1) - y * y);
+  }
 };
 struct Sigmoid {
-  template <class T> TRAINER_HD T operator()(T x) const { return T(1) / (T(1) + m_exp(-x)); }
-  template <class T> TRAINER_HD T grad(T, T y, T g) const { return g * y * (T(1) - y); }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return T(1) / (T(1) + m_exp(-x));
+  }
+  template <class T>
+  TRAINER_HD T grad(T, T y, T g) const {
+    return g * y * (T(1) - y);
+  }
 };
 struct Relu {
-  template <class T> TRAINER_HD T operator()(T x) const { return x > T(0) ? x : T(0); }
-  template <class T> TRAINER_HD T grad(T x, T, T g) const { return x > T(0) ? g : T(0); }
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return x > T(0) ? x : T(0);
+  }
+  template <class T>
+  TRAINER_HD T grad(T x, T, T g) const {
+    return x > T(0) ? g : T(0);
+  }
 };
 // gelu(x) = x/2 (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi).
 struct GeluTanh {
-  template <class T> TRAINER_HD T operator()(T x) const {
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
     const T k = T(0.7978845608028654), c = T(0.044715);
     return T(0.5) * x * (T(1) + m_tanh(k * (x + c * x * x * x)));
   }
-  template <class T> TRAINER_HD T grad(T x, T, T g) const {
+  template <class T>
+  TRAINER_HD T grad(T x, T, T g) const {
     const T k = T(0.7978845608028654), c = T(0.044715);
     T th = m_tanh(k * (x + c * x * x * x));
     T dinner = k * (T(1) + T(3) * c * x * x);
@@ -85,10 +139,12 @@ struct GeluTanh {
 };
 // gelu(x) = x Phi(x) = x/2 (1 + erf(x / sqrt 2)); d/dx = Phi(x) + x phi(x).
 struct GeluErf {
-  template <class T> TRAINER_HD T operator()(T x) const {
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
     return T(0.5) * x * (T(1) + m_erf(x * T(0.7071067811865476)));
   }
-  template <class T> TRAINER_HD T grad(T x, T, T g) const {
+  template <class T>
+  TRAINER_HD T grad(T x, T, T g) const {
     T cdf = T(0.5) * (T(1) + m_erf(x * T(0.7071067811865476)));
     T pdf = T(0.3989422804014327) * m_exp(T(-0.5) * x * x);
     return g * (cdf + x * pdf);
@@ -96,8 +152,12 @@ struct GeluErf {
 };
 // silu(x) = x sigmoid(x); d/dx = s (1 + x (1 - s)).
 struct Silu {
-  template <class T> TRAINER_HD T operator()(T x) const { return x / (T(1) + m_exp(-x)); }
-  template <class T> TRAINER_HD T grad(T x, T, T g) const {
+  template <class T>
+  TRAINER_HD T operator()(T x) const {
+    return x / (T(1) + m_exp(-x));
+  }
+  template <class T>
+  TRAINER_HD T grad(T x, T, T g) const {
     T s = T(1) / (T(1) + m_exp(-x));
     return g * s * (T(1) + x * (T(1) - s));
   }
@@ -106,44 +166,94 @@ struct Silu {
 template <class Fn>
 TRAINER_HD decltype(auto) visit_unary(UnaryOp op, Fn&& fn) {
   switch (op) {
-    case UnaryOp::neg: return fn(Neg{});
-    case UnaryOp::exp: return fn(Exp{});
-    case UnaryOp::log: return fn(Log{});
-    case UnaryOp::sqrt: return fn(Sqrt{});
-    case UnaryOp::rsqrt: return fn(Rsqrt{});
-    case UnaryOp::abs: return fn(Abs{});
-    case UnaryOp::tanh: return fn(Tanh{});
-    case UnaryOp::sigmoid: return fn(Sigmoid{});
-    case UnaryOp::relu: return fn(Relu{});
-    case UnaryOp::gelu_tanh: return fn(GeluTanh{});
-    case UnaryOp::gelu_erf: return fn(GeluErf{});
-    case UnaryOp::silu: break;
+    case UnaryOp::neg:
+      return fn(Neg{});
+    case UnaryOp::exp:
+      return fn(Exp{});
+    case UnaryOp::log:
+      return fn(Log{});
+    case UnaryOp::sqrt:
+      return fn(Sqrt{});
+    case UnaryOp::rsqrt:
+      return fn(Rsqrt{});
+    case UnaryOp::abs:
+      return fn(Abs{});
+    case UnaryOp::tanh:
+      return fn(Tanh{});
+    case UnaryOp::sigmoid:
+      return fn(Sigmoid{});
+    case UnaryOp::relu:
+      return fn(Relu{});
+    case UnaryOp::gelu_tanh:
+      return fn(GeluTanh{});
+    case UnaryOp::gelu_erf:
+      return fn(GeluErf{});
+    case UnaryOp::silu:
+      break;
   }
   return fn(Silu{});
 }
 
-struct Add { template <class T> TRAINER_HD T operator()(T a, T b) const { return a + b; } };
-struct Sub { template <class T> TRAINER_HD T operator()(T a, T b) const { return a - b; } };
-struct Mul { template <class T> TRAINER_HD T operator()(T a, T b) const { return a * b; } };
-struct Div { template <class T> TRAINER_HD T operator()(T a, T b) const { return a / b; } };
-struct Pow { template <class T> TRAINER_HD T operator()(T a, T b) const { return m_pow(a, b); } };
+struct Add {
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+struct Sub {
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return a - b;
+  }
+};
+struct Mul {
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return a * b;
+  }
+};
+struct Div {
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return a / b;
+  }
+};
+struct Pow {
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return m_pow(a, b);
+  }
+};
 struct Maximum {
-  template <class T> TRAINER_HD T operator()(T a, T b) const { return (a != a || a > b) ? a : b; }
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return (a != a || a > b) ? a : b;
+  }
 };
 struct Minimum {
-  template <class T> TRAINER_HD T operator()(T a, T b) const { return (a != a || a < b) ? a : b; }
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return (a != a || a < b) ? a : b;
+  }
 };
 
 template <class Fn>
 TRAINER_HD decltype(auto) visit_binary(BinaryOp op, Fn&& fn) {
   switch (op) {
-    case BinaryOp::add: return fn(Add{});
-    case BinaryOp::sub: return fn(Sub{});
-    case BinaryOp::mul: return fn(Mul{});
-    case BinaryOp::div: return fn(Div{});
-    case BinaryOp::pow: return fn(Pow{});
-    case BinaryOp::maximum: return fn(Maximum{});
-    case BinaryOp::minimum: break;
+    case BinaryOp::add:
+      return fn(Add{});
+    case BinaryOp::sub:
+      return fn(Sub{});
+    case BinaryOp::mul:
+      return fn(Mul{});
+    case BinaryOp::div:
+      return fn(Div{});
+    case BinaryOp::pow:
+      return fn(Pow{});
+    case BinaryOp::maximum:
+      return fn(Maximum{});
+    case BinaryOp::minimum:
+      break;
   }
   return fn(Minimum{});
 }
@@ -152,9 +262,15 @@ TRAINER_HD decltype(auto) visit_binary(BinaryOp op, Fn&& fn) {
 template <class F>
 struct Flipped {
   F f;
-  template <class T> TRAINER_HD T operator()(T a, T b) const { return f(b, a); }
+  template <class T>
+  TRAINER_HD T operator()(T a, T b) const {
+    return f(b, a);
+  }
 };
 
-template <class T> TRAINER_HD T clamp(T x, T lo, T hi) { return x < lo ? lo : (x > hi ? hi : x); }
+template <class T>
+TRAINER_HD T clamp(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
 
 }  // namespace trainer::math

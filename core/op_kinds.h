@@ -7,7 +7,18 @@
 namespace trainer {
 
 enum class UnaryOp : uint8_t {
-  neg, exp, log, sqrt, rsqrt, abs, tanh, sigmoid, relu, gelu_tanh, gelu_erf, silu
+  neg,
+  exp,
+  log,
+  sqrt,
+  rsqrt,
+  abs,
+  tanh,
+  sigmoid,
+  relu,
+  gelu_tanh,
+  gelu_erf,
+  silu
 };
 enum class BinaryOp : uint8_t { add, sub, mul, div, pow, maximum, minimum };
 enum class ReduceOp : uint8_t { sum, mean, max, min };

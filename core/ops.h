@@ -75,10 +75,18 @@ inline Tensor operator+(const Tensor& x, double s) { return binary_scalar(Binary
 inline Tensor operator-(const Tensor& x, double s) { return binary_scalar(BinaryOp::sub, x, s); }
 inline Tensor operator*(const Tensor& x, double s) { return binary_scalar(BinaryOp::mul, x, s); }
 inline Tensor operator/(const Tensor& x, double s) { return binary_scalar(BinaryOp::div, x, s); }
-inline Tensor operator+(double s, const Tensor& x) { return binary_scalar(BinaryOp::add, x, s, true); }
-inline Tensor operator-(double s, const Tensor& x) { return binary_scalar(BinaryOp::sub, x, s, true); }
-inline Tensor operator*(double s, const Tensor& x) { return binary_scalar(BinaryOp::mul, x, s, true); }
-inline Tensor operator/(double s, const Tensor& x) { return binary_scalar(BinaryOp::div, x, s, true); }
+inline Tensor operator+(double s, const Tensor& x) {
+  return binary_scalar(BinaryOp::add, x, s, true);
+}
+inline Tensor operator-(double s, const Tensor& x) {
+  return binary_scalar(BinaryOp::sub, x, s, true);
+}
+inline Tensor operator*(double s, const Tensor& x) {
+  return binary_scalar(BinaryOp::mul, x, s, true);
+}
+inline Tensor operator/(double s, const Tensor& x) {
+  return binary_scalar(BinaryOp::div, x, s, true);
+}
 
 // ---- in place, not recorded (optimizers, gradient accumulation) ----
 // self += alpha * other (other broadcasts to self).
@@ -135,10 +143,10 @@ Tensor gather(const Tensor& x, int dim, const Tensor& index);
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 
 // ---- random ----
-Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen,
-               DType dtype = DType::f32, Device device = {});
-Tensor normal(const Shape& shape, double mean, double std, Generator& gen,
-              DType dtype = DType::f32, Device device = {});
+Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, DType dtype = DType::f32,
+               Device device = {});
+Tensor normal(const Shape& shape, double mean, double std, Generator& gen, DType dtype = DType::f32,
+              Device device = {});
 // 1 with probability p, else 0, in dtype.
 Tensor bernoulli(const Shape& shape, double p, Generator& gen, DType dtype = DType::f32,
                  Device device = {});

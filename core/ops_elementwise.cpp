@@ -11,8 +11,8 @@ Shape broadcast_shapes(const Shape& a, const Shape& b) {
   for (size_t i = 0; i < n; ++i) {
     int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
     int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    CHECK(x == y || x == 1 || y == 1) << "shapes " << shape_str(a) << " and " << shape_str(b)
-                                      << " do not broadcast";
+    CHECK(x == y || x == 1 || y == 1)
+        << "shapes " << shape_str(a) << " and " << shape_str(b) << " do not broadcast";
     out[i] = x == 1 ? y : x;
   }
   return out;
@@ -39,8 +39,10 @@ bool grad_uses_x(UnaryOp op) {
     case UnaryOp::rsqrt:
     case UnaryOp::tanh:
     case UnaryOp::sigmoid:
-    case UnaryOp::neg: return false;
-    default: return true;
+    case UnaryOp::neg:
+      return false;
+    default:
+      return true;
   }
 }
 bool grad_uses_y(UnaryOp op) { return !grad_uses_x(op) && op != UnaryOp::neg; }
@@ -89,12 +91,19 @@ struct BinaryFn {
     s.b_shape = b.shape();
     switch (op) {
       case BinaryOp::add:
-      case BinaryOp::sub: break;
+      case BinaryOp::sub:
+        break;
       case BinaryOp::mul:
       case BinaryOp::maximum:
-      case BinaryOp::minimum: s.a = a, s.b = b; break;
-      case BinaryOp::div: s.b = b, s.out = out; break;
-      case BinaryOp::pow: s.a = a, s.b = b, s.out = out; break;
+      case BinaryOp::minimum:
+        s.a = a, s.b = b;
+        break;
+      case BinaryOp::div:
+        s.b = b, s.out = out;
+        break;
+      case BinaryOp::pow:
+        s.a = a, s.b = b, s.out = out;
+        break;
     }
     return out;
   }
@@ -104,8 +113,12 @@ struct BinaryFn {
     const Tensor& g = grads[0];
     Tensor ga, gb;
     switch (s.op) {
-      case BinaryOp::add: ga = g, gb = g; break;
-      case BinaryOp::sub: ga = g, gb = needs[1] ? neg(g) : Tensor(); break;
+      case BinaryOp::add:
+        ga = g, gb = g;
+        break;
+      case BinaryOp::sub:
+        ga = g, gb = needs[1] ? neg(g) : Tensor();
+        break;
       case BinaryOp::mul:
         if (needs[0]) ga = g * s.b;
         if (needs[1]) gb = g * s.a;
@@ -160,9 +173,12 @@ struct BinaryScalarFn {
   static TensorList backward(Saved& s, const TensorList& grads, const GradMask&) {
     const Tensor& g = grads[0];
     switch (s.op) {
-      case BinaryOp::add: return {g};
-      case BinaryOp::sub: return {s.scalar_first ? neg(g) : g};
-      case BinaryOp::mul: return {g * s.s};
+      case BinaryOp::add:
+        return {g};
+      case BinaryOp::sub:
+        return {s.scalar_first ? neg(g) : g};
+      case BinaryOp::mul:
+        return {g * s.s};
       case BinaryOp::div:  // d(x/s) = 1/s;  d(s/x) = -s/x^2 = -out/x
         return {s.scalar_first ? neg(g * s.out / s.x) : g * (1.0 / s.s)};
       case BinaryOp::pow:  // d(x^s) = s x^(s-1);  d(s^x) = s^x log s

@@ -15,14 +15,14 @@ struct MatmulFn {
   static constexpr const char* name = "matmul";
   static Tensor forward(Saved& s, const Tensor& a, const Tensor& b) {
     CHECK(a.dim() >= 2 && b.dim() >= 2);
-    CHECK(a.device() == b.device()) << "matmul: operands on " << a.device() << " and "
-                                    << b.device();
+    CHECK(a.device() == b.device())
+        << "matmul: operands on " << a.device() << " and " << b.device();
     CHECK(a.dtype() == b.dtype()) << "matmul: dtypes " << a.dtype() << " and " << b.dtype()
                                   << " differ";
     CHECK(is_floating(a.dtype())) << "matmul needs floating tensors, got " << a.dtype();
     int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
-    CHECK_EQ(b.size(-2), K) << "matmul: inner dims of " << a.shape_str() << " and "
-                            << b.shape_str() << " differ";
+    CHECK_EQ(b.size(-2), K) << "matmul: inner dims of " << a.shape_str() << " and " << b.shape_str()
+                            << " differ";
     Shape batch = broadcast_shapes(Shape(a.shape().begin(), a.shape().end() - 2),
                                    Shape(b.shape().begin(), b.shape().end() - 2));
     Shape sa = batch, sb = batch, so = batch;

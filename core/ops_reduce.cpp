@@ -12,8 +12,8 @@ uint64_t dims_to_mask(const std::vector<int>& dims, int ndim) {
   uint64_t mask = 0;
   for (int d : dims) {
     int w = d < 0 ? d + ndim : d;
-    CHECK(w >= 0 && w < std::max(ndim, 1)) << "reduction dim " << d << " out of range for "
-                                           << ndim << " dims";
+    CHECK(w >= 0 && w < std::max(ndim, 1))
+        << "reduction dim " << d << " out of range for " << ndim << " dims";
     CHECK(!((mask >> w) & 1)) << "reduction dim " << d << " repeated";
     if (ndim > 0) mask |= uint64_t(1) << w;
   }
@@ -70,7 +70,8 @@ struct SumFn {
   }
   static TensorList backward(Saved& s, const TensorList& g, const GradMask&) {
     Tensor grad = g[0].reshape(keepdim_shape(s.in_shape, s.mask));
-    if (s.mean) grad = grad * (1.0 / double(std::max<int64_t>(reduced_count(s.in_shape, s.mask), 1)));
+    if (s.mean)
+      grad = grad * (1.0 / double(std::max<int64_t>(reduced_count(s.in_shape, s.mask), 1)));
     return {grad.expand(s.in_shape)};
   }
 };
@@ -84,7 +85,8 @@ struct VarFn {
     int64_t correction;
   };
   static constexpr const char* name = "var";
-  static Tensor forward(Saved& s, const Tensor& x, uint64_t mask, int64_t correction, bool keepdim) {
+  static Tensor forward(Saved& s, const Tensor& x, uint64_t mask, int64_t correction,
+                        bool keepdim) {
     check_floating("var", x);
     Tensor kept = empty(keepdim_shape(x.shape(), mask), x.dtype(), x.device());
     backend(x.device()).var(x, mask, correction, kept);
@@ -160,8 +162,8 @@ Tensor argmax(const Tensor& x, int dim, bool keepdim) {
 
 Tensor sum_to(const Tensor& x, const Shape& shape) {
   if (x.shape() == shape) return x;
-  CHECK_LE(shape.size(), size_t(x.dim())) << "sum_to: " << x.shape_str() << " to "
-                                          << shape_str(shape);
+  CHECK_LE(shape.size(), size_t(x.dim()))
+      << "sum_to: " << x.shape_str() << " to " << shape_str(shape);
   size_t lead = size_t(x.dim()) - shape.size();
   std::vector<int> dims;
   for (size_t d = 0; d < size_t(x.dim()); ++d) {
@@ -170,8 +172,8 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
     } else if (shape[d - lead] == 1 && x.shape()[d] != 1) {
       dims.push_back(int(d));
     } else {
-      CHECK_EQ(shape[d - lead], x.shape()[d]) << "sum_to: " << x.shape_str() << " to "
-                                              << shape_str(shape);
+      CHECK_EQ(shape[d - lead], x.shape()[d])
+          << "sum_to: " << x.shape_str() << " to " << shape_str(shape);
     }
   }
   if (dims.empty()) return x.reshape(shape);

@@ -58,14 +58,17 @@ struct PhiloxKey {
 
 TRAINER_HD Philox4x32 philox_block(PhiloxKey key, uint64_t block) {
   uint64_t c = key.offset + block;
-  Philox4x32 ctr{{uint32_t(c), uint32_t(c >> 32), uint32_t(key.stream), uint32_t(key.stream >> 32)}};
+  Philox4x32 ctr{
+      {uint32_t(c), uint32_t(c >> 32), uint32_t(key.stream), uint32_t(key.stream >> 32)}};
   return philox4x32_10(ctr, uint32_t(key.seed), uint32_t(key.seed >> 32));
 }
 
 // A uniform float in [0, 1) from the top 24 bits.
 TRAINER_HD float uint_to_unit(uint32_t x) { return float(x >> 8) * (1.0f / 16777216.0f); }
 // A uniform float in (0, 1], safe for log().
-TRAINER_HD float uint_to_unit_open0(uint32_t x) { return float((x >> 8) + 1) * (1.0f / 16777216.0f); }
+TRAINER_HD float uint_to_unit_open0(uint32_t x) {
+  return float((x >> 8) + 1) * (1.0f / 16777216.0f);
+}
 
 // Element i of a uniform [0, 1) draw.
 TRAINER_HD float philox_uniform(PhiloxKey key, uint64_t i) {

@@ -50,8 +50,8 @@ const std::shared_ptr<Storage>& Tensor::storage() const { return impl_->storage;
 int Tensor::wrap_dim(int d) const {
   int n = dim();
   int w = d < 0 ? d + n : d;
-  CHECK(w >= 0 && w < std::max(n, 1)) << "dim " << d << " out of range for a tensor of shape "
-                                      << shape_str();
+  CHECK(w >= 0 && w < std::max(n, 1))
+      << "dim " << d << " out of range for a tensor of shape " << shape_str();
   return w;
 }
 int64_t Tensor::size(int d) const { return impl_->shape[wrap_dim(d)]; }
@@ -95,12 +95,18 @@ Tensor full(const Shape& shape, double value, DType dtype, Device device) {
   t.fill_(value);
   return t;
 }
-Tensor zeros(const Shape& shape, DType dtype, Device device) { return full(shape, 0.0, dtype, device); }
-Tensor ones(const Shape& shape, DType dtype, Device device) { return full(shape, 1.0, dtype, device); }
+Tensor zeros(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 0.0, dtype, device);
+}
+Tensor ones(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 1.0, dtype, device);
+}
 Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
 Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
 Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype(), t.device()); }
-Tensor scalar_tensor(double value, DType dtype, Device device) { return full({}, value, dtype, device); }
+Tensor scalar_tensor(double value, DType dtype, Device device) {
+  return full({}, value, dtype, device);
+}
 
 Tensor arange(int64_t n, DType dtype, Device device) {
   Tensor t = empty({n}, dtype, Device{});
@@ -157,7 +163,8 @@ std::optional<Shape> view_strides(const Tensor& x, const Shape& shape) {
   int64_t tensor_numel = 1, view_numel = 1;
   for (int d = int(old_shape.size()) - 1; d >= 0; --d) {
     tensor_numel *= old_shape[d];
-    if (d == 0 || (old_shape[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base_stride)) {
+    if (d == 0 ||
+        (old_shape[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base_stride)) {
       while (view_d >= 0 && (view_numel < tensor_numel || shape[view_d] == 1)) {
         strides[view_d] = view_numel * chunk_base_stride;
         view_numel *= shape[view_d];
@@ -187,12 +194,12 @@ Shape infer_shape(Shape shape, int64_t numel, const Tensor& x) {
     }
   }
   if (infer >= 0) {
-    CHECK(known > 0 && numel % known == 0) << "cannot reshape " << x.shape_str() << " to "
-                                           << shape_str(shape);
+    CHECK(known > 0 && numel % known == 0)
+        << "cannot reshape " << x.shape_str() << " to " << shape_str(shape);
     shape[infer] = numel / known;
   }
-  CHECK_EQ(shape_numel(shape), numel) << "cannot reshape " << x.shape_str() << " to "
-                                      << shape_str(shape);
+  CHECK_EQ(shape_numel(shape), numel)
+      << "cannot reshape " << x.shape_str() << " to " << shape_str(shape);
   return shape;
 }
 
@@ -220,8 +227,8 @@ struct PermuteOp {
   };
   static constexpr const char* name = "permute";
   static Tensor forward(Saved& s, const Tensor& x, const std::vector<int>& dims) {
-    CHECK_EQ(int(dims.size()), x.dim()) << "permute: " << dims.size() << " dims for "
-                                        << x.shape_str();
+    CHECK_EQ(int(dims.size()), x.dim())
+        << "permute: " << dims.size() << " dims for " << x.shape_str();
     std::vector<bool> seen(dims.size());
     Shape shape(dims.size()), strides(dims.size());
     for (size_t i = 0; i < dims.size(); ++i) {
@@ -277,8 +284,8 @@ struct ExpandOp {
   static constexpr const char* name = "expand";
   static Tensor forward(Saved& s, const Tensor& x, const Shape& shape) {
     s.input_shape = x.shape();
-    CHECK_GE(shape.size(), size_t(x.dim())) << "expand: " << x.shape_str() << " to "
-                                            << shape_str(shape);
+    CHECK_GE(shape.size(), size_t(x.dim()))
+        << "expand: " << x.shape_str() << " to " << shape_str(shape);
     size_t lead = shape.size() - size_t(x.dim());
     Shape out_shape(shape.size()), strides(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) {
@@ -290,8 +297,8 @@ struct ExpandOp {
       }
       int64_t in = x.shape()[i - lead];
       int64_t want = shape[i] == -1 ? in : shape[i];
-      CHECK(in == want || in == 1) << "expand: cannot expand " << x.shape_str() << " to "
-                                   << shape_str(shape);
+      CHECK(in == want || in == 1)
+          << "expand: cannot expand " << x.shape_str() << " to " << shape_str(shape);
       out_shape[i] = want;
       strides[i] = in == want ? x.strides()[i - lead] : 0;
     }
@@ -370,7 +377,9 @@ Tensor Tensor::flatten(int start_dim, int end_dim) const {
   return reshape(s);
 }
 
-Tensor Tensor::permute(std::vector<int> dims) const { return autograd::apply<PermuteOp>(*this, dims); }
+Tensor Tensor::permute(std::vector<int> dims) const {
+  return autograd::apply<PermuteOp>(*this, dims);
+}
 
 Tensor Tensor::transpose(int a, int b) const {
   std::vector<int> dims(dim());
@@ -415,8 +424,12 @@ Tensor Tensor::unsqueeze(int d) const {
 
 Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 Tensor Tensor::clone() const { return autograd::apply<CopyOp>(*this); }
-Tensor Tensor::to(DType t) const { return t == dtype() ? *this : autograd::apply<ToDTypeOp>(*this, t); }
-Tensor Tensor::to(Device d) const { return d == device() ? *this : autograd::apply<ToDeviceOp>(*this, d); }
+Tensor Tensor::to(DType t) const {
+  return t == dtype() ? *this : autograd::apply<ToDTypeOp>(*this, t);
+}
+Tensor Tensor::to(Device d) const {
+  return d == device() ? *this : autograd::apply<ToDeviceOp>(*this, d);
+}
 
 Tensor& Tensor::fill_(double value) {
   backend(device()).fill(*this, value);
@@ -477,8 +490,8 @@ bool Tensor::requires_grad() const { return impl_->autograd && impl_->autograd->
 
 Tensor& Tensor::requires_grad_(bool value) {
   CHECK(is_leaf()) << "requires_grad_() on a non-leaf tensor; detach() it first";
-  CHECK(!value || is_floating(dtype())) << "only floating tensors can require grad, not "
-                                        << dtype_name(dtype());
+  CHECK(!value || is_floating(dtype()))
+      << "only floating tensors can require grad, not " << dtype_name(dtype());
   impl_->meta().requires_grad = value;
   return *this;
 }

@@ -78,8 +78,8 @@ class Tensor {
   void* data_ptr() const;  // address of element 0
   template <class T>
   T* data() const {
-    CHECK(dtype() == dtype_of<T>()) << "data<" << dtype_name(dtype_of<T>()) << ">() on a "
-                                    << dtype_name(dtype()) << " tensor";
+    CHECK(dtype() == dtype_of<T>())
+        << "data<" << dtype_name(dtype_of<T>()) << ">() on a " << dtype_name(dtype()) << " tensor";
     return static_cast<T*>(data_ptr());
   }
   // The single element of a one-element tensor, converted to T (copies from the device).
@@ -98,7 +98,9 @@ class Tensor {
   Tensor t() const { return transpose(0, 1); }
   Tensor slice(int dim, int64_t start, int64_t end, int64_t step = 1) const;
   Tensor select(int dim, int64_t index) const;  // slice + squeeze
-  Tensor narrow(int dim, int64_t start, int64_t length) const { return slice(dim, start, start + length); }
+  Tensor narrow(int dim, int64_t start, int64_t length) const {
+    return slice(dim, start, start + length);
+  }
   Tensor expand(Shape shape) const;  // -1 keeps a size
   Tensor squeeze(int dim) const;
   Tensor unsqueeze(int dim) const;

@@ -21,17 +21,16 @@ struct UnaryCase {
   bool avoid_zero;
 };
 const UnaryCase kUnaryCases[] = {
-    {UnaryOp::neg, -2, 2, false},       {UnaryOp::exp, -2, 2, false},
-    {UnaryOp::log, 0.2, 3, false},      {UnaryOp::sqrt, 0.2, 3, false},
-    {UnaryOp::rsqrt, 0.2, 3, false},    {UnaryOp::abs, -2, 2, true},
-    {UnaryOp::tanh, -2.5, 2.5, false},  {UnaryOp::sigmoid, -4, 4, false},
-    {UnaryOp::relu, -2, 2, true},       {UnaryOp::gelu_tanh, -3, 3, false},
-    {UnaryOp::gelu_erf, -3, 3, false},  {UnaryOp::silu, -4, 4, false},
+    {UnaryOp::neg, -2, 2, false},      {UnaryOp::exp, -2, 2, false},
+    {UnaryOp::log, 0.2, 3, false},     {UnaryOp::sqrt, 0.2, 3, false},
+    {UnaryOp::rsqrt, 0.2, 3, false},   {UnaryOp::abs, -2, 2, true},
+    {UnaryOp::tanh, -2.5, 2.5, false}, {UnaryOp::sigmoid, -4, 4, false},
+    {UnaryOp::relu, -2, 2, true},      {UnaryOp::gelu_tanh, -3, 3, false},
+    {UnaryOp::gelu_erf, -3, 3, false}, {UnaryOp::silu, -4, 4, false},
 };
 
-const BinaryOp kBinaryOps[] = {BinaryOp::add, BinaryOp::sub,     BinaryOp::mul,
-                               BinaryOp::div, BinaryOp::pow,     BinaryOp::maximum,
-                               BinaryOp::minimum};
+const BinaryOp kBinaryOps[] = {BinaryOp::add, BinaryOp::sub,     BinaryOp::mul,    BinaryOp::div,
+                               BinaryOp::pow, BinaryOp::maximum, BinaryOp::minimum};
 
 // Uniform values in [lo, hi]; with avoid_zero, magnitudes of at least 0.1.
 Tensor input(const Shape& shape, Generator& gen, double lo, double hi, bool avoid_zero,
@@ -59,10 +58,14 @@ std::pair<Tensor, Tensor> binary_inputs(BinaryOp op, const Shape& sa, const Shap
 // op in float, bf16 and f16 round to 8 and 11 bits.
 double fast_tol(DType t) {
   switch (t) {
-    case DType::f64: return 1e-10;
-    case DType::f32: return 2e-5;
-    case DType::f16: return 1e-2;
-    default: return 3e-2;
+    case DType::f64:
+      return 1e-10;
+    case DType::f32:
+      return 2e-5;
+    case DType::f16:
+      return 1e-2;
+    default:
+      return 3e-2;
   }
 }
 
@@ -91,9 +94,9 @@ TEST_CASE("elementwise: gradients of every unary op", "[elementwise]") {
 
 TEST_CASE("elementwise: gradients of every binary op with broadcasting", "[elementwise]") {
   Generator gen(102);
-  const std::pair<Shape, Shape> shapes[] = {
-      {{3, 1, 4}, {5, 4}}, {{}, {2, 3}}, {{2, 3}, {}}, {{1}, {3, 2}}, {{2, 3}, {2, 3}},
-      {{4, 1}, {1, 3}}};
+  const std::pair<Shape, Shape> shapes[] = {{{3, 1, 4}, {5, 4}}, {{}, {2, 3}},
+                                            {{2, 3}, {}},        {{1}, {3, 2}},
+                                            {{2, 3}, {2, 3}},    {{4, 1}, {1, 3}}};
   for (BinaryOp op : kBinaryOps) {
     for (const auto& [sa, sb] : shapes) {
       INFO(binary_op_name(op) << " " << shape_str(sa) << " with " << shape_str(sb));
@@ -160,8 +163,7 @@ TEST_CASE("elementwise: closed-form values", "[elementwise]") {
   REQUIRE(v(3.0 - x) == std::vector<double>{4, 3, 2, 1});
   REQUIRE(v(2.0 / (x + 2.0)) == std::vector<double>{2, 1, 2.0 / 3.0, 0.5});
   REQUIRE(v(clamp(x, -0.5, 1.5)) == std::vector<double>{-0.5, 0, 1, 1.5});
-  REQUIRE(v(masked_fill(x, gt(x, zeros({}, DType::f64)), 9.0)) ==
-          std::vector<double>{-1, 0, 9, 9});
+  REQUIRE(v(masked_fill(x, gt(x, zeros({}, DType::f64)), 9.0)) == std::vector<double>{-1, 0, 9, 9});
   REQUIRE(eq(x, from_vector<double>({-1, 1, 1, 0})).to_vector<int32_t>() ==
           std::vector<int32_t>{1, 0, 1, 0});
   REQUIRE(lt(x, zeros({}, DType::f64)).to_vector<int32_t>() == std::vector<int32_t>{1, 0, 0, 0});
@@ -196,9 +198,9 @@ TEST_CASE("elementwise: fast kernels match the reference", "[elementwise]") {
     Shape shape;
     DType dtype;
   };
-  const Case cases[] = {{{7, 33}, DType::f32},        {{1, 5, 3}, DType::f64},
-                        {{33, 7}, DType::bf16},       {{3, 11, 5}, DType::f16},
-                        {{317, 331}, DType::f32},     {{3, 40000}, DType::bf16}};
+  const Case cases[] = {{{7, 33}, DType::f32},    {{1, 5, 3}, DType::f64},
+                        {{33, 7}, DType::bf16},   {{3, 11, 5}, DType::f16},
+                        {{317, 331}, DType::f32}, {{3, 40000}, DType::bf16}};
   for (const Case& c : cases) {
     double tol = fast_tol(c.dtype);
     // The reference kernels are slow: large cases check the layouts once per op.
@@ -240,12 +242,12 @@ TEST_CASE("elementwise: fast kernels match the reference", "[elementwise]") {
     Tensor x = input(c.shape, gen, -2, 2, false, c.dtype);
     Tensor y = input(c.shape, gen, -2, 2, false, c.dtype);
     Tensor cond = gt(x, y);
-    check_fast_vs_reference([&](const TensorList& t) { return where(cond, t[0], t[1]); },
-                            {x, y}, tol, tol);
+    check_fast_vs_reference([&](const TensorList& t) { return where(cond, t[0], t[1]); }, {x, y},
+                            tol, tol);
     check_fast_vs_reference([&](const TensorList& t) { return where(cond, t[0], t[1]); },
                             {non_contiguous(x), y.select(0, 0)}, tol, tol);
-    check_fast_vs_reference([](const TensorList& t) { return clamp(t[0], -0.5, 0.75); }, {x},
-                            tol, tol);
+    check_fast_vs_reference([](const TensorList& t) { return clamp(t[0], -0.5, 0.75); }, {x}, tol,
+                            tol);
     check_fast_vs_reference([&](const TensorList& t) { return masked_fill(t[0], cond, 2.0); },
                             {non_contiguous(x)}, tol, tol);
     for (auto cmp : {eq, lt, gt}) {
@@ -281,8 +283,8 @@ TEST_CASE("elementwise: stride-0 and empty operands", "[elementwise]") {
 TEST_CASE("elementwise: in-place add_ and mul_", "[elementwise]") {
   Tensor x = arange(12, DType::f32).reshape({3, 4});
   add_(x, from_vector<float>({1, 2, 3, 4}), 2.5);
-  REQUIRE(x.to_vector<float>() == std::vector<float>{2.5, 6, 9.5, 13, 6.5, 10, 13.5, 17,
-                                                     10.5, 14, 17.5, 21});
+  REQUIRE(x.to_vector<float>() ==
+          std::vector<float>{2.5, 6, 9.5, 13, 6.5, 10, 13.5, 17, 10.5, 14, 17.5, 21});
   mul_(x, 2.0);
   REQUIRE(x.to_vector<float>()[3] == 26.0f);
   add_(x, x);  // self-aliasing: every element doubles

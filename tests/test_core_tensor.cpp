@@ -69,7 +69,7 @@ TEST_CASE("tensor: bf16 and f16 round to nearest even", "[tensor]") {
   REQUIRE(to_float(to_bf16(1.0f + 1.0f / 256)) == 1.0f);
   REQUIRE(to_float(to_bf16(1.0f + 3.0f / 256)) == 1.0f + 4.0f / 256);
   REQUIRE(to_float(to_f16(65504.0f)) == 65504.0f);
-  REQUIRE(to_float(to_f16(1.0f + 1.0f / 2048)) == 1.0f);  // halfway, ties to even
+  REQUIRE(to_float(to_f16(1.0f + 1.0f / 2048)) == 1.0f);          // halfway, ties to even
   REQUIRE(to_float(to_f16(5.96046448e-08f)) == 5.96046448e-08f);  // smallest subnormal
   REQUIRE(to_float(to_f16(-0.0f)) == 0.0f);
   for (float v : {0.1f, -3.75f, 1000.5f, 1e-3f})
@@ -176,8 +176,14 @@ TEST_CASE("autograd: views are differentiable", "[autograd]") {
   Generator gen(5);
   gradcheck([](const TensorList& in) { return in[0].transpose(0, 1).slice(0, 1, 3) * 2.0; },
             {rand_f64({3, 4}, gen)});
-  gradcheck([](const TensorList& in) { return in[0].unsqueeze(1).expand({3, 2, 4}) * in[1]; },
-            {rand_f64({3, 4}, gen), rand_f64({2, 4}, gen)});
-  gradcheck([](const TensorList& in) { return in[0].reshape({4, 3}).select(0, 2); },
-            {rand_f64({3, 4}, gen)});
+  gradcheck(
+      [](const TensorList& in) {
+        return in[0].unsqueeze(1).expand({3, 2, 4}) * in[1];
+      },
+      {rand_f64({3, 4}, gen), rand_f64({2, 4}, gen)});
+  gradcheck(
+      [](const TensorList& in) {
+        return in[0].reshape({4, 3}).select(0, 2);
+      },
+      {rand_f64({3, 4}, gen)});
 }

@@ -138,7 +138,8 @@ TEST_CASE("checkpoint: commit, latest, keep-last-k and best", "[checkpoint]") {
   REQUIRE(!fs::exists(root / "step_00000200"));
 }
 
-TEST_CASE("checkpoint: an interrupted write leaves the previous checkpoint findable", "[checkpoint]") {
+TEST_CASE("checkpoint: an interrupted write leaves the previous checkpoint findable",
+          "[checkpoint]") {
   fs::path root = fresh_dir("ckpt_crash");
   CheckpointDir ckpt(root.string(), 3);
   std::string tmp = ckpt.begin(100);
@@ -178,6 +179,7 @@ TEST_CASE("metrics: JSONL records and the progress line", "[logs]") {
 
   Progress p{2, 1200, 4800, 0.41234, 0.1, 2950, 180.0};
   std::string line = progress_line(p);
-  REQUIRE(line == "epoch 2 step 1200/4800 (25.0%) | loss 0.4123 | lr 0.1 | 2950 samples/s | ETA 3m00s");
+  REQUIRE(line ==
+          "epoch 2 step 1200/4800 (25.0%) | loss 0.4123 | lr 0.1 | 2950 samples/s | ETA 3m00s");
   REQUIRE(format_duration(3725) == "1h02m05s");
 }

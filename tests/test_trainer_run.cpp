@@ -138,18 +138,18 @@ TEST_CASE("train: bad recipes and arguments fail with a message, not a crash", "
 
 TEST_CASE("train: a corrupt checkpoint is refused and the previous one is untouched", "[train]") {
   fs::path out = fresh("corrupt");
-  RunResult r = run_trainer(recipe_args("fmnist_mlp.yaml", out,
-                                        {"training.steps=4", "training.checkpoint_every=2",
-                                         "training.global_batch=16"}));
+  RunResult r = run_trainer(
+      recipe_args("fmnist_mlp.yaml", out,
+                  {"training.steps=4", "training.checkpoint_every=2", "training.global_batch=16"}));
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   fs::path last = out / "checkpoints" / CheckpointDir::step_name(4);
   std::string good = read_file((last / "model.safetensors").string());
   std::string bad = good.substr(0, good.size() / 2);
   write_file_atomic((last / "model.safetensors").string(), bad);
-  r = run_trainer(recipe_args("fmnist_mlp.yaml", out,
-                              {"training.steps=8", "training.global_batch=16", "--resume",
-                               last.string()}));
+  r = run_trainer(
+      recipe_args("fmnist_mlp.yaml", out,
+                  {"training.steps=8", "training.global_batch=16", "--resume", last.string()}));
   REQUIRE(r.exit_code == 1);
   REQUIRE(r.output.find("not a valid safetensors file") != std::string::npos);
   REQUIRE(fs::exists(out / "checkpoints" / CheckpointDir::step_name(2) / "model.safetensors"));
@@ -167,8 +167,8 @@ TEST_CASE("train: --dry-run prints the summary and memory estimate", "[train]") 
 
 TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][slow]") {
   fs::path out = fresh("accuracy");
-  RunResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out,
-                                        {"training.epochs=1", "training.threads=2"}));
+  RunResult r =
+      run_trainer(recipe_args("fmnist_cnn.yaml", out, {"training.epochs=1", "training.threads=2"}));
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   std::smatch m;
@@ -178,10 +178,11 @@ TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][s
 
 TEST_CASE("train: --init-from loads weights by name, strictly by default", "[train]") {
   fs::path src = fresh("init_src"), dst = fresh("init_dst"), bad = fresh("init_bad");
-  RunResult r = run_trainer(recipe_args("fmnist_mlp.yaml", src,
-                                        {"training.steps=3", "training.global_batch=16"}));
+  RunResult r = run_trainer(
+      recipe_args("fmnist_mlp.yaml", src, {"training.steps=3", "training.global_batch=16"}));
   REQUIRE(r.exit_code == 0);
-  std::string weights = (src / "checkpoints" / CheckpointDir::step_name(3) / "model.safetensors").string();
+  std::string weights =
+      (src / "checkpoints" / CheckpointDir::step_name(3) / "model.safetensors").string();
   // lr 0 and no weight decay: the weights stay exactly those loaded.
   r = run_trainer(recipe_args("fmnist_mlp.yaml", dst,
                               {"training.steps=1", "training.global_batch=16", "optimizer.lr=0",
@@ -189,31 +190,33 @@ TEST_CASE("train: --init-from loads weights by name, strictly by default", "[tra
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   SafetensorsFile loaded = read_safetensors(weights);
-  SafetensorsFile after =
-      read_safetensors((dst / "checkpoints" / CheckpointDir::step_name(1) / "model.safetensors").string());
+  SafetensorsFile after = read_safetensors(
+      (dst / "checkpoints" / CheckpointDir::step_name(1) / "model.safetensors").string());
   for (const auto& [name, t] : loaded.tensors) {
     INFO(name);
     REQUIRE(std::memcmp(after.tensors.at(name).data_ptr(), t.data_ptr(), t.nbytes()) == 0);
   }
   // MLP weights into the CNN: every problem is listed; non-strict goes on.
-  r = run_trainer(recipe_args("fmnist_cnn.yaml", bad,
-                              {"training.steps=1", "training.global_batch=16", "--init-from", weights}));
+  r = run_trainer(
+      recipe_args("fmnist_cnn.yaml", bad,
+                  {"training.steps=1", "training.global_batch=16", "--init-from", weights}));
   REQUIRE(r.exit_code == 1);
   REQUIRE(r.output.find("missing: conv1.weight") != std::string::npos);
   REQUIRE(r.output.find("unexpected: fc3.weight") != std::string::npos);
   REQUIRE(r.output.find("mis-shaped: fc1.weight") != std::string::npos);
   r = run_trainer(recipe_args("fmnist_cnn.yaml", bad,
-                              {"training.steps=1", "training.global_batch=16", "--init-from", weights,
-                               "--init-non-strict"}));
+                              {"training.steps=1", "training.global_batch=16", "--init-from",
+                               weights, "--init-non-strict"}));
   REQUIRE(r.exit_code == 0);
 }
 
-TEST_CASE("train: non-finite losses are skipped, then abort after max_nonfinite in a row", "[train]") {
+TEST_CASE("train: non-finite losses are skipped, then abort after max_nonfinite in a row",
+          "[train]") {
   fs::path out = fresh("nonfinite");
-  RunResult r = run_trainer(recipe_args("fmnist_mlp.yaml", out,
-                                        {"training.steps=50", "training.global_batch=16",
-                                         "optimizer.name=sgd", "optimizer.lr=100",
-                                         "training.max_nonfinite=3"}));
+  RunResult r = run_trainer(
+      recipe_args("fmnist_mlp.yaml", out,
+                  {"training.steps=50", "training.global_batch=16", "optimizer.name=sgd",
+                   "optimizer.lr=100", "training.max_nonfinite=3"}));
   INFO(r.output);
   REQUIRE(r.exit_code == 1);
   REQUIRE(r.output.find("non-finite loss, step skipped") != std::string::npos);

@@ -126,7 +126,8 @@ inline void check_fast_vs_reference(const Fn& f, const TensorList& inputs, doubl
   require_close(fast, ref, rtol, atol, "forward");
   for (size_t k = 0; k < inputs.size(); ++k) {
     if (!ref_grads[k].defined()) continue;
-    require_close(fast_grads[k], ref_grads[k], rtol, atol, "gradient of input " + std::to_string(k));
+    require_close(fast_grads[k], ref_grads[k], rtol, atol,
+                  "gradient of input " + std::to_string(k));
   }
 }
 

@@ -125,7 +125,8 @@ void CheckpointDir::prune() const {
   // Stale temporaries of other steps (a crash mid-write) go too.
   for (const auto& e : fs::directory_iterator(root_)) {
     std::string n = e.path().filename().string();
-    if (n.size() > 4 && n.substr(n.size() - 4) == ".tmp" && e.is_directory()) fs::remove_all(e.path());
+    if (n.size() > 4 && n.substr(n.size() - 4) == ".tmp" && e.is_directory())
+      fs::remove_all(e.path());
   }
 }
 

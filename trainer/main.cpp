@@ -52,13 +52,15 @@ int main(int argc, char** argv) {
                     "load weights by name from a safetensors file before training");
   train->add_flag("!--init-non-strict", train_args.init_strict,
                   "with --init-from: skip missing, unexpected and mis-shaped tensors");
-  train->add_flag("--dry-run", train_args.dry_run,
-                  "print the resolved recipe, model summary, memory estimate and layout, then exit");
+  train->add_flag(
+      "--dry-run", train_args.dry_run,
+      "print the resolved recipe, model summary, memory estimate and layout, then exit");
   std::string keys = "Recipe keys (YAML sections, or key=value overrides):";
   for (const std::string& k : recipe_keys()) keys += "\n  " + k;
   train->footer(keys);
   EvalArgs eval_args;
-  CLI::App* eval = app.add_subcommand("eval", "evaluate a checkpoint on the recipe's validation set");
+  CLI::App* eval =
+      app.add_subcommand("eval", "evaluate a checkpoint on the recipe's validation set");
   eval->add_option("recipe", eval_args.recipe, "recipe YAML file")->required();
   eval->add_option("overrides", eval_args.overrides, "key=value overrides of recipe keys");
   eval->add_option("--checkpoint", eval_args.checkpoint,

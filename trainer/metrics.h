@@ -28,7 +28,8 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
-  // One JSONL record {"split": ..., "step": ..., "time": ..., <scalars>}; TensorBoard tags "<split>/<name>".
+  // One JSONL record {"split": ..., "step": ..., "time": ..., <scalars>}; TensorBoard tags
+  // "<split>/<name>".
   void write(const std::string& split, int64_t step, const Scalars& scalars);
 
  private:

@@ -60,7 +60,8 @@ T scalar_as(const YAML::Node& v, const Origin& o, const std::string& path, const
 template <class T>
 void check_range(T value, T lo, T hi, const Origin& o, const std::string& path) {
   if (value < lo || value > hi)
-    throw Error(cat(o.text, ": key '", path, "' = ", value, " is out of range [", lo, ", ", hi, "]"));
+    throw Error(
+        cat(o.text, ": key '", path, "' = ", value, " is out of range [", lo, ", ", hi, "]"));
 }
 
 Field int_field(std::string path, int64_t* p, int64_t lo, int64_t hi) {
@@ -93,17 +94,18 @@ Field bool_field(std::string path, bool* p) {
 
 // A string; `choices` empty means free text.
 Field string_field(std::string path, std::string* p, std::vector<std::string> choices = {}) {
-  return Field{path,
-               [=](const YAML::Node& v, const Origin& o) {
-                 std::string s = scalar_as<std::string>(v, o, path, "a string");
-                 if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
-                   std::string list;
-                   for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
-                   throw Error(cat(o.text, ": key '", path, "' = '", s, "' is not one of: ", list));
-                 }
-                 *p = s;
-               },
-               [=] { return YAML::Node(*p); }};
+  return Field{
+      path,
+      [=](const YAML::Node& v, const Origin& o) {
+        std::string s = scalar_as<std::string>(v, o, path, "a string");
+        if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
+          std::string list;
+          for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
+          throw Error(cat(o.text, ": key '", path, "' = '", s, "' is not one of: ", list));
+        }
+        *p = s;
+      },
+      [=] { return YAML::Node(*p); }};
 }
 
 Field float_list_field(std::string path, std::vector<double>* p, double lo, double hi) {
@@ -136,9 +138,10 @@ std::vector<Field> schema(Recipe& r) {
   TrainingRecipe& t = r.training;
   ParallelRecipe& p = r.parallel;
   return {
-      string_field("model.name", &m.name,
-                   {"small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-                    "resnet18_small", "resnet34_small", "resnet50_small", "gpt", "lstm_lm"}),
+      string_field(
+          "model.name", &m.name,
+          {"small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+           "resnet18_small", "resnet34_small", "resnet50_small", "gpt", "lstm_lm"}),
       int_field("model.num_classes", &m.num_classes, 1, 1000000),
       int_field("model.in_channels", &m.in_channels, 1, 4096),
       bool_field("model.zero_init_residual", &m.zero_init_residual),
@@ -266,7 +269,8 @@ void walk(const std::vector<Field>& fields, const YAML::Node& node, const std::s
     } else if (is_section(fields, path)) {
       walk(fields, it->second, path, file);
     } else {
-      throw Error(cat(o.text, ": unknown key '", path, "'; did you mean '", closest_key(fields, path),
+      throw Error(cat(o.text, ": unknown key '", path, "'; did you mean '",
+                      closest_key(fields, path),
                       "'? (`trainer train --help` lists the recipe keys)"));
     }
   }
@@ -280,8 +284,8 @@ void apply_override(const std::vector<Field>& fields, const std::string& text) {
   std::string path = text.substr(0, eq);
   const Field* f = find_field(fields, path);
   if (!f)
-    throw Error(cat(o.text, ": unknown key '", path, "'; did you mean '", closest_key(fields, path),
-                    "'?"));
+    throw Error(
+        cat(o.text, ": unknown key '", path, "'; did you mean '", closest_key(fields, path), "'?"));
   YAML::Node value;
   try {
     value = YAML::Load(text.substr(eq + 1));

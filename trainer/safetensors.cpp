@@ -41,8 +41,9 @@ bool parse_dtype(const std::string& s, DType* out) {
 }
 
 [[noreturn]] void bad(const std::string& file, const std::string& what) {
-  throw Error(cat(file, ": not a valid safetensors file: ", what,
-                  ". The file may be truncated or corrupt; use an earlier checkpoint or re-export it"));
+  throw Error(
+      cat(file, ": not a valid safetensors file: ", what,
+          ". The file may be truncated or corrupt; use an earlier checkpoint or re-export it"));
 }
 
 void fsync_dir(const std::string& dir) {
@@ -114,7 +115,8 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
 }
 
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {
-  if (bytes.size() < 8) bad(name, cat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
+  if (bytes.size() < 8)
+    bad(name, cat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(bytes[i])) << (8 * i);
   if (n > kSafetensorsMaxHeader) bad(name, cat("header length ", n, " exceeds the limit"));
@@ -144,7 +146,8 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
     if (key == "__metadata__") {
       if (!v.is_object()) bad(name, "__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) bad(name, cat("__metadata__ value '", m.key(), "' is not a string"));
+        if (!m.value().is_string())
+          bad(name, cat("__metadata__ value '", m.key(), "' is not a string"));
         file.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -172,10 +175,11 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
       bad(name, entry("data_offsets must be two non-negative integers"));
     uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
     if (b > e || e > data_size)
-      bad(name, entry(cat("data_offsets [", b, ", ", e, ") outside the ", data_size, " data bytes")));
+      bad(name,
+          entry(cat("data_offsets [", b, ", ", e, ") outside the ", data_size, " data bytes")));
     if (e - b != numel * dtype_size(dtype))
-      bad(name, entry(cat("data_offsets cover ", e - b, " bytes but shape ", shape_str(shape), " of ",
-                          dtype_name(dtype), " needs ", numel * dtype_size(dtype))));
+      bad(name, entry(cat("data_offsets cover ", e - b, " bytes but shape ", shape_str(shape),
+                          " of ", dtype_name(dtype), " needs ", numel * dtype_size(dtype))));
     spans.push_back({b, e, key, dtype, shape});
   }
   // The data must be covered exactly: no overlaps, no gaps, nothing trailing.
@@ -185,11 +189,12 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
   uint64_t pos = 0;
   for (const Span& s : spans) {
     if (s.begin != pos)
-      bad(name, cat("tensor '", s.name, "' starts at ", s.begin, " but the previous data ends at ", pos,
-                    " (overlap or gap)"));
+      bad(name, cat("tensor '", s.name, "' starts at ", s.begin, " but the previous data ends at ",
+                    pos, " (overlap or gap)"));
     pos = s.end;
   }
-  if (pos != data_size) bad(name, cat("data section is ", data_size, " bytes but tensors cover ", pos));
+  if (pos != data_size)
+    bad(name, cat("data section is ", data_size, " bytes but tensors cover ", pos));
   // Only now, with every span checked, copy the tensors out.
   for (const Span& s : spans) {
     Tensor t = empty(s.shape, s.dtype);

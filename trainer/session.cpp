@@ -20,7 +20,8 @@ namespace {
 using json = nlohmann::json;
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 std::shared_ptr<Module> build_model(const Recipe& r) {
@@ -53,7 +54,8 @@ data::TransformOptions transform_options(const Recipe& r, bool train, int channe
     t.std = {data::kFashionMnistStd};
   } else {
     t.mode = train && r.data.augment ? data::TransformMode::train : data::TransformMode::eval;
-    t.resize = r.data.resize > 0 ? int(r.data.resize) : int(std::lround(r.data.image_size * 8.0 / 7.0));
+    t.resize =
+        r.data.resize > 0 ? int(r.data.resize) : int(std::lround(r.data.image_size * 8.0 / 7.0));
     if (channels == 1) t.mean = {0.5f}, t.std = {0.5f};
   }
   return t;
@@ -99,11 +101,14 @@ Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
   // ---- data ----
   if (r.data.name == "fashion_mnist") {
     std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
-    train_set_ = std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
-    val_set_ = std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
+    train_set_ =
+        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
+    val_set_ =
+        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
   } else if (r.data.name == "image_folder") {
     if (r.data.root.empty())
-      throw Error(cat(r.source, ": data.root must name a folder with train/ and val/ for image_folder"));
+      throw Error(
+          cat(r.source, ": data.root must name a folder with train/ and val/ for image_folder"));
     auto train = std::make_unique<data::ImageFolder>(r.data.root + "/train");
     auto val = std::make_unique<data::ImageFolder>(r.data.root + "/val");
     data::check_same_classes(*train, *val);
@@ -114,8 +119,8 @@ Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
                     "' is for language models, which are not built yet"));
   }
   if (train_set_->num_classes() != r.model.num_classes)
-    throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes, " but the dataset has ",
-                    train_set_->num_classes(), " classes"));
+    throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes,
+                    " but the dataset has ", train_set_->num_classes(), " classes"));
   if (train_set_->channels() != r.model.in_channels)
     throw Error(cat(r.source, ": model.in_channels is ", r.model.in_channels,
                     " but the dataset's images have ", train_set_->channels(), " channels"));
@@ -124,19 +129,21 @@ Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
   lo.batch_size = micro_batch_;
   lo.num_workers = int(r.data.workers);
   lo.prefetch_batches = int(r.data.prefetch);
-  lo.bad_files = r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
+  lo.bad_files =
+      r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
   lo.report_epochs = false;
   lo.drop_last = true;  // every step sees the same batch size
   data::SamplerOptions so{.dataset_size = train_set_->size(), .seed = uint64_t(r.seed)};
   train_loader_ = std::make_unique<data::Loader>(
-      *train_set_, data::ImageTransform(transform_options(r, true, train_set_->channels()),
-                                        train_set_->channels()),
+      *train_set_,
+      data::ImageTransform(transform_options(r, true, train_set_->channels()),
+                           train_set_->channels()),
       data::DistributedSampler(so), lo);
   data::SamplerOptions vo{.dataset_size = val_set_->size(), .shuffle = false};
   lo.drop_last = false;
   val_loader_ = std::make_unique<data::Loader>(
-      *val_set_, data::ImageTransform(transform_options(r, false, val_set_->channels()),
-                                      val_set_->channels()),
+      *val_set_,
+      data::ImageTransform(transform_options(r, false, val_set_->channels()), val_set_->channels()),
       data::DistributedSampler(vo), lo);
 
   steps_per_epoch_ = train_loader_->batches_per_epoch() / t.grad_accum;
@@ -184,8 +191,8 @@ void Session::rekey_dropout(int64_t micro) {
     if (auto* d = dynamic_cast<Dropout*>(&m)) {
       // Stream: purpose in the low 8 bits, the layer above; offset: 2^32
       // blocks per micro-step, far more than any layer draws.
-      d->generator() = Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8),
-                                 uint64_t(micro) << 32);
+      d->generator() =
+          Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8), uint64_t(micro) << 32);
     }
   });
 }
@@ -269,7 +276,8 @@ std::vector<std::string> load_named(const std::vector<NamedTensor>& targets,
 }
 
 namespace {
-void copy_named(const std::vector<NamedTensor>& targets, const std::map<std::string, Tensor>& source) {
+void copy_named(const std::vector<NamedTensor>& targets,
+                const std::map<std::string, Tensor>& source) {
   autograd::NoGradGuard no_grad;
   for (const NamedTensor& t : targets) {
     auto it = source.find(t.name);
@@ -292,7 +300,8 @@ TrainState Session::load(const std::string& dir) {
   SafetensorsFile model_file = read_safetensors(dir + "/model.safetensors");
   std::vector<std::string> problems = load_named(model_->state(), model_file.tensors);
   if (!problems.empty())
-    throw Error(cat(dir, "/model.safetensors does not match the recipe's model:", join_lines(problems)));
+    throw Error(
+        cat(dir, "/model.safetensors does not match the recipe's model:", join_lines(problems)));
   SafetensorsFile optim_file = read_safetensors(dir + "/optimizer.safetensors");
   std::vector<NamedTensor> optim_state;
   for (const auto& [name, t] : optim_file.tensors) optim_state.push_back({name, t});
@@ -326,7 +335,8 @@ void Session::init_from(const std::string& path, bool strict) {
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);
   if (!problems.empty()) {
     if (strict)
-      throw Error(cat(path, " does not match the model (pass --init-non-strict to load what matches):",
+      throw Error(cat(path,
+                      " does not match the model (pass --init-non-strict to load what matches):",
                       join_lines(problems)));
     std::fprintf(stderr, "init-from %s: loading what matches; skipped:%s\n", path.c_str(),
                  join_lines(problems).c_str());
@@ -345,12 +355,14 @@ std::string Session::summary() {
   // Memory: parameters, gradients and optimizer state exactly; activations
   // measured as the allocator's peak over one training step at batch 2,
   // scaled to the micro-batch.
-  int64_t state_copies = recipe_.optimizer.name == "adamw" ? 2 : (recipe_.optimizer.momentum > 0 ? 1 : 0);
+  int64_t state_copies =
+      recipe_.optimizer.name == "adamw" ? 2 : (recipe_.optimizer.momentum > 0 ? 1 : 0);
   Allocator& a = allocator(Device{});
   int64_t before = a.stats().current_bytes;
   a.reset_peak();
   {
-    Tensor images = zeros({2, recipe_.data.image_size, recipe_.data.image_size, recipe_.model.in_channels});
+    Tensor images =
+        zeros({2, recipe_.data.image_size, recipe_.data.image_size, recipe_.model.in_channels});
     Tensor loss = cross_entropy(forward(images), zeros({2}, DType::i64));
     loss.backward();
   }
@@ -358,12 +370,13 @@ std::string Session::summary() {
   model_->zero_grad();
   double mib = 1.0 / (1024.0 * 1024.0);
   char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB, "
-                "activations %.1f MiB (micro-batch %lld)\n",
-                double(params) * 4 * mib, double(params) * 4 * mib,
-                double(params) * 4 * double(state_copies) * mib,
-                double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_);
+  std::snprintf(
+      buf, sizeof buf,
+      "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB, "
+      "activations %.1f MiB (micro-batch %lld)\n",
+      double(params) * 4 * mib, double(params) * 4 * mib,
+      double(params) * 4 * double(state_copies) * mib,
+      double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_);
   out << buf;
   return out.str();
 }

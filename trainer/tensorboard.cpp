@@ -38,7 +38,9 @@ void put_varint(std::string& out, uint64_t v) {
   }
   out.push_back(char(v));
 }
-void put_fixed(std::string& out, const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
+void put_fixed(std::string& out, const void* p, size_t n) {
+  out.append(static_cast<const char*>(p), n);
+}
 void put_bytes_field(std::string& out, int field, const std::string& bytes) {
   put_varint(out, uint64_t(field) << 3 | 2);
   put_varint(out, bytes.size());
@@ -67,7 +69,8 @@ TensorBoardWriter::TensorBoardWriter(const std::string& log_dir) {
   gethostname(host, sizeof host - 1);
   path_ = cat(log_dir, "/events.out.tfevents.", int64_t(now_seconds()), ".", host);
   file_ = std::fopen(path_.c_str(), "wb");
-  if (!file_) throw Error(cat("cannot create TensorBoard file ", path_, ": ", std::strerror(errno)));
+  if (!file_)
+    throw Error(cat("cannot create TensorBoard file ", path_, ": ", std::strerror(errno)));
   std::string e = event_header(now_seconds(), 0);
   put_bytes_field(e, 3, "brain.Event:2");
   write_record(e);

@@ -61,15 +61,20 @@ std::optional<std::string> resume_dir(const std::string& resume, const Recipe& r
     return CheckpointDir(checkpoint_root(r), r.training.keep_last).latest_complete();
   }
   if (!CheckpointDir::is_complete(resume))
-    throw Error(cat("--resume ", resume, ": not a complete checkpoint directory (no trainer_state.json)"));
+    throw Error(
+        cat("--resume ", resume, ": not a complete checkpoint directory (no trainer_state.json)"));
   return resume;
 }
 
 class TrainLoop {
  public:
   TrainLoop(Session& s, TrainState state, bool print)
-      : s_(s), r_(s.recipe()), state_(state), print_(print),
-        ckpt_(checkpoint_root(r_), r_.training.keep_last), log_(r_.output_dir) {}
+      : s_(s),
+        r_(s.recipe()),
+        state_(state),
+        print_(print),
+        ckpt_(checkpoint_root(r_), r_.training.keep_last),
+        log_(r_.output_dir) {}
 
   int run() {
     const int64_t total = s_.total_steps();
@@ -84,8 +89,8 @@ class TrainLoop {
         if (!train_step(loader)) throw Error("the training loader ended an epoch early");
         bool epoch_end = k + 1 == spe;
         if (state_.step % r_.training.log_every == 0 || state_.step == total) log_train();
-        bool eval_now = r_.training.eval_every > 0 ? state_.step % r_.training.eval_every == 0
-                                                   : epoch_end;
+        bool eval_now =
+            r_.training.eval_every > 0 ? state_.step % r_.training.eval_every == 0 : epoch_end;
         if (epoch_end) {
           ++state_.epoch;
           state_.position = 0;
@@ -136,7 +141,8 @@ class TrainLoop {
     } else {
       nonfinite_in_a_row_ = 0;
       if (r_.optimizer.clip_grad_norm > 0)
-        last_grad_norm_ = optim::clip_grad_norm(s_.model().parameters(), r_.optimizer.clip_grad_norm);
+        last_grad_norm_ =
+            optim::clip_grad_norm(s_.model().parameters(), r_.optimizer.clip_grad_norm);
       s_.optimizer().set_lr(lr);
       s_.optimizer().step();
     }
@@ -153,7 +159,8 @@ class TrainLoop {
     // The ETA extrapolates from the steps of this run (not those before a resume).
     int64_t done = state_.step - step_at_start_;
     double eta = done > 0 ? elapsed / double(done) * double(s_.total_steps() - state_.step) : -1;
-    say(progress_line({state_.epoch, state_.step, s_.total_steps(), last_loss_, last_lr_, rate, eta}));
+    say(progress_line(
+        {state_.epoch, state_.step, s_.total_steps(), last_loss_, last_lr_, rate, eta}));
     Scalars sc{{"loss", last_loss_}, {"lr", last_lr_}, {"samples_per_second", rate}};
     if (r_.optimizer.clip_grad_norm > 0) sc.push_back({"grad_norm", last_grad_norm_});
     log_.write("train", state_.step, sc);
@@ -217,8 +224,8 @@ int train_command(const TrainArgs& args) {
   Session s(r);
   std::printf("parallel layout: world 1 (dp=1, pp=1, tp=1), %d CPU threads\n", num_threads());
   std::printf("%lld steps (%lld per epoch), micro-batch %lld x grad_accum %lld\n",
-              (long long)s.total_steps(), (long long)s.steps_per_epoch(), (long long)s.micro_batch(),
-              (long long)r.training.grad_accum);
+              (long long)s.total_steps(), (long long)s.steps_per_epoch(),
+              (long long)s.micro_batch(), (long long)r.training.grad_accum);
   if (args.dry_run) {
     std::printf("%s", s.summary().c_str());
     return 0;

@@ -59,22 +59,20 @@ void map1(const Tensor& out, const Tensor& a, F f) {
 // out = f(a, b, c) over element type T.
 template <class T, class F>
 void map3(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& c, F f) {
-  for_each_run<4>(out.shape(), {&out, &a, &b, &c},
-                  [f](char* const* p, const int64_t* s, int64_t n) {
-                    T* o = reinterpret_cast<T*>(p[0]);
-                    const T* x = reinterpret_cast<const T*>(p[1]);
-                    const T* y = reinterpret_cast<const T*>(p[2]);
-                    const T* z = reinterpret_cast<const T*>(p[3]);
-                    if (s[0] == 1 && s[1] == 1 && s[2] == 1 && s[3] == 1) {
+  for_each_run<4>(
+      out.shape(), {&out, &a, &b, &c}, [f](char* const* p, const int64_t* s, int64_t n) {
+        T* o = reinterpret_cast<T*>(p[0]);
+        const T* x = reinterpret_cast<const T*>(p[1]);
+        const T* y = reinterpret_cast<const T*>(p[2]);
+        const T* z = reinterpret_cast<const T*>(p[3]);
+        if (s[0] == 1 && s[1] == 1 && s[2] == 1 && s[3] == 1) {
 #pragma omp simd
-                      for (int64_t i = 0; i < n; ++i)
-                        o[i] = store_as<T>(f(load(x[i]), load(y[i]), load(z[i])));
-                    } else {
-                      for (int64_t i = 0; i < n; ++i)
-                        o[i * s[0]] = store_as<T>(
-                            f(load(x[i * s[1]]), load(y[i * s[2]]), load(z[i * s[3]])));
-                    }
-                  });
+          for (int64_t i = 0; i < n; ++i) o[i] = store_as<T>(f(load(x[i]), load(y[i]), load(z[i])));
+        } else {
+          for (int64_t i = 0; i < n; ++i)
+            o[i * s[0]] = store_as<T>(f(load(x[i * s[1]]), load(y[i * s[2]]), load(z[i * s[3]])));
+        }
+      });
 }
 
 bool same_dtype(std::initializer_list<const Tensor*> ts, DType t) {
@@ -210,16 +208,15 @@ void CpuBackend::compare(CompareOp op, const Tensor& a, const Tensor& b, const T
   if (a.dtype() != b.dtype() || !is_floating(a.dtype())) return RefBackend::compare(op, a, b, out);
   dispatch_floating(a.dtype(), "compare", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    for_each_run<3>(out.shape(), {&out, &a, &b},
-                    [op](char* const* p, const int64_t* s, int64_t n) {
-                      bool* o = reinterpret_cast<bool*>(p[0]);
-                      const T* x = reinterpret_cast<const T*>(p[1]);
-                      const T* y = reinterpret_cast<const T*>(p[2]);
-                      for (int64_t i = 0; i < n; ++i) {
-                        A<T> u = load(x[i * s[1]]), v = load(y[i * s[2]]);
-                        o[i * s[0]] = op == CompareOp::eq ? u == v : (op == CompareOp::lt ? u < v : u > v);
-                      }
-                    });
+    for_each_run<3>(out.shape(), {&out, &a, &b}, [op](char* const* p, const int64_t* s, int64_t n) {
+      bool* o = reinterpret_cast<bool*>(p[0]);
+      const T* x = reinterpret_cast<const T*>(p[1]);
+      const T* y = reinterpret_cast<const T*>(p[2]);
+      for (int64_t i = 0; i < n; ++i) {
+        A<T> u = load(x[i * s[1]]), v = load(y[i * s[2]]);
+        o[i * s[0]] = op == CompareOp::eq ? u == v : (op == CompareOp::lt ? u < v : u > v);
+      }
+    });
   });
 }
 

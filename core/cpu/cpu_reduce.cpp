@@ -56,10 +56,10 @@ struct ReducePlan {
   std::vector<Dim> kept;     // output order; in column mode without `cols`
   std::vector<Dim> reduced;  // largest x stride first
   bool column = false;
-  Dim cols{1, 0, 0};         // column mode: the kept dim vectorised over
-  int64_t n_outer = 1;       // product of kept sizes (without cols)
-  int64_t n_red = 1;         // product of reduced sizes
-  int64_t red_stride = 0;    // x stride of the innermost reduced dim
+  Dim cols{1, 0, 0};       // column mode: the kept dim vectorised over
+  int64_t n_outer = 1;     // product of kept sizes (without cols)
+  int64_t n_red = 1;       // product of reduced sizes
+  int64_t red_stride = 0;  // x stride of the innermost reduced dim
 };
 
 // Folds each dim into the previous one when both tensors step through the
@@ -100,9 +100,8 @@ ReducePlan make_plan(const Tensor& x, uint64_t mask) {
   p.reduced = merge_dims(reduced);
   if (!p.reduced.empty()) p.red_stride = p.reduced.back().xstride;
   if (!p.kept.empty()) {
-    auto inner = std::min_element(p.kept.begin(), p.kept.end(), [](const Dim& a, const Dim& b) {
-      return a.xstride < b.xstride;
-    });
+    auto inner = std::min_element(p.kept.begin(), p.kept.end(),
+                                  [](const Dim& a, const Dim& b) { return a.xstride < b.xstride; });
     if (p.reduced.empty() || inner->xstride < p.red_stride || p.n_red < kShortReduction) {
       p.column = true;
       p.cols = *inner;
@@ -174,7 +173,9 @@ struct SumOp {
   using Acc = double;
   static Acc init() { return 0.0; }
   template <class V>
-  static Acc step(Acc a, V v, double) { return a + double(v); }
+  static Acc step(Acc a, V v, double) {
+    return a + double(v);
+  }
   static Acc combine(Acc a, Acc b) { return a + b; }
 };
 
@@ -194,8 +195,9 @@ struct SqDevOp {
 template <class A, int Sign>
 struct ExtremumOp {
   using Acc = A;
-  static Acc init() { return Sign > 0 ? -std::numeric_limits<A>::infinity()
-                                      : std::numeric_limits<A>::infinity(); }
+  static Acc init() {
+    return Sign > 0 ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
+  }
   static Acc step(Acc a, A v, double) {
     bool better = Sign > 0 ? v > a : v < a;
     return (better || v != v) ? v : a;
@@ -383,7 +385,8 @@ void max_dim_plan(const ReducePlan& p, const T* x, T* values, int64_t* indices) 
         int64_t oo = offsets(p.kept, u / blocks).second;
         for (int64_t c = 0; c < cn; ++c) {
           Pair best{parts[0].value[c], parts[0].index[c]};
-          for (int k = 1; k < count; ++k) best = combine(best, Pair{parts[k].value[c], parts[k].index[c]});
+          for (int k = 1; k < count; ++k)
+            best = combine(best, Pair{parts[k].value[c], parts[k].index[c]});
           int64_t o = oo + (c0 + c) * p.cols.ostride;
           values[o] = store_as<T>(best.value);
           indices[o] = best.index;
@@ -415,7 +418,8 @@ void CpuBackend::reduce(ReduceOp op, const Tensor& x, uint64_t mask, const Tenso
     auto store_acc = [po](int64_t i, A v) { po[i] = store_as<T>(v); };
     switch (op) {
       case ReduceOp::sum:
-        reduce_plan<SumOp>(plan, px, nullptr, [po](int64_t i, double v) { store_double(po, i, v); });
+        reduce_plan<SumOp>(plan, px, nullptr,
+                           [po](int64_t i, double v) { store_double(po, i, v); });
         break;
       case ReduceOp::mean: {
         double n = double(plan.n_red);
@@ -423,8 +427,12 @@ void CpuBackend::reduce(ReduceOp op, const Tensor& x, uint64_t mask, const Tenso
                            [po, n](int64_t i, double v) { store_double(po, i, v / n); });
         break;
       }
-      case ReduceOp::max: reduce_plan<ExtremumOp<A, 1>>(plan, px, nullptr, store_acc); break;
-      case ReduceOp::min: reduce_plan<ExtremumOp<A, -1>>(plan, px, nullptr, store_acc); break;
+      case ReduceOp::max:
+        reduce_plan<ExtremumOp<A, 1>>(plan, px, nullptr, store_acc);
+        break;
+      case ReduceOp::min:
+        reduce_plan<ExtremumOp<A, -1>>(plan, px, nullptr, store_acc);
+        break;
     }
   });
 }

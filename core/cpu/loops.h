@@ -41,8 +41,8 @@ LoopPlan<N> make_loop_plan(const Shape& shape, const std::array<const Tensor*, N
   LoopPlan<N> p;
   CHECK_LE(shape.size(), size_t(kMaxLoopDims)) << "too many dims for a CPU loop";
   for (size_t k = 0; k < N; ++k) {
-    CHECK(ops[k]->shape() == shape) << "loop operand " << k << " has shape "
-                                    << ops[k]->shape_str() << ", expected " << shape_str(shape);
+    CHECK(ops[k]->shape() == shape) << "loop operand " << k << " has shape " << ops[k]->shape_str()
+                                    << ", expected " << shape_str(shape);
     p.base[k] = static_cast<char*>(ops[k]->data_ptr());
     p.elem_size[k] = dtype_size(ops[k]->dtype());
   }

@@ -27,8 +27,8 @@ template <class T>
 struct WhereBody {
   __device__ void operator()(const Launch<4>& g, int64_t, const int64_t* off) const {
     bool c = operand<const bool>(g.data, 1)[off[1]];
-    operand<T>(g.data, 0)[off[0]] = c ? operand<const T>(g.data, 2)[off[2]]
-                                      : operand<const T>(g.data, 3)[off[3]];
+    operand<T>(g.data, 0)[off[0]] =
+        c ? operand<const T>(g.data, 2)[off[2]] : operand<const T>(g.data, 3)[off[3]];
   }
 };
 

@@ -22,8 +22,9 @@ class CudaCachingAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
     if (device_count() == 0)
-      throw Error("a CUDA tensor was requested but no GPU is visible to this process (no driver, "
-                  "or CUDA_VISIBLE_DEVICES is empty); run on the CPU instead");
+      throw Error(
+          "a CUDA tensor was requested but no GPU is visible to this process (no driver, "
+          "or CUDA_VISIBLE_DEVICES is empty); run on the CPU instead");
     int device = current_device();
     cudaStream_t stream = current_stream(device);
     size_t cls = size_class(bytes == 0 ? 1 : bytes, kCudaGranule);
@@ -105,7 +106,7 @@ class CudaCachingAllocator final : public Allocator {
     bool idle = false;              // that stream was synchronised: any stream may take it
     cudaEvent_t fence = nullptr;    // recorded on `stream` once another stream wanted it
   };
-  struct Pool {  // one device
+  struct Pool {                                     // one device
     std::map<size_t, std::vector<FreeBlock>> free;  // by size class
     std::vector<cudaEvent_t> spare_events;
     AllocatorStats stats;

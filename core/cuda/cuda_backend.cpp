@@ -55,9 +55,8 @@ void CudaBackend::fill(const Tensor& dst, double value) {
 void CudaBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
   KernelScope scope(unary_op_name(op), {&out, &x});
   check_dtypes(unary_op_name(op), out.dtype(), {&x});
-  for_each_launch<2>(out.shape(), {&out, &x}, [&](const Launch<2>& g) {
-    launch_unary(op, g, out.dtype(), scope.stream());
-  });
+  for_each_launch<2>(out.shape(), {&out, &x},
+                     [&](const Launch<2>& g) { launch_unary(op, g, out.dtype(), scope.stream()); });
 }
 
 void CudaBackend::unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
@@ -92,9 +91,8 @@ void CudaBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, co
   KernelScope scope("where", {&out, &cond, &a, &b});
   check_dtypes("where", out.dtype(), {&a, &b});
   CHECK(cond.dtype() == DType::boolean) << "where: condition of dtype " << cond.dtype();
-  for_each_launch<4>(out.shape(), {&out, &cond, &a, &b}, [&](const Launch<4>& g) {
-    launch_where(g, out.dtype(), scope.stream());
-  });
+  for_each_launch<4>(out.shape(), {&out, &cond, &a, &b},
+                     [&](const Launch<4>& g) { launch_where(g, out.dtype(), scope.stream()); });
 }
 
 void CudaBackend::clamp(const Tensor& x, double lo, double hi, const Tensor& out) {
@@ -121,9 +119,8 @@ void CudaBackend::compare(CompareOp op, const Tensor& a, const Tensor& b, const 
     // Mixed dtypes compare in double, as the reference kernels do.
     return compare(op, materialize(*this, a, DType::f64), materialize(*this, b, DType::f64), out);
   }
-  for_each_launch<3>(out.shape(), {&out, &a, &b}, [&](const Launch<3>& g) {
-    launch_compare(op, g, a.dtype(), scope.stream());
-  });
+  for_each_launch<3>(out.shape(), {&out, &a, &b},
+                     [&](const Launch<3>& g) { launch_compare(op, g, a.dtype(), scope.stream()); });
 }
 
 void CudaBackend::uniform(const Tensor& out, double lo, double hi, PhiloxKey key) {

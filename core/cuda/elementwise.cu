@@ -90,27 +90,24 @@ struct CompareBody {
 void launch_unary(UnaryOp op, const Launch<2>& g, DType t, cudaStream_t stream) {
   dispatch_floating(t, unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    math::visit_unary(op, [&](auto f) {
-      run_elementwise(g, UnaryBody<T, decltype(f)>{f}, stream);
-    });
+    math::visit_unary(op,
+                      [&](auto f) { run_elementwise(g, UnaryBody<T, decltype(f)>{f}, stream); });
   });
 }
 
 void launch_unary_backward(UnaryOp op, const Launch<4>& g, DType t, cudaStream_t stream) {
   dispatch_floating(t, unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    math::visit_unary(op, [&](auto f) {
-      run_elementwise(g, UnaryBackwardBody<T, decltype(f)>{f}, stream);
-    });
+    math::visit_unary(
+        op, [&](auto f) { run_elementwise(g, UnaryBackwardBody<T, decltype(f)>{f}, stream); });
   });
 }
 
 void launch_binary(BinaryOp op, const Launch<3>& g, DType t, cudaStream_t stream) {
   dispatch_floating(t, binary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    math::visit_binary(op, [&](auto f) {
-      run_elementwise(g, BinaryBody<T, decltype(f)>{f}, stream);
-    });
+    math::visit_binary(op,
+                       [&](auto f) { run_elementwise(g, BinaryBody<T, decltype(f)>{f}, stream); });
   });
 }
 

@@ -2,8 +2,8 @@
 // C++20-only) and the one grid-stride elementwise kernel every launcher of
 // launch.h instantiates with its own body.
 //
-//   struct Body { __device__ void operator()(const Launch<2>& g, int64_t i, const int64_t* off) const; };
-//   run_elementwise(g, Body{...}, stream);
+//   struct Body { __device__ void operator()(const Launch<2>& g, int64_t i, const int64_t* off)
+//   const; }; run_elementwise(g, Body{...}, stream);
 #pragma once
 
 #include <algorithm>
@@ -23,11 +23,16 @@ struct Tag {
 template <class Fn>
 void dispatch_floating(DType t, const char* what, Fn&& fn) {
   switch (t) {
-    case DType::f32: return fn(Tag<float>{});
-    case DType::f64: return fn(Tag<double>{});
-    case DType::bf16: return fn(Tag<bf16>{});
-    case DType::f16: return fn(Tag<f16>{});
-    default: dtype_unsupported(t, what);
+    case DType::f32:
+      return fn(Tag<float>{});
+    case DType::f64:
+      return fn(Tag<double>{});
+    case DType::bf16:
+      return fn(Tag<bf16>{});
+    case DType::f16:
+      return fn(Tag<f16>{});
+    default:
+      dtype_unsupported(t, what);
   }
 }
 
@@ -35,14 +40,22 @@ void dispatch_floating(DType t, const char* what, Fn&& fn) {
 template <class Fn>
 void dispatch_all(DType t, const char* what, Fn&& fn) {
   switch (t) {
-    case DType::f32: return fn(Tag<float>{});
-    case DType::f64: return fn(Tag<double>{});
-    case DType::bf16: return fn(Tag<bf16>{});
-    case DType::f16: return fn(Tag<f16>{});
-    case DType::i32: return fn(Tag<int32_t>{});
-    case DType::i64: return fn(Tag<int64_t>{});
-    case DType::u8: return fn(Tag<uint8_t>{});
-    case DType::boolean: return fn(Tag<bool>{});
+    case DType::f32:
+      return fn(Tag<float>{});
+    case DType::f64:
+      return fn(Tag<double>{});
+    case DType::bf16:
+      return fn(Tag<bf16>{});
+    case DType::f16:
+      return fn(Tag<f16>{});
+    case DType::i32:
+      return fn(Tag<int32_t>{});
+    case DType::i64:
+      return fn(Tag<int64_t>{});
+    case DType::u8:
+      return fn(Tag<uint8_t>{});
+    case DType::boolean:
+      return fn(Tag<bool>{});
   }
   dtype_unsupported(t, what);
 }

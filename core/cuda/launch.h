@@ -32,11 +32,11 @@ inline constexpr int kMaxDims = 8;
 
 template <int N>
 struct Launch {
-  char* data[N] = {};          // element 0 of each operand
-  int64_t numel = 0;           // elements in this launch
-  int64_t first_index = 0;     // row-major index of element 0 in the whole tensor
-  bool contiguous = false;     // every operand has unit stride: offset == index
-  int ndim = 0;                // 1..kMaxDims
+  char* data[N] = {};       // element 0 of each operand
+  int64_t numel = 0;        // elements in this launch
+  int64_t first_index = 0;  // row-major index of element 0 in the whole tensor
+  bool contiguous = false;  // every operand has unit stride: offset == index
+  int ndim = 0;             // 1..kMaxDims
   int64_t sizes[kMaxDims] = {};
   int64_t strides[N][kMaxDims] = {};  // in elements
 };

@@ -105,8 +105,8 @@ void download_bytes(const char* dev, char* host, size_t bytes, int device, cudaS
   auto issue = [&](size_t c) {
     int k = int(c % 2);
     size_t off = c * chunk, n = std::min(chunk, bytes - off);
-    CUDA_CHECK(cudaMemcpyAsync(staging.acquire(k, chunk), dev + off, n, cudaMemcpyDeviceToHost,
-                               stream));
+    CUDA_CHECK(
+        cudaMemcpyAsync(staging.acquire(k, chunk), dev + off, n, cudaMemcpyDeviceToHost, stream));
     staging.record(k, stream);
   };
   if (chunks > 0) issue(0);
@@ -172,10 +172,10 @@ void peer_copy(const Tensor& src, const Tensor& dst) {
 }  // namespace
 
 void CudaBackend::copy_across(const Tensor& src, const Tensor& dst) {
-  CHECK(src.dtype() == dst.dtype()) << "copy_across: dtypes " << src.dtype() << " and "
-                                    << dst.dtype();
-  CHECK(src.shape() == dst.shape()) << "copy_across: shapes " << src.shape_str() << " and "
-                                    << dst.shape_str();
+  CHECK(src.dtype() == dst.dtype())
+      << "copy_across: dtypes " << src.dtype() << " and " << dst.dtype();
+  CHECK(src.shape() == dst.shape())
+      << "copy_across: shapes " << src.shape_str() << " and " << dst.shape_str();
   if (dst.numel() == 0) return;
   if (src.device().is_cpu())
     upload(src, dst);

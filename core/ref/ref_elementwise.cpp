@@ -71,9 +71,8 @@ void RefBackend::binary_scalar(BinaryOp op, const Tensor& a, double s, bool scal
 }
 
 void RefBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  for_each_index(out.shape(), [&](const auto& i) {
-    set(out, i, get(cond, i) != 0.0 ? get(a, i) : get(b, i));
-  });
+  for_each_index(out.shape(),
+                 [&](const auto& i) { set(out, i, get(cond, i) != 0.0 ? get(a, i) : get(b, i)); });
 }
 
 void RefBackend::clamp(const Tensor& x, double lo, double hi, const Tensor& out) {

@@ -59,8 +59,8 @@ void RefBackend::cross_entropy(const Tensor& logits, const Tensor& target, doubl
       ref::set(loss, n, 0.0);
       continue;
     }
-    CHECK(t >= 0 && t < C) << "cross_entropy: target " << t << " at row " << n
-                           << " is outside [0, " << C << ")";
+    CHECK(t >= 0 && t < C) << "cross_entropy: target " << t << " at row " << n << " is outside [0, "
+                           << C << ")";
     double l = 0.0;
     for (int64_t c = 0; c < C; ++c) {
       double q = (c == t ? 1.0 - eps : 0.0) + eps / double(C);

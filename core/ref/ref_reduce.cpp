@@ -48,9 +48,15 @@ void RefBackend::reduce(ReduceOp op, const Tensor& x, uint64_t mask, const Tenso
     double& a = acc[out_slot(x, mask, i)];
     switch (op) {
       case ReduceOp::sum:
-      case ReduceOp::mean: a += v; break;
-      case ReduceOp::max: a = (std::isnan(v) || v > a) ? v : a; break;
-      case ReduceOp::min: a = (std::isnan(v) || v < a) ? v : a; break;
+      case ReduceOp::mean:
+        a += v;
+        break;
+      case ReduceOp::max:
+        a = (std::isnan(v) || v > a) ? v : a;
+        break;
+      case ReduceOp::min:
+        a = (std::isnan(v) || v < a) ? v : a;
+        break;
     }
   });
   if (op == ReduceOp::mean) {

@@ -34,7 +34,9 @@ double get(const Tensor& t, int64_t offset);
 // Writes v (converted to t's dtype) at offset.
 void set(const Tensor& t, int64_t offset, double v);
 
-inline double get(const Tensor& t, const std::vector<int64_t>& idx) { return get(t, offset_of(t, idx)); }
+inline double get(const Tensor& t, const std::vector<int64_t>& idx) {
+  return get(t, offset_of(t, idx));
+}
 inline void set(const Tensor& t, const std::vector<int64_t>& idx, double v) {
   set(t, offset_of(t, idx), v);
 }
