@@ -62,11 +62,11 @@ struct Voidify {
 
 #define TRAINER_LIKELY(x) __builtin_expect(!!(x), 1)
 
-#define CHECK(cond)                    \
-  TRAINER_LIKELY(cond)                 \
-      ? (void)0                        \
-      : ::trainer::detail::Voidify() & \
-            ::trainer::detail::CheckFailStream(__FILE__, __LINE__, #cond).stream()
+#define CHECK(cond)                \
+  TRAINER_LIKELY(cond)             \
+  ? (void)0                        \
+  : ::trainer::detail::Voidify() & \
+          ::trainer::detail::CheckFailStream(__FILE__, __LINE__, #cond).stream()
 
 #define CHECK_EQ(a, b) CHECK((a) == (b)) << "(" << (a) << " vs " << (b) << ") "
 #define CHECK_NE(a, b) CHECK((a) != (b)) << "(" << (a) << " vs " << (b) << ") "

@@ -136,7 +136,6 @@ TRAINER_HD f16 store_as<f16, double>(double v) {
   return to_f16(float(v));
 }
 
-#if !defined(__CUDACC__)
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);
 bool is_floating(DType t);
@@ -236,6 +235,5 @@ decltype(auto) dispatch_index(DType t, const char* what, Fn&& fn) {
       dtype_unsupported(t, what);
   }
 }
-#endif
 
 }  // namespace trainer

@@ -1,5 +1,5 @@
-// Kernel-side helpers of the .cu files: dtype dispatch (core/dtype.h's is
-// C++20-only) and the one grid-stride elementwise kernel every launcher of
+// Kernel-side helpers of the .cu files (dtype dispatch is core/dtype.h's)
+// and the one grid-stride elementwise kernel every launcher of
 // launch.h instantiates with its own body.
 //
 //   struct Body { __device__ void operator()(const Launch<2>& g, int64_t i, const int64_t* off)
@@ -13,52 +13,6 @@
 #include "core/cuda/launch.h"
 
 namespace trainer::cuda {
-
-template <class T>
-struct Tag {
-  using type = T;
-};
-
-// Calls fn(Tag<T>{}) for a floating dtype.
-template <class Fn>
-void dispatch_floating(DType t, const char* what, Fn&& fn) {
-  switch (t) {
-    case DType::f32:
-      return fn(Tag<float>{});
-    case DType::f64:
-      return fn(Tag<double>{});
-    case DType::bf16:
-      return fn(Tag<bf16>{});
-    case DType::f16:
-      return fn(Tag<f16>{});
-    default:
-      dtype_unsupported(t, what);
-  }
-}
-
-// Calls fn(Tag<T>{}) for any dtype.
-template <class Fn>
-void dispatch_all(DType t, const char* what, Fn&& fn) {
-  switch (t) {
-    case DType::f32:
-      return fn(Tag<float>{});
-    case DType::f64:
-      return fn(Tag<double>{});
-    case DType::bf16:
-      return fn(Tag<bf16>{});
-    case DType::f16:
-      return fn(Tag<f16>{});
-    case DType::i32:
-      return fn(Tag<int32_t>{});
-    case DType::i64:
-      return fn(Tag<int64_t>{});
-    case DType::u8:
-      return fn(Tag<uint8_t>{});
-    case DType::boolean:
-      return fn(Tag<bool>{});
-  }
-  dtype_unsupported(t, what);
-}
 
 // Stores v (any arithmetic type) as T the way the CPU kernels do: bool is
 // v != 0, bf16/f16 round from float, the rest static_cast.

@@ -22,10 +22,6 @@
 #include "core/op_kinds.h"
 #include "core/rng.h"
 
-namespace trainer {
-[[noreturn]] void dtype_unsupported(DType t, const char* what);  // core/dtype.cpp
-}
-
 namespace trainer::cuda {
 
 inline constexpr int kMaxDims = 8;
