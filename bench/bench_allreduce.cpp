@@ -1,16 +1,22 @@
 // Allreduce benchmark, nccl-tests style: for f32 sum from 1 KiB to 256 MiB,
 // the time per allreduce (the slowest rank's mean), algbw = bytes / time and
 // busbw = algbw * 2(n-1)/n (the per-rank traffic of a ring, comparable across
-// world sizes). When OpenMPI was found at configure time, rank 0 then runs
+// world sizes), and the CPU time (user + system) per allreduce of the busiest
+// rank: on a loaded machine, where ranks wait for a core, it shows what the
+// work itself costs. When OpenMPI was found at configure time, rank 0 then runs
 // bench/mpi/mpi_allreduce under mpirun with the same sizes and prints both
 // side by side. The copy bound is this machine's single-thread memcpy
 // bandwidth: on one node every byte of busbw costs at least one copy.
 //
 //   trainer launch --nproc-per-node 2 --program build/bench_allreduce -- [--min-bytes B]
-//   [--max-bytes B] [--shm]
+//   [--max-bytes B] [--no-failure-detection]
 //
-// --shm turns off UCX peer failure detection, which lets UCX use shared
-// memory instead of TCP over loopback (see CommOptions::detect_peer_failure).
+// Ranks on one host talk over UCX shared memory (posix fifos, cma) with
+// their processes watched through pidfds (see comm/transport.h);
+// --no-failure-detection turns the watching off (CommOptions::detect_peer_failure)
+// to show what it costs.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -34,17 +40,31 @@ int iterations(size_t bytes) {
   return int(std::clamp<size_t>((size_t(200) << 20) / std::max<size_t>(bytes, 1), 3, 1000));
 }
 
-// Mean seconds per allreduce of `bytes`, the slowest rank's.
-double time_allreduce(Communicator& world, std::vector<float>& data, size_t bytes) {
+// User + system CPU seconds of this process so far.
+double cpu_seconds() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) * 1e-6;
+}
+
+struct Timing {
+  double seconds;      // mean wall time per allreduce, the slowest rank's
+  double cpu_seconds;  // mean CPU time per allreduce, the busiest rank's
+};
+
+Timing time_allreduce(Communicator& world, std::vector<float>& data, size_t bytes) {
   const size_t count = bytes / sizeof(float);
   allreduce(world, data.data(), count, DType::f32);  // warm-up: connections, pages
   barrier(world);
   const int iters = iterations(bytes);
   auto start = std::chrono::steady_clock::now();
+  double cpu_start = cpu_seconds();
   for (int i = 0; i < iters; ++i) allreduce(world, data.data(), count, DType::f32);
-  double mean[1] = {Seconds(std::chrono::steady_clock::now() - start).count() / iters};
-  allreduce(world, mean, 1, DType::f64, {.op = ReduceOp::max});
-  return mean[0];
+  double mean[2] = {Seconds(std::chrono::steady_clock::now() - start).count() / iters,
+                    (cpu_seconds() - cpu_start) / iters};
+  allreduce(world, mean, 2, DType::f64, {.op = ReduceOp::max});
+  return {mean[0], mean[1]};
 }
 
 // Single-thread memcpy bandwidth in GB/s (bytes read, as busbw counts them).
@@ -96,14 +116,15 @@ int main(int argc, char** argv) {
         min_bytes = parse_bytes(i, argc, argv);
       else if (a == "--max-bytes")
         max_bytes = parse_bytes(i, argc, argv);
-      else if (a == "--shm")
+      else if (a == "--no-failure-detection")
         options.detect_peer_failure = false;
       else
-        throw Error(cat("unknown argument ", a, "; use --min-bytes B --max-bytes B --shm"));
+        throw Error(cat("unknown argument ", a,
+                        "; use --min-bytes B --max-bytes B --no-failure-detection"));
     }
     Bootstrap boot = detect_bootstrap();
     const int n = boot.world_size;
-    std::vector<std::pair<size_t, double>> ours;
+    std::vector<std::pair<size_t, Timing>> ours;
     {
       auto world = init_world(boot, options);
       std::vector<float> data(max_bytes / sizeof(float), 1.0f);
@@ -116,16 +137,18 @@ int main(int argc, char** argv) {
     std::map<size_t, double> mpi = run_mpi(n, min_bytes, max_bytes);
     double copy = memcpy_bandwidth();
     auto bus = [&](double algbw) { return algbw * 2.0 * (n - 1) / n; };
-    std::printf("# allreduce f32 sum, %d ranks, in place; time = slowest rank's mean; UCX %s\n", n,
-                options.detect_peer_failure ? "with peer failure detection (tcp)"
-                                            : "shared memory (--shm)");
+    std::printf("# allreduce f32 sum, %d ranks, in place; time = slowest rank's mean; %s\n", n,
+                options.detect_peer_failure
+                    ? "peer failure detection on (local peers: shared memory + pidfd)"
+                    : "peer failure detection off (--no-failure-detection)");
     std::printf("# copy bound: single-thread memcpy %.2f GB/s\n", copy);
-    std::printf("# %12s %11s | %10s %9s %9s | %10s %9s %9s | %7s\n", "bytes", "count", "time(us)",
-                "algbw", "busbw", "mpi(us)", "algbw", "busbw", "speedup");
-    for (auto [bytes, seconds] : ours) {
+    std::printf("# %12s %11s | %10s %9s %9s %10s | %10s %9s %9s | %7s\n", "bytes", "count",
+                "time(us)", "algbw", "busbw", "cpu(us)", "mpi(us)", "algbw", "busbw", "speedup");
+    for (auto [bytes, timing] : ours) {
+      const double seconds = timing.seconds;
       double algbw = double(bytes) / seconds / 1e9;
-      std::printf("  %12zu %11zu | %10.1f %9.3f %9.3f |", bytes, bytes / sizeof(float),
-                  seconds * 1e6, algbw, bus(algbw));
+      std::printf("  %12zu %11zu | %10.1f %9.3f %9.3f %10.1f |", bytes, bytes / sizeof(float),
+                  seconds * 1e6, algbw, bus(algbw), timing.cpu_seconds * 1e6);
       if (auto it = mpi.find(bytes); it != mpi.end()) {
         double mpi_algbw = double(bytes) / (it->second * 1e-6) / 1e9;
         std::printf(" %10.1f %9.3f %9.3f | %6.2fx\n", it->second, mpi_algbw, bus(mpi_algbw),
@@ -134,9 +157,9 @@ int main(int argc, char** argv) {
         std::printf(" %10s %9s %9s | %7s\n", "-", "-", "-", "-");
       }
     }
-    std::printf("# largest size: busbw %.2f GB/s = %.2f of the copy bound\n",
-                bus(double(ours.back().first) / ours.back().second / 1e9),
-                bus(double(ours.back().first) / ours.back().second / 1e9) / copy);
+    const double largest_busbw = bus(double(ours.back().first) / ours.back().second.seconds / 1e9);
+    std::printf("# largest size: busbw %.2f GB/s = %.2f of the copy bound\n", largest_busbw,
+                largest_busbw / copy);
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_allreduce: %s\n", e.what());

@@ -1,7 +1,10 @@
 // Training-step throughput and peak memory: forward, backward and an SGD
 // (momentum) step on synthetic data, for the small CNN at batch 128,
-// ResNet-18 at 64x64 and 224x224, and ResNet-50 at 224x224. Each case runs
-// in its own child process so its peak resident memory is its own.
+// ResNet-18 at 64x64 and 224x224, and ResNet-50 at 224x224, and in tokens/s
+// for the LSTM language model (2 x 512, sequence 128, batch 32, byte
+// vocabulary) and GPT (6 layers, 384 wide, 6 heads, context 256, batch 8,
+// byte vocabulary). Each case runs in its own child process so its peak resident
+// memory is its own.
 //
 // When python3 can import torch, bench/bench_train_torch.py measures the
 // same models (torchvision's ResNets, channels-last, same batch, same
@@ -16,11 +19,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
+#include "models/gpt.h"
+#include "models/lstm_lm.h"
 #include "models/registry.h"
 #include "optim/optimizer.h"
 
@@ -67,21 +73,69 @@ double run_case(const Case& c, int steps) {
   return times[times.size() / 2];
 }
 
+// Token cases: a language model on random tokens, loss over every position.
+struct LMCase {
+  const char* name;
+  int64_t batch, seq, vocab, width, layers;
+  int64_t heads;  // GPT only (0 for the LSTM)
+};
+
+const LMCase kLMCases[] = {
+    {"lstm_lm", 32, 128, 256, 512, 2, 0},
+    {"gpt", 8, 256, 256, 384, 6, 6},
+};
+
+std::shared_ptr<Module> make_lm(const LMCase& c) {
+  if (std::strcmp(c.name, "gpt") == 0)
+    return make_gpt({.vocab_size = c.vocab,
+                     .block_size = c.seq,
+                     .n_layer = c.layers,
+                     .n_head = c.heads,
+                     .n_embd = c.width});
+  return make_lstm_lm({.vocab_size = c.vocab,
+                       .embedding_dim = c.width,
+                       .hidden_size = c.width,
+                       .num_layers = c.layers});
+}
+
+// Median seconds per training step of a language model (the LSTM from a zero state).
+double run_lm_case(const LMCase& c, int steps) {
+  auto model = make_lm(c);
+  optim::SGD sgd({optim::ParamGroup{model->named_parameters()}},
+                 optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+  Generator gen(1);
+  Tensor tokens = uniform({c.batch, c.seq}, 0, double(c.vocab), gen).to(DType::i64);
+  Tensor targets = uniform({c.batch * c.seq}, 0, double(c.vocab), gen).to(DType::i64);
+  std::vector<double> times;
+  for (int i = 0; i < steps + 2; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    Tensor logits = (*model)(tokens).reshape({c.batch * c.seq, c.vocab});
+    Tensor loss = cross_entropy(logits, targets);
+    loss.backward();
+    sgd.step();
+    sgd.zero_grad();
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 2) times.push_back(dt);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 struct Result {
-  double samples_per_second = 0;
+  double samples_per_second = 0;  // tokens per second for token cases
   double peak_mib = 0;
   bool ok = false;
 };
 
-Result measure_in_child(const Case& c, int threads, int steps) {
+// Runs per_second() (samples or tokens per second) in a child process.
+Result measure_in_child(const std::function<double()>& per_second, int threads) {
   int fd[2];
   if (pipe(fd) != 0) return {};
   pid_t pid = fork();
   if (pid == 0) {
     close(fd[0]);
     set_num_threads(threads);
-    double s = run_case(c, steps);
-    double sps = double(c.batch) / s;
+    double sps = per_second();
     if (write(fd[1], &sps, sizeof sps) != sizeof sps) _exit(1);
     _exit(0);
   }
@@ -99,20 +153,33 @@ Result measure_in_child(const Case& c, int threads, int steps) {
   return r;
 }
 
-// Runs bench_train_torch.py for one case; empty result if torch is unavailable.
-Result measure_torch(const Case& c, int threads, int steps) {
-  std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR +
-                    "/bench/bench_train_torch.py --model " + c.model + " --batch " +
-                    std::to_string(c.batch) + " --size " + std::to_string(c.size) + " --channels " +
-                    std::to_string(c.channels) + " --classes " + std::to_string(c.classes) +
-                    " --threads " + std::to_string(threads) + " --steps " + std::to_string(steps) +
-                    " 2>/dev/null";
+// Runs bench_train_torch.py with args; empty result if torch is unavailable.
+Result measure_torch(const std::string& args, int threads, int steps) {
+  std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_train_torch.py " +
+                    args + " --threads " + std::to_string(threads) + " --steps " +
+                    std::to_string(steps) + " 2>/dev/null";
   Result r;
   if (FILE* p = popen(cmd.c_str(), "r")) {
     r.ok = std::fscanf(p, "%lf %lf", &r.samples_per_second, &r.peak_mib) == 2;
     r.ok = pclose(p) == 0 && r.ok;
   }
   return r;
+}
+
+// One table row: ours, torch's (when measured) and the ratio of throughputs.
+void print_row(const char* name, int64_t batch, int threads, const Result& ours,
+               const Result& torch) {
+  char torch_cols[64] = "           -         -";
+  char ratio[16] = "      -";
+  if (torch.ok) {
+    std::snprintf(torch_cols, sizeof torch_cols, "%12.1f %9.0f", torch.samples_per_second,
+                  torch.peak_mib);
+    std::snprintf(ratio, sizeof ratio, "%6.2fx",
+                  ours.samples_per_second / torch.samples_per_second);
+  }
+  std::printf("%-14s %5lld %3d | %12.1f %9.0f | %s | %s\n", name, (long long)batch, threads,
+              ours.samples_per_second, ours.peak_mib, torch_cols, ratio);
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -143,19 +210,33 @@ int main(int argc, char** argv) {
   for (const Case& c : kCases) {
     if (!only.empty() && only != c.name) continue;
     for (int t : threads) {
-      Result ours = measure_in_child(c, t, steps);
-      Result torch = measure_torch(c, t, steps);
-      char torch_cols[64] = "           -         -";
-      char ratio[16] = "      -";
-      if (torch.ok) {
-        std::snprintf(torch_cols, sizeof torch_cols, "%12.1f %9.0f", torch.samples_per_second,
-                      torch.peak_mib);
-        std::snprintf(ratio, sizeof ratio, "%6.2fx",
-                      ours.samples_per_second / torch.samples_per_second);
-      }
-      std::printf("%-14s %5lld %3d | %12.1f %9.0f | %s | %s\n", c.name, (long long)c.batch, t,
-                  ours.samples_per_second, ours.peak_mib, torch_cols, ratio);
-      std::fflush(stdout);
+      Result ours = measure_in_child([&] { return double(c.batch) / run_case(c, steps); }, t);
+      Result torch =
+          measure_torch(std::string("--model ") + c.model + " --batch " + std::to_string(c.batch) +
+                            " --size " + std::to_string(c.size) + " --channels " +
+                            std::to_string(c.channels) + " --classes " + std::to_string(c.classes),
+                        t, steps);
+      print_row(c.name, c.batch, t, ours, torch);
+    }
+  }
+  bool header = false;
+  for (const LMCase& c : kLMCases) {
+    if (!only.empty() && only != c.name) continue;
+    if (!header) {
+      std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr",
+                  "ours tok/s", "peak MiB", "torch tok/s", "peak MiB", "ratio");
+      header = true;
+    }
+    for (int t : threads) {
+      Result ours =
+          measure_in_child([&] { return double(c.batch * c.seq) / run_lm_case(c, steps); }, t);
+      Result torch = measure_torch(
+          "--model " + std::string(c.name) + " --batch " + std::to_string(c.batch) + " --seq " +
+              std::to_string(c.seq) + " --classes " + std::to_string(c.vocab) + " --size " +
+              std::to_string(c.width) + " --layers " + std::to_string(c.layers) + " --heads " +
+              std::to_string(c.heads),
+          t, steps);
+      print_row(c.name, c.batch, t, ours, torch);
     }
   }
   return 0;

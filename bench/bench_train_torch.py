@@ -1,8 +1,8 @@
 """PyTorch side of bench_train: the same training step (forward, backward,
 SGD momentum 0.9, weight decay 1e-4) on the same model, batch, input size and
 thread count, channels-last, synthetic data. Prints "samples_per_second
-peak_rss_mib". Not a project dependency: bench_train calls it when torch is
-importable.
+peak_rss_mib" (for --model lstm_lm and gpt: "tokens_per_second peak_rss_mib"). Not a
+project dependency: bench_train calls it when torch is importable.
 """
 import argparse
 import resource
@@ -34,6 +34,84 @@ class SmallCNN(nn.Module):
         return self.fc2(self.drop(F.relu(self.fc1(x))))
 
 
+class LSTMLM(nn.Module):
+    """models/lstm_lm.h LSTMLM: embedding, stacked LSTM (batch first), linear decoder."""
+
+    def __init__(self, vocab, hidden, layers):
+        super().__init__()
+        self.encoder = nn.Embedding(vocab, hidden)
+        self.rnn = nn.LSTM(hidden, hidden, layers, batch_first=True)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens):
+        y, _ = self.rnn(self.encoder(tokens))
+        return self.decoder(y)
+
+
+class Block(nn.Module):
+    """nanoGPT's pre-LN block: fused QKV, F.scaled_dot_product_attention, GELU (tanh) MLP."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.attn_proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.mlp_proj = nn.Linear(4 * width, width)
+
+    def attn(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """models/gpt.h GPT (nanoGPT): token and position embeddings, blocks, ln_f, tied head."""
+
+    def __init__(self, vocab, block_size, width, layers, heads):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(block_size, width)
+        self.h = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+def lm_tokens_per_second(a):
+    """Language models: vocab --classes, width --size, --layers layers, sequence --seq,
+    batch --batch (GPT: --heads heads, context --seq)."""
+    if a.model == "gpt":
+        model = GPT(a.classes, a.seq, a.size, a.layers, a.heads)
+    else:
+        model = LSTMLM(a.classes, a.size, a.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    x = torch.randint(0, a.classes, (a.batch, a.seq))
+    y = torch.randint(0, a.classes, (a.batch, a.seq))
+    times = []
+    for i in range(a.steps + 2):
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).reshape(-1, a.classes), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return a.batch * a.seq / statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -43,9 +121,17 @@ def main():
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=6)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    if a.model in ("lstm_lm", "gpt"):
+        tps = lm_tokens_per_second(a)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        print(f"{tps:.3f} {peak:.1f}")
+        return
     if a.model == "small_cnn":
         model = SmallCNN(a.channels, a.classes, a.size)
     else:

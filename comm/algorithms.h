@@ -11,6 +11,7 @@
 //   barrier_dissemination.cpp          log2(n) rounds of empty messages
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -51,6 +52,22 @@ class OpChannel {
   const char* op_;
   Millis timeout_;
 };
+
+// This thread's scratch buffer, at least `bytes` long, uninitialised: the
+// receives that are reduced afterwards land here. It grows and is kept, so a
+// collective repeated on buffers of the same size touches no fresh pages (a
+// fresh allocation would cost a page fault per 4 KiB on every call). The
+// algorithms of one thread run one at a time, so one buffer serves them all.
+inline char* thread_scratch(size_t bytes) {
+  thread_local std::unique_ptr<char[]> buffer;
+  thread_local size_t capacity = 0;
+  if (bytes > capacity) {
+    buffer.reset();
+    buffer.reset(new char[bytes]);
+    capacity = bytes;
+  }
+  return buffer.get();
+}
 
 // In place on count elements of dtype at data; every rank ends with the reduction.
 void allreduce_ring(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,

@@ -18,7 +18,7 @@ void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType
   int pof2 = 1;
   while (pof2 * 2 <= n) pof2 *= 2;
   const int rem = n - pof2;
-  std::vector<char> received(bytes);
+  char* received = thread_scratch(bytes);
   std::vector<Request> requests;
 
   // Fold: rank 2i hands its buffer to 2i+1 for i < rem.
@@ -27,9 +27,9 @@ void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType
     requests.push_back(ch.isend(rank + 1, 0, data, bytes));
     ch.wait_all(requests);
   } else if (rank < 2 * rem) {
-    requests.push_back(ch.irecv(rank - 1, 0, received.data(), bytes));
+    requests.push_back(ch.irecv(rank - 1, 0, received, bytes));
     ch.wait_all(requests);
-    reduce_into(data, received.data(), count, dtype, op);
+    reduce_into(data, received, count, dtype, op);
   }
 
   // Exchange with the partner across bit k; both compute a (op) b of the same two buffers.
@@ -37,10 +37,10 @@ void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType
   for (int mask = 1; vrank >= 0 && mask < pof2; mask <<= 1, ++round) {
     int vpeer = vrank ^ mask;
     int peer = vpeer < rem ? vpeer * 2 + 1 : vpeer + rem;
-    requests.push_back(ch.irecv(peer, round, received.data(), bytes));
+    requests.push_back(ch.irecv(peer, round, received, bytes));
     requests.push_back(ch.isend(peer, round, data, bytes));
     ch.wait_all(requests);  // the send must finish before data changes
-    reduce_into(data, received.data(), count, dtype, op);
+    reduce_into(data, received, count, dtype, op);
   }
 
   // Unfold: the odd ranks return the result to their even partners.

@@ -52,7 +52,7 @@ class Ring {
     const int steps = n_ - 1, total = steps * segments_;
     const int window = std::min(total, kPipelineDepth);
     const size_t slot_bytes = segment(0, 0).count * element_bytes_;
-    std::vector<char> scratch(size_t(window) * slot_bytes);
+    char* scratch = thread_scratch(size_t(window) * slot_bytes);
     std::vector<Request> receives(static_cast<size_t>(window)), sends;
     auto post_receive = [&](int k) {
       Range seg = segment(recv_chunk_rs(k / segments_), k % segments_);

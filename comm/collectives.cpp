@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <functional>
+#include <memory>
 
 #include "comm/algorithms.h"
 #include "comm/log.h"
@@ -61,11 +62,12 @@ Task reduce_scatter_task(Communicator& comm, const void* input, void* output, si
   Millis timeout = timeout_of(comm, o.timeout);
   return [&comm, input, output, count, dtype, o, seq, timeout] {
     const size_t bytes = count * dtype_size(dtype);
-    std::vector<char> work(bytes * size_t(comm.size()));
-    std::memcpy(work.data(), input, work.size());
+    // Uninitialised: the copy of the input fills it (the ring's own scratch is thread_scratch).
+    std::unique_ptr<char[]> work(new char[bytes * size_t(comm.size())]);
+    std::memcpy(work.get(), input, bytes * size_t(comm.size()));
     OpChannel ch(comm, seq, "reduce_scatter(ring)", timeout);
-    reduce_scatter_ring(ch, work.data(), count, dtype, o.op, o.segment_bytes);
-    std::memcpy(output, work.data() + bytes * size_t(comm.rank()), bytes);
+    reduce_scatter_ring(ch, work.get(), count, dtype, o.op, o.segment_bytes);
+    std::memcpy(output, work.get() + bytes * size_t(comm.rank()), bytes);
   };
 }
 

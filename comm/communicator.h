@@ -29,10 +29,11 @@ namespace trainer::comm {
 struct CommOptions {
   Millis timeout{300000};          // each wait of an operation without progress
   Millis connect_timeout{120000};  // reaching the store and the address exchange
-  // UCX peer error handling: a dead peer is reported at once. UCX 1.13's
-  // shared-memory transports (posix, sysv, cma) lack it, so within a node this
-  // selects TCP over loopback; false selects shared memory (several times
-  // faster for small messages) and leaves dead peers to the timeout.
+  // A dead peer is reported within milliseconds: a peer on another host
+  // through UCX peer error handling (TCP, or whatever the network offers), a
+  // peer on this host by watching its process (pidfd) while its traffic runs
+  // over shared memory (see comm/transport.h). false turns both off, leaving
+  // dead peers to the timeout.
   bool detect_peer_failure = true;
 };
 

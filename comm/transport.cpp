@@ -1,7 +1,13 @@
 #include "comm/transport.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "comm/log.h"
@@ -16,22 +22,73 @@
 namespace trainer::comm {
 
 namespace {
-// Idle progress passes before a waiting thread yields its core: with more
-// ranks than cores, spinning would starve the peer we are waiting for.
+// A waiting thread first spins on progress (a message from a running peer
+// arrives within microseconds), yielding its core after kSpinsBeforeYield idle
+// passes (with more ranks than cores, spinning would starve the peer we wait
+// for), and after kSpinTime sleeps on the worker's event fd together with the
+// local peers' pidfds. Sleeping rather than yield-spinning matters on a busy
+// machine: a spinning process uses up its share of the CPU and is scheduled
+// late when the data arrives, a sleeping one is woken at once. A sleep lasts
+// at most kMaxSleep, since another thread progressing the same worker may
+// take the event meant for this one.
 constexpr int kSpinsBeforeYield = 16;
+constexpr std::chrono::microseconds kSpinTime{50};
+constexpr Millis kMaxSleep{2};
 // How long closing the endpoints may take at shutdown.
 constexpr Millis kCloseTimeout{2000};
+// How often a waiting request polls the local peers' pidfds: a dead local
+// peer is reported this soon; one poll(2) costs about a microsecond.
+constexpr std::chrono::microseconds kLivenessInterval{2000};
+constexpr uint32_t kLivenessSampling = 32;  // every how many in-progress tests look at the clock
+
+std::string first_line_of(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// Processes with equal identities share a kernel (boot id) and a pid
+// namespace, so one can watch the other by pid and UCX can reach it through
+// shared memory and cma.
+std::string process_identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  char ns[128] = {};
+  ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  return cat(host, " ", first_line_of("/proc/sys/kernel/random/boot_id"), " ",
+             n > 0 ? std::string(ns, size_t(n)) : std::string("?"));
+}
+
+// A pidfd of pid (readable once the process has exited), or -1.
+int open_pidfd(long pid) {
+#ifdef SYS_pidfd_open
+  return int(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  return -1;
+#endif
+}
 }  // namespace
 
 struct Transport::Ucx {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
+  int event_fd = -1;  // the worker's wakeup fd; -1: waiting threads yield instead
 };
 
 struct Transport::Peer {
+  ~Peer() {
+    if (pidfd >= 0) ::close(pidfd);
+  }
   int rank = -1;
   ucp_ep_h ep = nullptr;
-  std::atomic<int> status{UCS_OK};  // set by the error callback
+  long pid = 0;
+  int pidfd = -1;                   // local peers: watched for exit
+  std::atomic<int> status{UCS_OK};  // set by the error callback (remote peers)
+  std::atomic<bool> exited{false};  // set by check_liveness_locked (local peers)
+
+  bool failed() const { return exited.load() || status.load() != UCS_OK; }
 };
 
 namespace {
@@ -53,7 +110,7 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
   UCS_CHECK(ucp_config_read(nullptr, nullptr, &config));
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_TAG;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
   UCS_CHECK(ucp_init(&params, config, &ucx_->context));
   ucp_config_release(config);
@@ -62,6 +119,7 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // our mutex serialises every call
   UCS_CHECK(ucp_worker_create(ucx_->context, &wparams, &ucx_->worker));
+  if (ucp_worker_get_efd(ucx_->worker, &ucx_->event_fd) != UCS_OK) ucx_->event_fd = -1;
 
   ucp_address_t* address = nullptr;
   size_t address_bytes = 0;
@@ -69,25 +127,37 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
   store->set(cat("ucx/address/", rank),
              std::string(reinterpret_cast<const char*>(address), address_bytes));
   ucp_worker_release_address(ucx_->worker, address);
+  const std::string identity = process_identity();
+  store->set(cat("ucx/process/", rank), cat(long(::getpid()), " ", identity));
 
   peers_.resize(world_size);
+  int local = 0;
   for (int p = 0; p < world_size; ++p) {
     if (p == rank) continue;
     std::string remote = store->get(cat("ucx/address/", p));
     auto peer = std::make_unique<Peer>();
     peer->rank = p;
+    std::istringstream process(store->get(cat("ucx/process/", p)));
+    std::string peer_identity;
+    process >> peer->pid;
+    std::getline(process >> std::ws, peer_identity);
+    // The peer is alive until it passes the barrier below, so the pidfd is its.
+    if (detect_peer_failure && peer_identity == identity) peer->pidfd = open_pidfd(peer->pid);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
-    ep.err_mode = detect_peer_failure ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_mode = detect_peer_failure && peer->pidfd < 0 ? UCP_ERR_HANDLING_MODE_PEER
+                                                         : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = on_peer_error;
     ep.err_handler.arg = &peer->status;
     UCS_CHECK(ucp_ep_create(ucx_->worker, &ep, &peer->ep));
+    local += peer->pidfd >= 0;
     peers_[p] = std::move(peer);
   }
   store->barrier("ucx/wired", world_size);
-  COMM_LOG(LogLevel::debug, "transport: connected to ", world_size - 1, " peers");
+  COMM_LOG(LogLevel::debug, "transport: connected to ", world_size - 1, " peers, ", local,
+           " of them local (shared memory, watched by pidfd)");
 }
 
 Transport::~Transport() {
@@ -99,7 +169,7 @@ Transport::~Transport() {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     // A failed endpoint cannot be flushed; a healthy one may still hold our last sends.
-    param.flags = peer->status.load() != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    param.flags = peer->failed() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t req = ucp_ep_close_nbx(peer->ep, &param);
     if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
   }
@@ -121,7 +191,8 @@ Request Transport::isend(int peer, uint64_t tag, const void* data, size_t bytes,
   r.is_send_ = true;
   r.bytes_ = bytes;
   r.op_ = op;
-  if (!peer_failure(peer).empty()) r.fail("cannot send");
+  if (std::string failure = peer_failure(peer); !failure.empty())
+    r.fail(cat("cannot send: the peer failed: ", failure));
   ucp_request_param_t param{};
   ucs_status_ptr_t req;
   {
@@ -160,9 +231,48 @@ bool Transport::progress() {
 }
 
 std::string Transport::peer_failure(int peer) const {
-  if (!peers_[peer]) return "";
-  int status = peers_[peer]->status.load();
-  return status == UCS_OK ? "" : ucs_status_string(ucs_status_t(status));
+  const Peer* p = peers_.empty() ? nullptr : peers_[peer].get();
+  if (!p) return "";
+  if (p->exited.load()) return cat("its process, pid ", p->pid, ", exited");
+  int status = p->status.load();
+  return status == UCS_OK ? ""
+                          : cat("UCX reports ", ucs_status_string(ucs_status_t(status)),
+                                "; its process probably died");
+}
+
+void Transport::sleep_until_event(Clock::time_point deadline) {
+  if (ucx_->event_fd < 0) {
+    std::this_thread::yield();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Busy: events arrived since the last progress; the caller progresses again.
+    if (ucp_worker_arm(ucx_->worker) != UCS_OK) return;
+  }
+  std::vector<pollfd> fds{{ucx_->event_fd, POLLIN, 0}};
+  for (auto& peer : peers_)
+    if (peer && peer->pidfd >= 0 && !peer->exited.load()) fds.push_back({peer->pidfd, POLLIN, 0});
+  auto left = std::chrono::ceil<Millis>(deadline - Clock::now());
+  ::poll(fds.data(), fds.size(), int(std::clamp(left, Millis(0), kMaxSleep).count()));
+}
+
+void Transport::check_liveness_locked() {
+  // Reading the clock on every test() of a spinning wait would cost more than the progress.
+  if (++liveness_calls_ % kLivenessSampling != 0) return;
+  Clock::time_point now = Clock::now();
+  if (now - last_liveness_check_ < kLivenessInterval) return;
+  last_liveness_check_ = now;
+  std::vector<pollfd> fds;
+  std::vector<Peer*> watched;
+  for (auto& peer : peers_) {
+    if (!peer || peer->pidfd < 0 || peer->exited.load()) continue;
+    fds.push_back({peer->pidfd, POLLIN, 0});
+    watched.push_back(peer.get());
+  }
+  if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) return;
+  for (size_t i = 0; i < fds.size(); ++i)
+    if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) watched[i]->exited.store(true);
 }
 
 Request& Request::operator=(Request&& other) noexcept {
@@ -195,8 +305,7 @@ void Request::fail(const std::string& why) {
   for (int p = 0; p < transport_->world_size_; ++p) {
     std::string failure = p == peer_ ? "" : transport_->peer_failure(p);
     if (!failure.empty())
-      failed += cat(failed.empty() ? "; UCX reports failed peers: " : ", ", "rank ", p, " (",
-                    failure, ")");
+      failed += cat(failed.empty() ? "; failed peers: " : ", ", "rank ", p, " (", failure, ")");
   }
   throw Error(cat("rank ", transport_->rank_, ": ", op_, ": ",
                   is_send_ ? "send to" : "receive from", " rank ", peer_, " (", bytes_,
@@ -217,10 +326,11 @@ bool Request::test() {
       status = ucp_tag_recv_request_test(ucx_, &info);
       length = info.length;
     }
+    if (status == UCS_INPROGRESS) transport_->check_liveness_locked();
   }
   if (status == UCS_INPROGRESS) {
     std::string failure = transport_->peer_failure(peer_);
-    if (!failure.empty()) fail(cat("the peer failed (", failure, "); its process probably died"));
+    if (!failure.empty()) fail(cat("the peer failed: ", failure));
     return false;
   }
   if (status != UCS_OK) fail(ucs_status_string(status));
@@ -233,13 +343,18 @@ bool Request::test() {
 }
 
 void Request::wait(Millis timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
+  const Clock::time_point start = Clock::now(), deadline = start + timeout;
   for (int idle = 0; !test(); ++idle) {
-    if (Clock::now() >= deadline)
+    if (idle < kSpinsBeforeYield) continue;
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline)
       fail(
           cat("timed out after ", timeout.count(),
               " ms; the peer is hung or dead, or the ranks issued operations in different orders"));
-    if (idle >= kSpinsBeforeYield) std::this_thread::yield();
+    if (now - start >= kSpinTime)
+      transport_->sleep_until_event(deadline);
+    else
+      std::this_thread::yield();
   }
 }
 

@@ -1,10 +1,17 @@
 // The UCX transport: one UCP context and worker per process, an endpoint to
 // every other rank, and non-blocking tagged send/recv returning Requests.
 //
-// Worker addresses are exchanged through the rendezvous store. Endpoints use
-// peer error handling: when UCX reports a peer unreachable (its process died,
-// its socket closed) the peer is marked failed, and every request involving
-// it ends in an Error naming the rank. Nothing progresses in the background:
+// Worker addresses and process identities (host, boot, pid namespace, pid)
+// are exchanged through the rendezvous store. A peer on another host gets an
+// endpoint with UCX peer error handling: when UCX reports it unreachable (its
+// process died, its socket closed) it is marked failed. UCX 1.13's
+// shared-memory transports (posix/sysv fifos, cma) cannot report a dead peer,
+// and asking for peer error handling would push local traffic onto TCP over
+// loopback; so a peer on this host gets a shared-memory endpoint without it,
+// and the transport watches the peer's process itself through a pidfd, polled
+// every few milliseconds while a request waits. Either way every request
+// involving a failed peer ends in an Error naming the rank. Nothing
+// progresses in the background:
 // Request::test() and wait() drive ucp_worker_progress. Calls into UCX are
 // serialised by one mutex, so a communicator's progress thread and the
 // caller's thread may share the transport. A world of one process creates no
@@ -106,7 +113,8 @@ class Transport {
 
   // One pass of ucp_worker_progress; true when it did something.
   bool progress();
-  // Empty while the peer is healthy, else what UCX reported.
+  // Empty while the peer is healthy, else what failed (UCX's report, or the
+  // exit of a local peer's process).
   std::string peer_failure(int peer) const;
 
  private:
@@ -114,10 +122,19 @@ class Transport {
   struct Peer;
   struct Ucx;
 
+  // Polls the pidfds of the local peers, at most once per kLivenessInterval
+  // (looking at the clock every kLivenessSampling calls); the caller holds mutex_.
+  void check_liveness_locked();
+  // Blocks until the worker has events, a local peer exits, a short sleep
+  // passes or the deadline comes (see Request::wait).
+  void sleep_until_event(Clock::time_point deadline);
+
   int rank_;
   int world_size_;
   std::unique_ptr<Ucx> ucx_;
   std::vector<std::unique_ptr<Peer>> peers_;
+  Clock::time_point last_liveness_check_{};
+  uint32_t liveness_calls_ = 0;
   mutable std::mutex mutex_;
 };
 

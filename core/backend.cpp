@@ -124,6 +124,37 @@ void Backend::layer_norm_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   unsupported("layer_norm_backward");
 }
+void Backend::attention_forward(const Tensor&, const Tensor&, const Tensor&, const AttentionAttrs&,
+                                const Tensor&, const Tensor&) {
+  unsupported("attention_forward");
+}
+void Backend::attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const AttentionAttrs&, const Tensor&,
+                                 const Tensor&, const Tensor&) {
+  unsupported("attention_backward");
+}
+Tensor Backend::lstm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                             const Tensor&, const Tensor&, bool, const Tensor&, const Tensor&,
+                             const Tensor&) {
+  unsupported("lstm_forward");
+}
+void Backend::lstm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&) {
+  unsupported("lstm_backward");
+}
+Tensor Backend::gru_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, bool, const Tensor&, const Tensor&) {
+  unsupported("gru_forward");
+}
+void Backend::gru_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("gru_backward");
+}
 
 namespace {
 Backend* g_backends[kNumDeviceKinds] = {};

@@ -28,6 +28,14 @@
 
 namespace trainer {
 
+// What the attention kernels need beyond their tensors (section "attention").
+struct AttentionAttrs {
+  int64_t num_heads = 1;
+  double scale = 1.0;       // of the scores, usually 1 / sqrt(HD)
+  double dropout_p = 0.0;   // of the attention weights; 0: no dropout
+  PhiloxKey dropout_key{};  // the mask's draw (used when dropout_p > 0)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -162,6 +170,74 @@ class Backend {
   virtual void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                    const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                                    const Tensor& grad_weight, const Tensor& grad_bias);
+
+  // ---- attention (core/ops_transformer.h) ----
+  // Causal multi-head attention, flash-attention style: q, k, v [B, T, D]
+  // in any strides (views into one fused QKV projection), head h the columns
+  // [h HD, (h + 1) HD) with HD = D / NH. For s <= t:
+  //   lse[b, h, t] = log sum_{s <= t} exp(scale q_t . k_s)
+  //   p[t, s] = exp(scale q_t . k_s - lse[t]),  m[t, s] = keep / (1 - dropout_p)
+  //   out[b, t, head h] = sum_{s <= t} p[t, s] m[t, s] v_s
+  // keep[b, h, t, s] is element ((b NH + h) T + t) T + s of a Philox
+  // bernoulli(1 - dropout_p) draw from dropout_key (core/rng.h), so the
+  // backward redraws the forward's mask instead of storing it. out [B, T, D]
+  // and lse [B, NH, T] (f32, f64 for f64) contiguous. The kernels keep no
+  // [B, NH, T, T] tensor: scores live per (batch, head) or per tile.
+  virtual void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const AttentionAttrs& attrs, const Tensor& out, const Tensor& lse);
+  // Backward of the above, p recomputed from q, k and lse; with
+  // dp = m (grad_out . v_s) and delta_t = grad_out_t . out_t:
+  //   grad_v_s = sum_t p m grad_out_t,  ds = p (dp - delta_t),
+  //   grad_q_t = scale sum_s ds k_s,   grad_k_s = scale sum_t ds q_t.
+  // grad_out, out contiguous [B, T, D]; grad_q, grad_k, grad_v [B, T, D] in
+  // any strides with a unit last stride (views into one fused gradient).
+  virtual void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  const AttentionAttrs& attrs, const Tensor& grad_q,
+                                  const Tensor& grad_k, const Tensor& grad_v);
+
+  // ---- recurrent (core/ops_rnn.h) ----
+  // One LSTM layer over x [B, T, I], batch first, gates i, f, g, o:
+  //   [i f g o] = x_t weight_ih^T + h_{t-1} weight_hh^T + bias
+  //   c_t = sigmoid(f) c_{t-1} + sigmoid(i) tanh(g),  h_t = sigmoid(o) tanh(c_t)
+  // h0, c0 [B, H], weight_ih [4H, I], weight_hh [4H, H], bias [4H] (the sum
+  // bias_ih + bias_hh), all contiguous. Writes y [B, T, H] (h_t of every
+  // step), h_n and c_n [B, H], contiguous. When training, returns what
+  // lstm_backward needs beyond its arguments, in the backend's own form
+  // (the reference returns nothing: its backward recomputes the forward).
+  virtual Tensor lstm_forward(const Tensor& x, const Tensor& h0, const Tensor& c0,
+                              const Tensor& weight_ih, const Tensor& weight_hh, const Tensor& bias,
+                              bool training, const Tensor& y, const Tensor& h_n, const Tensor& c_n);
+  // Backpropagation through time of the above, last step first, from grad_y
+  // [B, T, H] and grad_h_n, grad_c_n [B, H] (contiguous; zeros where no
+  // gradient arrived), given the forward's inputs, y and record. grad_bias
+  // [4H] is the gradient of bias_ih and of bias_hh alike. Outputs contiguous.
+  virtual void lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& grad_c_n,
+                             const Tensor& x, const Tensor& h0, const Tensor& c0,
+                             const Tensor& weight_ih, const Tensor& weight_hh, const Tensor& bias,
+                             const Tensor& y, const Tensor& record, const Tensor& grad_x,
+                             const Tensor& grad_h0, const Tensor& grad_c0,
+                             const Tensor& grad_weight_ih, const Tensor& grad_weight_hh,
+                             const Tensor& grad_bias);
+  // One GRU layer over x [B, T, I], batch first, gates r, z, n
+  // (linear-before-reset, as PyTorch), with gi = x_t weight_ih^T + bias_ih
+  // and gh = h_{t-1} weight_hh^T + bias_hh split in thirds:
+  //   r = sigmoid(gi_r + gh_r), z = sigmoid(gi_z + gh_z), n = tanh(gi_n + r gh_n)
+  //   h_t = (1 - z) n + z h_{t-1}
+  // h0 [B, H], weight_ih [3H, I], weight_hh [3H, H], bias_ih, bias_hh [3H],
+  // contiguous. Writes y [B, T, H] and h_n [B, H]; returns the record as
+  // lstm_forward does.
+  virtual Tensor gru_forward(const Tensor& x, const Tensor& h0, const Tensor& weight_ih,
+                             const Tensor& weight_hh, const Tensor& bias_ih, const Tensor& bias_hh,
+                             bool training, const Tensor& y, const Tensor& h_n);
+  // Backpropagation through time of the above from grad_y [B, T, H] and
+  // grad_h_n [B, H] (contiguous, zeros where none arrived). Outputs contiguous.
+  virtual void gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& x,
+                            const Tensor& h0, const Tensor& weight_ih, const Tensor& weight_hh,
+                            const Tensor& bias_ih, const Tensor& bias_hh, const Tensor& y,
+                            const Tensor& record, const Tensor& grad_x, const Tensor& grad_h0,
+                            const Tensor& grad_weight_ih, const Tensor& grad_weight_hh,
+                            const Tensor& grad_bias_ih, const Tensor& grad_bias_hh);
 
  protected:
   [[noreturn]] void unsupported(const char* op) const;

@@ -11,6 +11,8 @@
 #include <array>
 #include <cstdint>
 
+#include "core/hd.h"
+
 namespace trainer {
 
 using Pair = std::array<int64_t, 2>;  // {height, width}
@@ -36,10 +38,11 @@ inline int64_t conv_out_size(int64_t in, int64_t kernel, int64_t stride, int64_t
   return (in + 2 * padding - dilation * (kernel - 1) - 1) / stride + 1;
 }
 
-// Adaptive pooling window of output index i for in -> out (PyTorch's formula):
+// Adaptive pooling window of output index i for in -> out (PyTorch's formula;
+// host and device):
 // [floor(i * in / out), ceil((i + 1) * in / out)).
-inline int64_t adaptive_start(int64_t i, int64_t in, int64_t out) { return i * in / out; }
-inline int64_t adaptive_end(int64_t i, int64_t in, int64_t out) {
+TRAINER_HD int64_t adaptive_start(int64_t i, int64_t in, int64_t out) { return i * in / out; }
+TRAINER_HD int64_t adaptive_end(int64_t i, int64_t in, int64_t out) {
   return ((i + 1) * in + out - 1) / out;
 }
 

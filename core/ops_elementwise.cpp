@@ -1,5 +1,6 @@
 // Elementwise ops: forward and backward side by side.
 #include "core/ops.h"
+#include "core/ops_conv.h"
 
 namespace trainer {
 
@@ -84,7 +85,13 @@ struct BinaryFn {
   static Tensor forward(Saved& s, const Tensor& a, const Tensor& b, BinaryOp op) {
     check_binary_operands(binary_op_name(op), a, b);
     Shape shape = broadcast_shapes(a.shape(), b.shape());
-    Tensor out = empty(shape, a.dtype(), a.device());
+    // Two channels-last images of one shape (residual sums, gradients meeting
+    // at a residual join) give a channels-last result: unit-stride loops, and
+    // the image ops downstream take it without a copy.
+    bool channels_last =
+        a.shape() == b.shape() && !a.is_contiguous() && is_channels_last(a) && is_channels_last(b);
+    Tensor out = channels_last ? empty_channels_last(shape, a.dtype(), a.device())
+                               : empty(shape, a.dtype(), a.device());
     backend(a.device()).binary(op, a.expand(shape), b.expand(shape), out);
     s.op = op;
     s.a_shape = a.shape();

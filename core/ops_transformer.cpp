@@ -1,10 +1,9 @@
-// Layer norm (forward and backward through the backend's fused kernels) and
-// causal attention composed of matmul, masked_fill, softmax and dropout.
+// Layer norm and causal attention: forward and backward through the
+// backend's fused kernels (sections "layer norm" and "attention").
 #include "core/ops_transformer.h"
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 namespace trainer {
 
@@ -49,6 +48,90 @@ struct LayerNormFn {
   }
 };
 
+// out[b, t, head h] = sum_{s <= t} p[t, s] m[t, s] v_s with
+// p = softmax_s(scale q_t . k_s) over s <= t and m the dropout multipliers
+// (Backend::attention_forward). Saves q, k, v, out and the row lse; the
+// backward recomputes p from them (Backend::attention_backward):
+// grad_v = (p m)^T g, ds = p (m (g v^T) - rowsum(g * out)),
+// grad_q = scale ds k, grad_k = scale ds^T q.
+struct AttentionSaved {
+  Tensor q, k, v, out, lse;
+  AttentionAttrs attrs;
+};
+
+Tensor attention_forward(AttentionSaved& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const AttentionAttrs& attrs) {
+  DType stat_dtype = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  Tensor out = empty(q.shape(), q.dtype(), q.device());
+  Tensor lse = empty({q.size(0), attrs.num_heads, q.size(1)}, stat_dtype, q.device());
+  if (q.numel() > 0) backend(q.device()).attention_forward(q, k, v, attrs, out, lse);
+  s = AttentionSaved{q, k, v, out, lse, attrs};
+  return out;
+}
+
+// Writes the gradients into grad_q, grad_k, grad_v (any views with a unit last stride).
+void attention_backward(const AttentionSaved& s, const Tensor& grad, const Tensor& grad_q,
+                        const Tensor& grad_k, const Tensor& grad_v) {
+  if (s.q.numel() == 0) return;
+  backend(s.q.device())
+      .attention_backward(grad.contiguous(), s.q, s.k, s.v, s.out, s.lse, s.attrs, grad_q, grad_k,
+                          grad_v);
+}
+
+// q, k, v as three inputs, each with its own gradient.
+struct CausalAttentionFn {
+  using Saved = AttentionSaved;
+  static constexpr const char* name = "causal_attention";
+  static Tensor forward(Saved& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const AttentionAttrs& attrs) {
+    return attention_forward(s, q, k, v, attrs);
+  }
+  static TensorList backward(Saved& s, const TensorList& g, const GradMask&) {
+    Tensor grad_q = empty(s.q.shape(), s.q.dtype(), s.q.device());
+    Tensor grad_k = empty(s.q.shape(), s.q.dtype(), s.q.device());
+    Tensor grad_v = empty(s.q.shape(), s.q.dtype(), s.q.device());
+    attention_backward(s, g[0], grad_q, grad_k, grad_v);
+    return {grad_q, grad_k, grad_v};
+  }
+};
+
+// One fused qkv [B, T, 3D] input: the kernel writes the three gradients
+// straight into the thirds of one [B, T, 3D] gradient.
+struct CausalAttentionQkvFn {
+  using Saved = AttentionSaved;
+  static constexpr const char* name = "causal_attention_qkv";
+  static Tensor forward(Saved& s, const Tensor& qkv, const AttentionAttrs& attrs) {
+    int64_t D = qkv.size(2) / 3;
+    return attention_forward(s, qkv.narrow(2, 0, D), qkv.narrow(2, D, D), qkv.narrow(2, 2 * D, D),
+                             attrs);
+  }
+  static TensorList backward(Saved& s, const TensorList& g, const GradMask&) {
+    int64_t B = s.q.size(0), T = s.q.size(1), D = s.q.size(2);
+    Tensor grad = empty({B, T, 3 * D}, s.q.dtype(), s.q.device());
+    attention_backward(s, g[0], grad.narrow(2, 0, D), grad.narrow(2, D, D),
+                       grad.narrow(2, 2 * D, D));
+    return {grad};
+  }
+};
+
+// The attributes of one call; draws the dropout key when dropout is on.
+AttentionAttrs attention_attrs(const Tensor& q, int64_t num_heads, double dropout_p, bool training,
+                               Generator& gen) {
+  int64_t B = q.size(0), T = q.size(1), D = q.size(2);
+  CHECK(num_heads >= 1 && D % num_heads == 0)
+      << "causal_attention: width " << D << " is not a multiple of " << num_heads << " heads";
+  CHECK(dropout_p >= 0.0 && dropout_p < 1.0)
+      << "causal_attention: dropout_p " << dropout_p << " outside [0, 1)";
+  AttentionAttrs attrs;
+  attrs.num_heads = num_heads;
+  attrs.scale = 1.0 / std::sqrt(double(D / num_heads));
+  if (training && dropout_p > 0.0) {
+    attrs.dropout_p = dropout_p;
+    attrs.dropout_key = gen.next(philox_uniform_blocks(uint64_t(B * num_heads * T * T)));
+  }
+  return attrs;
+}
+
 }  // namespace
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
@@ -75,25 +158,25 @@ Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64
   CHECK(q.dim() == 3 && k.shape() == q.shape() && v.shape() == q.shape())
       << "causal_attention: q " << q.shape_str() << ", k " << k.shape_str() << ", v "
       << v.shape_str() << " must all be [B, T, D]";
-  int64_t T = q.size(1), D = q.size(2);
-  CHECK(num_heads >= 1 && D % num_heads == 0)
-      << "causal_attention: width " << D << " is not a multiple of " << num_heads << " heads";
-  int64_t HD = D / num_heads;
-  // mask[t, s] = s > t: the future a position may not see.
-  Tensor pos = arange(T, DType::i64, q.device());
-  Tensor future = gt(pos.reshape({1, T}), pos.reshape({T, 1}));
-  double scale = 1.0 / std::sqrt(double(HD));
-  TensorList heads;
-  for (int64_t h = 0; h < num_heads; ++h) {
-    Tensor qh = q.narrow(2, h * HD, HD) * scale;  // [B, T, HD]
-    Tensor kh = k.narrow(2, h * HD, HD);
-    Tensor vh = v.narrow(2, h * HD, HD);
-    Tensor scores = matmul(qh, kh.transpose(1, 2));  // [B, T, T]
-    scores = masked_fill(scores, future, -std::numeric_limits<double>::infinity());
-    Tensor att = dropout(softmax(scores, -1), dropout_p, training, gen);
-    heads.push_back(matmul(att, vh));  // [B, T, HD]
-  }
-  return num_heads == 1 ? heads[0] : concat(heads, 2);
+  CHECK(is_floating(q.dtype()) && k.dtype() == q.dtype() && v.dtype() == q.dtype())
+      << "causal_attention: q, k, v must share a floating dtype, got " << q.dtype() << ", "
+      << k.dtype() << ", " << v.dtype();
+  CHECK(k.device() == q.device() && v.device() == q.device())
+      << "causal_attention: q on " << q.device() << ", k on " << k.device() << ", v on "
+      << v.device();
+  AttentionAttrs attrs = attention_attrs(q, num_heads, dropout_p, training, gen);
+  return autograd::apply<CausalAttentionFn>(q, k, v, attrs);
+}
+
+Tensor causal_attention_qkv(const Tensor& qkv, int64_t num_heads, double dropout_p, bool training,
+                            Generator& gen) {
+  CHECK(qkv.defined()) << "causal_attention_qkv: undefined tensor";
+  CHECK(qkv.dim() == 3 && qkv.size(2) % 3 == 0)
+      << "causal_attention_qkv: qkv " << qkv.shape_str() << " must be [B, T, 3D]";
+  CHECK(is_floating(qkv.dtype())) << "causal_attention_qkv: dtype " << qkv.dtype();
+  AttentionAttrs attrs =
+      attention_attrs(qkv.narrow(2, 0, qkv.size(2) / 3), num_heads, dropout_p, training, gen);
+  return autograd::apply<CausalAttentionQkvFn>(qkv, attrs);
 }
 
 }  // namespace trainer

@@ -1,9 +1,10 @@
-// Transformer ops: layer norm (a fused kernel in the backend interface,
-// section "layer norm") and causal scaled dot-product attention (composed of
-// differentiable ops from core/ops.h, one head at a time).
+// Transformer ops: layer norm and causal scaled dot-product attention, each
+// a fused kernel in the backend interface (sections "layer norm" and
+// "attention").
 //
 //   Tensor y = layer_norm(x, weight, bias);                        // [..., D]
 //   Tensor a = causal_attention(q, k, v, /*num_heads=*/6, 0.1, training, gen);
+//   Tensor a = causal_attention_qkv(qkv, /*num_heads=*/6, 0.1, training, gen);  // qkv [B, T, 3D]
 //
 // Glossary: B batch, T time, D model width, NH heads, HD = D / NH head width.
 #pragma once
@@ -21,9 +22,18 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 // views into one fused QKV projection), head h being the columns
 // [h * HD, (h + 1) * HD): out[b, t, head h] = sum_{s <= t} a[b, h, t, s] v[b, s, head h]
 // with a = dropout(softmax_s(q k^T / sqrt(HD))). Returns [B, T, D], heads
-// side by side. Heads run one after another, so the scores of one head
-// ([B, T, T]) are live at a time beyond what the backward keeps.
+// side by side. Fused: no [B, NH, T, T] tensor is ever stored; the backward
+// recomputes the probabilities from q, k and the per-row logsumexp. The
+// dropout mask (training, 0 <= dropout_p < 1) is element
+// ((b NH + h) T + t) T + s of one bernoulli(1 - dropout_p) draw from gen,
+// redrawn in the backward from its counter.
 Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t num_heads,
                         double dropout_p, bool training, Generator& gen);
+
+// causal_attention on the thirds of one fused projection qkv [B, T, 3D]
+// (q, k, v side by side), the backward writing one [B, T, 3D] gradient.
+// Same result and the same dropout mask as causal_attention on the views.
+Tensor causal_attention_qkv(const Tensor& qkv, int64_t num_heads, double dropout_p, bool training,
+                            Generator& gen);
 
 }  // namespace trainer

@@ -47,10 +47,12 @@ Tensor BatchNorm2d::forward(const Tensor& x, bool relu) {
     Tensor y = batch_norm_eval(x, weight, bias, running_mean, running_var, options_.eps);
     return relu ? relu_channels_last(y) : y;
   }
-  BatchNormResult r = batch_norm_train(x, weight, bias, options_.eps, relu);
-  if (is_training() && options_.track_running_stats)
-    update_running_stats(r, x.size(0) * x.size(2) * x.size(3));
-  return r.out;
+  BatchStatsResult s = batch_stats_norm_
+                           ? batch_stats_norm_(x, weight, bias, options_.eps, relu)
+                           : BatchStatsResult{batch_norm_train(x, weight, bias, options_.eps, relu),
+                                              x.size(0) * x.size(2) * x.size(3)};
+  if (is_training() && options_.track_running_stats) update_running_stats(s.result, s.count);
+  return s.result.out;
 }
 
 void BatchNorm2d::update_running_stats(const BatchNormResult& r, int64_t m) {

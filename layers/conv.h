@@ -14,6 +14,8 @@
 //   Tensor y = conv_bn(conv, bn, x, /*relu=*/true);
 #pragma once
 
+#include <functional>
+
 #include "core/ops_conv.h"
 #include "layers/module.h"
 
@@ -55,6 +57,17 @@ struct BatchNormOptions {
   bool track_running_stats = true;
 };
 
+// The batch-statistics normalisation of a BatchNorm2d and the number of
+// values per channel its statistics cover (M = N*H*W for one rank's batch).
+// SyncBatchNorm (parallel/sync_batchnorm.h) replaces batch_norm_train with one
+// whose statistics cover the whole data-parallel batch.
+struct BatchStatsResult {
+  BatchNormResult result;
+  int64_t count = 0;
+};
+using BatchStatsNorm = std::function<BatchStatsResult(const Tensor& x, const Tensor& gamma,
+                                                      const Tensor& beta, double eps, bool relu)>;
+
 // Training (or no running statistics): normalise by the batch statistics and
 // update running_mean with the batch mean and running_var with the unbiased
 // batch variance (M / (M - 1) times the biased one), as PyTorch; count the
@@ -68,6 +81,9 @@ class BatchNorm2d : public Module {
   const BatchNormOptions& options() const { return options_; }
   // Whether forward normalises by the running statistics (eval with tracking).
   bool uses_running_stats() const { return !is_training() && options_.track_running_stats; }
+  // Replaces the batch-statistics normalisation (empty: batch_norm_train again).
+  void set_batch_stats_norm(BatchStatsNorm norm) { batch_stats_norm_ = std::move(norm); }
+  bool has_batch_stats_norm() const { return bool(batch_stats_norm_); }
 
   // gamma and beta are constants 1 and 0 (not parameters) without affine.
   Tensor weight, bias;
@@ -76,6 +92,7 @@ class BatchNorm2d : public Module {
  private:
   void update_running_stats(const BatchNormResult& r, int64_t m);
   BatchNormOptions options_;
+  BatchStatsNorm batch_stats_norm_;
 };
 
 class ReLU : public Module {

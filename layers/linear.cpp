@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/backend.h"
 #include "core/ops.h"
 #include "layers/init.h"
 
@@ -19,9 +20,63 @@ Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool w
   }
 }
 
+namespace {
+
+// y = x W^T + b over rows x [N, in], W [out, in], b [out] (may be undefined):
+// one GEMM on W's transposed view, then b added in place. Backward:
+// grad_x = g W, grad_W = g^T x ([out, in] directly, no transposed copy),
+// grad_b = sum_N g.
+struct LinearFn {
+  struct Saved {
+    Tensor x, weight;
+    bool has_bias = false;
+  };
+  static constexpr const char* name = "linear";
+  static Tensor forward(Saved& s, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+    Backend& be = backend(x.device());
+    Tensor y = empty({x.size(0), weight.size(0)}, x.dtype(), x.device());
+    be.matmul(x, weight.t(), y);
+    if (bias.defined()) be.binary(BinaryOp::add, y, bias.expand(y.shape()), y);
+    s = Saved{x, weight, bias.defined()};
+    return y;
+  }
+  static TensorList backward(Saved& s, const TensorList& g, const autograd::GradMask& needs) {
+    Backend& be = backend(s.x.device());
+    Tensor gx, gw, gb;
+    if (needs[0]) {
+      gx = empty(s.x.shape(), s.x.dtype(), s.x.device());
+      be.matmul(g[0], s.weight, gx);
+    }
+    if (needs[1]) {
+      gw = empty(s.weight.shape(), s.weight.dtype(), s.weight.device());
+      be.matmul(g[0].t(), s.x, gw);
+    }
+    if (s.has_bias && needs[2]) gb = sum(g[0], {0});
+    return {gx, gw, gb};
+  }
+};
+
+}  // namespace
+
+// The rows of x go through as one [N, in] matrix: one GEMM, and the weight's
+// gradient is one g^T x rather than a product per batch index summed after.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  Tensor y = matmul(x, weight.t());
-  return bias.defined() ? y + bias : y;
+  CHECK(x.defined() && weight.defined()) << "linear: undefined input or weight";
+  CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1))
+      << "linear: x " << x.shape_str() << " does not match weight " << weight.shape_str();
+  CHECK(is_floating(x.dtype()) && weight.dtype() == x.dtype() &&
+        (!bias.defined() || bias.dtype() == x.dtype()))
+      << "linear: x, weight and bias must share a floating dtype";
+  CHECK(weight.device() == x.device() && (!bias.defined() || bias.device() == x.device()))
+      << "linear: x, weight and bias must be on one device";
+  CHECK(!bias.defined() || bias.shape() == Shape{weight.size(0)})
+      << "linear: bias " << bias.shape_str() << " for weight " << weight.shape_str();
+  Tensor rows = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  Tensor y = autograd::apply<LinearFn>(rows, weight, bias);
+  if (x.dim() == 2) return y;
+  Shape shape = x.shape();
+  shape.back() = weight.size(0);
+  return y.reshape(shape);
 }
 
 Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }

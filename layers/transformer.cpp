@@ -41,14 +41,12 @@ CausalSelfAttention::CausalSelfAttention(const TransformerOptions& o, Generator&
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   CHECK(x.dim() == 3) << "CausalSelfAttention expects [B, T, D], got " << x.shape_str();
-  int64_t D = x.size(2);
   Tensor qkv = (*c_attn)(x);  // [B, T, 3D]: q, k, v side by side
-  Tensor y = causal_attention(qkv.narrow(2, 0, D), qkv.narrow(2, D, D), qkv.narrow(2, 2 * D, D),
-                              num_heads_, attn_p_, is_training(), attn_gen_);
+  Tensor y = causal_attention_qkv(qkv, num_heads_, attn_p_, is_training(), attn_gen_);
   return (*resid_dropout)((*c_proj)(y));
 }
 
-MLP::MLP(const TransformerOptions& o, Generator& gen, uint64_t dropout_site) {
+FeedForward::FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site) {
   c_fc = register_module("c_fc", std::make_shared<Linear>(o.d_model, 4 * o.d_model, gen, o.bias));
   c_proj =
       register_module("c_proj", std::make_shared<Linear>(4 * o.d_model, o.d_model, gen, o.bias));
@@ -57,7 +55,7 @@ MLP::MLP(const TransformerOptions& o, Generator& gen, uint64_t dropout_site) {
       std::make_shared<Dropout>(o.dropout, Generator(o.seed, dropout_stream(dropout_site))));
 }
 
-Tensor MLP::forward(const Tensor& x) {
+Tensor FeedForward::forward(const Tensor& x) {
   return (*dropout)((*c_proj)(gelu((*c_fc)(x), GeluApprox::tanh)));
 }
 
@@ -65,7 +63,7 @@ Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index) {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(o, gen, 3 * index));
   ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
-  mlp = register_module("mlp", std::make_shared<MLP>(o, gen, 3 * index + 2));
+  mlp = register_module("mlp", std::make_shared<FeedForward>(o, gen, 3 * index + 2));
 }
 
 Tensor Block::forward(const Tensor& x) {

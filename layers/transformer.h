@@ -1,4 +1,4 @@
-// Transformer layers: Embedding, LayerNorm, causal self-attention, MLP and
+// Transformer layers: Embedding, LayerNorm, causal self-attention, the MLP and
 // the pre-LN block, named as nanoGPT names them so state dicts interoperate:
 //
 //   ln_1.weight  attn.c_attn.weight [3D, D]  attn.c_proj.weight [D, D]
@@ -63,6 +63,9 @@ class CausalSelfAttention : public Module {
 
   std::shared_ptr<Linear> c_attn, c_proj;
   std::shared_ptr<Dropout> resid_dropout;
+  // The attention-weights dropout's generator (trainers re-key it per step,
+  // as they do Dropout::generator()).
+  Generator& generator() { return attn_gen_; }
 
  private:
   int64_t num_heads_;
@@ -70,10 +73,11 @@ class CausalSelfAttention : public Module {
   Generator attn_gen_;
 };
 
-// x -> dropout(c_proj(gelu_tanh(c_fc(x)))), hidden width 4D.
-class MLP : public Module {
+// nanoGPT's MLP (module name "mlp"; the class is named apart from
+// models/small.h's MLP): x -> dropout(c_proj(gelu_tanh(c_fc(x)))), hidden width 4D.
+class FeedForward : public Module {
  public:
-  MLP(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
+  FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
   Tensor forward(const Tensor& x) override;
 
   std::shared_ptr<Linear> c_fc, c_proj;
@@ -89,7 +93,7 @@ class Block : public Module {
 
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
-  std::shared_ptr<MLP> mlp;
+  std::shared_ptr<FeedForward> mlp;
 };
 
 }  // namespace trainer

@@ -77,7 +77,7 @@ Tensor GPT::forward(const Tensor& tokens) {
   Tensor pos = arange(T, DType::i64, tokens.device());
   Tensor x = (*drop)((*wte)(tokens) + (*wpe)(pos));  // [B, T, D]
   for (const auto& b : h) x = (*b)(x);
-  return matmul((*ln_f)(x), head_weight_.t());  // [B, T, V]
+  return linear((*ln_f)(x), head_weight_, Tensor());  // [B, T, V]
 }
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options) { return std::make_shared<GPT>(options); }

@@ -27,6 +27,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The language-model corpus of recipes/gpt_kjv.yaml and lstm_kjv.yaml: the
+# King James Bible as bible-kjv prints it (4.4 MB of ASCII), one verse per
+# line after its reference ("Ge1:1 In the beginning God created ...").
+if [ ! -s datasets/kjv.txt ]; then
+  mkdir -p datasets
+  bible -f "gen1:1-rev22:21" >datasets/kjv.txt.tmp
+  mv datasets/kjv.txt.tmp datasets/kjv.txt
+  echo "setup: wrote datasets/kjv.txt"
+fi
+
 BUILD_DIR=${BUILD_DIR:-build}
 # CUDA: AUTO builds the backend wherever nvcc and cuDNN are found.
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null

@@ -113,6 +113,43 @@ TEST_CASE("conv2d: oneDNN matches the reference on odd shapes", "[layers][conv]"
                           {x, rand_tensor({3, 5, 3, 3}, gen), rand_tensor({3}, gen)}, 1e-4, 1e-4);
 }
 
+TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[layers][conv]") {
+  // Stride 1 without groups runs the data gradient as a forward convolution
+  // of flipped weights (padding up to dilation * (k - 1)); 1x1 stride-1
+  // unpadded convs without bias take the weight gradient from one sgemm.
+  struct Case {
+    int64_t k, pad, dilation;
+    bool bias;
+  };
+  const Case cases[] = {{1, 0, 1, false}, {1, 0, 1, true},  {3, 1, 1, false}, {3, 0, 1, false},
+                        {3, 2, 1, false}, {3, 2, 2, false}, {3, 3, 2, true},  {5, 2, 1, false},
+                        {1, 1, 1, false}, {3, 3, 1, false}};
+  Generator gen(9);
+  int iter = 0;
+  for (const Case& c : cases) {
+    int64_t I = 3 + iter % 4, O = 2 + (iter * 3) % 5;
+    Shape xs = {1 + iter % 2, I, 7 + iter % 3, 9 - iter % 2};
+    Conv2dAttrs a{.padding = {c.pad, c.pad}, .dilation = {c.dilation, c.dilation}};
+    INFO("k " << c.k << " pad " << c.pad << " dilation " << c.dilation << " bias " << c.bias);
+    TensorList in = {image_cl(xs, gen), rand_tensor({O, I, c.k, c.k}, gen)};
+    if (c.bias) in.push_back(rand_tensor({O}, gen));
+    check_fast_vs_reference(
+        [&](const TensorList& t) { return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a); }, in,
+        1e-4, 1e-4);
+    ++iter;
+  }
+}
+
+TEST_CASE("add of channels-last images stays channels-last", "[layers][conv]") {
+  Generator gen(10);
+  Tensor a = image_cl({2, 5, 3, 4}, gen), b = image_cl({2, 5, 3, 4}, gen);
+  Tensor s = add(a, b);
+  REQUIRE(is_channels_last(s));
+  require_close(s, add(a.contiguous(), b.contiguous()), 0, 0, "sum");
+  check_fast_vs_reference([](const TensorList& t) { return relu_channels_last(t[0] + t[1]); },
+                          {a, b});
+}
+
 TEST_CASE("pooling: closed forms", "[layers][pool]") {
   Tensor x = arange(16, DType::f32).reshape({1, 1, 4, 4});
   REQUIRE(max_pool2d(x, {}).contiguous().to_vector<float>() == std::vector<float>{5, 7, 13, 15});

@@ -1,6 +1,8 @@
 // The trainer binary:
 //   trainer train RECIPE [key=value ...] [--resume auto|DIR] [--init-from FILE] [--dry-run]
 //   trainer eval RECIPE [key=value ...] --checkpoint DIR
+//   trainer sample RECIPE [key=value ...] --checkpoint DIR [--prompt S] [--tokens N]
+//                  [--temperature T] [--top-k K] [--seed S]
 //   trainer launch --nproc-per-node N -- <trainer args>
 //   trainer info          the build, and a smoke test of the engine
 #include <CLI/CLI.hpp>
@@ -52,6 +54,9 @@ int main(int argc, char** argv) {
                     "load weights by name from a safetensors file before training");
   train->add_flag("!--init-non-strict", train_args.init_strict,
                   "with --init-from: skip missing, unexpected and mis-shaped tensors");
+  train->add_flag("--trace", train_args.trace,
+                  "write a Chrome-trace timeline of compute and communication per rank to "
+                  "<output_dir>/trace.json (ui.perfetto.dev opens it)");
   train->add_flag(
       "--dry-run", train_args.dry_run,
       "print the resolved recipe, model summary, memory estimate and layout, then exit");
@@ -66,6 +71,35 @@ int main(int argc, char** argv) {
   eval->add_option("--checkpoint", eval_args.checkpoint,
                    "a checkpoint directory, or a checkpoints/ folder (its latest)")
       ->required();
+  SampleArgs sample_args;
+  CLI::App* sample =
+      app.add_subcommand("sample", "generate text from a language model's checkpoint");
+  sample->add_option("recipe", sample_args.recipe, "the recipe the model was trained with")
+      ->required();
+  sample->add_option("overrides", sample_args.overrides, "key=value overrides of recipe keys");
+  sample
+      ->add_option("--checkpoint", sample_args.checkpoint,
+                   "a checkpoint directory, a checkpoints/ folder or a run's output directory "
+                   "(their latest)")
+      ->required();
+  sample->add_option("--prompt", sample_args.prompt,
+                     "text to continue (its characters must be in the vocabulary); default: "
+                     "start at a line break");
+  sample->add_option("--tokens", sample_args.tokens, "tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sample
+      ->add_option("--temperature", sample_args.temperature,
+                   "divides the logits; 0: greedy (always the most likely token)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sample
+      ->add_option("--top-k", sample_args.top_k,
+                   "sample among the k most likely tokens only; 0: all")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sample->add_option("--seed", sample_args.seed, "the same seed gives the same text")
+      ->capture_default_str();
   LaunchOptions launch_options;
   CLI::App* launch = add_launch_command(app, launch_options);
   CLI11_PARSE(app, argc, argv);
@@ -73,6 +107,7 @@ int main(int argc, char** argv) {
     if (*info) return run_info();
     if (*train) return train_command(train_args);
     if (*eval) return eval_command(eval_args);
+    if (*sample) return sample_command(sample_args);
     if (*launch) return run_launch(launch_options);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

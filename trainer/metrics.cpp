@@ -59,11 +59,10 @@ std::string format_duration(double seconds) {
 std::string progress_line(const Progress& p) {
   char buf[256];
   double frac = p.total_steps > 0 ? double(p.step) / double(p.total_steps) : 0.0;
-  std::snprintf(
-      buf, sizeof buf,
-      "epoch %lld step %lld/%lld (%.1f%%) | loss %.4f | lr %.4g | %.0f samples/s | ETA %s",
-      (long long)p.epoch, (long long)p.step, (long long)p.total_steps, 100.0 * frac, p.loss, p.lr,
-      p.samples_per_second, format_duration(p.eta_seconds).c_str());
+  std::snprintf(buf, sizeof buf,
+                "epoch %lld step %lld/%lld (%.1f%%) | loss %.4f | lr %.4g | %.0f %s/s | ETA %s",
+                (long long)p.epoch, (long long)p.step, (long long)p.total_steps, 100.0 * frac,
+                p.loss, p.lr, p.samples_per_second, p.unit, format_duration(p.eta_seconds).c_str());
   return buf;
 }
 

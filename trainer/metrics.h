@@ -44,7 +44,8 @@ struct Progress {
   double loss = 0;
   double lr = 0;
   double samples_per_second = 0;
-  double eta_seconds = 0;  // negative: unknown
+  double eta_seconds = 0;        // negative: unknown
+  const char* unit = "samples";  // of the throughput: samples, or tokens for language models
 };
 
 // "epoch 2 step 1200/4680 (25.6%) | loss 0.4123 | lr 0.1 | 2950 samples/s | ETA 3m12s"

@@ -145,7 +145,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("model.num_classes", &m.num_classes, 1, 1000000),
       int_field("model.in_channels", &m.in_channels, 1, 4096),
       bool_field("model.zero_init_residual", &m.zero_init_residual),
-      int_field("model.vocab_size", &m.vocab_size, 2, 10000000),
+      int_field("model.vocab_size", &m.vocab_size, 0, 10000000),
       int_field("model.context", &m.context, 1, 1 << 20),
       int_field("model.n_layer", &m.n_layer, 1, 1024),
       int_field("model.n_head", &m.n_head, 1, 1024),
@@ -163,6 +163,10 @@ std::vector<Field> schema(Recipe& r) {
       int_field("data.prefetch", &d.prefetch, 1, 1024),
       string_field("data.bad_files", &d.bad_files, {"skip", "error"}),
       float_field("data.val_fraction", &d.val_fraction, 0.0, 0.9),
+      string_field("data.path", &d.path),
+      string_field("data.vocab", &d.vocab, {"byte", "char"}),
+      int_field("data.seq_len", &d.seq_len, 0, 1 << 20),
+      int_field("data.val_windows", &d.val_windows, 0, kBig),
 
       string_field("optimizer.name", &op.name, {"sgd", "adamw"}),
       float_field("optimizer.lr", &op.lr, 0.0, 100.0),
@@ -203,6 +207,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("parallel.micro_batches", &p.micro_batches, 1, 65536),
       string_field("parallel.schedule", &p.schedule, {"gpipe", "1f1b"}),
       int_field("parallel.bucket_mb", &p.bucket_mb, 1, 1 << 16),
+      bool_field("parallel.overlap", &p.overlap),
       bool_field("parallel.zero1", &p.zero1),
       bool_field("parallel.sync_bn", &p.sync_bn),
 

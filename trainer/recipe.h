@@ -24,14 +24,14 @@ struct ModelRecipe {
   int64_t in_channels = 1;
   bool zero_init_residual = false;
   // Language models.
-  int64_t vocab_size = 256;
-  int64_t context = 256;
-  int64_t n_layer = 6;
-  int64_t n_head = 6;
-  int64_t d_model = 384;
-  int64_t hidden = 512;  // LSTM
+  int64_t vocab_size = 0;  // 0: the data's vocabulary; larger pads it
+  int64_t context = 256;   // GPT: the block size (longest sequence)
+  int64_t n_layer = 6;     // GPT blocks, or LSTM layers
+  int64_t n_head = 6;      // GPT
+  int64_t d_model = 384;   // GPT width, or the LSTM LM's embedding width
+  int64_t hidden = 512;    // LSTM hidden size
   double dropout = 0.0;
-  bool tie_weights = true;
+  bool tie_weights = true;  // LM head = token embedding (LSTM: needs d_model == hidden)
 };
 
 struct DataRecipe {
@@ -44,6 +44,10 @@ struct DataRecipe {
   int64_t prefetch = 4;
   std::string bad_files = "skip";  // skip | error
   double val_fraction = 0.1;       // text: the last fraction of the corpus
+  std::string path;                // text: the corpus file
+  std::string vocab = "char";      // text: byte (256 ids) | char (the corpus's characters)
+  int64_t seq_len = 0;             // text: tokens per window (T); 0: model.context
+  int64_t val_windows = 0;         // text: windows per evaluation, spread evenly; 0: all
 };
 
 struct OptimizerRecipe {
@@ -92,6 +96,7 @@ struct ParallelRecipe {
   int64_t micro_batches = 1;
   std::string schedule = "1f1b";  // gpipe | 1f1b
   int64_t bucket_mb = 25;
+  bool overlap = true;  // allreduce buckets during backward (false: after it)
   bool zero1 = false;
   bool sync_bn = false;
 };

@@ -10,6 +10,9 @@
 #include "data/idx.h"
 #include "data/image_folder.h"
 #include "layers/linear.h"
+#include "layers/transformer.h"
+#include "models/gpt.h"
+#include "models/lstm_lm.h"
 #include "models/registry.h"
 #include "trainer/safetensors.h"
 
@@ -24,11 +27,42 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::shared_ptr<Module> build_model(const Recipe& r) {
+bool is_language_model_name(const std::string& model_name) {
+  return model_name == "gpt" || model_name == "lstm_lm";
+}
+
+// vocab: the data's vocabulary size (language models).
+std::shared_ptr<Module> build_model(const Recipe& r, int64_t vocab) {
   const ModelRecipe& m = r.model;
-  if (m.name == "gpt" || m.name == "lstm_lm")
-    throw Error(cat(r.source, ": model.name '", m.name,
-                    "' is a language model; the language-model models are not built yet"));
+  if (is_language_model_name(m.name)) {
+    if (m.vocab_size > 0 && m.vocab_size < vocab)
+      throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
+                      " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
+    const int64_t V = m.vocab_size > 0 ? m.vocab_size : vocab;
+    if (m.name == "lstm_lm") {
+      if (m.tie_weights && m.d_model != m.hidden)
+        throw Error(cat(r.source, ": model.tie_weights needs model.d_model (", m.d_model,
+                        ") == model.hidden (", m.hidden, ") for lstm_lm"));
+      return make_lstm_lm({.vocab_size = V,
+                           .embedding_dim = m.d_model,
+                           .hidden_size = m.hidden,
+                           .num_layers = m.n_layer,
+                           .dropout = m.dropout,
+                           .tie_weights = m.tie_weights,
+                           .seed = uint64_t(r.seed)});
+    }
+    if (m.d_model % m.n_head != 0)
+      throw Error(cat(r.source, ": model.d_model ", m.d_model, " is not divisible by model.n_head ",
+                      m.n_head));
+    return make_gpt({.vocab_size = V,
+                     .block_size = m.context,
+                     .n_layer = m.n_layer,
+                     .n_head = m.n_head,
+                     .n_embd = m.d_model,
+                     .dropout = m.dropout,
+                     .tie_weights = m.tie_weights,
+                     .seed = uint64_t(r.seed)});
+  }
   ModelOptions o;
   o.num_classes = m.num_classes;
   o.in_channels = m.in_channels;
@@ -82,7 +116,8 @@ std::string with_commas(int64_t v) {
 
 }  // namespace
 
-Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
+Session::Session(Recipe recipe, RankLayout layout)
+    : recipe_(std::move(recipe)), layout_(layout) {
   const Recipe& r = recipe_;
   if (r.device != "cpu")
     throw Error(cat(r.source, ": device '", r.device,
@@ -90,7 +125,7 @@ Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
   if (r.precision != "fp32")
     throw Error(cat(r.source, ": precision '", r.precision,
                     "': mixed precision needs the CUDA backend; use precision: fp32 on the CPU"));
-  const int64_t world = 1;  // data parallelism arrives with parallel/
+  const int64_t world = layout_.world_size;
   const TrainingRecipe& t = r.training;
   if (t.global_batch % (t.grad_accum * world) != 0)
     throw Error(cat(r.source, ": training.global_batch ", t.global_batch,
@@ -99,61 +134,26 @@ Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
   micro_batch_ = t.global_batch / (t.grad_accum * world);
 
   // ---- data ----
-  if (r.data.name == "fashion_mnist") {
-    std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
-    train_set_ =
-        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
-    val_set_ =
-        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
-  } else if (r.data.name == "image_folder") {
-    if (r.data.root.empty())
-      throw Error(
-          cat(r.source, ": data.root must name a folder with train/ and val/ for image_folder"));
-    auto train = std::make_unique<data::ImageFolder>(r.data.root + "/train");
-    auto val = std::make_unique<data::ImageFolder>(r.data.root + "/val");
-    data::check_same_classes(*train, *val);
-    train_set_ = std::move(train);
-    val_set_ = std::move(val);
-  } else {
-    throw Error(cat(r.source, ": data.name '", r.data.name,
-                    "' is for language models, which are not built yet"));
-  }
-  if (train_set_->num_classes() != r.model.num_classes)
-    throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes,
-                    " but the dataset has ", train_set_->num_classes(), " classes"));
-  if (train_set_->channels() != r.model.in_channels)
-    throw Error(cat(r.source, ": model.in_channels is ", r.model.in_channels,
-                    " but the dataset's images have ", train_set_->channels(), " channels"));
+  if (is_language_model_name(r.model.name) != (r.data.name == "text"))
+    throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
+                    r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
+  if (r.data.name == "text")
+    build_text_data();
+  else
+    build_image_data();
 
-  data::LoaderOptions lo;
-  lo.batch_size = micro_batch_;
-  lo.num_workers = int(r.data.workers);
-  lo.prefetch_batches = int(r.data.prefetch);
-  lo.bad_files =
-      r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
-  lo.report_epochs = false;
-  lo.drop_last = true;  // every step sees the same batch size
-  data::SamplerOptions so{.dataset_size = train_set_->size(), .seed = uint64_t(r.seed)};
-  train_loader_ = std::make_unique<data::Loader>(
-      *train_set_,
-      data::ImageTransform(transform_options(r, true, train_set_->channels()),
-                           train_set_->channels()),
-      data::DistributedSampler(so), lo);
-  data::SamplerOptions vo{.dataset_size = val_set_->size(), .shuffle = false};
-  lo.drop_last = false;
-  val_loader_ = std::make_unique<data::Loader>(
-      *val_set_,
-      data::ImageTransform(transform_options(r, false, val_set_->channels()), val_set_->channels()),
-      data::DistributedSampler(vo), lo);
-
-  steps_per_epoch_ = train_loader_->batches_per_epoch() / t.grad_accum;
+  steps_per_epoch_ = (corpus_ ? train_windows_->windows_per_epoch() / micro_batch_
+                              : train_loader_->batches_per_epoch()) /
+                     t.grad_accum;
   if (steps_per_epoch_ == 0)
     throw Error(cat(r.source, ": training.global_batch ", t.global_batch, " is larger than the ",
-                    train_set_->size(), " training samples"));
+                    corpus_ ? cat(train_windows_->windows_per_epoch(), " training windows")
+                            : cat(train_set_->size(), " training samples"),
+                    " of an epoch"));
   total_steps_ = t.steps > 0 ? t.steps : t.epochs * steps_per_epoch_;
 
   // ---- model and optimizer ----
-  model_ = build_model(r);
+  model_ = build_model(r, corpus_ ? corpus_->vocab().size() : 0);
   const OptimizerRecipe& o = r.optimizer;
   if (o.name == "sgd") {
     optimizer_ = std::make_unique<optim::SGD>(
@@ -185,21 +185,154 @@ Session::Session(Recipe recipe) : recipe_(std::move(recipe)) {
   schedule_.emplace(so_lr);
 }
 
+void Session::build_image_data() {
+  const Recipe& r = recipe_;
+  if (r.data.name == "fashion_mnist") {
+    std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
+    train_set_ =
+        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
+    val_set_ =
+        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
+  } else if (r.data.name == "image_folder") {
+    if (r.data.root.empty())
+      throw Error(
+          cat(r.source, ": data.root must name a folder with train/ and val/ for image_folder"));
+    auto train = std::make_unique<data::ImageFolder>(r.data.root + "/train");
+    auto val = std::make_unique<data::ImageFolder>(r.data.root + "/val");
+    data::check_same_classes(*train, *val);
+    train_set_ = std::move(train);
+    val_set_ = std::move(val);
+  } else {
+    throw Error(cat(r.source, ": data.name '", r.data.name, "' has no image reader"));
+  }
+  if (train_set_->num_classes() != r.model.num_classes)
+    throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes,
+                    " but the dataset has ", train_set_->num_classes(), " classes"));
+  if (train_set_->channels() != r.model.in_channels)
+    throw Error(cat(r.source, ": model.in_channels is ", r.model.in_channels,
+                    " but the dataset's images have ", train_set_->channels(), " channels"));
+
+  data::LoaderOptions lo;
+  lo.batch_size = micro_batch_;
+  lo.num_workers = int(r.data.workers);
+  lo.prefetch_batches = int(r.data.prefetch);
+  lo.bad_files =
+      r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
+  lo.report_epochs = false;
+  lo.drop_last = true;  // every step sees the same batch size
+  data::SamplerOptions so{.dataset_size = train_set_->size(),
+                          .rank = layout_.rank,
+                          .world_size = layout_.world_size,
+                          .seed = uint64_t(r.seed)};
+  train_loader_ = std::make_unique<data::Loader>(
+      *train_set_,
+      data::ImageTransform(transform_options(r, true, train_set_->channels()),
+                           train_set_->channels()),
+      data::DistributedSampler(so), lo);
+  data::SamplerOptions vo{.dataset_size = val_set_->size(), .shuffle = false};
+  lo.drop_last = false;
+  val_loader_ = std::make_unique<data::Loader>(
+      *val_set_,
+      data::ImageTransform(transform_options(r, false, val_set_->channels()), val_set_->channels()),
+      data::DistributedSampler(vo), lo);
+}
+
+void Session::build_text_data() {
+  const Recipe& r = recipe_;
+  const DataRecipe& d = r.data;
+  if (d.path.empty())
+    throw Error(cat(r.source, ": data.path must name the text corpus (e.g. datasets/kjv.txt)"));
+  const int64_t T = d.seq_len > 0 ? d.seq_len : r.model.context;
+  if (r.model.name == "gpt" && T > r.model.context)
+    throw Error(cat(r.source, ": data.seq_len ", T, " is longer than model.context ",
+                    r.model.context, " (GPT's block size)"));
+  corpus_ = std::make_unique<data::TextCorpus>(data::TextCorpus::load(
+      d.path, {.vocab = d.vocab == "byte" ? data::VocabKind::bytes : data::VocabKind::chars,
+               .val_fraction = d.val_fraction}));
+  train_windows_ = std::make_unique<data::TextWindows>(
+      *corpus_, data::WindowOptions{.seq_len = T,
+                                    .seed = uint64_t(r.seed),
+                                    .rank = layout_.rank,
+                                    .world_size = layout_.world_size});
+  val_windows_ = std::make_unique<data::EvalWindows>(
+      *corpus_, data::EvalOptions{.seq_len = T, .max_windows = d.val_windows});
+}
+
 void Session::rekey_dropout(int64_t micro) {
   uint64_t layer = 0;
   model_->apply([&](Module& m) {
-    if (auto* d = dynamic_cast<Dropout*>(&m)) {
-      // Stream: purpose in the low 8 bits, the layer above; offset: 2^32
-      // blocks per micro-step, far more than any layer draws.
-      d->generator() =
-          Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8), uint64_t(micro) << 32);
-    }
+    Generator* gen = nullptr;
+    if (auto* d = dynamic_cast<Dropout*>(&m)) gen = &d->generator();
+    if (auto* a = dynamic_cast<CausalSelfAttention*>(&m)) gen = &a->generator();
+    if (!gen) return;
+    // Stream: purpose in the low 8 bits, the layer above; offset: 2^32
+    // blocks per micro-step and rank, far more than any layer draws.
+    const uint64_t block = uint64_t(micro) * uint64_t(layout_.world_size) + uint64_t(layout_.rank);
+    *gen = Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8), block << 32);
   });
+}
+
+const data::Vocab& Session::vocab() const {
+  CHECK(corpus_) << "vocab() of a model that is not a language model";
+  return corpus_->vocab();
+}
+
+void Session::start_epoch(int64_t epoch, int64_t position) {
+  if (!corpus_) return train_loader_->start_epoch(epoch, position);
+  text_epoch_ = epoch;
+  text_position_ = position;
+}
+
+bool Session::next_batch(StepBatch& batch) {
+  if (!corpus_) {
+    data::Batch b;
+    if (!train_loader_->next(b)) return false;
+    batch = StepBatch{b.images, b.labels, b.position, b.labels.numel()};
+    return true;
+  }
+  if (text_position_ + micro_batch_ > train_windows_->windows_per_epoch()) return false;
+  data::TextBatch b = train_windows_->batch(text_epoch_, text_position_, micro_batch_);
+  text_position_ += micro_batch_;
+  batch = StepBatch{b.inputs, b.targets, text_position_, b.targets.numel()};
+  return true;
+}
+
+namespace {
+// Cross-entropy of logits [N, T, V] against targets [N, T] over all N x T tokens.
+Tensor token_cross_entropy(const Tensor& logits, const Tensor& targets,
+                           const CrossEntropyOptions& options = {}) {
+  return cross_entropy(logits.flatten(0, 1), targets.flatten(), options);
+}
+}  // namespace
+
+Tensor Session::loss(const StepBatch& batch) {
+  if (corpus_) return token_cross_entropy((*model_)(batch.inputs), batch.targets);
+  return cross_entropy(forward(batch.inputs), batch.targets);
 }
 
 Tensor Session::forward(const Tensor& images) { return (*model_)(images.permute({0, 3, 1, 2})); }
 
-EvalMetrics Session::evaluate() {
+EvalMetrics Session::evaluate() { return corpus_ ? evaluate_text() : evaluate_images(); }
+
+EvalMetrics Session::evaluate_text() {
+  autograd::NoGradGuard no_grad;
+  model_->eval();
+  CrossEntropyOptions sum_loss;
+  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
+  double loss_sum = 0;
+  EvalMetrics m;
+  for (int64_t first = 0; first < val_windows_->size(); first += micro_batch_) {
+    data::TextBatch b = val_windows_->batch(first, micro_batch_);
+    loss_sum += token_cross_entropy((*model_)(b.inputs), b.targets, sum_loss).item<double>();
+    m.samples += b.targets.numel();
+  }
+  model_->train();
+  m.loss = loss_sum / double(m.samples);
+  m.bits_per_char = m.loss / std::log(2.0);
+  return m;
+}
+
+EvalMetrics Session::evaluate_images() {
   autograd::NoGradGuard no_grad;
   model_->eval();
   EvalMetrics m;
@@ -246,9 +379,11 @@ void Session::save(const std::string& dir, const TrainState& s) const {
   j["lr"] = optimizer_->lr();
   j["rng"] = {{"seed", recipe_.seed},
               {"init_stream", uint64_t(kStreamInit)},
-              {"dropout", "re-keyed per micro-step from (seed, layer, micro-step)"},
+              {"dropout", "re-keyed per micro-step from (seed, layer, micro-step, rank)"},
               {"augment", "keyed by (seed, epoch, sample index)"}};
-  j["parallel"] = {{"world_size", 1}, {"dp", 1}, {"pp", 1}, {"tp", 1}};
+  j["parallel"] = {
+      {"world_size", layout_.world_size}, {"dp", layout_.world_size}, {"pp", 1}, {"tp", 1}};
+  if (corpus_) j["vocab"] = corpus_->vocab().symbols();
   j["recipe"] = recipe_to_yaml(recipe_);
   write_file_atomic(dir + "/trainer_state.json", j.dump(2) + "\n");
 }
@@ -324,6 +459,19 @@ TrainState Session::load(const std::string& dir) {
   }
   if (s.step < 0 || s.epoch < 0 || s.position < 0)
     throw Error(cat(state_path, ": negative step, epoch or position"));
+  s.world_size = j.contains("parallel") ? j["parallel"].value("world_size", int64_t(1)) : 1;
+  if (corpus_ && j.contains("vocab")) {
+    std::vector<int64_t> symbols;
+    try {
+      symbols = j.at("vocab").get<std::vector<int64_t>>();
+    } catch (const json::exception& e) {
+      throw Error(cat(state_path, ": 'vocab' is not a list of bytes (", e.what(), ")"));
+    }
+    if (!(data::Vocab::from_symbols(symbols) == corpus_->vocab()))
+      throw Error(cat(state_path, ": the checkpoint's vocabulary of ", symbols.size(),
+                      " symbols differs from the ", corpus_->vocab().size(), " of ",
+                      corpus_->name(), "; the corpus or data.vocab changed since it was written"));
+  }
   // Everything validated: now change the model and optimizer.
   optimizer_->load_state(optim_state);
   copy_named(model_->state(), model_file.tensors);
@@ -351,6 +499,15 @@ std::string Session::summary() {
     out << "  " << name << "  " << with_commas(child->num_parameters()) << "\n";
   int64_t params = model_->num_parameters();
   out << "  total  " << with_commas(params) << " parameters\n";
+  if (corpus_) {
+    const data::TextCorpus& c = *corpus_;
+    out << "data " << c.name() << ": " << with_commas(c.size()) << " tokens (train "
+        << with_commas(c.train_tokens()) << ", val " << with_commas(c.val_tokens()) << "), "
+        << (c.vocab().kind() == data::VocabKind::bytes ? "byte" : "char") << " vocabulary of "
+        << c.vocab().size() << ", windows of " << train_windows_->seq_len() << " tokens ("
+        << with_commas(train_windows_->windows_per_epoch()) << " per epoch, "
+        << with_commas(val_windows_->size()) << " per evaluation)\n";
+  }
 
   // Memory: parameters, gradients and optimizer state exactly; activations
   // measured as the allocator's peak over one training step at batch 2,
@@ -361,10 +518,17 @@ std::string Session::summary() {
   int64_t before = a.stats().current_bytes;
   a.reset_peak();
   {
-    Tensor images =
-        zeros({2, recipe_.data.image_size, recipe_.data.image_size, recipe_.model.in_channels});
-    Tensor loss = cross_entropy(forward(images), zeros({2}, DType::i64));
-    loss.backward();
+    StepBatch two;
+    if (corpus_) {
+      const int64_t T = train_windows_->seq_len();
+      two.inputs = zeros({2, T}, DType::i64);
+      two.targets = zeros({2, T}, DType::i64);
+    } else {
+      two.inputs =
+          zeros({2, recipe_.data.image_size, recipe_.data.image_size, recipe_.model.in_channels});
+      two.targets = zeros({2}, DType::i64);
+    }
+    loss(two).backward();
   }
   int64_t activations = (a.stats().peak_bytes - before - params * 4) / 2 * micro_batch_;
   model_->zero_grad();

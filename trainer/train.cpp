@@ -9,8 +9,11 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
+#include "models/sample.h"
 #include "optim/clip.h"
+#include "parallel/trace.h"
 #include "trainer/checkpoint.h"
+#include "trainer/distributed.h"
 #include "trainer/metrics.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
@@ -68,13 +71,15 @@ std::optional<std::string> resume_dir(const std::string& resume, const Recipe& r
 
 class TrainLoop {
  public:
-  TrainLoop(Session& s, TrainState state, bool print)
+  // Rank 0 alone prints, logs and writes checkpoints; every rank trains.
+  TrainLoop(Session& s, TrainState state, DistributedRun& run)
       : s_(s),
         r_(s.recipe()),
         state_(state),
-        print_(print),
+        run_(run),
+        print_(run.dist().is_main()),
         ckpt_(checkpoint_root(r_), r_.training.keep_last),
-        log_(r_.output_dir) {}
+        log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {}
 
   int run() {
     const int64_t total = s_.total_steps();
@@ -83,10 +88,9 @@ class TrainLoop {
     t0_ = std::chrono::steady_clock::now();
     step_at_start_ = state_.step;
     while (state_.step < total) {
-      data::Loader& loader = s_.train_loader();
-      loader.start_epoch(state_.epoch, state_.position);
+      s_.start_epoch(state_.epoch, state_.position);
       for (int64_t k = state_.position / per_step; k < spe && state_.step < total; ++k) {
-        if (!train_step(loader)) throw Error("the training loader ended an epoch early");
+        if (!train_step()) throw Error("the training data ended an epoch early");
         bool epoch_end = k + 1 == spe;
         if (state_.step % r_.training.log_every == 0 || state_.step == total) log_train();
         bool eval_now =
@@ -100,36 +104,55 @@ class TrainLoop {
                             ? state_.step % r_.training.checkpoint_every == 0
                             : epoch_end;
         if (periodic || state_.step == total) save();
-        if (signals_.received()) {
+        run_.end_trace_window(state_.step - step_at_start_);
+        if (stop_) {
           if (!(periodic || state_.step == total)) save();
-          say(cat("received signal ", signals_.received(), ": checkpoint written at step ",
-                  state_.step, ", exiting"));
+          run_.write_trace(trace_path());
+          // The signal may have reached another rank only.
+          std::string why = signals_.received() ? cat("received signal ", signals_.received())
+                                                : std::string("a rank received a stop signal");
+          say(cat(why, ": checkpoint written at step ", state_.step, ", exiting"));
           return 0;
         }
       }
     }
+    run_.write_trace(trace_path());
     summary();
     return 0;
   }
 
  private:
-  // One optimizer step; false if the loader ran out of batches.
-  bool train_step(data::Loader& loader) {
+  // One optimizer step; false if the epoch's data ran out.
+  bool train_step() {
     const int64_t accum = r_.training.grad_accum;
     double loss_sum = 0;
     bool finite = true;
-    data::Batch batch;
+    StepBatch batch;
+    parallel::Timeline* timeline = run_.timeline();
     for (int64_t m = 0; m < accum; ++m) {
-      if (!loader.next(batch)) return false;
+      if (!s_.next_batch(batch)) return false;
       s_.rekey_dropout(state_.step * accum + m);
-      Tensor loss = cross_entropy(s_.forward(batch.images), batch.labels);
+      Tensor loss;
+      {
+        parallel::TraceScope span(timeline, "forward");
+        loss = s_.loss(batch);
+      }
       double v = loss.item<double>();
       finite = finite && std::isfinite(v);
       loss_sum += v;
-      if (finite) (accum == 1 ? loss : loss * (1.0 / double(accum))).backward();
+      // Data-parallel ranks always run backward: its collectives must match.
+      if (finite || run_.dist().active()) {
+        auto no_sync = run_.no_sync(m + 1 < accum);
+        parallel::TraceScope span(timeline, "backward");
+        (accum == 1 ? loss : loss * (1.0 / double(accum))).backward();
+      }
       state_.position = batch.position;
-      samples_ += batch.labels.numel();
+      samples_ += batch.items;
     }
+    if (finite || run_.dist().active()) run_.finish_gradients();
+    StepVerdict verdict = run_.agree(loss_sum / double(accum), finite, signals_.received() != 0);
+    finite = verdict.finite;
+    stop_ = verdict.stop;
     double lr = s_.schedule().lr(state_.step);
     if (!finite) {
       ++state_.nonfinite_skipped;
@@ -143,56 +166,92 @@ class TrainLoop {
       if (r_.optimizer.clip_grad_norm > 0)
         last_grad_norm_ =
             optim::clip_grad_norm(s_.model().parameters(), r_.optimizer.clip_grad_norm);
+      parallel::TraceScope span(timeline, "optimizer");
       s_.optimizer().set_lr(lr);
       s_.optimizer().step();
     }
-    s_.optimizer().zero_grad();
+    run_.zero_grad(s_.optimizer());
     ++state_.step;
-    last_loss_ = loss_sum / double(accum);
+    last_loss_ = verdict.loss;
     last_lr_ = lr;
     return true;
   }
 
   void log_train() {
     double elapsed = seconds_since(t0_);
-    double rate = elapsed > 0 ? double(samples_) / elapsed : 0;
+    // Every rank reads as many samples as this one.
+    double rate = elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0;
     // The ETA extrapolates from the steps of this run (not those before a resume).
     int64_t done = state_.step - step_at_start_;
     double eta = done > 0 ? elapsed / double(done) * double(s_.total_steps() - state_.step) : -1;
-    say(progress_line(
-        {state_.epoch, state_.step, s_.total_steps(), last_loss_, last_lr_, rate, eta}));
-    Scalars sc{{"loss", last_loss_}, {"lr", last_lr_}, {"samples_per_second", rate}};
+    const bool lm = s_.is_language_model();
+    say(progress_line({state_.epoch, state_.step, s_.total_steps(), last_loss_, last_lr_, rate, eta,
+                       lm ? "tokens" : "samples"}));
+    Scalars sc{{"loss", last_loss_},
+               {"lr", last_lr_},
+               {lm ? "tokens_per_second" : "samples_per_second", rate}};
     if (r_.optimizer.clip_grad_norm > 0) sc.push_back({"grad_norm", last_grad_norm_});
-    log_.write("train", state_.step, sc);
+    write_log("train", sc);
   }
 
   void evaluate() {
     auto t = std::chrono::steady_clock::now();
     EvalMetrics m = s_.evaluate();
     last_eval_ = m;
-    bool best = m.top1 > state_.best_metric;
-    if (best) state_.best_metric = m.top1;
+    // The best metric: top-1 accuracy for classifiers, the lowest loss for
+    // language models (-1: none yet).
+    const bool lm = s_.is_language_model();
+    bool best =
+        lm ? state_.best_metric < 0 || m.loss < state_.best_metric : m.top1 > state_.best_metric;
+    if (best) state_.best_metric = lm ? m.loss : m.top1;
     pending_best_ = pending_best_ || best;
+    std::string took = format_duration(seconds_since(t));
+    if (lm) {
+      say(cat("eval step ", state_.step, ": loss ", m.loss, " | ", m.bits_per_char, " bits/char | ",
+              m.samples, " tokens in ", took, best ? " (best)" : ""));
+      write_log("val", {{"loss", m.loss}, {"bits_per_char", m.bits_per_char}});
+      return;
+    }
     say(cat("eval step ", state_.step, ": loss ", m.loss, " | top1 ", m.top1, "% | top5 ", m.top5,
-            "% | ", m.samples, " samples in ", format_duration(seconds_since(t)),
-            best ? " (best)" : ""));
-    log_.write("val", state_.step, {{"loss", m.loss}, {"top1", m.top1}, {"top5", m.top5}});
+            "% | ", m.samples, " samples in ", took, best ? " (best)" : ""));
+    write_log("val", {{"loss", m.loss}, {"top1", m.top1}, {"top5", m.top5}});
   }
 
+  // Rank 0 writes the replicated state; `latest` moves only once every
+  // rank has passed the barrier (all parts written).
   void save() {
-    std::string tmp = ckpt_.begin(state_.step);
-    s_.save(tmp, state_);
-    std::string dir = ckpt_.commit(state_.step, pending_best_);
+    std::string tmp;
+    if (print_) {
+      tmp = ckpt_.begin(state_.step);
+      s_.save(tmp, state_);
+    }
+    run_.barrier();
+    if (print_) {
+      std::string dir = ckpt_.commit(state_.step, pending_best_);
+      say(cat("checkpoint: ", dir));
+    }
     pending_best_ = false;
-    say(cat("checkpoint: ", dir));
+  }
+
+  std::string trace_path() const { return r_.output_dir + "/trace.json"; }
+
+  void write_log(const std::string& split, const Scalars& scalars) {
+    if (log_) log_->write(split, state_.step, scalars);
   }
 
   void summary() {
     double elapsed = seconds_since(t0_);
-    say(cat("done: ", state_.step, " steps in ", format_duration(elapsed), ", ",
-            int64_t(elapsed > 0 ? double(samples_) / elapsed : 0), " samples/s; final eval top1 ",
-            last_eval_.top1, "%, best ", state_.best_metric, "%; ", state_.nonfinite_skipped,
-            " non-finite steps skipped"));
+    int64_t rate =
+        int64_t(elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0);
+    std::string head = cat("done: ", state_.step, " steps in ", format_duration(elapsed), ", ");
+    std::string skipped = cat(state_.nonfinite_skipped, " non-finite steps skipped");
+    if (s_.is_language_model())
+      say(cat(head, rate, " tokens/s; final eval loss ", last_eval_.loss, ", ",
+              last_eval_.bits_per_char, " bits/char, best loss ", state_.best_metric, "; ",
+              skipped));
+    else
+      say(cat(head, rate, " samples/s; final eval top1 ", last_eval_.top1, "%, best ",
+              state_.best_metric, "%; ", skipped));
   }
 
   void say(const std::string& line) const {
@@ -202,9 +261,10 @@ class TrainLoop {
   Session& s_;
   const Recipe& r_;
   TrainState state_;
+  DistributedRun& run_;
   bool print_;
   CheckpointDir ckpt_;
-  MetricsLog log_;
+  std::unique_ptr<MetricsLog> log_;  // rank 0 only
   StopSignals signals_;
   std::chrono::steady_clock::time_point t0_;
   int64_t step_at_start_ = 0;
@@ -212,6 +272,7 @@ class TrainLoop {
   int64_t nonfinite_in_a_row_ = 0;
   double last_loss_ = 0, last_lr_ = 0, last_grad_norm_ = 0;
   bool pending_best_ = false;
+  bool stop_ = false;  // the ranks agreed to checkpoint and exit
   EvalMetrics last_eval_;
 };
 
@@ -220,46 +281,109 @@ class TrainLoop {
 int train_command(const TrainArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
   apply_threads(r);
-  std::printf("recipe %s (resolved):\n%s", r.source.c_str(), recipe_to_yaml(r).c_str());
-  Session s(r);
-  std::printf("parallel layout: world 1 (dp=1, pp=1, tp=1), %d CPU threads\n", num_threads());
-  std::printf("%lld steps (%lld per epoch), micro-batch %lld x grad_accum %lld\n",
-              (long long)s.total_steps(), (long long)s.steps_per_epoch(),
-              (long long)s.micro_batch(), (long long)r.training.grad_accum);
+  Distributed dist = join_job(r);
+  // Only rank 0 prints; the others' stdout stays quiet (errors still go to stderr).
+  const bool main_rank = dist.is_main();
+  if (main_rank)
+    std::printf("recipe %s (resolved):\n%s", r.source.c_str(), recipe_to_yaml(r).c_str());
+  Session s(r, {dist.rank, dist.world_size});
+  if (main_rank) {
+    std::printf("parallel layout: world %d (dp=%d, pp=1, tp=1), %d CPU threads per rank\n",
+                dist.world_size, dist.world_size, num_threads());
+    std::printf("%lld steps (%lld per epoch), micro-batch %lld x grad_accum %lld per rank\n",
+                (long long)s.total_steps(), (long long)s.steps_per_epoch(),
+                (long long)s.micro_batch(), (long long)r.training.grad_accum);
+  }
   if (args.dry_run) {
-    std::printf("%s", s.summary().c_str());
+    if (main_rank) std::printf("%s", s.summary().c_str());
     return 0;
   }
   if (!args.init_from.empty()) s.init_from(args.init_from, args.init_strict);
   TrainState state;
   if (std::optional<std::string> dir = resume_dir(args.resume, r)) {
     state = s.load(*dir);
-    std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
+    // The sample position counts one rank's samples: it means the same only on the same layout.
+    if (state.world_size != dist.world_size)
+      throw Error(cat(*dir, " was written by ", state.world_size,
+                      " data-parallel ranks; resume it on as many (parallel.dp=", state.world_size,
+                      "), not ", dist.world_size));
+    if (main_rank)
+      std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
                 (long long)state.step, (long long)state.epoch, (long long)state.position);
-  } else if (args.resume == "auto") {
+  } else if (args.resume == "auto" && main_rank) {
     std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
   }
-  std::filesystem::create_directories(r.output_dir);
-  write_file_atomic(r.output_dir + "/recipe.yaml", recipe_to_yaml(r));
-  return TrainLoop(s, state, true).run();
+  if (main_rank) {
+    std::filesystem::create_directories(r.output_dir);
+    write_file_atomic(r.output_dir + "/recipe.yaml", recipe_to_yaml(r));
+  }
+  DistributedRun run(dist, r, s.model_ptr(), r.training.trace || args.trace);
+  return TrainLoop(s, state, run).run();
 }
+
+namespace {
+
+// --checkpoint: a checkpoint directory, a checkpoints/ folder or a run's
+// output directory (their latest complete checkpoint).
+std::string checkpoint_to_load(const std::string& given) {
+  std::string dir = given;
+  if (!std::filesystem::is_directory(dir))
+    throw Error(cat("--checkpoint ", dir, ": no such directory"));
+  if (CheckpointDir::is_complete(dir)) return dir;
+  if (std::filesystem::is_directory(dir + "/checkpoints")) dir += "/checkpoints";
+  std::optional<std::string> latest = CheckpointDir(dir, 1 << 30).latest_complete();
+  if (!latest) throw Error(cat("--checkpoint ", given, ": no complete checkpoint there"));
+  return *latest;
+}
+
+}  // namespace
 
 int eval_command(const EvalArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
   apply_threads(r);
   Session s(r);
-  std::string dir = args.checkpoint;
-  if (!std::filesystem::is_directory(dir))
-    throw Error(cat("--checkpoint ", dir, ": no such directory"));
-  if (!CheckpointDir::is_complete(dir)) {
-    std::optional<std::string> latest = CheckpointDir(dir, 1 << 30).latest_complete();
-    if (!latest) throw Error(cat("--checkpoint ", dir, ": no complete checkpoint there"));
-    dir = *latest;
-  }
+  std::string dir = checkpoint_to_load(args.checkpoint);
   TrainState state = s.load(dir);
   EvalMetrics m = s.evaluate();
-  std::printf("eval %s (step %lld): loss %.4f | top1 %.2f%% | top5 %.2f%% | %lld samples\n",
-              dir.c_str(), (long long)state.step, m.loss, m.top1, m.top5, (long long)m.samples);
+  if (s.is_language_model())
+    std::printf("eval %s (step %lld): loss %.4f | %.4f bits/char | %lld tokens\n", dir.c_str(),
+                (long long)state.step, m.loss, m.bits_per_char, (long long)m.samples);
+  else
+    std::printf("eval %s (step %lld): loss %.4f | top1 %.2f%% | top5 %.2f%% | %lld samples\n",
+                dir.c_str(), (long long)state.step, m.loss, m.top1, m.top5, (long long)m.samples);
+  return 0;
+}
+
+int sample_command(const SampleArgs& args) {
+  Recipe r = load_recipe(args.recipe, args.overrides);
+  if (r.model.name != "gpt" && r.model.name != "lstm_lm")
+    throw Error(cat(r.source, ": model.name '", r.model.name,
+                    "' is not a language model; `trainer sample` needs gpt or lstm_lm"));
+  apply_threads(r);
+  Session s(r);
+  std::string dir = checkpoint_to_load(args.checkpoint);
+  TrainState state = s.load(dir);
+  // An empty prompt starts the text at a line break.
+  const std::string prompt = args.prompt.empty() ? "\n" : args.prompt;
+  std::vector<int64_t> ids;
+  try {
+    ids = s.vocab().encode(prompt);
+  } catch (const Error& e) {
+    throw Error(cat("--prompt: ", e.what()));
+  }
+  std::fprintf(stderr,
+               "sampling %lld tokens from %s (step %lld): temperature %g, top-k %lld, "
+               "seed %llu\n",
+               (long long)args.tokens, dir.c_str(), (long long)state.step, args.temperature,
+               (long long)args.top_k, (unsigned long long)args.seed);
+  ids = sample(s.model(), ids,
+               {.max_new_tokens = args.tokens,
+                .temperature = args.temperature,
+                .top_k = args.top_k,
+                .seed = args.seed});
+  std::string text = s.vocab().decode(ids).substr(args.prompt.empty() ? 1 : 0);
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fputc('\n', stdout);
   return 0;
 }
 

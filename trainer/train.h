@@ -1,4 +1,5 @@
-// The `train` and `eval` commands: the training loop around a Session.
+// The `train`, `eval` and `sample` commands: the training loop around a
+// Session, evaluation of a checkpoint, and text from a language model's.
 //
 // One optimizer step = grad_accum micro-batches, each forward + backward of
 // loss / grad_accum; then gradient clipping, the LR of this step from the
@@ -7,6 +8,7 @@
 // step, write a checkpoint and exit 0 (cluster preemption).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,7 @@ struct TrainArgs {
   std::string init_from;               // a safetensors file of weights
   bool init_strict = true;
   bool dry_run = false;
+  bool trace = false;  // write a Chrome-trace timeline (as training.trace=true)
 };
 
 struct EvalArgs {
@@ -27,8 +30,21 @@ struct EvalArgs {
   std::string checkpoint;  // a checkpoint directory, or a run's checkpoints/ (its latest)
 };
 
+struct SampleArgs {
+  std::string recipe;
+  std::vector<std::string> overrides;
+  std::string checkpoint;  // as EvalArgs::checkpoint, or a run's output directory
+  std::string prompt;      // "": start at a line break
+  int64_t tokens = 500;
+  double temperature = 0.8;  // 0: greedy
+  int64_t top_k = 0;         // 0: every token
+  uint64_t seed = 0;
+};
+
 // Return the process exit code; user errors are thrown as trainer::Error.
 int train_command(const TrainArgs& args);
 int eval_command(const EvalArgs& args);
+// Prints the prompt and its continuation by a language model's checkpoint.
+int sample_command(const SampleArgs& args);
 
 }  // namespace trainer

@@ -9,6 +9,7 @@
 //   cpu_random.cpp       Philox draws, parallel over counter blocks
 //   cpu_conv.cpp         oneDNN convolution, pooling, batch norm, primitives cached per shape
 //   cpu_layernorm.cpp    layer norm, vectorised rows with OpenMP over rows
+//   cpu_attention.cpp    fused causal attention, OpenMP over (batch, head), sgemm tiles
 #pragma once
 
 #include "core/ref/ref_backend.h"
@@ -91,6 +92,34 @@ class CpuBackend : public RefBackend {
   void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                            const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                            const Tensor& grad_weight, const Tensor& grad_bias) override;
+
+  // ---- cpu_attention.cpp ----
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const AttentionAttrs& attrs, const Tensor& out, const Tensor& lse) override;
+  void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& out, const Tensor& lse,
+                          const AttentionAttrs& attrs, const Tensor& grad_q, const Tensor& grad_k,
+                          const Tensor& grad_v) override;
+
+  // ---- cpu_rnn.cpp ----
+  Tensor lstm_forward(const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
+                      const Tensor& weight_hh, const Tensor& bias, bool training, const Tensor& y,
+                      const Tensor& h_n, const Tensor& c_n) override;
+  void lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& grad_c_n,
+                     const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
+                     const Tensor& weight_hh, const Tensor& bias, const Tensor& y,
+                     const Tensor& record, const Tensor& grad_x, const Tensor& grad_h0,
+                     const Tensor& grad_c0, const Tensor& grad_weight_ih,
+                     const Tensor& grad_weight_hh, const Tensor& grad_bias) override;
+  Tensor gru_forward(const Tensor& x, const Tensor& h0, const Tensor& weight_ih,
+                     const Tensor& weight_hh, const Tensor& bias_ih, const Tensor& bias_hh,
+                     bool training, const Tensor& y, const Tensor& h_n) override;
+  void gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& x, const Tensor& h0,
+                    const Tensor& weight_ih, const Tensor& weight_hh, const Tensor& bias_ih,
+                    const Tensor& bias_hh, const Tensor& y, const Tensor& record,
+                    const Tensor& grad_x, const Tensor& grad_h0, const Tensor& grad_weight_ih,
+                    const Tensor& grad_weight_hh, const Tensor& grad_bias_ih,
+                    const Tensor& grad_bias_hh) override;
 };
 
 Backend& cpu_backend();

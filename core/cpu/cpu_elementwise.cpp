@@ -5,6 +5,7 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/loops.h"
+#include "core/cpu/vec_math.h"
 #include "core/elementwise_math.h"
 
 namespace trainer {
@@ -129,6 +130,9 @@ void CpuBackend::fill(const Tensor& dst, double value) {
 }
 
 void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  // f32 gelu_tanh through cpu::tanh_f32, which vectorises (libm's tanhf does not).
+  if (op == UnaryOp::gelu_tanh && out.dtype() == DType::f32 && x.dtype() == DType::f32)
+    return map1<float>(out, x, [](float v) { return cpu::gelu_tanh_f32(v); });
   dispatch_floating(out.dtype(), unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
     math::visit_unary(op, [&](auto f) { map1<T>(out, x, [f](A<T> v) { return f(v); }); });
@@ -137,6 +141,10 @@ void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
 
 void CpuBackend::unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
                                 const Tensor& grad_x) {
+  if (op == UnaryOp::gelu_tanh && grad_x.dtype() == DType::f32 && x.dtype() == DType::f32 &&
+      grad.dtype() == DType::f32)
+    return map3<float>(grad_x, x, x, grad,
+                       [](float v, float, float g) { return cpu::gelu_tanh_grad_f32(v, g); });
   dispatch_floating(grad_x.dtype(), unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
     math::visit_unary(op, [&](auto f) {

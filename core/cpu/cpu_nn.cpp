@@ -15,30 +15,13 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/loops.h"
+#include "core/cpu/vec_math.h"
 
 namespace trainer {
 
 namespace {
 
-// exp(x) in a form the compiler vectorises (std::exp is a libm call it keeps
-// scalar without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
-// its degree-6 Taylor polynomial (relative error below 2e-7), 2^n built in the
-// exponent bits. 0 below -87.3, where exp leaves f32's normal range; inputs
-// are clamped at 88 (callers pass x <= 0: differences from a row maximum).
-inline float exp_f32(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723e-6f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds
-  constexpr float kMin = -87.3f, kMax = 88.0f;
-  float xc = std::min(std::max(x, kMin), kMax);
-  float n = (xc * kLog2e + kRound) - kRound;
-  float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float p =
-      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 +
-                                          r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  float two_n = bits_float(uint32_t(int32_t(n) + 127) << 23);
-  return x < kMin ? 0.0f : p * two_n;
-}
+using cpu::exp_f32;
 
 // y = softmax(x) (log: log_softmax) over n contiguous floats; y may be x.
 void softmax_row(const float* x, float* y, int64_t n, bool log) {

@@ -10,8 +10,14 @@
 //   copy.cu           copy with dtype conversion, fill, where (every dtype)
 //   elementwise.cu    the math kernels, on the functors of core/elementwise_math.h
 //   random.cu         Philox draws, identical to the CPU's
-// Kernels not listed here (matmul, reductions, ...) fall to Backend's
-// default, which throws an Error naming the op.
+//   matmul.cpp        matmul: cuBLASLt (f32 as TF32, bf16, f16), cuBLAS Dgemm (f64)
+//   cuda_rows.cpp     reductions, softmax, cross-entropy, indexing, layer norm:
+//                     Tensor -> Rows<N> / Launch<N> (host_rows.h, kernels.h)
+//   cuda_image.cpp    batch norm and pooling
+//   conv.cpp          convolution on cuDNN (algorithm search cached per shape)
+//   reduce.cu, nn.cu, index.cu, norm.cu, pool.cu   their kernels
+// Kernels not listed here (attention, recurrent) fall to Backend's default,
+// which throws an Error naming the op.
 //
 // Allocation: temporaries and outputs are allocated on the current device,
 // so code creating CUDA tensors for cuda:i runs with i current
@@ -51,6 +57,59 @@ class CudaBackend final : public Backend {
 
   // ---- transfer.cpp ----
   void copy_across(const Tensor& src, const Tensor& dst) override;
+
+  // ---- matmul.cpp ----
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out) override;
+
+  // ---- cuda_rows.cpp ----
+  void reduce(ReduceOp op, const Tensor& x, uint64_t dims_mask, const Tensor& out) override;
+  void var(const Tensor& x, uint64_t dims_mask, int64_t correction, const Tensor& out) override;
+  void max_dim(const Tensor& x, int dim, const Tensor& values, const Tensor& indices) override;
+  void softmax(const Tensor& x, int dim, bool log, const Tensor& out) override;
+  void softmax_backward(const Tensor& grad, const Tensor& y, int dim, bool log,
+                        const Tensor& grad_x) override;
+  void cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                     int64_t ignore_index, const Tensor& loss, const Tensor& logp) override;
+  void cross_entropy_backward(const Tensor& grad_loss, const Tensor& logp, const Tensor& target,
+                              double label_smoothing, int64_t ignore_index,
+                              const Tensor& grad_logits) override;
+  void index_select(const Tensor& x, int dim, const Tensor& index, const Tensor& out) override;
+  void index_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src) override;
+  void gather(const Tensor& x, int dim, const Tensor& index, const Tensor& out) override;
+  void scatter_add(const Tensor& dst, int dim, const Tensor& index, const Tensor& src) override;
+  void concat(const TensorList& inputs, int dim, const Tensor& out) override;
+  void layer_norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          const Tensor& out, const Tensor& mean, const Tensor& rstd) override;
+  void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                           const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                           const Tensor& grad_weight, const Tensor& grad_bias) override;
+
+  // ---- cuda_image.cpp ----
+  Tensor max_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
+  void max_pool2d_backward(const Tensor& grad_out, const Tensor& argmax, const Pool2dAttrs& attrs,
+                           const Tensor& grad_x) override;
+  void avg_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
+  void avg_pool2d_backward(const Tensor& grad_out, const Pool2dAttrs& attrs,
+                           const Tensor& grad_x) override;
+  void adaptive_avg_pool2d(const Tensor& x, const Tensor& out) override;
+  void adaptive_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x) override;
+  void batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                          bool fuse_relu, const Tensor& out, const Tensor& mean,
+                          const Tensor& var) override;
+  void batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                            const Tensor& running_mean, const Tensor& running_var, double eps,
+                            const Tensor& out) override;
+  void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
+                           const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
+                           const Tensor& grad_gamma, const Tensor& grad_beta) override;
+
+  // ---- conv.cpp ----
+  void conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dAttrs& attrs,
+              bool fuse_relu, const Tensor& out) override;
+  void conv2d_backward_data(const Tensor& grad_out, const Tensor& weight, const Conv2dAttrs& attrs,
+                            const Tensor& grad_x) override;
+  void conv2d_backward_weights(const Tensor& grad_out, const Tensor& x, const Conv2dAttrs& attrs,
+                               const Tensor& grad_weight, const Tensor& grad_bias) override;
 };
 
 // Host <-> device copies of pageable memory go through two pinned staging

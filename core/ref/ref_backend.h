@@ -4,7 +4,8 @@
 // dispatch (CpuBackend derives from it). Obviously right beats fast here.
 //
 // Files: ref_elementwise.cpp, ref_reduce.cpp, ref_linalg.cpp, ref_nn.cpp,
-// ref_index.cpp, ref_random.cpp, ref_conv.cpp; helpers in ref_util.h.
+// ref_index.cpp, ref_random.cpp, ref_conv.cpp, ref_layernorm.cpp,
+// ref_attention.cpp; helpers in ref_util.h.
 #pragma once
 
 #include "core/backend.h"
@@ -83,6 +84,34 @@ class RefBackend : public Backend {
   void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                            const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                            const Tensor& grad_weight, const Tensor& grad_bias) override;
+
+  // ---- ref_attention.cpp ----
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const AttentionAttrs& attrs, const Tensor& out, const Tensor& lse) override;
+  void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& out, const Tensor& lse,
+                          const AttentionAttrs& attrs, const Tensor& grad_q, const Tensor& grad_k,
+                          const Tensor& grad_v) override;
+
+  // ---- ref_rnn.cpp ----
+  Tensor lstm_forward(const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
+                      const Tensor& weight_hh, const Tensor& bias, bool training, const Tensor& y,
+                      const Tensor& h_n, const Tensor& c_n) override;
+  void lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& grad_c_n,
+                     const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
+                     const Tensor& weight_hh, const Tensor& bias, const Tensor& y,
+                     const Tensor& record, const Tensor& grad_x, const Tensor& grad_h0,
+                     const Tensor& grad_c0, const Tensor& grad_weight_ih,
+                     const Tensor& grad_weight_hh, const Tensor& grad_bias) override;
+  Tensor gru_forward(const Tensor& x, const Tensor& h0, const Tensor& weight_ih,
+                     const Tensor& weight_hh, const Tensor& bias_ih, const Tensor& bias_hh,
+                     bool training, const Tensor& y, const Tensor& h_n) override;
+  void gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& x, const Tensor& h0,
+                    const Tensor& weight_ih, const Tensor& weight_hh, const Tensor& bias_ih,
+                    const Tensor& bias_hh, const Tensor& y, const Tensor& record,
+                    const Tensor& grad_x, const Tensor& grad_h0, const Tensor& grad_weight_ih,
+                    const Tensor& grad_weight_hh, const Tensor& grad_bias_ih,
+                    const Tensor& grad_bias_hh) override;
 };
 
 }  // namespace trainer

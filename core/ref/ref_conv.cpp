@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/nn_math.h"
 #include "core/ref/ref_backend.h"
 #include "core/ref/ref_util.h"
 
@@ -150,14 +151,9 @@ void for_each_pool_term(const Dims4& x, const Dims4& out, const Pool2dAttrs& a, 
 // PyTorch's avg_pool2d divisor: the window clipped to the padded image, or
 // to the image itself without count_include_pad.
 double avg_pool_divisor(const Dims4& x, const Pool2dAttrs& a, int64_t oy, int64_t ox) {
-  int64_t hs = oy * a.stride[0] - a.padding[0], ws = ox * a.stride[1] - a.padding[1];
-  int64_t he = std::min(hs + a.kernel[0], x.h + a.padding[0]);
-  int64_t we = std::min(ws + a.kernel[1], x.w + a.padding[1]);
-  if (!a.count_include_pad) {
-    hs = std::max<int64_t>(hs, 0), ws = std::max<int64_t>(ws, 0);
-    he = std::min(he, x.h), we = std::min(we, x.w);
-  }
-  return double((he - hs) * (we - ws));
+  return double(math::avg_pool_divisor(oy * a.stride[0] - a.padding[0],
+                                       ox * a.stride[1] - a.padding[1], a.kernel[0], a.kernel[1],
+                                       x.h, x.w, a.padding[0], a.padding[1], a.count_include_pad));
 }
 
 }  // namespace
@@ -338,7 +334,7 @@ void RefBackend::batch_norm_backward(const Tensor& grad_out, const Tensor& x, co
   std::vector<double> gb = channel_sums(d, gv), gg = channel_sums(d, gxhat);
   for (int64_t k = 0; k < d.numel(); ++k) {
     int64_t c = d.channel(k);
-    xv[k] = g[c] * invstd[c] / m * (m * gv[k] - gb[c] - xhat[k] * gg[c]);
+    xv[k] = math::batch_norm_grad_x(g[c], invstd[c], m, gv[k], gb[c], xhat[k], gg[c]);
   }
   write_all(grad_x, xv);
   write_all(grad_gamma, gg);

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/nn_math.h"
 #include "core/ref/ref_backend.h"
 #include "core/ref/ref_util.h"
 
@@ -55,7 +56,7 @@ void RefBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
     for (int64_t d = 0; d < D; ++d) {
       double xhat = (ref::get(x, r * D + d) - m) * rs;
       double gw = ref::get(grad_out, r * D + d) * ref::get(weight, d);
-      ref::set(grad_x, r * D + d, rs * (gw - mean_gw - xhat * mean_gw_xhat));
+      ref::set(grad_x, r * D + d, math::layer_norm_grad_x(rs, gw, mean_gw, xhat, mean_gw_xhat));
     }
   }
   for (int64_t d = 0; d < D; ++d) {

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/nn_math.h"
 #include "core/ref/ref_backend.h"
 #include "core/ref/ref_util.h"
 
@@ -44,7 +45,7 @@ void RefBackend::softmax_backward(const Tensor& grad, const Tensor& y, int dim, 
       dot += log ? ref::get(grad, i) : ref::get(grad, i) * ref::get(y, i);
     for (i[dim] = 0; i[dim] < n; ++i[dim]) {
       double g = ref::get(grad, i), yv = ref::get(y, i);
-      ref::set(grad_x, i, log ? g - std::exp(yv) * dot : yv * (g - dot));
+      ref::set(grad_x, i, math::softmax_grad(log, g, yv, dot, std::exp(yv)));
     }
   });
 }
@@ -63,7 +64,7 @@ void RefBackend::cross_entropy(const Tensor& logits, const Tensor& target, doubl
                            << C << ")";
     double l = 0.0;
     for (int64_t c = 0; c < C; ++c) {
-      double q = (c == t ? 1.0 - eps : 0.0) + eps / double(C);
+      double q = math::smoothed_target(c, t, eps, C);
       l -= q * ref::get(logp, {n, c});
     }
     ref::set(loss, n, l);
@@ -80,7 +81,7 @@ void RefBackend::cross_entropy_backward(const Tensor& grad_loss, const Tensor& l
     for (int64_t c = 0; c < C; ++c) {
       double v = 0.0;
       if (t != ignore_index) {
-        double q = (c == t ? 1.0 - eps : 0.0) + eps / double(C);
+        double q = math::smoothed_target(c, t, eps, C);
         v = g * (std::exp(ref::get(logp, {n, c})) - q);
       }
       ref::set(grad_logits, {n, c}, v);

@@ -1,0 +1,266 @@
+// Data-parallel scaling: training throughput at dp=1 against dp=2 with the
+// same per-rank batch and one compute thread per rank, for the small CNN
+// (Fashion-MNIST shape, 28x28x1, batch 128) and ResNet-18 at 64x64 (batch 32),
+// synthetic data, SGD with momentum.
+//
+//   scaling efficiency = throughput(dp=2) / (2 x throughput(dp=1))
+//   hidden fraction    = allreduce time overlapping backward / allreduce time
+//   exposed            = time waiting in DataParallel::finish() / dp=2 step time
+// (all from rank 0; the last two from the timeline's spans, parallel/trace.h).
+// On a machine whose cores are all busy, efficiency also drops because the
+// second rank's compute has no core of its own; "exposed" isolates what
+// communication costs.
+//
+// The ranks are child processes of this one, joined through the comm layer
+// with torchrun-style variables (as `trainer launch` would set them). When
+// python3 can import torch, bench/bench_dp_torch.py measures PyTorch DDP
+// (gloo backend) the same way and the table prints both.
+//
+//   bench_dp                                  # both models, overlap on
+//   bench_dp --case resnet18_64 --steps 10 --no-overlap --trace /tmp/dp.json
+//   bench_dp --low-priority-progress   # DataParallelOptions::low_priority_progress
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "core/cpu/cpu_backend.h"
+#include "core/ops.h"
+#include "models/registry.h"
+#include "optim/optimizer.h"
+#include "parallel/ddp.h"
+#include "parallel/trace.h"
+
+using namespace trainer;
+using namespace trainer::parallel;
+
+namespace {
+
+struct Case {
+  const char* name;
+  const char* model;
+  int64_t batch, size, channels, classes;
+};
+
+const Case kCases[] = {
+    {"small_cnn_28", "small_cnn", 128, 28, 1, 10},
+    {"resnet18_64", "resnet18", 32, 64, 3, 1000},
+};
+
+struct Settings {
+  int steps = 10;
+  int warmup = 3;
+  bool overlap = true;
+  bool low_priority_progress = false;
+  size_t bucket_mb = 25;
+  std::string trace;  // rank 0 of dp=2 writes the merged timeline here
+};
+
+// What a rank measures: seconds per step (median), and over the timed steps
+// the allreduce time and the part of it inside backward spans.
+struct RankResult {
+  double step_seconds = 0;
+  double comm_seconds = 0;
+  double hidden_seconds = 0;
+  double backward_seconds = 0;
+  double finish_seconds = 0;  // waiting in DataParallel::finish(): communication not hidden
+};
+
+RankResult run_rank(const Case& c, const Settings& s, std::shared_ptr<comm::Communicator> world) {
+  ModelOptions o;
+  o.num_classes = c.classes;
+  o.in_channels = c.channels;
+  o.image_size = c.size;
+  o.dropout = 0;
+  std::shared_ptr<Module> model = make_model(c.model, o);
+  optim::SGD sgd({optim::ParamGroup{model->named_parameters()}},
+                 optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+  const int rank = world ? world->rank() : 0;
+  Timeline timeline(rank);
+  std::unique_ptr<DataParallel> dp;
+  if (world) {
+    dp = std::make_unique<DataParallel>(
+        model, world,
+        DataParallelOptions{.bucket_bytes = s.bucket_mb << 20,
+                            .overlap = s.overlap,
+                            .low_priority_progress = s.low_priority_progress,
+                            .timeline = &timeline});
+  }
+  Generator gen(uint64_t(rank) + 1);
+  Tensor images = normal({c.batch, c.size, c.size, c.channels}, 0, 1, gen).permute({0, 3, 1, 2});
+  std::vector<int64_t> y(size_t(c.batch));
+  for (size_t i = 0; i < y.size(); ++i) y[i] = int64_t(i) % c.classes;
+  Tensor labels = from_vector(y);
+
+  std::vector<double> times;
+  int64_t timed_from_us = 0;
+  for (int i = 0; i < s.warmup + s.steps; ++i) {
+    if (i == s.warmup) {
+      if (world) comm::barrier(*world);
+      timed_from_us = trace_now_us();
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    Tensor loss;
+    {
+      TraceScope span(&timeline, "forward");
+      loss = cross_entropy((*model)(images), labels);
+    }
+    {
+      TraceScope span(&timeline, "backward");
+      loss.backward();
+    }
+    if (dp) dp->finish();
+    {
+      TraceScope span(&timeline, "optimizer");
+      sgd.step();
+    }
+    if (dp)
+      dp->zero_grad();
+    else
+      sgd.zero_grad();
+    if (i >= s.warmup)
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  RankResult r;
+  r.step_seconds = times[times.size() / 2];
+  std::vector<TraceSpan> spans;
+  for (const TraceSpan& sp : timeline.spans())
+    if (sp.begin_us >= timed_from_us) spans.push_back(sp);
+  auto is_comm = [](const TraceSpan& sp) { return sp.track == Track::comm; };
+  auto is_backward = [](const TraceSpan& sp) { return sp.name == std::string("backward"); };
+  const double n = double(s.steps);
+  r.comm_seconds = double(covered_us(spans, is_comm)) * 1e-6 / n;
+  r.hidden_seconds = double(overlap_us(spans, is_comm, is_backward)) * 1e-6 / n;
+  r.backward_seconds = double(covered_us(spans, is_backward)) * 1e-6 / n;
+  auto is_finish = [](const TraceSpan& sp) { return sp.name == std::string("dp finish"); };
+  r.finish_seconds = double(covered_us(spans, is_finish)) * 1e-6 / n;
+  if (world && !s.trace.empty()) timeline.write_merged(*world, s.trace);
+  return r;
+}
+
+// Runs `world` ranks of case c as child processes; rank 0's result.
+bool run_world(const Case& c, const Settings& s, int world_size, RankResult& out) {
+  int fd[2];
+  if (pipe(fd) != 0) return false;
+  const int port = 21000 + int(::getpid() % 20000);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world_size; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(fd[0]);
+      set_num_threads(1);
+      std::shared_ptr<comm::Communicator> world;
+      if (world_size > 1) {
+        comm::Bootstrap boot;
+        boot.launcher = comm::Launcher::torchrun;
+        boot.rank = r;
+        boot.world_size = world_size;
+        boot.local_rank = r;
+        boot.local_world_size = world_size;
+        boot.master_port = port;
+        boot.job_token = "bench_dp";
+        boot.log_level = comm::LogLevel::warn;
+        world = comm::init_world(boot);
+      }
+      RankResult res = run_rank(c, s, world);
+      if (r == 0 && write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
+      _exit(0);
+    }
+    pids.push_back(pid);
+  }
+  close(fd[1]);
+  bool ok = read(fd[0], &out, sizeof out) == sizeof out;
+  close(fd[0]);
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
+}
+
+// bench_dp_torch.py's "efficiency hidden_fraction" for case c; false without torch.
+bool measure_torch(const Case& c, const Settings& s, double& efficiency, double& hidden) {
+  std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_dp_torch.py" +
+                    " --model " + c.model + " --batch " + std::to_string(c.batch) + " --size " +
+                    std::to_string(c.size) + " --channels " + std::to_string(c.channels) +
+                    " --classes " + std::to_string(c.classes) + " --steps " +
+                    std::to_string(s.steps) + " --warmup " + std::to_string(s.warmup) +
+                    " --bucket-mb " + std::to_string(s.bucket_mb) + " 2>/dev/null";
+  bool ok = false;
+  if (FILE* p = popen(cmd.c_str(), "r")) {
+    ok = std::fscanf(p, "%lf %lf", &efficiency, &hidden) == 2;
+    ok = pclose(p) == 0 && ok;
+  }
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  std::string only;
+  bool torch = true;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--steps" && i + 1 < argc)
+      s.steps = std::atoi(argv[++i]);
+    else if (a == "--warmup" && i + 1 < argc)
+      s.warmup = std::atoi(argv[++i]);
+    else if (a == "--case" && i + 1 < argc)
+      only = argv[++i];
+    else if (a == "--bucket-mb" && i + 1 < argc)
+      s.bucket_mb = size_t(std::atoi(argv[++i]));
+    else if (a == "--trace" && i + 1 < argc)
+      s.trace = argv[++i];
+    else if (a == "--no-overlap")
+      s.overlap = false;
+    else if (a == "--low-priority-progress")
+      s.low_priority_progress = true;
+    else if (a == "--no-torch")
+      torch = false;
+    else {
+      std::fprintf(stderr,
+                   "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--bucket-mb N] "
+                   "[--no-overlap] [--low-priority-progress] [--trace FILE] [--no-torch]\n");
+      return 2;
+    }
+  }
+  std::printf(
+      "dp=1 vs dp=2, 1 thread per rank, same per-rank batch, median of %d steps; "
+      "overlap %s, buckets of %zu MB\n",
+      s.steps, s.overlap ? "on" : "off", s.bucket_mb);
+  // exposed = the step's wait in finish() (communication not hidden) over the dp=2 step time.
+  std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %10s %7s\n", "case", "batch",
+              "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms", "hidden", "exposed",
+              "torch eff", "hidden");
+  for (const Case& c : kCases) {
+    if (!only.empty() && only != c.name) continue;
+    RankResult one, two;
+    if (!run_world(c, s, 1, one) || !run_world(c, s, 2, two)) {
+      std::printf("%-13s: a rank failed\n", c.name);
+      return 1;
+    }
+    const double sps1 = double(c.batch) / one.step_seconds;
+    const double sps2 = 2.0 * double(c.batch) / two.step_seconds;
+    char torch_cols[48] = "         -       -";
+    double teff = 0, thidden = 0;
+    if (torch && measure_torch(c, s, teff, thidden))
+      std::snprintf(torch_cols, sizeof torch_cols, "%9.1f%% %6.1f%%", 100 * teff, 100 * thidden);
+    std::printf("%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %s\n", c.name,
+                (long long)c.batch, sps1, sps2, 100.0 * sps2 / (2.0 * sps1), 1e3 * two.comm_seconds,
+                1e3 * two.backward_seconds,
+                two.comm_seconds > 0 ? 100.0 * two.hidden_seconds / two.comm_seconds : 0.0,
+                100.0 * two.finish_seconds / two.step_seconds, torch_cols);
+    std::fflush(stdout);
+  }
+  return 0;
+}

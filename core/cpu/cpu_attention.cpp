@@ -1,0 +1,217 @@
+// CPU fused causal attention (f32), flash-attention style: OpenMP over
+// (batch, head); within one, query rows go in tiles of kTileRows, each tile
+// against the keys it may see ([0, t0 + rows)). A tile's scores live in a
+// per-thread [kTileRows, T] scratch, so the live memory is threads x tiles,
+// never B x NH x T^2. The products are oneDNN sgemm calls on the strided
+// head views (single-threaded inside the parallel region); softmax, the
+// causal mask and dropout are vectorised row loops. The backward recomputes
+// each tile's probabilities from q, k and the saved lse.
+//
+// Other dtypes, and views whose last stride is not 1, run the reference.
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "core/check.h"
+#include "core/cpu/cpu_backend.h"
+#include "core/cpu/vec_math.h"
+
+namespace trainer {
+
+namespace {
+
+// Query rows per tile: small enough that the causal waste inside a tile
+// (about kTileRows^2 / 2 scores) stays a small share at T = 256, large
+// enough for the sgemm calls to run near peak.
+constexpr int64_t kTileRows = 32;
+
+// C [M, N] = alpha op(A) op(B) + beta C, row-major, op = transpose when 'T'.
+void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  dnnl_status_t st = dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  CHECK(st == dnnl_success) << "dnnl_sgemm(" << M << ", " << N << ", " << K << ") failed with "
+                            << int(st);
+}
+
+// One head of a [B, T, D] view: row t starts at ptr + t * ld.
+struct Head {
+  float* ptr;
+  int64_t ld;
+  Head(const Tensor& x, int64_t b, int64_t c0)
+      : ptr(x.data<float>() + b * x.strides()[0] + c0), ld(x.strides()[1]) {}
+  float* row(int64_t t) const { return ptr + t * ld; }
+};
+
+bool fast_layout(const Tensor& x) {
+  return x.dtype() == DType::f32 && x.strides()[2] == 1 && x.strides()[1] >= x.size(2);
+}
+
+// m[s] = dropout multiplier (1 / (1 - p) kept, 0 dropped) of Philox
+// elements first + s, s in [0, n), as RefBackend draws them.
+void dropout_row(PhiloxKey key, uint64_t first, int64_t n, double keep, float scale, float* m) {
+  for (int64_t s = 0; s < n;) {
+    uint64_t i = first + uint64_t(s);
+    Philox4x32 r = philox_block(key, i / 4);
+    for (uint32_t lane = uint32_t(i % 4); lane < 4 && s < n; ++lane, ++s)
+      m[s] = double(uint_to_unit(r.v[lane])) < keep ? scale : 0.0f;
+  }
+}
+
+// row[s] = exp(row[s] - lse) for s < len, 0 for s in [len, n).
+void probabilities(float* row, int64_t len, int64_t n, float lse) {
+#pragma omp simd
+  for (int64_t s = 0; s < len; ++s) row[s] = cpu::exp_f32(row[s] - lse);
+  std::fill(row + len, row + n, 0.0f);
+}
+
+// row = softmax over [0, len) (0 beyond, up to n); returns the lse.
+float softmax_causal(float* row, int64_t len, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t s = 0; s < len; ++s) mx = std::max(mx, row[s]);
+  float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+  for (int64_t s = 0; s < len; ++s) {
+    float e = cpu::exp_f32(row[s] - mx);
+    row[s] = e;
+    z += e;
+  }
+  float inv_z = 1.0f / z;
+#pragma omp simd
+  for (int64_t s = 0; s < len; ++s) row[s] *= inv_z;
+  std::fill(row + len, row + n, 0.0f);
+  return mx + std::log(z);
+}
+
+// Per-thread scratch: `planes` tiles of [kTileRows, T] floats per thread,
+// allocated through the tensor allocator (so its statistics see it).
+struct Scratch {
+  Tensor buf;
+  int64_t per_thread;
+  Scratch(int planes, int64_t T)
+      : buf(empty({int64_t(omp_get_max_threads()), planes, kTileRows, T})),
+        per_thread(planes * kTileRows * T) {}
+  float* plane(int p) const {
+    return buf.data<float>() + omp_get_thread_num() * per_thread + p * kTileRows * buf.size(3);
+  }
+};
+
+}  // namespace
+
+void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const AttentionAttrs& attrs, const Tensor& out,
+                                   const Tensor& lse) {
+  if (!fast_layout(q) || !fast_layout(k) || !fast_layout(v) || !out.is_contiguous() ||
+      out.dtype() != DType::f32 || lse.dtype() != DType::f32)
+    return RefBackend::attention_forward(q, k, v, attrs, out, lse);
+  const int64_t B = q.size(0), T = q.size(1), D = q.size(2), NH = attrs.num_heads, HD = D / NH;
+  if (B * T * D == 0) return;
+  const float scale = float(attrs.scale);
+  const bool drop = attrs.dropout_p > 0.0;
+  const double keep = 1.0 - attrs.dropout_p;
+  const float drop_scale = drop ? float(1.0 / keep) : 1.0f;
+  Scratch scratch(drop ? 2 : 1, T);
+  float* lse_all = lse.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * NH; ++bh) {
+    const int64_t b = bh / NH, h = bh % NH;
+    Head qh(q, b, h * HD), kh(k, b, h * HD), vh(v, b, h * HD), oh(out, b, h * HD);
+    float* S = scratch.plane(0);
+    float* M = drop ? scratch.plane(1) : nullptr;
+    for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, T - t0), n = t0 + rows;
+      // S = scale Q_tile K^T over the keys the tile may see.
+      sgemm('N', 'T', rows, n, HD, scale, qh.row(t0), qh.ld, kh.ptr, kh.ld, 0.0f, S, n);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = t0 + i;
+        float* row = S + i * n;
+        lse_all[bh * T + t] = softmax_causal(row, t + 1, n);
+        if (!drop) continue;
+        dropout_row(attrs.dropout_key, uint64_t((bh * T + t) * T), t + 1, keep, drop_scale, M);
+#pragma omp simd
+        for (int64_t s = 0; s <= t; ++s) row[s] *= M[s];
+      }
+      // O_tile = P_drop V.
+      sgemm('N', 'N', rows, HD, n, 1.0f, S, n, vh.ptr, vh.ld, 0.0f, oh.row(t0), oh.ld);
+    }
+  }
+}
+
+// Forward: O_t = sum_{s <= t} P[t, s] m[t, s] v_s, P = softmax(scale q k^T).
+// Per tile, with P = exp(scale Q K^T - lse) recomputed:
+// dP_drop = dO V^T, dP = m dP_drop, delta_t = dO_t . O_t,
+// dS = P (dP - delta), dV += (P m)^T dO, dQ = scale dS K, dK += scale dS^T Q.
+void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                    const Tensor& v, const Tensor& out, const Tensor& lse,
+                                    const AttentionAttrs& attrs, const Tensor& grad_q,
+                                    const Tensor& grad_k, const Tensor& grad_v) {
+  bool fast = fast_layout(q) && fast_layout(k) && fast_layout(v) && fast_layout(grad_q) &&
+              fast_layout(grad_k) && fast_layout(grad_v) && grad_out.is_contiguous() &&
+              grad_out.dtype() == DType::f32 && out.is_contiguous() && out.dtype() == DType::f32 &&
+              lse.dtype() == DType::f32;
+  if (!fast)
+    return RefBackend::attention_backward(grad_out, q, k, v, out, lse, attrs, grad_q, grad_k,
+                                          grad_v);
+  const int64_t B = q.size(0), T = q.size(1), D = q.size(2), NH = attrs.num_heads, HD = D / NH;
+  if (B * T * D == 0) return;
+  const float scale = float(attrs.scale);
+  const bool drop = attrs.dropout_p > 0.0;
+  const double keep = 1.0 - attrs.dropout_p;
+  const float drop_scale = drop ? float(1.0 / keep) : 1.0f;
+  // Planes: P, dP (becomes dS), and with dropout P m and one mask row.
+  Scratch scratch(drop ? 4 : 2, T);
+  const float* lse_all = lse.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * NH; ++bh) {
+    const int64_t b = bh / NH, h = bh % NH;
+    Head qh(q, b, h * HD), kh(k, b, h * HD), vh(v, b, h * HD);
+    Head oh(out, b, h * HD), goh(grad_out, b, h * HD);
+    Head gqh(grad_q, b, h * HD), gkh(grad_k, b, h * HD), gvh(grad_v, b, h * HD);
+    float* P = scratch.plane(0);
+    float* dP = scratch.plane(1);
+    float* Pm = drop ? scratch.plane(2) : P;
+    float* M = drop ? scratch.plane(3) : nullptr;
+    for (int64_t t = 0; t < T; ++t) {
+      std::memset(gkh.row(t), 0, size_t(HD) * sizeof(float));
+      std::memset(gvh.row(t), 0, size_t(HD) * sizeof(float));
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, T - t0), n = t0 + rows;
+      sgemm('N', 'T', rows, n, HD, scale, qh.row(t0), qh.ld, kh.ptr, kh.ld, 0.0f, P, n);
+      sgemm('N', 'T', rows, n, HD, 1.0f, goh.row(t0), goh.ld, vh.ptr, vh.ld, 0.0f, dP, n);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = t0 + i;
+        float* p = P + i * n;
+        float* dp = dP + i * n;
+        probabilities(p, t + 1, n, lse_all[bh * T + t]);
+        const float* o = oh.row(t);
+        const float* go = goh.row(t);
+        float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+        for (int64_t c = 0; c < HD; ++c) delta += go[c] * o[c];
+        if (drop) {
+          float* pm = Pm + i * n;
+          dropout_row(attrs.dropout_key, uint64_t((bh * T + t) * T), t + 1, keep, drop_scale, M);
+#pragma omp simd
+          for (int64_t s = 0; s <= t; ++s) {
+            pm[s] = p[s] * M[s];
+            dp[s] *= M[s];
+          }
+          std::fill(pm + t + 1, pm + n, 0.0f);
+        }
+#pragma omp simd
+        for (int64_t s = 0; s <= t; ++s) dp[s] = p[s] * (dp[s] - delta);
+        std::fill(dp + t + 1, dp + n, 0.0f);
+      }
+      // dV[0:n] += (P m)^T dO_tile; dQ_tile = scale dS K; dK[0:n] += scale dS^T Q_tile.
+      sgemm('T', 'N', n, HD, rows, 1.0f, Pm, n, goh.row(t0), goh.ld, 1.0f, gvh.ptr, gvh.ld);
+      sgemm('N', 'N', rows, HD, n, scale, dP, n, kh.ptr, kh.ld, 0.0f, gqh.row(t0), gqh.ld);
+      sgemm('T', 'N', n, HD, rows, scale, dP, n, qh.row(t0), qh.ld, 1.0f, gkh.ptr, gkh.ld);
+    }
+  }
+}
+
+}  // namespace trainer

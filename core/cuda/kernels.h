@@ -1,0 +1,130 @@
+// The boundary between CudaBackend's row, index, normalisation and pooling
+// kernels (reduce.cu, nn.cu, index.cu, norm.cu, pool.cu; nvcc, C++17) and
+// their host side (cuda_ops.cpp, conv.cpp): plain structs and launchers, as
+// launch.h is for the elementwise kernels.
+//
+// A row launch reduces or normalises groups of elements ("rows"): Rows<N>
+// walks the rows with `outer` (one index per row, element 0 of each operand
+// in outer.data) and the elements of one row with `inner` (its data unused:
+// element r of row s of operand k is at outer offset(s) + inner offset(r)).
+// One thread block handles one row (a grid-stride loop over rows), so a row
+// may be long and any strides work; large single rows are split across
+// blocks by the host (ReduceArgs::splits) and finished by a second launch.
+//
+// Kernels computing in acc_t<T> (float for bf16/f16/f32, double for f64)
+// write per-row statistics in that type. Out-of-range indices stop the
+// kernel with a message (a device-side trap, as PyTorch's device asserts):
+// the CUDA context is unusable afterwards.
+#pragma once
+
+#include "core/cuda/launch.h"
+
+namespace trainer::cuda {
+
+template <int N>
+struct Rows {
+  Launch<N> outer;
+  Launch<N> inner;
+};
+
+// ---- reduce.cu ----
+// What a reduction accumulates per element: x, (x - center)^2, or
+// y (x - center), with center[row] a contiguous acc_t<T> per row.
+enum class RowMode : uint8_t { value, sq_dev, prod_dev };
+
+struct ReduceArgs {
+  ReduceOp op = ReduceOp::sum;  // sum, max or min (mean: sum with scale 1 / count)
+  RowMode mode = RowMode::value;
+  const void* center = nullptr;
+  double scale = 1.0;  // the result is acc * scale (sum-like ops only)
+  // > 1: the row is split in `splits` parts, block (row, part) writes its
+  // partial (not scaled) at operand 0's outer offset * splits + part, in acc_t<T>.
+  int64_t splits = 1;
+};
+// Operands (out, x, y); x and y of dtype t (y = x unless prod_dev), out of
+// dtype out_t (any floating dtype; acc_t<T> when splits > 1).
+void launch_reduce(const Rows<3>& r, DType t, DType out_t, const ReduceArgs& a,
+                   cudaStream_t stream);
+// The same for rows adjacent in memory (operands x and y step by one
+// element from row to row): writes each part's partial into partial
+// [a.splits, rows] (acc_t<T>, unscaled, row-major) for a second launch_reduce.
+void launch_column_reduce(const Rows<3>& r, DType t, const ReduceArgs& a, void* partial,
+                          cudaStream_t stream);
+// Max along a row: operands (values (t), indices (i64), x (t)). The first
+// maximum wins; NaN counts as the maximum (the first NaN), as RefBackend.
+// Any dtype t.
+void launch_max_dim(const Rows<3>& r, DType t, cudaStream_t stream);
+
+// ---- nn.cu ----
+// Operands (out, x): softmax (or log_softmax) of each row.
+void launch_softmax(const Rows<2>& r, DType t, bool log, cudaStream_t stream);
+// Operands (grad_x, grad, y).
+void launch_softmax_backward(const Rows<3>& r, DType t, bool log, cudaStream_t stream);
+// Rows of logp [N, C]: operands (loss [N] (t), logp (t), target (i64)).
+void launch_cross_entropy(const Rows<3>& r, DType t, double eps, int64_t ignore_index,
+                          int64_t classes, cudaStream_t stream);
+// Elementwise over [N, C] (row-major index / C is the row): operands
+// (grad_logits, logp, grad_loss (broadcast along C), target (i64, broadcast)).
+void launch_cross_entropy_backward(const Launch<4>& g, DType t, double eps, int64_t ignore_index,
+                                   int64_t classes, cudaStream_t stream);
+
+// ---- index.cu ----
+// Gather along one dim: operands (out, x with its dim's stride set to 0,
+// index (dtype index_t, i32 or i64) broadcast to out's shape);
+// out = x[offset + index * x_stride], index in [0, dim_size). Any dtype t.
+void launch_gather(const Launch<3>& g, DType t, DType index_t, int64_t x_stride, int64_t dim_size,
+                   cudaStream_t stream);
+// Scatter-add along one dim with atomics: operands (src, dst with its dim's
+// stride set to 0, index); dst[offset + index * dst_stride] += src.
+// Floating dtypes, i32 and i64.
+void launch_scatter_add(const Launch<3>& g, DType t, DType index_t, int64_t dst_stride,
+                        int64_t dim_size, cudaStream_t stream);
+
+// ---- norm.cu ----
+// Layer norm over contiguous rows of x [R, D]; weight, bias [D]; mean, rstd
+// [R] in acc_t<T>.
+struct LayerNormPtrs {
+  const void *x, *weight, *bias, *grad_out, *mean, *rstd;
+  void *out, *grad_x, *mean_out, *rstd_out;
+  void *partial_weight, *partial_bias;  // [splits, D] in acc_t<T>
+};
+void launch_layer_norm_forward(const LayerNormPtrs& p, int64_t R, int64_t D, double eps, DType t,
+                               cudaStream_t stream);
+// grad_x, and the per-part column sums of g xhat and g over `splits` parts of the rows.
+void launch_layer_norm_backward(const LayerNormPtrs& p, int64_t R, int64_t D, int64_t splits,
+                                DType t, cudaStream_t stream);
+// Batch norm, elementwise with per-channel operands broadcast (acc_t<T>):
+// operands (out, x, mean, var, gamma, beta); out = (x - mean) / sqrt(var +
+// eps) * gamma + beta, then relu when relu.
+void launch_batch_norm_apply(const Launch<6>& g, DType t, double eps, bool relu,
+                             cudaStream_t stream);
+// Operands (grad_x, grad_out, x, mean, invstd, gamma, sum_g, sum_g_xhat):
+// math::batch_norm_grad_x over m values per channel.
+void launch_batch_norm_backward(const Launch<8>& g, DType t, double m, cudaStream_t stream);
+
+// ---- pool.cu ----
+// An [N, C, H, W] operand with element strides (any layout).
+struct Image {
+  char* data = nullptr;
+  int64_t n = 0, c = 0, h = 0, w = 0;
+  int64_t stride[4] = {};
+};
+struct PoolGeom {
+  int64_t kh, kw, sh, sw, ph, pw;
+  bool count_include_pad;
+};
+// argmax (i64, same shape as out) receives y * W + x of each window's maximum.
+void launch_max_pool(const Image& out, const Image& x, const Image& argmax, const PoolGeom& p,
+                     DType t, cudaStream_t stream);
+// Each input element sums the gradients of the windows whose argmax it is.
+void launch_max_pool_backward(const Image& grad_x, const Image& grad_out, const Image& argmax,
+                              const PoolGeom& p, DType t, cudaStream_t stream);
+void launch_avg_pool(const Image& out, const Image& x, const PoolGeom& p, DType t,
+                     cudaStream_t stream);
+void launch_avg_pool_backward(const Image& grad_x, const Image& grad_out, const PoolGeom& p,
+                              DType t, cudaStream_t stream);
+void launch_adaptive_avg_pool(const Image& out, const Image& x, DType t, cudaStream_t stream);
+void launch_adaptive_avg_pool_backward(const Image& grad_x, const Image& grad_out, DType t,
+                                       cudaStream_t stream);
+
+}  // namespace trainer::cuda

@@ -1,0 +1,195 @@
+// Text corpora, vocabularies and windows for language models.
+#include "data/text.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "core/check.h"
+#include "core/rng.h"
+
+namespace trainer::data {
+
+namespace {
+
+// "'a'" for printable bytes, "byte 0x0a" otherwise.
+std::string describe_byte(uint8_t b) {
+  if (b >= 0x20 && b < 0x7f) return cat("'", char(b), "'");
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "byte 0x%02x", unsigned(b));
+  return buf;
+}
+
+Vocab corpus_vocab(std::string_view text, VocabKind kind, const std::string& name) {
+  if (text.empty()) throw Error(cat("the text corpus ", name, " is empty"));
+  return kind == VocabKind::chars ? Vocab::from_text(text) : Vocab::bytes();
+}
+
+// Rows [N, T] of inputs and targets from the windows starting at `starts`.
+TextBatch gather_windows(const std::vector<uint8_t>& tokens, const std::vector<int64_t>& starts,
+                         int64_t T) {
+  const int64_t N = int64_t(starts.size());
+  TextBatch b{empty({N, T}, DType::i64), empty({N, T}, DType::i64)};
+  int64_t* in = b.inputs.data<int64_t>();
+  int64_t* out = b.targets.data<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* w = tokens.data() + starts[size_t(n)];
+    for (int64_t t = 0; t < T; ++t) {
+      in[n * T + t] = w[t];
+      out[n * T + t] = w[t + 1];
+    }
+  }
+  return b;
+}
+
+}  // namespace
+
+Vocab::Vocab(VocabKind kind, std::vector<uint8_t> symbols)
+    : kind_(kind), symbols_(std::move(symbols)) {
+  id_of_.fill(-1);
+  for (size_t i = 0; i < symbols_.size(); ++i) id_of_[symbols_[i]] = int16_t(i);
+}
+
+Vocab Vocab::bytes() {
+  std::vector<uint8_t> all(256);
+  for (int i = 0; i < 256; ++i) all[size_t(i)] = uint8_t(i);
+  return Vocab(VocabKind::bytes, std::move(all));
+}
+
+Vocab Vocab::from_text(std::string_view text) {
+  if (text.empty()) throw Error("a character vocabulary needs a non-empty text");
+  bool seen[256] = {};
+  for (char c : text) seen[uint8_t(c)] = true;
+  std::vector<uint8_t> symbols;
+  for (int b = 0; b < 256; ++b)
+    if (seen[b]) symbols.push_back(uint8_t(b));
+  return Vocab(VocabKind::chars, std::move(symbols));
+}
+
+Vocab Vocab::from_symbols(const std::vector<int64_t>& symbols) {
+  if (symbols.empty()) throw Error("vocabulary: no symbols");
+  std::vector<uint8_t> bytes;
+  for (size_t i = 0; i < symbols.size(); ++i) {
+    if (symbols[i] < 0 || symbols[i] > 255 || (i > 0 && symbols[i] <= symbols[i - 1]))
+      throw Error(cat("vocabulary: symbol ", i, " = ", symbols[i],
+                      " is not a byte above the one before it"));
+    bytes.push_back(uint8_t(symbols[i]));
+  }
+  return Vocab(bytes.size() == 256 ? VocabKind::bytes : VocabKind::chars, std::move(bytes));
+}
+
+std::vector<int64_t> Vocab::encode(std::string_view text) const {
+  std::vector<int64_t> ids(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    int16_t id = id_of_[uint8_t(text[i])];
+    if (id < 0)
+      throw Error(cat(describe_byte(uint8_t(text[i])), " (offset ", i,
+                      ") is not in the corpus's character vocabulary of ", size(), " symbols"));
+    ids[i] = id;
+  }
+  return ids;
+}
+
+std::string Vocab::decode(const std::vector<int64_t>& ids) const {
+  std::string text(ids.size(), '\0');
+  for (size_t i = 0; i < ids.size(); ++i) {
+    CHECK(ids[i] >= 0 && ids[i] < size()) << "token id " << ids[i] << ", vocabulary " << size();
+    text[i] = char(symbols_[size_t(ids[i])]);
+  }
+  return text;
+}
+
+TextCorpus TextCorpus::load(const std::string& path, const TextOptions& options) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw Error(cat("cannot open the text corpus ", path, ": ", std::strerror(errno),
+                    " (scripts/setup.sh writes datasets/kjv.txt; or set data.path)"));
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  if (in.bad()) throw Error(cat("cannot read the text corpus ", path));
+  return TextCorpus(buf.str(), options, path);
+}
+
+TextCorpus::TextCorpus(std::string_view text, const TextOptions& options, std::string name)
+    : name_(std::move(name)), vocab_(corpus_vocab(text, options.vocab, name_)) {
+  if (!(options.val_fraction >= 0.0 && options.val_fraction < 1.0))
+    throw Error(
+        cat("text corpus ", name_, ": val_fraction ", options.val_fraction, " is outside [0, 1)"));
+  std::vector<int64_t> ids = vocab_.encode(text);
+  tokens_.assign(ids.begin(), ids.end());
+  const int64_t n = size();
+  train_tokens_ = n - int64_t(std::llround(double(n) * options.val_fraction));
+}
+
+TextWindows::TextWindows(const TextCorpus& corpus, const WindowOptions& options)
+    : corpus_(corpus), options_(options) {
+  const int64_t T = options.seq_len;
+  CHECK(T >= 1) << "sequence length " << T;
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size)
+    throw Error(
+        cat("text windows: rank ", options.rank, " is outside world size ", options.world_size));
+  if (corpus.train_tokens() < T + 1)
+    throw Error(cat("text corpus ", corpus.name(), ": the training part has ",
+                    corpus.train_tokens(), " tokens, fewer than one window of T + 1 = ", T + 1,
+                    "; use a longer corpus or a shorter sequence length"));
+  per_rank_ = (corpus.train_tokens() - 1) / T / options.world_size;
+  if (per_rank_ == 0)
+    throw Error(cat("text corpus ", corpus.name(), ": ", (corpus.train_tokens() - 1) / T,
+                    " training windows cannot give each of ", options.world_size,
+                    " ranks one window"));
+}
+
+int64_t TextWindows::start(int64_t epoch, int64_t index) const {
+  CHECK(epoch >= 0 && index >= 0) << "epoch " << epoch << ", window " << index;
+  // Starts in [0, train - T - 1]; a 64-bit draw modulo at most 2^40 starts
+  // is uniform to within 2^-24.
+  const uint64_t starts = uint64_t(corpus_.train_tokens() - options_.seq_len);
+  PhiloxKey key{options_.seed, kStreamShuffle + (uint64_t(epoch) << 8), 0};
+  Philox4x32 r = philox_block(key, uint64_t(index));
+  uint64_t u = uint64_t(r.v[0]) | uint64_t(r.v[1]) << 32;
+  return int64_t(u % starts);
+}
+
+TextBatch TextWindows::batch(int64_t epoch, int64_t position, int64_t n) const {
+  if (position < 0 || n < 0 || position + n > per_rank_)
+    throw Error(cat("text windows [", position, ", ", position + n,
+                    ") are outside this rank's epoch of ", per_rank_,
+                    " windows; was the checkpoint written with another corpus, sequence "
+                    "length or world size?"));
+  std::vector<int64_t> starts;
+  for (int64_t p = position; p < position + n; ++p)
+    starts.push_back(start(epoch, p * options_.world_size + options_.rank));
+  return gather_windows(corpus_.tokens(), starts, options_.seq_len);
+}
+
+EvalWindows::EvalWindows(const TextCorpus& corpus, const EvalOptions& options)
+    : corpus_(corpus), options_(options) {
+  const int64_t T = options.seq_len;
+  CHECK(T >= 1 && options.max_windows >= 0) << "sequence length " << T;
+  available_ = corpus.val_tokens() > 0 ? (corpus.val_tokens() - 1) / T : 0;
+  if (available_ == 0)
+    throw Error(cat("text corpus ", corpus.name(), ": the validation part has ",
+                    corpus.val_tokens(), " tokens, fewer than one window of T + 1 = ", T + 1,
+                    "; raise the validation fraction or shorten the sequence length"));
+  count_ = options.max_windows > 0 ? std::min(options.max_windows, available_) : available_;
+}
+
+int64_t EvalWindows::start(int64_t k) const {
+  CHECK(k >= 0 && k < count_) << "evaluation window " << k << " of " << count_;
+  // Evenly spread: window floor(k * available / count) of the sequential ones.
+  int64_t sequential = k * available_ / count_;
+  return corpus_.train_tokens() + sequential * options_.seq_len;
+}
+
+TextBatch EvalWindows::batch(int64_t first, int64_t n) const {
+  CHECK(first >= 0 && first < count_ && n >= 1) << "evaluation windows " << first << " + " << n;
+  std::vector<int64_t> starts;
+  for (int64_t k = first; k < std::min(first + n, count_); ++k) starts.push_back(start(k));
+  return gather_windows(corpus_.tokens(), starts, options_.seq_len);
+}
+
+}  // namespace trainer::data

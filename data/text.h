@@ -1,0 +1,155 @@
+// Text for language models: a corpus file read whole and encoded as token
+// ids, its vocabulary, a train/val split by position, and the windows that
+// training steps and evaluations read.
+//
+// Glossary: T = sequence length (the tokens a model sees per row); a window
+// is T + 1 consecutive tokens whose first T are the inputs and last T the
+// targets (the inputs shifted by one); N = windows per batch.
+//
+// Vocabulary: bytes (256 ids, id = byte value, any file) or the corpus's
+// characters (its distinct bytes in increasing order, so the same corpus
+// always gives the same ids; the list is also saved with checkpoints).
+//
+// Split: the first (1 - val_fraction) of the tokens train, the rest
+// validate; no window crosses the boundary.
+//
+// Training windows: an epoch is floor((train tokens - 1) / T) windows, one
+// pass's worth of targets. Window i of epoch e starts at a position drawn
+// from Philox(seed, kStreamShuffle + (e << 8)) block i: a pure function of
+// (seed, epoch, index), as the image path keys its samples, so a resumed
+// run reads the same windows. Data-parallel rank r of world w takes the
+// epoch's windows r, r + w, r + 2w, ... (the tail that does not divide is
+// dropped). Evaluation windows are sequential and non-overlapping: window k
+// starts k * T tokens into the validation part; max_windows > 0 evaluates
+// that many, evenly spread over the part.
+//
+//   TextCorpus corpus = TextCorpus::load("datasets/kjv.txt", {.vocab = VocabKind::chars});
+//   TextWindows train(corpus, {.seq_len = 256, .seed = 0});
+//   TextBatch b = train.batch(/*epoch=*/0, /*position=*/0, /*n=*/32);   // i64 [32, 256] x 2
+//   EvalWindows val(corpus, {.seq_len = 256});
+//   TextBatch v = val.batch(/*first=*/0, /*n=*/16);
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace trainer::data {
+
+enum class VocabKind { bytes, chars };
+
+// Token id <-> byte. Every id is below 256, so the corpus is one byte per token.
+class Vocab {
+ public:
+  static Vocab bytes();
+  // The distinct bytes of text in increasing order (Error when text is empty).
+  static Vocab from_text(std::string_view text);
+  // A vocabulary saved earlier (e.g. with a checkpoint): distinct bytes, increasing.
+  static Vocab from_symbols(const std::vector<int64_t>& symbols);
+
+  int64_t size() const { return int64_t(symbols_.size()); }
+  VocabKind kind() const { return kind_; }
+  // id -> byte, in id order.
+  const std::vector<uint8_t>& symbols() const { return symbols_; }
+  bool contains(uint8_t byte) const { return id_of_[byte] >= 0; }
+  // Throws Error naming the first byte that is not in the vocabulary.
+  std::vector<int64_t> encode(std::string_view text) const;
+  // Ids must be in [0, size()).
+  std::string decode(const std::vector<int64_t>& ids) const;
+  bool operator==(const Vocab& o) const { return symbols_ == o.symbols_; }
+
+ private:
+  Vocab(VocabKind kind, std::vector<uint8_t> symbols);
+
+  VocabKind kind_;
+  std::vector<uint8_t> symbols_;
+  std::array<int16_t, 256> id_of_;  // byte -> id, -1 when absent
+};
+
+struct TextOptions {
+  VocabKind vocab = VocabKind::bytes;
+  double val_fraction = 0.1;  // the last fraction of the tokens, in [0, 1)
+};
+
+class TextCorpus {
+ public:
+  // Reads the file whole; Error when it is missing, unreadable or empty.
+  static TextCorpus load(const std::string& path, const TextOptions& options = {});
+  // A corpus from memory; name is used in messages.
+  TextCorpus(std::string_view text, const TextOptions& options, std::string name);
+
+  const std::string& name() const { return name_; }
+  const Vocab& vocab() const { return vocab_; }
+  int64_t size() const { return int64_t(tokens_.size()); }
+  // Tokens [0, train_tokens()) train, [train_tokens(), size()) validate.
+  int64_t train_tokens() const { return train_tokens_; }
+  int64_t val_tokens() const { return size() - train_tokens_; }
+  const std::vector<uint8_t>& tokens() const { return tokens_; }
+
+ private:
+  std::string name_;
+  Vocab vocab_;
+  std::vector<uint8_t> tokens_;
+  int64_t train_tokens_ = 0;
+};
+
+// N windows w of T + 1 tokens: inputs = w[0, T), targets = w[1, T + 1), i64 [N, T] each.
+struct TextBatch {
+  Tensor inputs;
+  Tensor targets;
+};
+
+struct WindowOptions {
+  int64_t seq_len = 256;  // T
+  uint64_t seed = 0;
+  int rank = 0;
+  int world_size = 1;
+};
+
+// Random training windows (see the top of the file).
+class TextWindows {
+ public:
+  // Error when the training part is shorter than one window.
+  TextWindows(const TextCorpus& corpus, const WindowOptions& options);
+  // This rank's windows per epoch.
+  int64_t windows_per_epoch() const { return per_rank_; }
+  int64_t seq_len() const { return options_.seq_len; }
+  // Start token of window `index` (counted over all ranks) of an epoch.
+  int64_t start(int64_t epoch, int64_t index) const;
+  // This rank's windows [position, position + n) of the epoch.
+  TextBatch batch(int64_t epoch, int64_t position, int64_t n) const;
+
+ private:
+  const TextCorpus& corpus_;
+  WindowOptions options_;
+  int64_t per_rank_ = 0;
+};
+
+struct EvalOptions {
+  int64_t seq_len = 256;    // T
+  int64_t max_windows = 0;  // 0: every window of the validation part
+};
+
+// Sequential, non-overlapping validation windows (see the top of the file).
+class EvalWindows {
+ public:
+  // Error when the validation part is shorter than one window.
+  EvalWindows(const TextCorpus& corpus, const EvalOptions& options);
+  int64_t size() const { return count_; }
+  // Start token of evaluation window k.
+  int64_t start(int64_t k) const;
+  // Windows [first, first + n), n clipped to the end.
+  TextBatch batch(int64_t first, int64_t n) const;
+
+ private:
+  const TextCorpus& corpus_;
+  EvalOptions options_;
+  int64_t available_ = 0;  // non-overlapping windows in the validation part
+  int64_t count_ = 0;      // those evaluated
+};
+
+}  // namespace trainer::data

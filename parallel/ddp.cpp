@@ -1,0 +1,290 @@
+#include "parallel/ddp.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <utility>
+
+#include "core/autograd.h"
+#include "core/check.h"
+
+namespace trainer::parallel {
+
+// The step state the gradient hooks share with the wrapper. The hooks hold a
+// weak_ptr, so a hook firing after the wrapper is gone does nothing.
+struct DataParallel::Impl {
+  std::shared_ptr<comm::Communicator> comm;
+  DataParallelOptions options;
+  BucketReduceFn reduce;
+  std::vector<Bucket> buckets;
+
+  // ---- per sync step ----
+  std::vector<std::vector<char>> arrived;  // [bucket][param]: gradient arrived
+  std::vector<int> pending;                // gradients still to arrive per bucket
+  std::vector<comm::Work> works;
+  // The timeline's end-of-span tasks, queued after each reduction: finish()
+  // waits for them too, so no span is recorded after it returns.
+  std::vector<comm::Work> markers;
+  int next_to_start = 0;  // buckets start in index order
+  int started_in_backward = 0;
+  int last_started_in_backward = 0;
+  bool sync = true;
+
+  void reset_step() {
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      std::fill(arrived[b].begin(), arrived[b].end(), 0);
+      pending[b] = int(buckets[b].params.size());
+      works[b] = comm::Work();
+      markers[b] = comm::Work();
+    }
+    next_to_start = 0;
+    started_in_backward = 0;
+  }
+
+  // Makes params[i]'s gradient the bucket view, copying a gradient that
+  // autograd allocated afresh (after zero_grad(set_to_none)).
+  void adopt_grad(Bucket& bucket, size_t i, bool zero_if_missing) {
+    const Tensor& param = bucket.params[i].tensor;
+    Tensor view = bucket.grads[i];  // a handle: the in-place fill writes the bucket
+    Tensor g = param.grad();
+    if (g.defined() && g.data_ptr() == view.data_ptr()) return;
+    if (g.defined())
+      view.copy_(g);
+    else if (zero_if_missing)
+      view.zero_();
+    else
+      return;
+    param.set_grad(view);
+  }
+
+  void start(int b) {
+    Bucket& bucket = buckets[size_t(b)];
+    Timeline* timeline = options.timeline;
+    auto begin_us = std::make_shared<int64_t>(0);
+    if (timeline) comm->enqueue([begin_us] { *begin_us = trace_now_us(); });
+    works[size_t(b)] = reduce(*comm, bucket);
+    if (timeline) {
+      markers[size_t(b)] = comm->enqueue([timeline, begin_us, b, bytes = bucket.flat.nbytes()] {
+        timeline->add(cat("allreduce bucket ", b, " (", (bytes + 1023) / 1024, " KiB)"),
+                      Track::comm, *begin_us, trace_now_us());
+      });
+    }
+  }
+
+  // Starts the ready buckets that are next in order.
+  void start_ready() {
+    while (next_to_start < int(buckets.size()) && pending[size_t(next_to_start)] == 0) {
+      start(next_to_start++);
+      ++started_in_backward;
+    }
+  }
+
+  void on_grad_ready(int b, size_t i) {
+    Bucket& bucket = buckets[size_t(b)];
+    adopt_grad(bucket, i, /*zero_if_missing=*/false);
+    if (!sync) return;
+    CHECK(!arrived[size_t(b)][i])
+        << "the gradient of " << bucket.params[i].name
+        << " arrived twice in one synchronised step: call finish() after each backward, or "
+           "use no_sync() for the micro-steps of gradient accumulation";
+    arrived[size_t(b)][i] = 1;
+    --pending[size_t(b)];
+    if (options.overlap) start_ready();
+  }
+};
+
+namespace {
+
+// Reverse registration order, a bucket closing once it holds its cap (the
+// first one smaller) or before a parameter of another dtype.
+std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions& options) {
+  std::vector<NamedTensor> params;
+  for (const NamedTensor& p : module.named_parameters()) {
+    if (!p.tensor.requires_grad()) continue;
+    CHECK(p.tensor.device().is_cpu() && p.tensor.is_contiguous())
+        << "DataParallel reduces contiguous CPU parameters; " << p.name << " is " << p.tensor.str();
+    params.push_back(p);
+  }
+  std::vector<std::vector<NamedTensor>> groups;
+  size_t bytes = 0;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    const size_t cap = groups.size() <= 1 ? options.first_bucket_bytes : options.bucket_bytes;
+    const bool new_dtype =
+        !groups.empty() && groups.back().back().tensor.dtype() != it->tensor.dtype();
+    if (groups.empty() || bytes >= cap || new_dtype) {
+      groups.emplace_back();
+      bytes = 0;
+    }
+    groups.back().push_back(*it);
+    bytes += it->tensor.nbytes();
+  }
+  std::vector<Bucket> buckets;
+  for (auto& group : groups) {
+    Bucket bucket;
+    bucket.index = int(buckets.size());
+    int64_t numel = 0;
+    for (const NamedTensor& p : group) {
+      bucket.offsets.push_back(numel);
+      numel += p.tensor.numel();
+    }
+    bucket.flat = zeros({numel}, group.front().tensor.dtype());
+    for (size_t i = 0; i < group.size(); ++i) {
+      const Shape& shape = group[i].tensor.shape();
+      bucket.grads.push_back(
+          make_view(bucket.flat, shape, contiguous_strides(shape), bucket.offsets[i]));
+    }
+    bucket.params = std::move(group);
+    buckets.push_back(std::move(bucket));
+  }
+  return buckets;
+}
+
+}  // namespace
+
+DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm::Communicator> comm,
+                           DataParallelOptions options)
+    : module_(std::move(module)), comm_(std::move(comm)), options_(std::move(options)) {
+  CHECK(module_ && comm_) << "DataParallel needs a module and a communicator";
+  CHECK(options_.bucket_bytes > 0 && options_.first_bucket_bytes > 0)
+      << "bucket sizes must be positive";
+  if (options_.broadcast_at_start) broadcast_state(0);
+  if (options_.low_priority_progress) {
+    // Runs on the progress thread, so it sets that thread's priority. Failing
+    // to (a restricted container) only costs speed.
+    comm_->enqueue([] { ::setpriority(PRIO_PROCESS, ::gettid(), 19); }).wait();
+  }
+
+  impl_ = std::make_shared<Impl>();
+  impl_->comm = comm_;
+  impl_->options = options_;
+  impl_->reduce = options_.reduce;
+  if (!impl_->reduce) {
+    comm::AllreduceOptions allreduce = options_.allreduce;
+    allreduce.op = comm::ReduceOp::avg;
+    impl_->reduce = [allreduce](comm::Communicator& c, const Bucket& bucket) {
+      return comm::allreduce_async(c, bucket.flat, allreduce);
+    };
+  }
+  impl_->buckets = make_buckets(*module_, options_);
+  const size_t n = impl_->buckets.size();
+  impl_->arrived.resize(n);
+  impl_->pending.resize(n);
+  impl_->works.resize(n);
+  impl_->markers.resize(n);
+  for (size_t b = 0; b < n; ++b) {
+    Bucket& bucket = impl_->buckets[b];
+    impl_->arrived[b].resize(bucket.params.size());
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      // Gradients accumulated before wrapping carry over into the buckets.
+      impl_->adopt_grad(bucket, i, /*zero_if_missing=*/false);
+      std::weak_ptr<Impl> weak = impl_;
+      bucket.params[i].tensor.register_hook([weak, b, i](const Tensor&) {
+        if (std::shared_ptr<Impl> impl = weak.lock()) impl->on_grad_ready(int(b), i);
+      });
+    }
+  }
+  impl_->reset_step();
+}
+
+DataParallel::~DataParallel() {
+  // Outstanding reductions write into the buckets (and spans into the
+  // timeline): let them finish first.
+  for (const auto* list : {&impl_->works, &impl_->markers}) {
+    for (const comm::Work& w : *list) {
+      try {
+        w.wait();
+      } catch (const std::exception&) {  // the error was reported by finish() or is moot now
+      }
+    }
+  }
+}
+
+const std::vector<Bucket>& DataParallel::buckets() const { return impl_->buckets; }
+
+void DataParallel::broadcast_state(int root) {
+  // One message: every parameter and buffer packed as bytes, after checking
+  // that the ranks agree on the layout (a different model would scramble it).
+  std::vector<NamedTensor> state = module_->state();
+  uint64_t layout[2] = {state.size(), 0};
+  for (const NamedTensor& t : state) {
+    CHECK(t.tensor.device().is_cpu() && t.tensor.is_contiguous())
+        << "DataParallel broadcasts contiguous CPU state; " << t.name << " is " << t.tensor.str();
+    layout[1] += t.tensor.nbytes();
+  }
+  uint64_t root_layout[2] = {layout[0], layout[1]};
+  comm::broadcast(*comm_, root_layout, sizeof(root_layout), root);
+  if (root_layout[0] != layout[0] || root_layout[1] != layout[1]) {
+    throw Error(cat("data parallel: rank ", comm_->rank(), "'s model has ", layout[0],
+                    " tensors of ", layout[1], " bytes, rank ", root, "'s has ", root_layout[0],
+                    " of ", root_layout[1], "; every rank must build the same model"));
+  }
+  std::vector<char> packed(layout[1]);
+  size_t offset = 0;
+  for (const NamedTensor& t : state) {
+    std::memcpy(packed.data() + offset, t.tensor.data_ptr(), t.tensor.nbytes());
+    offset += t.tensor.nbytes();
+  }
+  comm::broadcast(*comm_, packed.data(), packed.size(), root);
+  offset = 0;
+  for (const NamedTensor& t : state) {
+    std::memcpy(t.tensor.data_ptr(), packed.data() + offset, t.tensor.nbytes());
+    offset += t.tensor.nbytes();
+  }
+}
+
+void DataParallel::set_sync(bool sync) { impl_->sync = sync; }
+bool DataParallel::sync() const { return impl_->sync; }
+
+DataParallel::NoSync::NoSync(DataParallel* dp, bool active) : dp_(active ? dp : nullptr) {
+  if (dp_) {
+    previous_ = dp_->sync();
+    dp_->set_sync(false);
+  }
+}
+
+DataParallel::NoSync::~NoSync() {
+  if (dp_) dp_->set_sync(previous_);
+}
+
+DataParallel::NoSync::NoSync(NoSync&& other) noexcept
+    : dp_(std::exchange(other.dp_, nullptr)), previous_(other.previous_) {}
+
+void DataParallel::finish() {
+  Impl& s = *impl_;
+  if (!s.sync) return;
+  TraceScope scope(options_.timeline, "dp finish");
+  // Parameters whose hook did not fire this step contribute what their view
+  // holds (gradients of NoSync micro-steps, or zeros).
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    for (size_t i = 0; i < s.buckets[b].params.size(); ++i)
+      if (!s.arrived[b][i]) s.adopt_grad(s.buckets[b], i, /*zero_if_missing=*/true);
+  }
+  const int in_backward = s.started_in_backward;
+  while (s.next_to_start < int(s.buckets.size())) s.start(s.next_to_start++);
+  std::exception_ptr error;
+  for (const auto* list : {&s.works, &s.markers}) {
+    for (const comm::Work& w : *list) {
+      try {
+        w.wait();
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  s.reset_step();
+  s.last_started_in_backward = in_backward;
+  if (error) std::rethrow_exception(error);
+}
+
+void DataParallel::zero_grad() {
+  for (Bucket& bucket : impl_->buckets) {
+    bucket.flat.zero_();
+    for (size_t i = 0; i < bucket.params.size(); ++i)
+      bucket.params[i].tensor.set_grad(bucket.grads[i]);
+  }
+}
+
+int DataParallel::buckets_started_in_backward() const { return impl_->last_started_in_backward; }
+
+}  // namespace trainer::parallel

@@ -1,0 +1,152 @@
+// DataParallel: data-parallel training of any Module over a communicator
+// (DESIGN.md "parallel/"), in the manner of PyTorch's DistributedDataParallel.
+//
+// At construction the parameters and buffers are broadcast from rank 0, so
+// every replica starts equal. The parameters that require a gradient are
+// grouped into buckets in reverse registration order (the order backward
+// produces their gradients), each bucket a flat buffer of at most
+// bucket_bytes (the first one smaller, first_bucket_bytes, so communication
+// starts early). Each parameter's grad() is a view into its bucket's buffer,
+// so the reduction needs no copies. A gradient hook on every parameter
+// counts the gradients of the step; once all of a bucket's have arrived its
+// reduction (allreduce, averaged over the ranks) starts on the
+// communicator's progress thread while backward goes on with the layers
+// below. Buckets start strictly in index order on every rank, so the ranks
+// issue the same collectives in the same order. finish() starts whatever did
+// not start (parameters that got no gradient contribute zeros) and waits for
+// all; the optimizer steps after it.
+//
+//   DataParallel dp(model, dp_comm, {.bucket_bytes = 25 << 20});
+//   for (int micro = 0; micro < accum; ++micro) {
+//     DataParallel::NoSync guard = dp.no_sync(micro + 1 < accum);  // local accumulation
+//     (loss_fn(dp.forward(x[micro]), y[micro]) * (1.0 / accum)).backward();
+//   }
+//   dp.finish();          // gradients are now the average over the ranks
+//   opt.step();
+//   dp.zero_grad();       // zeros the bucket buffers (keeps the views)
+//
+// Gradient accumulation: inside a NoSync scope (or with set_sync(false)) the
+// hooks only accumulate; the next synchronised backward reduces the sum.
+// With overlap off every bucket is reduced in finish(), after backward (for
+// comparison). optimizer.zero_grad() (set_to_none) also works: the next
+// hooks copy the fresh gradients into the buckets, which costs a copy.
+//
+// Glossary: rank/world = index and size of the data-parallel communicator;
+// bucket = a group of parameters whose gradients are reduced as one message;
+// ready = all gradients of a bucket for this backward have arrived; sync
+// step = a backward whose gradients are reduced (not a NoSync micro-step).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "comm/communicator.h"
+#include "comm/work.h"
+#include "core/tensor.h"
+#include "layers/module.h"
+#include "parallel/trace.h"
+
+namespace trainer::parallel {
+
+// One bucket of gradients.
+struct Bucket {
+  int index = 0;
+  Tensor flat;                      // [numel] contiguous; the gradients live here
+  std::vector<NamedTensor> params;  // in bucket order (reverse registration)
+  std::vector<int64_t> offsets;     // element offset of each parameter's gradient in flat
+  TensorList grads;                 // params[i]'s gradient: a view of flat at offsets[i]
+  int64_t numel() const { return flat.numel(); }
+};
+
+// Starts the reduction of one bucket's flat gradients; the result must be in
+// bucket.flat when the returned Work finishes. The default averages with
+// allreduce_async. ZeRO replaces it (reduce-scatter into its shard).
+using BucketReduceFn = std::function<comm::Work(comm::Communicator&, const Bucket&)>;
+
+struct DataParallelOptions {
+  size_t bucket_bytes = size_t(25) << 20;
+  size_t first_bucket_bytes = size_t(1) << 20;  // the last layers' bucket, reduced first
+  bool overlap = true;             // false: reduce every bucket in finish(), after backward
+  bool broadcast_at_start = true;  // parameters and buffers from rank 0
+  // The communicator's progress thread polls (spins) while it waits for
+  // peers, taking compute time from backward where every core runs a rank.
+  // true lowers that thread to nice 19: it then reduces in the gaps and at
+  // full speed once the ranks wait in finish(). Off by default: on a machine
+  // shared with other work the reductions starve (measured: 4.3 s per step
+  // for ResNet-18's 47 MB at load 11 on 2 cores, against 0.5 s).
+  bool low_priority_progress = false;
+  // Algorithm and segment size of the default reduction (its op is always avg).
+  comm::AllreduceOptions allreduce = {.op = comm::ReduceOp::avg};
+  BucketReduceFn reduce = nullptr;  // empty: allreduce(avg) with the options above
+  Timeline* timeline = nullptr;     // records each bucket's reduction as a comm span
+};
+
+class DataParallel {
+ public:
+  DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm::Communicator> comm,
+               DataParallelOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // The wrapped module's forward.
+  Tensor forward(const Tensor& x) { return module_->forward(x); }
+  Tensor operator()(const Tensor& x) { return forward(x); }
+
+  Module& module() const { return *module_; }
+  const std::shared_ptr<Module>& module_ptr() const { return module_; }
+  comm::Communicator& comm() const { return *comm_; }
+  int rank() const { return comm_->rank(); }
+  int world_size() const { return comm_->size(); }
+  const DataParallelOptions& options() const { return options_; }
+  const std::vector<Bucket>& buckets() const;
+
+  // Copies rank root's parameters and buffers to every rank (collective).
+  void broadcast_state(int root = 0);
+
+  // Whether the next backward reduces its gradients (default true).
+  void set_sync(bool sync);
+  bool sync() const;
+  // Turns synchronisation off for its lifetime when active (a non-final
+  // micro-step of gradient accumulation), then restores the previous setting.
+  class NoSync {
+   public:
+    NoSync(DataParallel* dp, bool active);
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    DataParallel* dp_;
+    bool previous_ = true;
+  };
+  NoSync no_sync(bool active = true) { return NoSync(this, active); }
+
+  // After a sync step's backward, before the optimizer: starts the buckets
+  // that did not start and waits for all. Afterwards every parameter's grad()
+  // is its bucket view holding the average over the ranks. Rethrows a
+  // communication error (a dead peer) as trainer::Error. Does nothing after
+  // a NoSync backward.
+  void finish();
+
+  // Fills the bucket buffers with zeros and makes every grad() its view.
+  void zero_grad();
+
+  // Buckets whose reduction started in backward, before finish(), in the
+  // last sync step (0 with overlap off).
+  int buckets_started_in_backward() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Module> module_;
+  std::shared_ptr<comm::Communicator> comm_;
+  DataParallelOptions options_;
+  std::shared_ptr<Impl> impl_;  // shared with the gradient hooks (they outlive this object)
+};
+
+}  // namespace trainer::parallel

@@ -1,0 +1,413 @@
+#include "parallel/zero.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+
+namespace trainer::parallel {
+
+// One parameter's part of this rank's block of a segment.
+struct ZeroOptimizer::Piece {
+  int segment = 0;
+  int param = 0;  // index in the segment
+  int group = 0;
+  int64_t begin = 0, end = 0;  // elements of the flattened parameter
+  int64_t shard_offset = 0;    // element offset in the rank's block
+  Tensor value;  // [end - begin] view of the master block: the wrapped optimizer's parameter
+  Tensor grad;   // [end - begin] view of the reduced gradient block
+};
+
+// Per segment: the flat buffer [world_size * shard_numel] that the gradients
+// are reduce-scattered in and the parameters all-gathered in, and this
+// rank's block of the parameters [shard_numel] that the optimizer updates.
+struct ZeroOptimizer::SegmentBuffers {
+  Tensor flat;
+  Tensor master;
+  bool reduced = false;        // its gradients were reduced this step
+  bool stepped = false;        // some parameter of it had a gradient this step
+  std::vector<bool> has_grad;  // per parameter, this step
+};
+
+namespace {
+
+char* bytes_at(const Tensor& t, int64_t element) {
+  return static_cast<char*>(t.data_ptr()) + element * int64_t(dtype_size(t.dtype()));
+}
+
+size_t byte_count(DType dtype, int64_t elements) { return size_t(elements) * dtype_size(dtype); }
+
+template <class T>
+double sum_of_squares(const T* x, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += double(x[i]) * double(x[i]);
+  return s;
+}
+
+std::string numels_str(const std::vector<int64_t>& v, size_t from) {
+  std::string out = "[";
+  for (size_t i = from; i < v.size(); ++i) out += cat(i > from ? ", " : "", v[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> ZeroSegment::shard_range(int rank) const {
+  int64_t first = std::min(numel, int64_t(rank) * shard_numel);
+  return {first, std::min(numel, first + shard_numel)};
+}
+
+std::vector<ZeroSegment> zero_segments(
+    const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size) {
+  CHECK_GE(world_size, 1) << "zero_segments world size";
+  std::vector<ZeroSegment> out;
+  for (const std::vector<NamedTensor>& params : params_per_segment) {
+    if (params.empty()) continue;
+    ZeroSegment s;
+    s.params = params;
+    for (const NamedTensor& p : params) {
+      s.offsets.push_back(s.numel);
+      s.numel += p.tensor.numel();
+    }
+    s.shard_numel = (s.numel + world_size - 1) / world_size;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
+                             std::vector<optim::ParamGroup> groups,
+                             const OptimizerFactory& make_optimizer, const ZeroOptions& options)
+    : comm_(std::move(comm)), groups_(std::move(groups)), options_(options) {
+  CHECK(comm_) << "ZeroOptimizer needs a communicator";
+  bool first = true;
+  std::vector<NamedTensor> all;
+  for (const optim::ParamGroup& g : groups_)
+    for (const NamedTensor& p : g.params) {
+      if (!p.tensor.defined()) throw Error(cat("ZeRO-1: parameter '", p.name, "' is undefined"));
+      if (first) dtype_ = p.tensor.dtype();
+      first = false;
+      if (p.tensor.dtype() != dtype_)
+        throw Error(cat("ZeRO-1: parameter '", p.name, "' is ", p.tensor.dtype(), " but '",
+                        all.front().name, "' is ", dtype_, "; the sharded buffers hold one dtype"));
+      if (!p.tensor.is_contiguous() || !p.tensor.device().is_cpu())
+        throw Error(cat("ZeRO-1: parameter '", p.name, "' must be a contiguous CPU tensor"));
+      all.push_back(p);
+    }
+  if (options_.buckets) {
+    std::vector<std::vector<NamedTensor>> lists;
+    for (const Bucket& b : *options_.buckets) lists.push_back(b.params);
+    segments_ = zero_segments(lists, world_size());
+    CHECK_EQ(segments_.size(), options_.buckets->size()) << "ZeRO-1: an empty bucket";
+  } else {
+    segments_ = zero_segments({all}, world_size());
+  }
+  buffers_.resize(segments_.size());
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    buffers_[s].flat = zeros({seg.shard_numel * world_size()}, dtype_);
+    buffers_[s].master = zeros({seg.shard_numel}, dtype_);
+    buffers_[s].has_grad.assign(seg.params.size(), false);
+  }
+  build_pieces(make_optimizer);
+}
+
+ZeroOptimizer::~ZeroOptimizer() {
+  // A reduction still in flight reads and writes the flat buffers.
+  for (comm::Work& w : pending_) {
+    try {
+      w.wait();
+    } catch (const Error&) {
+    }
+  }
+}
+
+void ZeroOptimizer::build_pieces(const OptimizerFactory& make_optimizer) {
+  std::map<std::string, int> group_of;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (const NamedTensor& p : groups_[g].params) group_of[p.name] = int(g);
+  std::vector<Piece> pieces;
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    auto [first, last] = seg.shard_range(rank());
+    for (size_t i = 0; i < seg.params.size(); ++i) {
+      const NamedTensor& p = seg.params[i];
+      auto it = group_of.find(p.name);
+      if (it == group_of.end())
+        throw Error(cat("ZeRO-1: bucket parameter '", p.name,
+                        "' is in no parameter group of the optimizer"));
+      int64_t lo = seg.offsets[i], hi = lo + p.tensor.numel();
+      if (std::max(lo, first) >= std::min(hi, last)) continue;
+      Piece piece;
+      piece.segment = int(s);
+      piece.param = int(i);
+      piece.group = it->second;
+      piece.begin = std::max(lo, first) - lo;
+      piece.end = std::min(hi, last) - lo;
+      piece.shard_offset = lo + piece.begin - first;
+      int64_t n = piece.end - piece.begin;
+      piece.value = make_view(buffers_[s].master, {n}, {1}, piece.shard_offset);
+      piece.grad = make_view(buffers_[s].flat, {n}, {1},
+                             int64_t(rank()) * seg.shard_numel + piece.shard_offset);
+      pieces.push_back(std::move(piece));
+    }
+  }
+  // The wrapped optimizer's order: by group, then by position in the layout.
+  std::stable_sort(pieces.begin(), pieces.end(),
+                   [](const Piece& a, const Piece& b) { return a.group < b.group; });
+  pieces_ = std::move(pieces);
+  std::vector<optim::ParamGroup> shard_groups;
+  for (const optim::ParamGroup& g : groups_)
+    shard_groups.push_back({{}, g.weight_decay, g.lr_scale});
+  for (const Piece& p : pieces_)
+    shard_groups[size_t(p.group)].params.push_back(
+        {segments_[size_t(p.segment)].params[size_t(p.param)].name, p.value});
+  optimizer_ = make_optimizer(std::move(shard_groups));
+  CHECK(optimizer_) << "ZeRO-1: the optimizer factory returned null";
+}
+
+// ---- gradients ----
+
+void ZeroOptimizer::reduce_standalone() {
+  // Which parameters have a gradient on some rank (counts per parameter).
+  std::vector<float> counts;
+  for (const ZeroSegment& seg : segments_)
+    for (const NamedTensor& p : seg.params) counts.push_back(p.tensor.grad().defined() ? 1 : 0);
+  if (world_size() > 1 && !counts.empty())
+    comm::allreduce(*comm_, counts.data(), counts.size(), DType::f32,
+                    {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
+  comm::CollectiveOptions rs = options_.collective;
+  rs.op = comm::ReduceOp::avg;
+  size_t k = 0;
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    SegmentBuffers& buf = buffers_[s];
+    // Pack the local gradients (zeros where there is none, and in the padding).
+    for (size_t i = 0; i < seg.params.size(); ++i, ++k) {
+      buf.has_grad[i] = counts[k] > 0;
+      const Tensor& param = seg.params[i].tensor;
+      int64_t n = param.numel();
+      Tensor grad = param.grad();
+      if (grad.defined() && (grad.shape() != param.shape() || grad.dtype() != dtype_))
+        throw Error(cat("ZeRO-1: the gradient of '", seg.params[i].name, "' is ", grad.dtype(), " ",
+                        grad.shape_str(), ", expected ", dtype_, " ", param.shape_str()));
+      if (grad.defined() && grad.is_contiguous() && grad.device().is_cpu())
+        std::memcpy(bytes_at(buf.flat, seg.offsets[i]), grad.data_ptr(), byte_count(dtype_, n));
+      else if (grad.defined())
+        make_view(buf.flat, param.shape(), contiguous_strides(param.shape()), seg.offsets[i])
+            .copy_(grad);
+      else
+        std::memset(bytes_at(buf.flat, seg.offsets[i]), 0, byte_count(dtype_, n));
+    }
+    std::memset(bytes_at(buf.flat, seg.numel), 0, byte_count(dtype_, buf.flat.numel() - seg.numel));
+    char* block = bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel);
+    // The collective copies its input first, so its output may be inside it.
+    comm::reduce_scatter(*comm_, buf.flat.data_ptr(), block, size_t(seg.shard_numel), dtype_, rs);
+    buf.reduced = true;
+  }
+}
+
+comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
+  CHECK(options_.buckets) << "ZeRO-1: reduce_bucket without buckets in ZeroOptions";
+  CHECK(bucket.index >= 0 && size_t(bucket.index) < segments_.size())
+      << "ZeRO-1: bucket " << bucket.index << " of " << segments_.size();
+  const ZeroSegment& seg = segments_[size_t(bucket.index)];
+  SegmentBuffers& buf = buffers_[size_t(bucket.index)];
+  CHECK(bucket.numel() == seg.numel && bucket.flat.dtype() == dtype_ && bucket.flat.is_contiguous())
+      << "ZeRO-1: bucket " << bucket.index << " is " << bucket.flat.dtype() << " "
+      << bucket.flat.shape_str() << ", the layout has " << seg.numel << " x " << dtype_;
+  std::memcpy(buf.flat.data_ptr(), bucket.flat.data_ptr(), byte_count(dtype_, seg.numel));
+  std::memset(bytes_at(buf.flat, seg.numel), 0, byte_count(dtype_, buf.flat.numel() - seg.numel));
+  comm::CollectiveOptions rs = options_.collective;
+  rs.op = comm::ReduceOp::avg;
+  comm::Work w = comm::reduce_scatter_async(*comm_, buf.flat.data_ptr(),
+                                            bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel),
+                                            size_t(seg.shard_numel), dtype_, rs);
+  pending_.push_back(w);
+  buf.reduced = true;
+  buf.has_grad.assign(seg.params.size(), true);  // DataParallel: a missing gradient counts as zero
+  return w;
+}
+
+void ZeroOptimizer::reduce_gradients() {
+  if (reduced_) return;
+  if (options_.buckets) {
+    for (const comm::Work& w : pending_) w.wait();
+    pending_.clear();
+    for (size_t s = 0; s < segments_.size(); ++s)
+      if (!buffers_[s].reduced)
+        throw Error(cat("ZeRO-1: bucket ", s,
+                        " was not reduced this step; DataParallel's reduce "
+                        "must be zero_bucket_reduce() and dp.finish() must run before step()"));
+  } else {
+    reduce_standalone();
+  }
+  for (SegmentBuffers& buf : buffers_)
+    buf.stepped = std::find(buf.has_grad.begin(), buf.has_grad.end(), true) != buf.has_grad.end();
+  // A piece of a parameter that has no gradient on any rank gets none: the optimizer skips it.
+  for (const Piece& p : pieces_)
+    p.value.set_grad(buffers_[size_t(p.segment)].has_grad[size_t(p.param)] ? p.grad : Tensor());
+  reduced_ = true;
+}
+
+double ZeroOptimizer::clip_grad_norm(double max_norm) {
+  reduce_gradients();
+  double sumsq = 0;
+  for (const Piece& p : pieces_) {
+    if (!p.value.grad().defined()) continue;
+    sumsq += dtype_ == DType::f64 ? sum_of_squares(p.grad.data<double>(), p.grad.numel())
+                                  : sum_of_squares(p.grad.data<float>(), p.grad.numel());
+  }
+  if (world_size() > 1)
+    comm::allreduce(*comm_, &sumsq, 1, DType::f64,
+                    {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
+  double norm = std::sqrt(sumsq);
+  double factor = max_norm / (norm + 1e-6);  // optim::clip_grad_norm's rule
+  if (!(factor >= 1.0))
+    for (const Piece& p : pieces_)
+      if (p.value.grad().defined()) mul_(p.grad, factor);
+  return norm;
+}
+
+// ---- the update ----
+
+void ZeroOptimizer::step() {
+  autograd::NoGradGuard no_grad;
+  reduce_gradients();
+  // The block starts from the current parameters (a checkpoint may have replaced them).
+  for (const Piece& p : pieces_) {
+    const Tensor& param = segments_[size_t(p.segment)].params[size_t(p.param)].tensor;
+    std::memcpy(p.value.data_ptr(), bytes_at(param, p.begin), byte_count(dtype_, p.end - p.begin));
+  }
+  optimizer_->step();
+  comm::CollectiveOptions ag = options_.collective;
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    SegmentBuffers& buf = buffers_[s];
+    if (!buf.stepped) continue;  // the same on every rank: no parameter had a gradient
+    char* block = bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel);
+    std::memcpy(block, buf.master.data_ptr(), byte_count(dtype_, seg.shard_numel));
+    comm::allgather(*comm_, block, buf.flat.data_ptr(), byte_count(dtype_, seg.shard_numel), ag);
+    for (size_t i = 0; i < seg.params.size(); ++i)
+      if (buf.has_grad[i])
+        std::memcpy(seg.params[i].tensor.data_ptr(), bytes_at(buf.flat, seg.offsets[i]),
+                    byte_count(dtype_, seg.params[i].tensor.numel()));
+  }
+  for (SegmentBuffers& buf : buffers_) buf.reduced = false;
+  for (const Piece& p : pieces_) p.value.set_grad(Tensor());
+  reduced_ = false;
+}
+
+void ZeroOptimizer::zero_grad(bool set_to_none) {
+  // A step skipped after its reduction (a non-finite loss) must not leave it for the next one.
+  for (const comm::Work& w : pending_) w.wait();
+  pending_.clear();
+  for (SegmentBuffers& buf : buffers_) buf.reduced = false;
+  for (const Piece& p : pieces_) p.value.set_grad(Tensor());
+  reduced_ = false;
+  for (const optim::ParamGroup& g : groups_)
+    for (const NamedTensor& p : g.params) {
+      Tensor grad = p.tensor.grad();
+      if (!grad.defined()) continue;
+      if (set_to_none)
+        p.tensor.set_grad(Tensor());
+      else
+        grad.zero_();
+    }
+}
+
+// ---- state ----
+
+std::string ZeroOptimizer::layout_name() const { return cat("zero1.rank", rank(), ".layout"); }
+
+Tensor ZeroOptimizer::layout_tensor() const {
+  std::vector<int64_t> v{world_size(), rank(), int64_t(segments_.size())};
+  for (const ZeroSegment& s : segments_) v.push_back(s.numel);
+  return from_vector(v);
+}
+
+std::vector<std::pair<std::string, std::string>> ZeroOptimizer::state_names() const {
+  std::vector<NamedTensor> inner = optimizer_->state();
+  std::vector<std::pair<std::string, std::string>> out;
+  if (pieces_.empty()) return out;
+  CHECK_EQ(inner.size() % pieces_.size(), size_t(0)) << "ZeRO-1: state entries per piece";
+  const size_t per_piece = inner.size() / pieces_.size();
+  for (size_t i = 0; i < inner.size(); ++i) {
+    const Piece& p = pieces_[i / per_piece];
+    const std::string& param = segments_[size_t(p.segment)].params[size_t(p.param)].name;
+    CHECK(inner[i].name.rfind(param + ".", 0) == 0)
+        << "ZeRO-1: state entry " << inner[i].name << " is not of " << param;
+    out.push_back({inner[i].name, cat(inner[i].name, "[", p.begin, ":", p.end, "]")});
+  }
+  return out;
+}
+
+std::vector<NamedTensor> ZeroOptimizer::state() const {
+  std::vector<NamedTensor> inner = optimizer_->state();
+  std::vector<std::pair<std::string, std::string>> names = state_names();
+  std::vector<NamedTensor> out{{layout_name(), layout_tensor()}};
+  for (size_t i = 0; i < names.size(); ++i) out.push_back({names[i].second, inner[i].tensor});
+  return out;
+}
+
+void ZeroOptimizer::load_state(const std::vector<NamedTensor>& state) {
+  const std::string expected_layout = layout_name();
+  const NamedTensor* layout = nullptr;
+  for (const NamedTensor& e : state) {
+    bool is_layout = e.name.rfind("zero1.rank", 0) == 0 && e.name.size() > 7 &&
+                     e.name.compare(e.name.size() - 7, 7, ".layout") == 0;
+    if (!is_layout) continue;
+    if (e.name != expected_layout)
+      throw Error(cat("ZeRO-1 state: it is the shard of another rank ('", e.name,
+                      "'); this is rank ", rank(), " of ", world_size(),
+                      ", which loads the shard with '", expected_layout, "'"));
+    layout = &e;
+  }
+  if (!layout)
+    throw Error(cat("ZeRO-1 state: no '", expected_layout,
+                    "' entry, so it was not saved by ZeRO-1 (sharded optimizer state); resume "
+                    "with the optimizer sharding it was saved with"));
+  Tensor mine = layout_tensor();
+  std::vector<int64_t> want = mine.to_vector<int64_t>();
+  std::vector<int64_t> got;
+  if (layout->tensor.defined() && layout->tensor.dtype() == DType::i64 && layout->tensor.dim() == 1)
+    got = layout->tensor.to_vector<int64_t>();
+  if (got.size() < 3 || got.size() != size_t(3 + got[2]))
+    throw Error(cat("ZeRO-1 state: entry '", expected_layout,
+                    "' is malformed (expected i64 [world size, rank, segments, numel...])"));
+  if (got != want)
+    throw Error(cat("ZeRO-1 state: saved on a different layout: world size ", got[0],
+                    " with segments of ", numels_str(got, 3), " elements; this run has world size ",
+                    want[0], " with segments of ", numels_str(want, 3),
+                    " elements. Resume with the same data-parallel size, model and bucket sizes"));
+  std::map<std::string, std::string> inner_of;
+  for (const auto& [inner, outer] : state_names()) inner_of[outer] = inner;
+  std::vector<NamedTensor> inner_state;
+  std::set<std::string> seen;
+  for (const NamedTensor& e : state) {
+    if (&e == layout) continue;
+    auto it = inner_of.find(e.name);
+    if (it == inner_of.end())
+      throw Error(cat("ZeRO-1 state: unexpected entry '", e.name, "' (not a slot of rank ", rank(),
+                      "'s shard on this layout)"));
+    seen.insert(e.name);
+    inner_state.push_back({it->second, e.tensor});
+  }
+  for (const auto& [outer, inner] : inner_of)
+    if (!seen.count(outer)) throw Error(cat("ZeRO-1 state: missing entry '", outer, "'"));
+  optimizer_->load_state(inner_state);
+}
+
+BucketReduceFn zero_bucket_reduce(const std::shared_ptr<ZeroOptimizer>* zero) {
+  CHECK(zero) << "zero_bucket_reduce needs the address of the ZeroOptimizer pointer";
+  return [zero](comm::Communicator&, const Bucket& bucket) {
+    CHECK(*zero) << "ZeRO-1: a bucket was reduced before the ZeroOptimizer was built";
+    return (*zero)->reduce_bucket(bucket);
+  };
+}
+
+}  // namespace trainer::parallel

@@ -1,0 +1,172 @@
+// ZeRO stage 1: the optimizer state sharded across the data-parallel group.
+//
+// The parameters are laid out in flat segments, each split into world_size
+// equal blocks (the last ones padded), and rank r owns block r of every
+// segment. One step: the gradients are reduce-scattered (averaged) so each
+// rank holds the averaged gradient of its blocks; the wrapped optimizer
+// (SGD or AdamW, the same update math as without ZeRO) updates those blocks
+// only, so each rank keeps 1/world_size of the optimizer state; the updated
+// blocks are all-gathered back into every rank's parameters.
+//
+// Standalone (after a plain backward, no DataParallel reduction):
+//   ZeroOptimizer opt(dp_comm, groups, [&](std::vector<optim::ParamGroup> g) {
+//     return std::make_unique<optim::AdamW>(std::move(g), adamw_options);
+//   });
+//   loss.backward();
+//   opt.set_lr(lr);
+//   opt.clip_grad_norm(1.0);     // optional: the norm of the averaged gradient
+//   opt.step();                  // reduce-scatter, shard update, all-gather
+//   opt.zero_grad();
+//
+// Under DataParallel the segments are its buckets and each bucket is
+// reduce-scattered as soon as backward has produced it (overlap):
+//   std::shared_ptr<ZeroOptimizer> zero;   // outlives every backward
+//   DataParallelOptions dpo;
+//   dpo.reduce = zero_bucket_reduce(&zero);
+//   DataParallel dp(model, dp_comm, dpo);
+//   zero = std::make_shared<ZeroOptimizer>(dp_comm, groups, make_optimizer,
+//                                          ZeroOptions{.buckets = &dp.buckets()});
+//   ... backward; dp.finish(); zero->step(); zero->zero_grad(); dp.zero_grad();
+//
+// Layout (deterministic from the parameter list and the world size): without
+// buckets one segment holds the parameters of the groups in order; with
+// buckets each bucket is a segment in its own order. A segment of numel
+// elements has blocks of shard_numel = ceil(numel / world_size); rank r owns
+// elements [r * shard_numel, min(numel, (r + 1) * shard_numel)). The part of
+// one parameter inside a rank's block is a piece; the wrapped optimizer sees
+// each piece as a 1-d parameter of the piece's group (same weight decay and
+// lr scale) under the parameter's name.
+//
+// Parameters without gradients follow torch: a parameter with no gradient on
+// any rank is skipped (its state and step count do not advance); one with a
+// gradient on some ranks only counts as zero on the others (as DDP averages).
+//
+// State: each rank's shard, names recording the layout:
+//   "<param>.<slot>[<begin>:<end>]"  the piece's slot, elements begin..end of the
+//                                    flattened parameter ("fc.weight.exp_avg[0:640]")
+//   "zero1.rank<r>.layout"           i64 [3 + segments]: world size, rank,
+//                                    segment count, numel of each segment
+// load_state() refuses a state saved with another layout (world size, rank,
+// segments) or without ZeRO-1 with an Error saying what differs.
+//
+// Glossary: rank/world = index and size of the data-parallel communicator;
+// segment = a flat buffer of parameters sharded as a whole; block/shard =
+// one rank's part of a segment; piece = one parameter's part of a block.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "comm/communicator.h"
+#include "comm/work.h"
+#include "optim/optimizer.h"
+#include "parallel/ddp.h"
+
+namespace trainer::parallel {
+
+// A flat buffer of parameters split into world_size blocks.
+struct ZeroSegment {
+  std::vector<NamedTensor> params;
+  std::vector<int64_t> offsets;  // element offset of each parameter in the segment
+  int64_t numel = 0;
+  int64_t shard_numel = 0;  // ceil(numel / world_size)
+  // Rank r's elements [first, second) of the segment (empty past the end).
+  std::pair<int64_t, int64_t> shard_range(int rank) const;
+};
+
+// Builds the segments over params_per_segment (empty lists are dropped).
+std::vector<ZeroSegment> zero_segments(
+    const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size);
+
+// Builds the wrapped optimizer over the pieces of this rank, grouped as the
+// parameters were (the ZeroOptimizer keeps the groups' weight decay and lr scale).
+using OptimizerFactory =
+    std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
+
+struct ZeroOptions {
+  // DataParallel's buckets as the segments; their reduction must be
+  // zero_bucket_reduce(). Null: one segment over the groups' parameters,
+  // reduced in step().
+  const std::vector<Bucket>* buckets = nullptr;
+  comm::CollectiveOptions collective{};  // segment size and timeout of both collectives
+};
+
+class ZeroOptimizer {
+ public:
+  // Collective over comm (all ranks pass the same groups). Throws Error for
+  // parameters of mixed dtypes, or buckets holding a parameter of no group.
+  ZeroOptimizer(std::shared_ptr<comm::Communicator> comm, std::vector<optim::ParamGroup> groups,
+                const OptimizerFactory& make_optimizer, const ZeroOptions& options = {});
+  ~ZeroOptimizer();
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  // Averages the gradients over the ranks into this rank's blocks (standalone:
+  // a reduce-scatter per segment; with buckets: waits for their reductions).
+  // Once per step; step() calls it if it was not called.
+  void reduce_gradients();
+  // Clips the averaged gradient to a global 2-norm of max_norm (as
+  // optim::clip_grad_norm on the full averaged gradient) and returns the norm
+  // before clipping. Reduces first if needed. Collective.
+  double clip_grad_norm(double max_norm);
+  // Updates this rank's blocks with the wrapped optimizer and all-gathers the
+  // parameters. Collective.
+  void step();
+  // Drops the parameters' gradients (set_to_none) or fills them with zeros,
+  // and forgets a reduction whose step was skipped. Every iteration.
+  void zero_grad(bool set_to_none = true);
+
+  void set_lr(double lr) { optimizer_->set_lr(lr); }
+  double lr() const { return optimizer_->lr(); }
+  // The full parameter groups (as given).
+  const std::vector<optim::ParamGroup>& param_groups() const { return groups_; }
+  const std::vector<ZeroSegment>& segments() const { return segments_; }
+  // The wrapped optimizer over this rank's pieces.
+  const optim::Optimizer& shard_optimizer() const { return *optimizer_; }
+  int rank() const { return comm_->rank(); }
+  int world_size() const { return comm_->size(); }
+
+  // This rank's shard of the state (names as in the header comment), aliasing
+  // the live buffers.
+  std::vector<NamedTensor> state() const;
+  // Restores a state saved by state() on the same layout and rank; otherwise
+  // throws Error saying what differs and changes nothing.
+  void load_state(const std::vector<NamedTensor>& state);
+
+  // The reduction of one DataParallel bucket: its gradients reduce-scattered
+  // (averaged) into this rank's block. Used through zero_bucket_reduce().
+  comm::Work reduce_bucket(const Bucket& bucket);
+
+ private:
+  struct Piece;
+  struct SegmentBuffers;
+  void build_pieces(const OptimizerFactory& make_optimizer);
+  void reduce_standalone();
+  void mark_missing_gradients(const std::vector<bool>& has_grad);
+  std::string layout_name() const;
+  Tensor layout_tensor() const;
+  // The state names of the wrapped optimizer mapped to the layout names.
+  std::vector<std::pair<std::string, std::string>> state_names() const;
+
+  std::shared_ptr<comm::Communicator> comm_;
+  std::vector<optim::ParamGroup> groups_;
+  ZeroOptions options_;
+  DType dtype_ = DType::f32;
+  std::vector<ZeroSegment> segments_;
+  std::vector<SegmentBuffers> buffers_;  // per segment
+  std::vector<Piece> pieces_;            // this rank's, in the wrapped optimizer's order
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  std::vector<comm::Work> pending_;  // bucket reductions of this step
+  bool reduced_ = false;
+};
+
+// DataParallelOptions::reduce for ZeRO-1: forwards each bucket to
+// (*zero)->reduce_bucket. *zero is set after DataParallel is built (the
+// optimizer needs its buckets) and must stay alive while backward runs.
+BucketReduceFn zero_bucket_reduce(const std::shared_ptr<ZeroOptimizer>* zero);
+
+}  // namespace trainer::parallel

@@ -1,0 +1,196 @@
+// The rank program of the data-parallel tests (tests/test_parallel_ddp.cpp),
+// started by `trainer launch` or forked by the test with torchrun-style
+// variables. Prints "rank R: N checks, F failed" (and every mismatch with
+// rank, step, parameter, index, expected and actual); exit 0 when all pass.
+//
+//   dp_worker equiv OVERLAP ACCUM BUCKET_BYTES
+//       Every rank builds an MLP from a different seed (the start-up broadcast
+//       must make them equal) and trains it with DataParallel at per-rank
+//       batch b, ACCUM micro-steps per step (NoSync on all but the last); each
+//       rank also trains a reference copy alone on the whole global batch
+//       (world x b x ACCUM samples). After every step the two must agree.
+//       Also checks the bucket layout, that overlap starts buckets during
+//       backward (or none with OVERLAP 0), and that only the final micro-step
+//       communicates (the timeline's allreduce spans).
+//   dp_worker kill VICTIM
+//       DataParallel training in which VICTIM SIGKILLs itself in the third
+//       backward; the others must get an Error naming it and exit 3.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "comm/collectives.h"
+#include "core/ops.h"
+#include "models/small.h"
+#include "optim/optimizer.h"
+#include "parallel/ddp.h"
+
+using namespace trainer;
+using namespace trainer::parallel;
+
+namespace {
+
+int g_rank = 0;
+int g_checks = 0;
+int g_failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  ++g_checks;
+  if (!ok) {
+    std::printf("rank %d: %s\n", g_rank, what.c_str());
+    ++g_failures;
+  }
+}
+
+constexpr int64_t kIn = 20, kClasses = 5, kBatch = 3;
+
+std::shared_ptr<MLP> make_mlp(uint64_t seed) {
+  return std::make_shared<MLP>(
+      MLPOptions{.in_features = kIn, .hidden = {33, 17}, .num_classes = kClasses, .seed = seed});
+}
+
+// The global batch of a step: inputs [n, kIn] and labels [n].
+std::pair<Tensor, Tensor> global_batch(int64_t step, int64_t n) {
+  Generator gen(1234, uint64_t(step));
+  Tensor x = normal({n, kIn}, 0.0, 1.0, gen);
+  std::vector<int64_t> labels(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) labels[size_t(i)] = (i * 7 + step * 3) % kClasses;
+  return {x, from_vector(labels)};
+}
+
+// First element where a and b differ by more than a float tolerance, reported.
+void expect_close(const std::string& what, const Tensor& actual, const Tensor& expected) {
+  std::vector<float> a = actual.to_vector<float>(), e = expected.to_vector<float>();
+  ++g_checks;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!(std::fabs(a[i] - e[i]) <= 2e-5 * (1.0 + std::fabs(e[i])))) {
+      std::printf("rank %d: %s: mismatch at index %zu: expected %.8g, actual %.8g\n", g_rank,
+                  what.c_str(), i, double(e[i]), double(a[i]));
+      ++g_failures;
+      return;
+    }
+  }
+}
+
+int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, int64_t accum,
+              size_t bucket_bytes) {
+  const int n = world->size(), rank = world->rank();
+  auto model = make_mlp(uint64_t(rank) + 1);
+  auto reference = make_mlp(1);  // rank 0's initialisation
+  Timeline timeline(rank);
+  DataParallel dp(model, world,
+                  {.bucket_bytes = bucket_bytes,
+                   .first_bucket_bytes = bucket_bytes,
+                   .overlap = overlap,
+                   .timeline = &timeline});
+  for (const NamedTensor& p : model->named_parameters()) {
+    Tensor ref = p.tensor;
+    for (const NamedTensor& q : reference->named_parameters())
+      if (q.name == p.name) ref = q.tensor;
+    expect_close(cat("broadcast at start: ", p.name), p.tensor, ref);
+  }
+
+  // Buckets: reverse registration order, every parameter once, views into flat.
+  std::vector<NamedTensor> params = model->named_parameters();
+  size_t next = params.size();
+  int64_t bucket_sum = 0;
+  for (const Bucket& b : dp.buckets()) {
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      --next;
+      expect(b.params[i].name == params[next].name,
+             cat("bucket ", b.index, " holds ", b.params[i].name, " where ", params[next].name,
+                 " was expected"));
+      expect(b.grads[i].data_ptr() == static_cast<char*>(b.flat.data_ptr()) + 4 * b.offsets[i],
+             cat("bucket ", b.index, ": the gradient of ", b.params[i].name, " is not a view"));
+    }
+    bucket_sum += b.numel();
+  }
+  expect(next == 0 && bucket_sum == model->num_parameters(),
+         "the buckets do not cover every parameter exactly once");
+
+  const optim::SGDOptions sgd{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3};
+  optim::SGD opt({{model->named_parameters()}}, sgd);
+  optim::SGD ref_opt({{reference->named_parameters()}}, sgd);
+  const int64_t steps = 4;
+  for (int64_t step = 0; step < steps; ++step) {
+    auto [x, y] = global_batch(step, n * kBatch * accum);
+    for (int64_t m = 0; m < accum; ++m) {
+      const int64_t first = (m * n + rank) * kBatch;
+      Tensor xr = x.slice(0, first, first + kBatch).contiguous();
+      Tensor yr = y.slice(0, first, first + kBatch).contiguous();
+      DataParallel::NoSync no_sync = dp.no_sync(m + 1 < accum);
+      (cross_entropy(dp(xr), yr) * (1.0 / double(accum))).backward();
+    }
+    dp.finish();
+    if (overlap && dp.buckets().size() > 1)
+      expect(dp.buckets_started_in_backward() == int(dp.buckets().size()),
+             cat("step ", step, ": ", dp.buckets_started_in_backward(), " of ", dp.buckets().size(),
+                 " buckets started during backward"));
+    if (!overlap)
+      expect(dp.buckets_started_in_backward() == 0, "overlap off but buckets started in backward");
+    opt.step();
+    // Both ways of clearing gradients: the bucket-preserving one and set_to_none.
+    if (step % 2 == 0)
+      dp.zero_grad();
+    else
+      opt.zero_grad();
+
+    cross_entropy((*reference)(x), y).backward();
+    ref_opt.step();
+    ref_opt.zero_grad();
+    for (size_t i = 0; i < params.size(); ++i)
+      expect_close(cat("step ", step, ": ", params[i].name), params[i].tensor,
+                   reference->named_parameters()[i].tensor);
+  }
+  int64_t comm_spans = 0;
+  for (const TraceSpan& s : timeline.spans()) comm_spans += s.track == Track::comm;
+  expect(comm_spans == steps * int64_t(dp.buckets().size()),
+         cat(comm_spans, " allreduce spans for ", steps, " steps of ", dp.buckets().size(),
+             " buckets (only the final micro-step may communicate)"));
+  std::printf("rank %d: %d buckets, %d checks, %d failed\n", rank, int(dp.buckets().size()),
+              g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
+
+int run_kill(const std::shared_ptr<comm::Communicator>& world, int victim) {
+  auto model = make_mlp(1);
+  DataParallel dp(model, world, {.bucket_bytes = 4096, .first_bucket_bytes = 4096});
+  try {
+    for (int64_t step = 0; step < 1000; ++step) {
+      auto [x, y] = global_batch(step, kBatch);
+      Tensor loss = cross_entropy(dp(x), y);
+      if (step == 2 && world->rank() == victim) ::raise(SIGKILL);
+      loss.backward();
+      dp.finish();
+      dp.zero_grad();
+    }
+  } catch (const Error& e) {
+    std::printf("rank %d: error: %s\n", world->rank(), e.what());
+    return 3;
+  }
+  std::printf("rank %d: finished without noticing the dead peer\n", world->rank());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "";
+  try {
+    auto world = comm::init_world(comm::detect_bootstrap(), {.timeout = comm::Millis(20000)});
+    g_rank = world->rank();
+    if (mode == "equiv" && argc == 5)
+      return run_equiv(world, std::atoi(argv[2]) != 0, std::atoll(argv[3]),
+                       size_t(std::atoll(argv[4])));
+    if (mode == "kill" && argc == 3) return run_kill(world, std::atoi(argv[2]));
+  } catch (const Error& e) {
+    std::printf("rank %d: error: %s\n", g_rank, e.what());
+    return 2;
+  }
+  std::fprintf(stderr, "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES | kill VICTIM\n");
+  return 64;
+}

@@ -1,0 +1,271 @@
+// LSTM and GRU: the layer ops against step-by-step loops of core ops (values
+// and gradients), finite differences in f64, the CPU fast path against the
+// reference kernels, the multi-layer modules (dropout determinism, state
+// carried across calls) and a tiny LSTM language model overfitting a batch.
+#include "tests/testing.h"
+
+#include <cmath>
+#include <vector>
+
+#include "core/ops_rnn.h"
+#include "layers/rnn.h"
+#include "models/lstm_lm.h"
+#include "optim/optimizer.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+
+namespace {
+
+// Gate k (rows [k H, (k + 1) H)) of a [B, G H] pre-activation.
+Tensor gate(const Tensor& a, int64_t k, int64_t H) { return a.narrow(1, k * H, H); }
+
+// LSTM with matmul, sigmoid and tanh, one step at a time.
+LSTMOutput lstm_loop(const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& wih,
+                     const Tensor& whh, const Tensor& bih, const Tensor& bhh) {
+  int64_t T = x.size(1), H = h0.size(1);
+  Tensor h = h0, c = c0;
+  TensorList ys;
+  for (int64_t t = 0; t < T; ++t) {
+    Tensor a = matmul(x.select(1, t), wih.t()) + bih + matmul(h, whh.t()) + bhh;
+    Tensor i = sigmoid(gate(a, 0, H)), f = sigmoid(gate(a, 1, H));
+    Tensor g = tanh(gate(a, 2, H)), o = sigmoid(gate(a, 3, H));
+    c = f * c + i * g;
+    h = o * tanh(c);
+    ys.push_back(h);
+  }
+  return {stack(ys, 1), h, c};
+}
+
+// GRU as torch.nn.GRU documents it, one step at a time.
+GRUOutput gru_loop(const Tensor& x, const Tensor& h0, const Tensor& wih, const Tensor& whh,
+                   const Tensor& bih, const Tensor& bhh) {
+  int64_t T = x.size(1), H = h0.size(1);
+  Tensor h = h0;
+  TensorList ys;
+  for (int64_t t = 0; t < T; ++t) {
+    Tensor gi = matmul(x.select(1, t), wih.t()) + bih;
+    Tensor gh = matmul(h, whh.t()) + bhh;
+    Tensor r = sigmoid(gate(gi, 0, H) + gate(gh, 0, H));
+    Tensor z = sigmoid(gate(gi, 1, H) + gate(gh, 1, H));
+    Tensor n = tanh(gate(gi, 2, H) + r * gate(gh, 2, H));
+    h = (1.0 - z) * n + z * h;
+    ys.push_back(h);
+  }
+  return {stack(ys, 1), h};
+}
+
+Tensor flat(const TensorList& ts) {
+  TensorList parts;
+  for (const Tensor& t : ts) parts.push_back(t.reshape({-1}));
+  return concat(parts, 0);
+}
+
+// Inputs x [B, T, I], h0, c0 [B, H], w_ih [G H, I], w_hh [G H, H], b_ih, b_hh.
+TensorList lstm_inputs(int64_t B, int64_t T, int64_t I, int64_t H, Generator& gen, DType dt) {
+  return {rand_tensor({B, T, I}, gen, -1, 1, dt),  rand_tensor({B, H}, gen, -1, 1, dt),
+          rand_tensor({B, H}, gen, -1, 1, dt),     rand_tensor({4 * H, I}, gen, -1, 1, dt),
+          rand_tensor({4 * H, H}, gen, -1, 1, dt), rand_tensor({4 * H}, gen, -1, 1, dt),
+          rand_tensor({4 * H}, gen, -1, 1, dt)};
+}
+TensorList gru_inputs(int64_t B, int64_t T, int64_t I, int64_t H, Generator& gen, DType dt) {
+  return {rand_tensor({B, T, I}, gen, -1, 1, dt),  rand_tensor({B, H}, gen, -1, 1, dt),
+          rand_tensor({3 * H, I}, gen, -1, 1, dt), rand_tensor({3 * H, H}, gen, -1, 1, dt),
+          rand_tensor({3 * H}, gen, -1, 1, dt),    rand_tensor({3 * H}, gen, -1, 1, dt)};
+}
+
+Tensor lstm_all(const TensorList& in) {
+  LSTMOutput o = lstm_layer(in[0], in[1], in[2], in[3], in[4], in[5], in[6]);
+  return flat({o.y, o.h, o.c});
+}
+Tensor gru_all(const TensorList& in) {
+  GRUOutput o = gru_layer(in[0], in[1], in[2], in[3], in[4], in[5]);
+  return flat({o.y, o.h});
+}
+
+// Values and gradients (of every input) of f and g agree.
+void require_same_function(const Fn& f, const Fn& g, const TensorList& inputs, double tol) {
+  auto run = [&](const Fn& fn, TensorList& grads) {
+    TensorList in;
+    for (const Tensor& t : inputs) in.push_back(t.detach().requires_grad_());
+    Tensor out = fn(in);
+    out.backward(probe_like(out));
+    for (const Tensor& t : in) grads.push_back(t.grad());
+    return out;
+  };
+  TensorList gf, gg;
+  Tensor a = run(f, gf), b = run(g, gg);
+  require_close(a, b, tol, tol, "outputs");
+  for (size_t k = 0; k < inputs.size(); ++k)
+    require_close(gf[k], gg[k], tol, tol, "gradient of input " + std::to_string(k));
+}
+
+}  // namespace
+
+TEST_CASE("lstm_layer matches a step-by-step loop of core ops", "[rnn]") {
+  Generator gen(1);
+  Fn loop = [](const TensorList& in) {
+    LSTMOutput o = lstm_loop(in[0], in[1], in[2], in[3], in[4], in[5], in[6]);
+    return flat({o.y, o.h, o.c});
+  };
+  SECTION("f32, fast path") {
+    require_same_function(lstm_all, loop, lstm_inputs(3, 5, 7, 6, gen, DType::f32), 2e-5);
+  }
+  SECTION("f64, reference kernels") {
+    require_same_function(lstm_all, loop, lstm_inputs(2, 4, 3, 5, gen, DType::f64), 1e-12);
+  }
+}
+
+TEST_CASE("gru_layer matches a step-by-step loop of core ops", "[rnn]") {
+  Generator gen(2);
+  Fn loop = [](const TensorList& in) {
+    GRUOutput o = gru_loop(in[0], in[1], in[2], in[3], in[4], in[5]);
+    return flat({o.y, o.h});
+  };
+  SECTION("f32, fast path") {
+    require_same_function(gru_all, loop, gru_inputs(3, 5, 7, 6, gen, DType::f32), 2e-5);
+  }
+  SECTION("f64, reference kernels") {
+    require_same_function(gru_all, loop, gru_inputs(2, 4, 3, 5, gen, DType::f64), 1e-12);
+  }
+}
+
+TEST_CASE("lstm_layer and gru_layer gradients match finite differences", "[rnn]") {
+  Generator gen(3);
+  SECTION("lstm") { gradcheck(lstm_all, lstm_inputs(2, 3, 3, 2, gen, DType::f64)); }
+  SECTION("gru") { gradcheck(gru_all, gru_inputs(2, 3, 3, 2, gen, DType::f64)); }
+  SECTION("lstm without biases") {
+    TensorList in = lstm_inputs(2, 3, 2, 3, gen, DType::f64);
+    gradcheck(
+        [](const TensorList& v) {
+          LSTMOutput o = lstm_layer(v[0], v[1], v[2], v[3], v[4], Tensor(), Tensor());
+          return flat({o.y, o.h, o.c});
+        },
+        {in[0], in[1], in[2], in[3], in[4]});
+  }
+}
+
+TEST_CASE("recurrent fast path matches the reference kernels", "[rnn]") {
+  Generator gen(4);
+  for (auto [B, T, I, H] : {std::array<int64_t, 4>{1, 1, 1, 1}, {3, 7, 5, 9}, {5, 4, 17, 13}}) {
+    INFO("B " << B << " T " << T << " I " << I << " H " << H);
+    TensorList l = lstm_inputs(B, T, I, H, gen, DType::f32);
+    for (Tensor& t : l) t = non_contiguous(t);
+    check_fast_vs_reference(lstm_all, l, 1e-4, 1e-5);
+    TensorList g = gru_inputs(B, T, I, H, gen, DType::f32);
+    for (Tensor& t : g) t = non_contiguous(t);
+    check_fast_vs_reference(gru_all, g, 1e-4, 1e-5);
+  }
+  SECTION("only y receives a gradient") {
+    TensorList l = lstm_inputs(2, 3, 4, 5, gen, DType::f32);
+    check_fast_vs_reference(
+        [](const TensorList& in) {
+          return lstm_layer(in[0], in[1], in[2], in[3], in[4], in[5], in[6]).y;
+        },
+        l, 1e-4, 1e-5);
+  }
+}
+
+TEST_CASE("LSTM and GRU modules: names, init, dropout, batch_first", "[rnn]") {
+  Generator gen(5);
+  LSTM lstm({.input_size = 3, .hidden_size = 4, .num_layers = 2, .dropout = 0.5, .seed = 9}, gen);
+  std::vector<std::string> names;
+  for (const NamedTensor& p : lstm.named_parameters()) names.push_back(p.name);
+  CHECK(names == std::vector<std::string>{"weight_ih_l0", "weight_hh_l0", "bias_ih_l0",
+                                          "bias_hh_l0", "weight_ih_l1", "weight_hh_l1",
+                                          "bias_ih_l1", "bias_hh_l1"});
+  CHECK(lstm.weight_ih[1].shape() == Shape{16, 4});
+  CHECK(lstm.named_buffers().empty());
+  for (const NamedTensor& p : lstm.named_parameters()) {
+    std::vector<float> v = p.tensor.to_vector<float>();
+    for (float e : v) REQUIRE(std::fabs(e) <= 0.5f);  // 1 / sqrt(4)
+  }
+
+  Tensor x = rand_tensor({2, 6, 3}, gen);
+  auto run = [&](uint64_t seed, bool train) {
+    Generator g(5);
+    LSTM m({.input_size = 3, .hidden_size = 4, .num_layers = 2, .dropout = 0.5, .seed = seed}, g);
+    m.train(train);
+    return m.forward(x, RNNState{}).first;
+  };
+  require_close(run(9, true), run(9, true), 0, 0, "same seed, same masks");
+  Tensor eval = run(9, false);
+  CHECK(max(abs(run(9, true) - eval)).item<float>() > 1e-3f);
+  CHECK(max(abs(run(10, true) - run(9, true))).item<float>() > 1e-3f);
+
+  GRU gru({.input_size = 3, .hidden_size = 4, .num_layers = 2, .seed = 1}, gen);
+  GRU gru_tb({.input_size = 3, .hidden_size = 4, .num_layers = 2, .batch_first = false}, gen);
+  for (size_t k = 0; k < 2; ++k) {
+    gru_tb.weight_ih[k].copy_(gru.weight_ih[k]);
+    gru_tb.weight_hh[k].copy_(gru.weight_hh[k]);
+    gru_tb.bias_ih[k].copy_(gru.bias_ih[k]);
+    gru_tb.bias_hh[k].copy_(gru.bias_hh[k]);
+  }
+  auto [y, s] = gru.forward(x, RNNState{});
+  auto [y_tb, s_tb] = gru_tb.forward(x.transpose(0, 1), RNNState{});
+  require_close(y_tb.transpose(0, 1), y, 1e-6, 1e-6, "batch_first = false");
+  CHECK(s.h.shape() == Shape{2, 2, 4});
+  CHECK(!s.c.defined());
+}
+
+TEST_CASE("state carried across calls equals one call over both halves", "[rnn]") {
+  Generator gen(6);
+  int64_t L = 5;
+  Tensor x = rand_tensor({3, 2 * L, 4}, gen);
+  LSTM lstm({.input_size = 4, .hidden_size = 6, .num_layers = 2}, gen);
+  GRU gru({.input_size = 4, .hidden_size = 6, .num_layers = 2}, gen);
+  for (RNNBase* m : std::initializer_list<RNNBase*>{&lstm, &gru}) {
+    RNNState start;
+    if (m == &lstm) start = {rand_tensor({2, 3, 6}, gen), rand_tensor({2, 3, 6}, gen)};
+    auto [y, s] = m->forward(x, start);
+    auto [y1, s1] = m->forward(x.narrow(1, 0, L), start);
+    auto [y2, s2] = m->forward(x.narrow(1, L, L), s1.detach());
+    require_close(concat({y1, y2}, 1), y, 1e-5, 1e-6, "y");
+    require_close(s2.h, s.h, 1e-5, 1e-6, "h");
+    if (s.c.defined()) require_close(s2.c, s.c, 1e-5, 1e-6, "c");
+    CHECK(!s1.detach().h.requires_grad());
+  }
+}
+
+TEST_CASE("LSTM LM: names, weight tying, overfitting a fixed batch", "[rnn]") {
+  auto tied = make_lstm_lm({.vocab_size = 12,
+                            .embedding_dim = 8,
+                            .hidden_size = 8,
+                            .num_layers = 2,
+                            .tie_weights = true});
+  std::vector<std::string> names;
+  for (const NamedTensor& p : tied->named_parameters()) names.push_back(p.name);
+  CHECK(names.front() == "encoder.weight");
+  CHECK(names.back() == "decoder.bias");
+  CHECK(names.size() == 1 + 8 + 1);
+  CHECK(tied->decoder_weight().impl() == tied->encoder->weight.impl());
+  CHECK(!tied->decoder);
+
+  int64_t B = 4, T = 10, V = 16;
+  auto lm = make_lstm_lm(
+      {.vocab_size = V, .embedding_dim = 16, .hidden_size = 32, .num_layers = 2, .seed = 3});
+  CHECK(lm->named_parameters().back().name == "decoder.bias");
+  std::vector<int64_t> data(size_t(B * (T + 1)));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t <= T; ++t)
+      data[size_t(b * (T + 1) + t)] = t == 0 ? b : int64_t((b * 7 + t * t * 3 + 1) % V);
+  Tensor all = from_vector(data, {B, T + 1});
+  Tensor x = all.narrow(1, 0, T).contiguous(), y = all.narrow(1, 1, T).contiguous();
+  optim::AdamW opt({optim::ParamGroup{lm->named_parameters()}}, {.lr = 2e-2, .weight_decay = 0.0});
+  double first = 0.0, last = 0.0;
+  for (int step = 0; step < 150; ++step) {
+    LSTMLMOutput out = lm->forward(x, RNNState{});
+    CHECK(out.state.h.shape() == Shape{2, B, 32});
+    Tensor loss = cross_entropy(out.logits.reshape({B * T, V}), y.reshape({B * T}));
+    if (step == 0) first = loss.item<float>();
+    last = loss.item<float>();
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+  }
+  INFO("loss " << first << " -> " << last);
+  CHECK(std::abs(first - std::log(double(V))) < 0.3);
+  CHECK(last < 0.05);
+  Tensor stateless = (*lm)(x);
+  require_close(stateless, lm->forward(x, RNNState{}).logits, 0, 0, "Module::forward");
+}

@@ -1,0 +1,99 @@
+#include "trainer/distributed.h"
+
+#include <cmath>
+
+#include "comm/bootstrap.h"
+#include "comm/collectives.h"
+#include "parallel/sync_batchnorm.h"
+
+namespace trainer {
+
+int64_t data_parallel_degree(const Recipe& r, int world_size) {
+  const ParallelRecipe& p = r.parallel;
+  if (p.pp != 1 || p.tp != 1)
+    throw Error(cat(r.source, ": parallel.pp = ", p.pp, ", parallel.tp = ", p.tp,
+                    ": pipeline and tensor parallelism are not built yet; use pp = tp = 1"));
+  const int64_t dp = p.dp == 0 ? world_size : p.dp;
+  if (dp != world_size)
+    throw Error(cat(r.source, ": parallel.dp = ", dp, " but the job has ", world_size,
+                    world_size == 1 ? " rank" : " ranks",
+                    "; launch dp ranks (trainer launch --nproc-per-node ", dp,
+                    ") or set parallel.dp=", world_size));
+  if (p.zero1)
+    throw Error(cat(r.source,
+                    ": parallel.zero1 is not wired into the trainer yet (parallel/zero.h "
+                    "works on its own); set it to false"));
+  return dp;
+}
+
+Distributed join_job(const Recipe& recipe) {
+  comm::Bootstrap boot = comm::detect_bootstrap();
+  data_parallel_degree(recipe, boot.world_size);
+  Distributed d;
+  d.rank = boot.rank;
+  d.world_size = boot.world_size;
+  if (boot.world_size > 1) d.world = comm::init_world(boot);
+  return d;
+}
+
+DistributedRun::DistributedRun(const Distributed& dist, const Recipe& recipe,
+                               std::shared_ptr<Module> model, bool trace)
+    : dist_(dist) {
+  if (trace) timeline_ = std::make_unique<parallel::Timeline>(dist.rank);
+  if (!dist.active()) return;
+  // Before DataParallel registers its hooks: the converted layers keep their
+  // parameters, so the buckets are the same either way.
+  if (recipe.parallel.sync_bn) parallel::convert_sync_batchnorm(*model, dist.world);
+  parallel::DataParallelOptions o;
+  o.bucket_bytes = size_t(recipe.parallel.bucket_mb) << 20;
+  o.overlap = recipe.parallel.overlap;
+  o.timeline = timeline_.get();
+  dp_ = std::make_unique<parallel::DataParallel>(std::move(model), dist.world, o);
+}
+
+parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
+  return parallel::DataParallel::NoSync(dp_.get(), active && dp_ != nullptr);
+}
+
+void DistributedRun::finish_gradients() {
+  if (dp_) dp_->finish();
+}
+
+void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
+  if (dp_)
+    dp_->zero_grad();
+  else
+    optimizer.zero_grad();
+}
+
+StepVerdict DistributedRun::agree(double loss, bool finite, bool stop) const {
+  if (!dist_.active()) return StepVerdict{loss, finite, stop};
+  // Sums of (loss, non-finite ranks, stopping ranks): one message.
+  double v[3] = {finite ? loss : 0.0, finite ? 0.0 : 1.0, stop ? 1.0 : 0.0};
+  comm::allreduce(*dist_.world, v, 3, DType::f64, {.op = comm::ReduceOp::sum});
+  StepVerdict verdict;
+  verdict.finite = v[1] == 0;
+  verdict.loss = verdict.finite ? v[0] / dist_.world_size : std::nan("");
+  verdict.stop = v[2] > 0;
+  return verdict;
+}
+
+void DistributedRun::barrier() const {
+  if (dist_.active()) comm::barrier(*dist_.world);
+}
+
+void DistributedRun::end_trace_window(int64_t steps_done) {
+  // 50 steps show the steady state and keep the file a few MB.
+  constexpr int64_t kTracedSteps = 50;
+  if (timeline_ && steps_done >= kTracedSteps) timeline_->set_recording(false);
+}
+
+void DistributedRun::write_trace(const std::string& path) const {
+  if (!timeline_) return;
+  if (dist_.active())
+    timeline_->write_merged(*dist_.world, path);
+  else
+    timeline_->write(path);
+}
+
+}  // namespace trainer
