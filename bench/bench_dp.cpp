@@ -22,7 +22,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,26 +29,20 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "comm/collectives.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
-#include "models/registry.h"
-#include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/trace.h"
 
 using namespace trainer;
 using namespace trainer::parallel;
+using namespace trainer::bench;
 
 namespace {
 
-struct Case {
-  const char* name;
-  const char* model;
-  int64_t batch, size, channels, classes;
-};
-
-const Case kCases[] = {
+const ImageCase kCases[] = {
     {"small_cnn_28", "small_cnn", 128, 28, 1, 10},
     {"resnet18_64", "resnet18", 32, 64, 3, 1000},
 };
@@ -73,15 +66,10 @@ struct RankResult {
   double finish_seconds = 0;  // waiting in DataParallel::finish(): communication not hidden
 };
 
-RankResult run_rank(const Case& c, const Settings& s, std::shared_ptr<comm::Communicator> world) {
-  ModelOptions o;
-  o.num_classes = c.classes;
-  o.in_channels = c.channels;
-  o.image_size = c.size;
-  o.dropout = 0;
-  std::shared_ptr<Module> model = make_model(c.model, o);
-  optim::SGD sgd({optim::ParamGroup{model->named_parameters()}},
-                 optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+RankResult run_rank(const ImageCase& c, const Settings& s,
+                    std::shared_ptr<comm::Communicator> world) {
+  std::shared_ptr<Module> model = make_case_model(c, {.dropout = 0});
+  optim::SGD sgd = make_sgd(*model);
   const int rank = world ? world->rank() : 0;
   Timeline timeline(rank);
   std::unique_ptr<DataParallel> dp;
@@ -128,9 +116,8 @@ RankResult run_rank(const Case& c, const Settings& s, std::shared_ptr<comm::Comm
     if (i >= s.warmup)
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::sort(times.begin(), times.end());
   RankResult r;
-  r.step_seconds = times[times.size() / 2];
+  r.step_seconds = median(times);
   std::vector<TraceSpan> spans;
   for (const TraceSpan& sp : timeline.spans())
     if (sp.begin_us >= timed_from_us) spans.push_back(sp);
@@ -147,7 +134,7 @@ RankResult run_rank(const Case& c, const Settings& s, std::shared_ptr<comm::Comm
 }
 
 // Runs `world` ranks of case c as child processes; rank 0's result.
-bool run_world(const Case& c, const Settings& s, int world_size, RankResult& out) {
+bool run_world(const ImageCase& c, const Settings& s, int world_size, RankResult& out) {
   int fd[2];
   if (pipe(fd) != 0) return false;
   const int port = 21000 + int(::getpid() % 20000);
@@ -188,7 +175,7 @@ bool run_world(const Case& c, const Settings& s, int world_size, RankResult& out
 }
 
 // bench_dp_torch.py's "efficiency hidden_fraction" for case c; false without torch.
-bool measure_torch(const Case& c, const Settings& s, double& efficiency, double& hidden) {
+bool measure_torch(const ImageCase& c, const Settings& s, double& efficiency, double& hidden) {
   std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_dp_torch.py" +
                     " --model " + c.model + " --batch " + std::to_string(c.batch) + " --size " +
                     std::to_string(c.size) + " --channels " + std::to_string(c.channels) +
@@ -242,7 +229,7 @@ int main(int argc, char** argv) {
   std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %10s %7s\n", "case", "batch",
               "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms", "hidden", "exposed",
               "torch eff", "hidden");
-  for (const Case& c : kCases) {
+  for (const ImageCase& c : kCases) {
     if (!only.empty() && only != c.name) continue;
     RankResult one, two;
     if (!run_world(c, s, 1, one) || !run_world(c, s, 2, two)) {

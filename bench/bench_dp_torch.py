@@ -11,7 +11,6 @@ as bench_dp computes them. The allreduce spans come from a DDP comm hook:
 from the hook's call (the bucket is ready) to the completion callback of the
 gloo work. Not a project dependency: bench_dp calls it when torch is importable.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -23,17 +22,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train_torch import SmallCNN  # noqa: E402
+from bench_train_torch import case_arguments, image_model  # noqa: E402
 
 
 def build(args):
+    m = image_model(args)
     if args.model == "small_cnn":
-        m = SmallCNN(args.channels, args.classes, args.size)
         m.drop.p = 0.0
-        return m
-    import torchvision
-
-    return getattr(torchvision.models, args.model)(num_classes=args.classes)
+    return m
 
 
 def union(spans):
@@ -129,13 +125,7 @@ def measure(world, args):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--channels", type=int, default=3)
-    p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--steps", type=int, default=10)
+    p = case_arguments(steps=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25)
     args = p.parse_args()

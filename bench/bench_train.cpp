@@ -16,31 +16,24 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
 #include "models/gpt.h"
 #include "models/lstm_lm.h"
-#include "models/registry.h"
-#include "optim/optimizer.h"
 
 using namespace trainer;
+using namespace trainer::bench;
 
 namespace {
 
-struct Case {
-  const char* name;
-  const char* model;
-  int64_t batch, size, channels, classes;
-};
-
-const Case kCases[] = {
+const ImageCase kCases[] = {
     {"small_cnn_28", "small_cnn", 128, 28, 1, 10},
     {"resnet18_64", "resnet18", 32, 64, 3, 1000},
     {"resnet18_224", "resnet18", 16, 224, 3, 1000},
@@ -48,29 +41,18 @@ const Case kCases[] = {
 };
 
 // Median seconds per step over `steps` timed steps after 2 warm-up steps.
-double run_case(const Case& c, int steps) {
-  ModelOptions o;
-  o.num_classes = c.classes;
-  o.in_channels = c.channels;
-  o.image_size = c.size;
-  auto model = make_model(c.model, o);
-  optim::SGD sgd({optim::ParamGroup{model->named_parameters()}},
-                 optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+double run_case(const ImageCase& c, int steps) {
+  auto model = make_case_model(c);
+  optim::SGD sgd = make_sgd(*model);
   Generator gen(1);
   Tensor images = normal({c.batch, c.size, c.size, c.channels}, 0, 1, gen).permute({0, 3, 1, 2});
   Tensor labels = from_vector(std::vector<int64_t>(size_t(c.batch), 3));
-  std::vector<double> times;
-  for (int i = 0; i < steps + 2; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
+  return median_step_seconds(steps, [&] {
     Tensor loss = cross_entropy((*model)(images), labels);
     loss.backward();
     sgd.step();
     sgd.zero_grad();
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 2) times.push_back(dt);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  });
 }
 
 // Token cases: a language model on random tokens, loss over every position.
@@ -101,24 +83,17 @@ std::shared_ptr<Module> make_lm(const LMCase& c) {
 // Median seconds per training step of a language model (the LSTM from a zero state).
 double run_lm_case(const LMCase& c, int steps) {
   auto model = make_lm(c);
-  optim::SGD sgd({optim::ParamGroup{model->named_parameters()}},
-                 optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+  optim::SGD sgd = make_sgd(*model);
   Generator gen(1);
   Tensor tokens = uniform({c.batch, c.seq}, 0, double(c.vocab), gen).to(DType::i64);
   Tensor targets = uniform({c.batch * c.seq}, 0, double(c.vocab), gen).to(DType::i64);
-  std::vector<double> times;
-  for (int i = 0; i < steps + 2; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
+  return median_step_seconds(steps, [&] {
     Tensor logits = (*model)(tokens).reshape({c.batch * c.seq, c.vocab});
     Tensor loss = cross_entropy(logits, targets);
     loss.backward();
     sgd.step();
     sgd.zero_grad();
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 2) times.push_back(dt);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  });
 }
 
 struct Result {
@@ -207,7 +182,7 @@ int main(int argc, char** argv) {
       steps);
   std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr", "ours samp/s",
               "peak MiB", "torch samp/s", "peak MiB", "ratio");
-  for (const Case& c : kCases) {
+  for (const ImageCase& c : kCases) {
     if (!only.empty() && only != c.name) continue;
     for (int t : threads) {
       Result ours = measure_in_child([&] { return double(c.batch) / run_case(c, steps); }, t);

@@ -90,6 +90,42 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
+def case_arguments(steps):
+    """The arguments naming a case, shared with bench_dp_torch.py: --model (small_cnn or a
+    torchvision model), --batch, --size (input side), --channels, --classes, --steps."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--channels", type=int, default=3)
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=steps)
+    return p
+
+
+def image_model(a):
+    """The image classifier --model names: SmallCNN or a torchvision model."""
+    if a.model == "small_cnn":
+        return SmallCNN(a.channels, a.classes, a.size)
+    import torchvision
+
+    return getattr(torchvision.models, a.model)(num_classes=a.classes)
+
+
+def median_step_seconds(steps, loss, opt):
+    """Median seconds of a training step (loss(), backward, opt step) over `steps` timed
+    steps after 2 warm-up steps."""
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def lm_tokens_per_second(a):
     """Language models: vocab --classes, width --size, --layers layers, sequence --seq,
     batch --batch (GPT: --heads heads, context --seq)."""
@@ -100,27 +136,16 @@ def lm_tokens_per_second(a):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     x = torch.randint(0, a.classes, (a.batch, a.seq))
     y = torch.randint(0, a.classes, (a.batch, a.seq))
-    times = []
-    for i in range(a.steps + 2):
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).reshape(-1, a.classes), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return a.batch * a.seq / statistics.median(times)
+
+    def loss():
+        return F.cross_entropy(model(x).reshape(-1, a.classes), y.reshape(-1))
+
+    return a.batch * a.seq / median_step_seconds(a.steps, loss, opt)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--channels", type=int, default=3)
-    p.add_argument("--classes", type=int, default=1000)
+    p = case_arguments(steps=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=6)
@@ -132,25 +157,11 @@ def main():
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         print(f"{tps:.3f} {peak:.1f}")
         return
-    if a.model == "small_cnn":
-        model = SmallCNN(a.channels, a.classes, a.size)
-    else:
-        import torchvision
-        model = getattr(torchvision.models, a.model)(num_classes=a.classes)
-    model = model.to(memory_format=torch.channels_last)
+    model = image_model(a).to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(a.batch, a.channels, a.size, a.size).to(memory_format=torch.channels_last)
     y = torch.full((a.batch,), 3, dtype=torch.long)
-    times = []
-    for i in range(a.steps + 2):
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    sps = a.batch / statistics.median(times)
+    sps = a.batch / median_step_seconds(a.steps, lambda: F.cross_entropy(model(x), y), opt)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     print(f"{sps:.3f} {peak:.1f}")
 

@@ -82,36 +82,46 @@ int64_t pick_token(const std::vector<float>& logits, const SampleOptions& o, Gen
   return last_kept;
 }
 
-std::vector<int64_t> sample(GPT& model, const std::vector<int64_t>& prompt,
-                            const SampleOptions& o) {
+namespace {
+
+// The generation loop both models share: next_logits(ids) is the model's
+// output [1, T, V] whose last row scores the token after ids.
+template <class Model, class NextLogits>
+std::vector<int64_t> generate(Model& model, const std::vector<int64_t>& prompt,
+                              const SampleOptions& o, NextLogits next_logits) {
   check_request(prompt, o, model.options().vocab_size);
   InferenceScope scope(model);
   Generator gen(o.seed, kStreamSampling);
   std::vector<int64_t> ids = prompt;
-  const int64_t block = model.options().block_size;
-  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
-    const int64_t T = std::min<int64_t>(int64_t(ids.size()), block);
-    std::vector<int64_t> context(ids.end() - T, ids.end());
-    Tensor logits = model(from_vector(context, {1, T}));  // [1, T, V]
-    ids.push_back(pick_token(last_row(logits), o, gen));
-  }
+  for (int64_t i = 0; i < o.max_new_tokens; ++i)
+    ids.push_back(pick_token(last_row(next_logits(ids)), o, gen));
   return ids;
 }
 
+}  // namespace
+
+std::vector<int64_t> sample(GPT& model, const std::vector<int64_t>& prompt,
+                            const SampleOptions& o) {
+  const int64_t block = model.options().block_size;
+  return generate(model, prompt, o, [&](const std::vector<int64_t>& ids) {
+    const int64_t T = std::min<int64_t>(int64_t(ids.size()), block);
+    std::vector<int64_t> context(ids.end() - T, ids.end());
+    return model(from_vector(context, {1, T}));
+  });
+}
+
+// The prompt once, then one token at a time from the carried state.
 std::vector<int64_t> sample(LSTMLM& model, const std::vector<int64_t>& prompt,
                             const SampleOptions& o) {
-  check_request(prompt, o, model.options().vocab_size);
-  InferenceScope scope(model);
-  Generator gen(o.seed, kStreamSampling);
-  std::vector<int64_t> ids = prompt;
-  LSTMLMOutput out = model.forward(from_vector(prompt, {1, int64_t(prompt.size())}), RNNState{});
-  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
-    int64_t next = pick_token(last_row(out.logits), o, gen);
-    ids.push_back(next);
-    if (i + 1 < o.max_new_tokens)
-      out = model.forward(from_vector(std::vector<int64_t>{next}, {1, 1}), out.state);
-  }
-  return ids;
+  RNNState state;
+  return generate(model, prompt, o, [&](const std::vector<int64_t>& ids) {
+    const bool first = !state.defined();
+    Tensor tokens = first ? from_vector(ids, {1, int64_t(ids.size())})
+                          : from_vector(std::vector<int64_t>{ids.back()}, {1, 1});
+    LSTMLMOutput out = model.forward(tokens, state);
+    state = out.state;
+    return out.logits;
+  });
 }
 
 std::vector<int64_t> sample(Module& model, const std::vector<int64_t>& prompt,

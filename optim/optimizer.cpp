@@ -38,6 +38,18 @@ TensorList parameters(const std::vector<ParamGroup>& groups) {
   return out;
 }
 
+void zero_grads(const std::vector<ParamGroup>& groups, bool set_to_none) {
+  for (const ParamGroup& g : groups)
+    for (const NamedTensor& p : g.params) {
+      Tensor grad = p.tensor.grad();
+      if (!grad.defined()) continue;
+      if (set_to_none)
+        p.tensor.set_grad(Tensor());
+      else
+        grad.zero_();
+    }
+}
+
 Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, double weight_decay,
                      const char* kind)
     : kind_(kind), groups_(std::move(groups)), weight_decay_(weight_decay) {
@@ -116,17 +128,7 @@ void Optimizer::step() {
   }
 }
 
-void Optimizer::zero_grad(bool set_to_none) {
-  for (const ParamGroup& g : groups_)
-    for (const NamedTensor& p : g.params) {
-      Tensor grad = p.tensor.grad();
-      if (!grad.defined()) continue;
-      if (set_to_none)
-        p.tensor.set_grad(Tensor());
-      else
-        grad.zero_();
-    }
-}
+void Optimizer::zero_grad(bool set_to_none) { zero_grads(groups_, set_to_none); }
 
 std::vector<NamedTensor> Optimizer::state() const {
   std::vector<std::string> slots = state_slots();

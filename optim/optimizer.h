@@ -50,6 +50,9 @@ struct ParamGroup {
 // All parameter tensors of the groups, in order (for clip_grad_norm, loss scaling).
 TensorList parameters(const std::vector<ParamGroup>& groups);
 
+// Sets the gradients of the groups' parameters to none (set_to_none) or to zero in place.
+void zero_grads(const std::vector<ParamGroup>& groups, bool set_to_none);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;

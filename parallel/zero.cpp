@@ -309,15 +309,7 @@ void ZeroOptimizer::zero_grad(bool set_to_none) {
   for (SegmentBuffers& buf : buffers_) buf.reduced = false;
   for (const Piece& p : pieces_) p.value.set_grad(Tensor());
   reduced_ = false;
-  for (const optim::ParamGroup& g : groups_)
-    for (const NamedTensor& p : g.params) {
-      Tensor grad = p.tensor.grad();
-      if (!grad.defined()) continue;
-      if (set_to_none)
-        p.tensor.set_grad(Tensor());
-      else
-        grad.zero_();
-    }
+  optim::zero_grads(groups_, set_to_none);
 }
 
 // ---- state ----

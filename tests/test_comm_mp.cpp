@@ -3,72 +3,23 @@
 // interfere), running tests/comm_worker.cpp. World sizes 1, 2, 3, 4 and 8;
 // the worker checks closed forms and prints any mismatch with rank, index,
 // expected and actual, which the failure message here includes.
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
+#include <cstdio>
 #include <thread>
 
-#include "tests/testing.h"
+#include "tests/process.h"
 
 namespace {
 
-struct Outcome {
-  int code = -1;  // exit code, 128 + signal when killed
-  std::string output;
-  double seconds = 0;
-};
+using Outcome = trainer::testing::ProcessResult;
 
-// Runs argv with extra environment variables, output to a temporary file,
-// stopping it (SIGTERM, then SIGKILL) after timeout_s so a test never hangs.
+// Runs argv with extra environment variables, stopping it (SIGTERM, then
+// SIGKILL) after timeout_s so a test never hangs.
 Outcome run(const std::vector<std::string>& argv,
             const std::vector<std::pair<std::string, std::string>>& env, double timeout_s) {
-  char path[] = "/tmp/test_comm_XXXXXX";
-  int out = ::mkstemp(path);
-  REQUIRE(out >= 0);
-  auto start = std::chrono::steady_clock::now();
-  pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    ::dup2(out, 1);
-    ::dup2(out, 2);
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  Outcome o;
-  int status = 0;
-  bool terminated = false;
-  for (;;) {
-    if (::waitpid(pid, &status, WNOHANG) == pid) break;
-    double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed > timeout_s && !terminated) {
-      ::kill(-pid, SIGTERM);
-      terminated = true;
-    }
-    if (elapsed > timeout_s + 15) ::kill(-pid, SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  o.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  o.output = text.str();
-  ::close(out);
-  ::unlink(path);
-  if (terminated) o.output += "\n(the test stopped it after the timeout)";
-  return o;
+  return trainer::testing::run_process(argv, {.env = env, .timeout_s = timeout_s});
 }
 
 Outcome launch(int nproc, const std::vector<std::string>& worker_args, double timeout_s,
@@ -109,6 +60,32 @@ TEST_CASE("comm: launch stops the other ranks when one fails and returns its cod
   CHECK(o.code == 7);
   CHECK(o.output.find("rank 1 exited with code 7") != std::string::npos);
   CHECK(o.seconds < 20);
+}
+
+TEST_CASE("comm: launch gives each rank its share of the cores unless OMP_NUM_THREADS is set",
+          "[comm][mp]") {
+  const std::vector<std::string> launch_sh{TRAINER_BINARY,
+                                           "launch",
+                                           "--nproc-per-node",
+                                           "2",
+                                           "--program",
+                                           "/bin/sh",
+                                           "--",
+                                           "-c",
+                                           "echo rank $RANK threads $OMP_NUM_THREADS"};
+  std::vector<std::string> unset{"/usr/bin/env", "-u", "OMP_NUM_THREADS"};
+  unset.insert(unset.end(), launch_sh.begin(), launch_sh.end());
+  Outcome o = run(unset, {}, 30);
+  INFO(o.output);
+  REQUIRE(o.code == 0);
+  const long share = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN) / 2);
+  CHECK(o.output.find(trainer::cat("rank 0 threads ", share, "\n")) != std::string::npos);
+  CHECK(o.output.find(trainer::cat("rank 1 threads ", share, "\n")) != std::string::npos);
+
+  Outcome chosen = run(launch_sh, {{"OMP_NUM_THREADS", "3"}}, 30);
+  INFO(chosen.output);
+  REQUIRE(chosen.code == 0);
+  CHECK(chosen.output.find("rank 1 threads 3\n") != std::string::npos);
 }
 
 namespace {

@@ -2,7 +2,8 @@
 // process; DataParallel against a single-process reference over 2 and 3
 // ranks (tests/dp_worker.cpp under `trainer launch`); and the trainer binary
 // under dp=2: resume equivalence, and a killed rank stopping the job with an
-// error naming it.
+// error naming it; ZeRO stage 1 (parallel.zero1) against dp=1, its resume
+// and its checkpoint layout.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -396,4 +397,130 @@ TEST_CASE("ddp: a killed trainer rank stops the job with an error naming it", "[
   // The survivor's own error, from its next collective, names the dead rank.
   CHECK(o.output.find("error: rank 0: ") != std::string::npos);
   CHECK(o.output.find("rank 1 (") != std::string::npos);
+}
+
+// ---- ZeRO stage 1 (parallel.zero1) in the trainer ----
+
+namespace {
+
+// The largest absolute difference between the models of two runs at step.
+float model_difference(const fs::path& a, const fs::path& b, int64_t step) {
+  std::map<std::string, Tensor> ma = model_at(a, step), mb = model_at(b, step);
+  REQUIRE(ma.size() == mb.size());
+  float worst = 0;
+  for (const auto& [name, t] : ma) {
+    INFO(name);
+    REQUIRE(mb.count(name) == 1);
+    std::vector<float> x = t.to_vector<float>(), y = mb.at(name).to_vector<float>();
+    REQUIRE(x.size() == y.size());
+    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::fabs(x[i] - y[i]));
+  }
+  return worst;
+}
+
+fs::path checkpoint_file(const fs::path& run, int64_t step, const std::string& file) {
+  return run / "checkpoints" / CheckpointDir::step_name(step) / file;
+}
+
+}  // namespace
+
+TEST_CASE("zero1: the trainer at dp=2 with sharded optimizer state matches dp=1",
+          "[parallel][mp]") {
+  // The same recipe on one rank (zero1 has nothing to shard there) and on
+  // two; gradient clipping exercises the sharded gradient norm.
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    INFO(optimizer);
+    fs::path one = fresh("z1_one_" + optimizer), two = fresh("z1_two_" + optimizer);
+    std::vector<std::string> extra = {"training.steps=6", "training.grad_accum=2",
+                                      "parallel.zero1=true", "optimizer.clip_grad_norm=0.5",
+                                      "optimizer.name=" + optimizer};
+    if (optimizer == "sgd") extra.push_back("optimizer.momentum=0.9");
+    if (optimizer == "adamw") extra.push_back("optimizer.lr=0.002");
+    Outcome a = finish(start(single(trainer_args(one, extra))), 120);
+    INFO(a.output);
+    REQUIRE(a.code == 0);
+    Outcome b = finish(start(launched(trainer_args(two, extra))), 120);
+    INFO(b.output);
+    REQUIRE(b.code == 0);
+    CHECK(b.output.find("parallel layout: world 2 (dp=2, pp=1, tp=1, zero1)") != std::string::npos);
+    // AdamW divides by sqrt(v), which magnifies the rounding of the averaged gradient.
+    CHECK(model_difference(one, two, 6) < (optimizer == "sgd" ? 1e-6f : 1e-5f));
+    // Each rank holds about half of the state (the buckets' blocks are padded).
+    const auto whole = fs::file_size(checkpoint_file(one, 6, "optimizer.safetensors"));
+    for (int r = 0; r < 2; ++r) {
+      fs::path shard = checkpoint_file(two, 6, cat("optimizer.rank", r, ".safetensors"));
+      REQUIRE(fs::exists(shard));
+      CHECK(fs::file_size(shard) < whole * 6 / 10);
+    }
+    CHECK(!fs::exists(checkpoint_file(two, 6, "optimizer.safetensors")));
+  }
+}
+
+TEST_CASE("zero1: resuming under dp=2 reproduces the uninterrupted run bit for bit",
+          "[parallel][mp]") {
+  fs::path straight = fresh("z1_straight"), resumed = fresh("z1_resumed");
+  std::vector<std::string> extra = {"training.steps=12", "training.checkpoint_every=6",
+                                    "parallel.zero1=true", "optimizer.name=adamw",
+                                    "optimizer.lr=0.002"};
+  Outcome a = finish(start(launched(trainer_args(straight, extra))), 120);
+  INFO(a.output);
+  REQUIRE(a.code == 0);
+  // The run as if stopped after its step-6 checkpoint.
+  const std::string mid = CheckpointDir::step_name(6);
+  fs::create_directories(resumed / "checkpoints");
+  fs::copy(straight / "checkpoints" / mid, resumed / "checkpoints" / mid);
+  std::vector<std::string> resume = trainer_args(resumed, extra);
+  resume.insert(resume.end(), {"--resume", "auto"});
+  Outcome b = finish(start(launched(resume)), 120);
+  INFO(b.output);
+  REQUIRE(b.code == 0);
+  REQUIRE(b.output.find("resumed from") != std::string::npos);
+  for (const std::string file :
+       {"model.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors"}) {
+    INFO(file);
+    REQUIRE(fs::exists(checkpoint_file(resumed, 12, file)));
+    CHECK(read_file(checkpoint_file(straight, 12, file).string()) ==
+          read_file(checkpoint_file(resumed, 12, file).string()));
+  }
+  nlohmann::json state =
+      nlohmann::json::parse(read_file(checkpoint_file(resumed, 12, "trainer_state.json")));
+  CHECK(state.at("parallel").at("zero1") == true);
+  CHECK(state.at("parallel").at("dp") == 2);
+
+  // One process evaluates it: the model is whole, the optimizer not needed.
+  std::vector<std::string> eval{TRAINER_BINARY, "eval",
+                                std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_mlp.yaml",
+                                "--checkpoint", (resumed / "checkpoints").string()};
+  Outcome e = finish(start(eval), 60);
+  INFO(e.output);
+  CHECK(e.code == 0);
+  CHECK(e.output.find("top1") != std::string::npos);
+}
+
+TEST_CASE("zero1: a checkpoint resumes only with the same parallel.zero1", "[parallel][mp]") {
+  fs::path sharded = fresh("z1_sharded"), whole = fresh("z1_whole");
+  std::vector<std::string> steps = {"training.steps=2", "optimizer.momentum=0.9"};
+  auto run = [&](const fs::path& out, bool zero1, bool resume) {
+    std::vector<std::string> a = trainer_args(out, steps);
+    a.push_back(zero1 ? "parallel.zero1=true" : "parallel.zero1=false");
+    if (resume) a.insert(a.end(), {"--resume", "auto"});
+    return finish(start(launched(a)), 120);
+  };
+  Outcome a = run(sharded, true, false);
+  INFO(a.output);
+  REQUIRE(a.code == 0);
+  Outcome b = run(whole, false, false);
+  INFO(b.output);
+  REQUIRE(b.code == 0);
+
+  Outcome c = run(sharded, false, true);
+  INFO(c.output);
+  CHECK(c.code != 0);
+  CHECK(c.output.find("was written with parallel.zero1=true (the optimizer state sharded over "
+                      "the ranks); resume it with parallel.zero1=true") != std::string::npos);
+  Outcome d = run(whole, true, true);
+  INFO(d.output);
+  CHECK(d.code != 0);
+  CHECK(d.output.find("was written with parallel.zero1=false (the optimizer state whole on "
+                      "every rank); resume it with parallel.zero1=false") != std::string::npos);
 }

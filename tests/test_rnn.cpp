@@ -2,7 +2,7 @@
 // and gradients), finite differences in f64, the CPU fast path against the
 // reference kernels, the multi-layer modules (dropout determinism, state
 // carried across calls) and a tiny LSTM language model overfitting a batch.
-#include "tests/testing.h"
+#include "tests/lm_task.h"
 
 #include <cmath>
 #include <vector>
@@ -10,7 +10,6 @@
 #include "core/ops_rnn.h"
 #include "layers/rnn.h"
 #include "models/lstm_lm.h"
-#include "optim/optimizer.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -245,24 +244,12 @@ TEST_CASE("LSTM LM: names, weight tying, overfitting a fixed batch", "[rnn]") {
   auto lm = make_lstm_lm(
       {.vocab_size = V, .embedding_dim = 16, .hidden_size = 32, .num_layers = 2, .seed = 3});
   CHECK(lm->named_parameters().back().name == "decoder.bias");
-  std::vector<int64_t> data(size_t(B * (T + 1)));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t <= T; ++t)
-      data[size_t(b * (T + 1) + t)] = t == 0 ? b : int64_t((b * 7 + t * t * 3 + 1) % V);
-  Tensor all = from_vector(data, {B, T + 1});
-  Tensor x = all.narrow(1, 0, T).contiguous(), y = all.narrow(1, 1, T).contiguous();
-  optim::AdamW opt({optim::ParamGroup{lm->named_parameters()}}, {.lr = 2e-2, .weight_decay = 0.0});
-  double first = 0.0, last = 0.0;
-  for (int step = 0; step < 150; ++step) {
+  auto [x, y] = next_token_task(B, T, V);
+  auto [first, last] = fit(lm->named_parameters(), 2e-2, 150, [&] {
     LSTMLMOutput out = lm->forward(x, RNNState{});
     CHECK(out.state.h.shape() == Shape{2, B, 32});
-    Tensor loss = cross_entropy(out.logits.reshape({B * T, V}), y.reshape({B * T}));
-    if (step == 0) first = loss.item<float>();
-    last = loss.item<float>();
-    loss.backward();
-    opt.step();
-    opt.zero_grad();
-  }
+    return cross_entropy(out.logits.reshape({B * T, V}), y.reshape({B * T}));
+  });
   INFO("loss " << first << " -> " << last);
   CHECK(std::abs(first - std::log(double(V))) < 0.3);
   CHECK(last < 0.05);

@@ -2,10 +2,7 @@
 // closed form, GPT and the LSTM LM against a full forward pass), resume
 // equivalence for a tiny GPT and LSTM LM on a generated corpus, `trainer
 // sample` determinism, bits per character in the metrics, recipe errors.
-#include "tests/testing.h"
-
-#include <sys/wait.h>
-#include <unistd.h>
+#include "tests/process.h"
 
 #include <cmath>
 #include <filesystem>
@@ -22,41 +19,10 @@
 #include "trainer/session.h"
 
 using namespace trainer;
+using namespace trainer::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct RunResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
-
-RunResult run_trainer(const std::vector<std::string>& args) {
-  int out[2];
-  REQUIRE(pipe(out) == 0);
-  pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    dup2(out[1], 1);
-    dup2(out[1], 2);
-    close(out[0]);
-    std::vector<char*> argv{const_cast<char*>(TRAINER_BINARY)};
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(TRAINER_BINARY, argv.data());
-    _exit(127);
-  }
-  close(out[1]);
-  RunResult r;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(out[0], buf, sizeof buf)) > 0) r.output.append(buf, size_t(n));
-  close(out[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
 
 // A corpus of ~24 KB: sentences of a small vocabulary picked by a fixed
 // linear congruential sequence (some structure to learn, no file needed).
@@ -135,15 +101,16 @@ void check_lm_resume(const std::string& model) {
   fs::path a = fresh(model + "_straight"), b = fresh(model + "_resumed");
   const int64_t N = 8;
   fs::path ra = tiny_recipe(a, model), rb = tiny_recipe(b, model);
-  RunResult straight = run_trainer({"train", ra.string()});
+  ProcessResult straight = run_trainer({"train", ra.string()});
   INFO(straight.output);
-  REQUIRE(straight.exit_code == 0);
-  RunResult half = run_trainer({"train", rb.string(), "training.steps=" + std::to_string(N / 2)});
+  REQUIRE(straight.code == 0);
+  ProcessResult half =
+      run_trainer({"train", rb.string(), "training.steps=" + std::to_string(N / 2)});
   INFO(half.output);
-  REQUIRE(half.exit_code == 0);
-  RunResult rest = run_trainer({"train", rb.string(), "--resume", "auto"});
+  REQUIRE(half.code == 0);
+  ProcessResult rest = run_trainer({"train", rb.string(), "--resume", "auto"});
   INFO(rest.output);
-  REQUIRE(rest.exit_code == 0);
+  REQUIRE(rest.code == 0);
   REQUIRE(rest.output.find("resumed from") != std::string::npos);
   fs::path last_a = a / "run" / "checkpoints" / CheckpointDir::step_name(N);
   fs::path last_b = b / "run" / "checkpoints" / CheckpointDir::step_name(N);
@@ -243,9 +210,9 @@ TEST_CASE("train: a language model logs bits per character; sample is determinis
           "[train][lm]") {
   fs::path dir = fresh("bpc");
   fs::path recipe = tiny_recipe(dir, "gpt");
-  RunResult r = run_trainer({"train", recipe.string(), "training.steps=4"});
+  ProcessResult r = run_trainer({"train", recipe.string(), "training.steps=4"});
   INFO(r.output);
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
   REQUIRE(r.output.find("tokens/s") != std::string::npos);
 
   int val_records = 0;
@@ -264,9 +231,9 @@ TEST_CASE("train: a language model logs bits per character; sample is determinis
   fs::path ckpt = dir / "run" / "checkpoints" / CheckpointDir::step_name(4);
   nlohmann::json state = nlohmann::json::parse(read_file((ckpt / "trainer_state.json").string()));
   REQUIRE(state["vocab"].size() > 10);
-  RunResult e = run_trainer({"eval", recipe.string(), "--checkpoint", (dir / "run").string()});
+  ProcessResult e = run_trainer({"eval", recipe.string(), "--checkpoint", (dir / "run").string()});
   INFO(e.output);
-  REQUIRE(e.exit_code == 0);
+  REQUIRE(e.code == 0);
   REQUIRE(e.output.find("bits/char") != std::string::npos);
 
   auto sample_args = [&](const std::string& seed, const std::string& temperature) {
@@ -277,9 +244,9 @@ TEST_CASE("train: a language model logs bits per character; sample is determinis
   };
   // The text follows a header line (on stderr) naming the settings.
   auto text_of = [&](const std::vector<std::string>& args) {
-    RunResult s = run_trainer(args);
+    ProcessResult s = run_trainer(args);
     INFO(s.output);
-    REQUIRE(s.exit_code == 0);
+    REQUIRE(s.code == 0);
     REQUIRE(s.output.find('\n') != std::string::npos);
     return s.output.substr(s.output.find('\n') + 1);
   };
@@ -291,15 +258,15 @@ TEST_CASE("train: a language model logs bits per character; sample is determinis
   // Greedy ignores the seed.
   REQUIRE(text_of(sample_args("1", "0")) == text_of(sample_args("2", "0")));
 
-  RunResult bad =
+  ProcessResult bad =
       run_trainer({"sample", recipe.string(), "--checkpoint", ckpt.string(), "--prompt", "Zebra"});
-  REQUIRE(bad.exit_code == 1);
+  REQUIRE(bad.code == 1);
   REQUIRE(bad.output.find("--prompt: 'Z' (offset 0) is not in the corpus's character") !=
           std::string::npos);
   // A checkpoint of another vocabulary is refused.
-  RunResult other =
+  ProcessResult other =
       run_trainer({"sample", recipe.string(), "data.vocab=byte", "--checkpoint", ckpt.string()});
-  REQUIRE(other.exit_code == 1);
+  REQUIRE(other.code == 1);
   REQUIRE(other.output.find("does not match the recipe's model") != std::string::npos);
 }
 
@@ -329,12 +296,12 @@ TEST_CASE("train: bad language-model recipes fail with a message", "[train][lm]"
 
   // The binary: exit code 1 and the message; --dry-run prints the model,
   // the corpus and the memory estimate.
-  RunResult bad = run_trainer({"train", recipe, "data.vocab=word", "--dry-run"});
-  REQUIRE(bad.exit_code == 1);
+  ProcessResult bad = run_trainer({"train", recipe, "data.vocab=word", "--dry-run"});
+  REQUIRE(bad.code == 1);
   REQUIRE(bad.output.find("error: ") != std::string::npos);
-  RunResult ok = run_trainer({"train", recipe, "--dry-run"});
+  ProcessResult ok = run_trainer({"train", recipe, "--dry-run"});
   INFO(ok.output);
-  REQUIRE(ok.exit_code == 0);
+  REQUIRE(ok.code == 0);
   REQUIRE(ok.output.find("char vocabulary of") != std::string::npos);
   REQUIRE(ok.output.find("memory estimate") != std::string::npos);
   REQUIRE(!fs::exists(dir / "run" / "checkpoints"));

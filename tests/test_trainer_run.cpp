@@ -1,61 +1,18 @@
 // End-to-end runs of the trainer binary: SIGTERM leaves a valid checkpoint,
 // resuming reproduces the uninterrupted run bit for bit, and the default
 // recipe learns.
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <regex>
 
-#include "tests/testing.h"
+#include "tests/process.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
 using namespace trainer;
+using namespace trainer::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct RunResult {
-  int exit_code = -1;
-  std::string output;
-};
-
-// Runs `trainer args...`; when `stop_after` appears in its output, sends SIGTERM.
-RunResult run_trainer(const std::vector<std::string>& args, const std::string& stop_after = "") {
-  int out[2];
-  REQUIRE(pipe(out) == 0);
-  pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    dup2(out[1], 1);
-    dup2(out[1], 2);
-    close(out[0]);
-    std::vector<char*> argv{const_cast<char*>(TRAINER_BINARY)};
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(TRAINER_BINARY, argv.data());
-    _exit(127);
-  }
-  close(out[1]);
-  RunResult r;
-  bool signalled = false;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(out[0], buf, sizeof buf)) > 0) {
-    r.output.append(buf, size_t(n));
-    if (!stop_after.empty() && !signalled && r.output.find(stop_after) != std::string::npos) {
-      kill(pid, SIGTERM);
-      signalled = true;
-    }
-  }
-  close(out[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
 
 std::string model_bytes(const std::string& checkpoint_dir) {
   return read_file(checkpoint_dir + "/model.safetensors");
@@ -80,13 +37,13 @@ void check_resume_equivalence(const std::string& recipe, std::vector<std::string
                               int64_t steps, const std::string& stop_line) {
   extra.push_back("training.steps=" + std::to_string(steps));
   fs::path straight = fresh(recipe + "_straight"), resumed = fresh(recipe + "_resumed");
-  RunResult a = run_trainer(recipe_args(recipe, straight, extra));
+  ProcessResult a = run_trainer(recipe_args(recipe, straight, extra));
   INFO(a.output);
-  REQUIRE(a.exit_code == 0);
+  REQUIRE(a.code == 0);
 
-  RunResult b1 = run_trainer(recipe_args(recipe, resumed, extra), stop_line);
+  ProcessResult b1 = run_trainer(recipe_args(recipe, resumed, extra), {.stop_after = stop_line});
   INFO(b1.output);
-  REQUIRE(b1.exit_code == 0);
+  REQUIRE(b1.code == 0);
   REQUIRE(b1.output.find("received signal 15") != std::string::npos);
   CheckpointDir ckpt((resumed / "checkpoints").string(), 100);
   std::optional<std::string> mid = ckpt.latest_complete();
@@ -96,9 +53,9 @@ void check_resume_equivalence(const std::string& recipe, std::vector<std::string
   std::vector<std::string> resume = recipe_args(recipe, resumed, extra);
   resume.push_back("--resume");
   resume.push_back("auto");
-  RunResult b2 = run_trainer(resume);
+  ProcessResult b2 = run_trainer(resume);
   INFO(b2.output);
-  REQUIRE(b2.exit_code == 0);
+  REQUIRE(b2.code == 0);
   REQUIRE(b2.output.find("resumed from") != std::string::npos);
 
   std::string last = CheckpointDir::step_name(steps);
@@ -125,24 +82,24 @@ TEST_CASE("train: resuming the CNN (batch norm, dropout, grad accumulation) is b
 
 TEST_CASE("train: bad recipes and arguments fail with a message, not a crash", "[train]") {
   fs::path out = fresh("bad");
-  RunResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"training.epoch=3"}));
-  REQUIRE(r.exit_code == 1);
+  ProcessResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"training.epoch=3"}));
+  REQUIRE(r.code == 1);
   REQUIRE(r.output.find("did you mean 'training.epochs'") != std::string::npos);
   r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"--resume", "/nonexistent"}));
-  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.code == 1);
   REQUIRE(r.output.find("not a complete checkpoint") != std::string::npos);
   r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"model.num_classes=7"}));
-  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.code == 1);
   REQUIRE(r.output.find("model.num_classes is 7 but the dataset has 10") != std::string::npos);
 }
 
 TEST_CASE("train: a corrupt checkpoint is refused and the previous one is untouched", "[train]") {
   fs::path out = fresh("corrupt");
-  RunResult r = run_trainer(
+  ProcessResult r = run_trainer(
       recipe_args("fmnist_mlp.yaml", out,
                   {"training.steps=4", "training.checkpoint_every=2", "training.global_batch=16"}));
   INFO(r.output);
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
   fs::path last = out / "checkpoints" / CheckpointDir::step_name(4);
   std::string good = read_file((last / "model.safetensors").string());
   std::string bad = good.substr(0, good.size() / 2);
@@ -150,16 +107,16 @@ TEST_CASE("train: a corrupt checkpoint is refused and the previous one is untouc
   r = run_trainer(
       recipe_args("fmnist_mlp.yaml", out,
                   {"training.steps=8", "training.global_batch=16", "--resume", last.string()}));
-  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.code == 1);
   REQUIRE(r.output.find("not a valid safetensors file") != std::string::npos);
   REQUIRE(fs::exists(out / "checkpoints" / CheckpointDir::step_name(2) / "model.safetensors"));
 }
 
 TEST_CASE("train: --dry-run prints the summary and memory estimate", "[train]") {
   fs::path out = fresh("dry");
-  RunResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"--dry-run"}));
+  ProcessResult r = run_trainer(recipe_args("fmnist_cnn.yaml", out, {"--dry-run"}));
   INFO(r.output);
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
   REQUIRE(r.output.find("total  421,834 parameters") != std::string::npos);
   REQUIRE(r.output.find("memory estimate") != std::string::npos);
   REQUIRE(!fs::exists(out / "checkpoints"));
@@ -167,10 +124,10 @@ TEST_CASE("train: --dry-run prints the summary and memory estimate", "[train]") 
 
 TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][slow]") {
   fs::path out = fresh("accuracy");
-  RunResult r =
+  ProcessResult r =
       run_trainer(recipe_args("fmnist_cnn.yaml", out, {"training.epochs=1", "training.threads=2"}));
   INFO(r.output);
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
   std::smatch m;
   REQUIRE(std::regex_search(r.output, m, std::regex("final eval top1 ([0-9.]+)%")));
   REQUIRE(std::stod(m[1]) >= 88.0);
@@ -178,9 +135,9 @@ TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][s
 
 TEST_CASE("train: --init-from loads weights by name, strictly by default", "[train]") {
   fs::path src = fresh("init_src"), dst = fresh("init_dst"), bad = fresh("init_bad");
-  RunResult r = run_trainer(
+  ProcessResult r = run_trainer(
       recipe_args("fmnist_mlp.yaml", src, {"training.steps=3", "training.global_batch=16"}));
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
   std::string weights =
       (src / "checkpoints" / CheckpointDir::step_name(3) / "model.safetensors").string();
   // lr 0 and no weight decay: the weights stay exactly those loaded.
@@ -188,7 +145,7 @@ TEST_CASE("train: --init-from loads weights by name, strictly by default", "[tra
                               {"training.steps=1", "training.global_batch=16", "optimizer.lr=0",
                                "optimizer.weight_decay=0", "--init-from", weights}));
   INFO(r.output);
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
   SafetensorsFile loaded = read_safetensors(weights);
   SafetensorsFile after = read_safetensors(
       (dst / "checkpoints" / CheckpointDir::step_name(1) / "model.safetensors").string());
@@ -200,25 +157,25 @@ TEST_CASE("train: --init-from loads weights by name, strictly by default", "[tra
   r = run_trainer(
       recipe_args("fmnist_cnn.yaml", bad,
                   {"training.steps=1", "training.global_batch=16", "--init-from", weights}));
-  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.code == 1);
   REQUIRE(r.output.find("missing: conv1.weight") != std::string::npos);
   REQUIRE(r.output.find("unexpected: fc3.weight") != std::string::npos);
   REQUIRE(r.output.find("mis-shaped: fc1.weight") != std::string::npos);
   r = run_trainer(recipe_args("fmnist_cnn.yaml", bad,
                               {"training.steps=1", "training.global_batch=16", "--init-from",
                                weights, "--init-non-strict"}));
-  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.code == 0);
 }
 
 TEST_CASE("train: non-finite losses are skipped, then abort after max_nonfinite in a row",
           "[train]") {
   fs::path out = fresh("nonfinite");
-  RunResult r = run_trainer(
+  ProcessResult r = run_trainer(
       recipe_args("fmnist_mlp.yaml", out,
                   {"training.steps=50", "training.global_batch=16", "optimizer.name=sgd",
                    "optimizer.lr=100", "training.max_nonfinite=3"}));
   INFO(r.output);
-  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.code == 1);
   REQUIRE(r.output.find("non-finite loss, step skipped") != std::string::npos);
   REQUIRE(r.output.find("was not finite for 4 steps in a row") != std::string::npos);
 }

@@ -3,7 +3,7 @@
 // attention against the composed one it replaced (with and without dropout),
 // fast kernels against reference ones, its memory; causality; weight tying;
 // a tiny GPT overfitting a fixed batch.
-#include "tests/testing.h"
+#include "tests/lm_task.h"
 
 #include <cmath>
 #include <limits>
@@ -14,7 +14,6 @@
 #include "core/ops_transformer.h"
 #include "layers/linear.h"
 #include "models/gpt.h"
-#include "optim/optimizer.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -374,23 +373,10 @@ TEST_CASE("a tiny GPT overfits a fixed batch", "[transformer]") {
                        .dropout = 0.0,
                        .seed = 3});
   Generator gen(11);
-  // Distinct first tokens make every next token a function of the prefix.
-  std::vector<int64_t> data(size_t(B * (T + 1)));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t <= T; ++t)
-      data[size_t(b * (T + 1) + t)] = t == 0 ? b : int64_t((b * 7 + t * t * 3 + 1) % V);
-  Tensor all = from_vector(data, {B, T + 1});
-  Tensor x = all.narrow(1, 0, T).contiguous(), y = all.narrow(1, 1, T).contiguous();
-  optim::AdamW opt({optim::ParamGroup{gpt->named_parameters()}}, {.lr = 1e-2, .weight_decay = 0.0});
-  double first = 0.0, last = 0.0;
-  for (int step = 0; step < 120; ++step) {
-    Tensor loss = cross_entropy((*gpt)(x).reshape({B * T, V}), y.reshape({B * T}));
-    if (step == 0) first = loss.item<float>();
-    last = loss.item<float>();
-    loss.backward();
-    opt.step();
-    opt.zero_grad();
-  }
+  auto [x, y] = next_token_task(B, T, V);
+  auto [first, last] = fit(gpt->named_parameters(), 1e-2, 120, [&] {
+    return cross_entropy((*gpt)(x).reshape({B * T, V}), y.reshape({B * T}));
+  });
   INFO("loss " << first << " -> " << last);
   CHECK(std::abs(first - std::log(double(V))) < 0.5);
   CHECK(last < 0.05);

@@ -4,7 +4,9 @@
 
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
+#include "optim/clip.h"
 #include "parallel/sync_batchnorm.h"
+#include "trainer/session.h"
 
 namespace trainer {
 
@@ -19,11 +21,41 @@ int64_t data_parallel_degree(const Recipe& r, int world_size) {
                     world_size == 1 ? " rank" : " ranks",
                     "; launch dp ranks (trainer launch --nproc-per-node ", dp,
                     ") or set parallel.dp=", world_size));
-  if (p.zero1)
-    throw Error(cat(r.source,
-                    ": parallel.zero1 is not wired into the trainer yet (parallel/zero.h "
-                    "works on its own); set it to false"));
   return dp;
+}
+
+bool shards_optimizer(const Recipe& recipe, int world_size) {
+  return recipe.parallel.zero1 && world_size > 1;
+}
+
+TrainOptimizer::TrainOptimizer(std::unique_ptr<optim::Optimizer> full) : full_(std::move(full)) {
+  CHECK(full_);
+}
+
+TrainOptimizer::TrainOptimizer(std::shared_ptr<parallel::ZeroOptimizer> sharded)
+    : zero_(std::move(sharded)) {
+  CHECK(zero_);
+}
+
+void TrainOptimizer::set_lr(double lr) { zero_ ? zero_->set_lr(lr) : full_->set_lr(lr); }
+
+double TrainOptimizer::lr() const { return zero_ ? zero_->lr() : full_->lr(); }
+
+double TrainOptimizer::clip_grad_norm(double max_norm) {
+  if (zero_) return zero_->clip_grad_norm(max_norm);
+  return optim::clip_grad_norm(optim::parameters(full_->param_groups()), max_norm);
+}
+
+void TrainOptimizer::step() { zero_ ? zero_->step() : full_->step(); }
+
+void TrainOptimizer::zero_grad() { zero_ ? zero_->zero_grad() : full_->zero_grad(); }
+
+std::vector<NamedTensor> TrainOptimizer::state() const {
+  return zero_ ? zero_->state() : full_->state();
+}
+
+void TrainOptimizer::load_state(const std::vector<NamedTensor>& state) {
+  zero_ ? zero_->load_state(state) : full_->load_state(state);
 }
 
 Distributed join_job(const Recipe& recipe) {
@@ -36,19 +68,30 @@ Distributed join_job(const Recipe& recipe) {
   return d;
 }
 
-DistributedRun::DistributedRun(const Distributed& dist, const Recipe& recipe,
-                               std::shared_ptr<Module> model, bool trace)
+DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool trace)
     : dist_(dist) {
   if (trace) timeline_ = std::make_unique<parallel::Timeline>(dist.rank);
   if (!dist.active()) return;
+  const Recipe& recipe = session.recipe();
+  std::shared_ptr<Module> model = session.model_ptr();
   // Before DataParallel registers its hooks: the converted layers keep their
   // parameters, so the buckets are the same either way.
   if (recipe.parallel.sync_bn) parallel::convert_sync_batchnorm(*model, dist.world);
+  const bool sharded = session.shards_optimizer();
   parallel::DataParallelOptions o;
   o.bucket_bytes = size_t(recipe.parallel.bucket_mb) << 20;
   o.overlap = recipe.parallel.overlap;
   o.timeline = timeline_.get();
-  dp_ = std::make_unique<parallel::DataParallel>(std::move(model), dist.world, o);
+  if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
+  dp_ = std::make_unique<parallel::DataParallel>(model, dist.world, o);
+  if (!sharded) return;
+  auto make = [&recipe](std::vector<optim::ParamGroup> groups) {
+    return make_optimizer(recipe, std::move(groups));
+  };
+  zero_ =
+      std::make_shared<parallel::ZeroOptimizer>(dist.world, param_groups(recipe, *model), make,
+                                                parallel::ZeroOptions{.buckets = &dp_->buckets()});
+  session.set_sharded_optimizer(zero_);
 }
 
 parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
@@ -59,11 +102,11 @@ void DistributedRun::finish_gradients() {
   if (dp_) dp_->finish();
 }
 
-void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
-  if (dp_)
-    dp_->zero_grad();
-  else
-    optimizer.zero_grad();
+void DistributedRun::zero_grad(TrainOptimizer& optimizer) {
+  // The sharded optimizer forgets its reduction; DataParallel then points
+  // the gradients at its zeroed buckets again.
+  if (optimizer.sharded() || !dp_) optimizer.zero_grad();
+  if (dp_) dp_->zero_grad();
 }
 
 StepVerdict DistributedRun::agree(double loss, bool finite, bool stop) const {

@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -133,17 +135,28 @@ int run_launch(const LaunchOptions& o) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
 
+  // Ranks share the node's cores: unless the user chose, each rank's OpenMP
+  // gets cores / nproc_per_node threads (torchrun sets 1), so ranks don't
+  // oversubscribe the cores and spin against each other.
+  std::vector<std::pair<std::string, std::string>> threads;
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+    threads.push_back({"OMP_NUM_THREADS", std::to_string(std::max(1L, cores / o.nproc_per_node))});
+  }
+
   std::vector<Child> children;
   for (int local = 0; local < o.nproc_per_node; ++local) {
     int rank = o.node_rank * o.nproc_per_node + local;
-    std::vector<std::string> env =
-        child_environment({{"RANK", std::to_string(rank)},
-                           {"WORLD_SIZE", std::to_string(world)},
-                           {"LOCAL_RANK", std::to_string(local)},
-                           {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
-                           {"MASTER_ADDR", o.master_addr},
-                           {"MASTER_PORT", std::to_string(port)},
-                           {"TRAINER_JOB_TOKEN", token}});
+    std::vector<std::pair<std::string, std::string>> vars{
+        {"RANK", std::to_string(rank)},
+        {"WORLD_SIZE", std::to_string(world)},
+        {"LOCAL_RANK", std::to_string(local)},
+        {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
+        {"MASTER_ADDR", o.master_addr},
+        {"MASTER_PORT", std::to_string(port)},
+        {"TRAINER_JOB_TOKEN", token}};
+    vars.insert(vars.end(), threads.begin(), threads.end());
+    std::vector<std::string> env = child_environment(vars);
     std::vector<char*> envp = pointers(env), argv = pointers(argv_strings);
     pid_t pid = ::fork();
     CHECK(pid >= 0) << "fork: " << std::strerror(errno);
@@ -175,20 +188,30 @@ int run_launch(const LaunchOptions& o) {
       kill_pending = true;
       kill_at = Clock::now() + grace;
     }
-    int status = 0;
-    pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      for (Child& c : children) {
-        if (c.pid != pid) continue;
-        c.running = false;
+    // Reap every child that has exited since the last poll. A rank killed by
+    // a signal is the cause when others exited with errors in the same poll:
+    // they saw it die (a dead peer is an error within milliseconds), so it
+    // is the one reported.
+    std::vector<std::pair<Child*, int>> exited;  // child, raw wait status
+    for (int status = 0;;) {
+      pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (Child& c : children)
+        if (c.pid == pid) exited.push_back({&c, status});
+    }
+    if (!exited.empty()) {
+      std::stable_partition(exited.begin(), exited.end(),
+                            [](const auto& e) { return WIFSIGNALED(e.second); });
+      for (auto& [c, status] : exited) {
+        c->running = false;
         --running;
         int code = exit_code(status);
         if (code != 0 && failed_rank < 0 && !forwarded) {
-          failed_rank = c.rank;
+          failed_rank = c->rank;
           result = code;
           std::fprintf(stderr,
                        "trainer launch: rank %d exited with code %d; stopping the other ranks\n",
-                       c.rank, code);
+                       c->rank, code);
           signal_all(children, SIGTERM);
           kill_pending = true;
           kill_at = Clock::now() + grace;

@@ -8,7 +8,9 @@
 // Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT and TRAINER_JOB_TOKEN (the launcher's own TRAINER_JOB_TOKEN when
 // set; else a fresh random one on a single node, or one derived from the
-// master address and port across nodes, where every launcher must agree).
+// master address and port across nodes, where every launcher must agree),
+// and OMP_NUM_THREADS = cores / nproc-per-node unless the launcher's
+// environment sets it (torchrun sets 1).
 // SIGINT and SIGTERM are forwarded to the children. When a child fails, the
 // others get SIGTERM, then SIGKILL after the grace period, and the launcher
 // returns the failed child's exit code (128 + signal for a killed one).

@@ -95,12 +95,6 @@ data::TransformOptions transform_options(const Recipe& r, bool train, int channe
   return t;
 }
 
-std::vector<optim::ParamGroup> param_groups(const Recipe& r, const Module& model) {
-  if (r.optimizer.decay_norm_and_bias) return {optim::ParamGroup{model.named_parameters()}};
-  WeightDecaySplit split = split_weight_decay(model);
-  return {optim::ParamGroup{split.decay}, optim::ParamGroup{split.no_decay, 0.0}};
-}
-
 int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
   return int64_t(std::llround(epochs * double(steps_per_epoch)));
 }
@@ -114,10 +108,36 @@ std::string with_commas(int64_t v) {
   return out;
 }
 
+// The optimizer state file of a checkpoint: one, or this rank's shard.
+std::string optimizer_file(const std::string& dir, bool sharded, int rank) {
+  return sharded ? cat(dir, "/optimizer.rank", rank, ".safetensors")
+                 : dir + "/optimizer.safetensors";
+}
+
 }  // namespace
 
-Session::Session(Recipe recipe, RankLayout layout)
-    : recipe_(std::move(recipe)), layout_(layout) {
+std::vector<optim::ParamGroup> param_groups(const Recipe& r, const Module& model) {
+  if (r.optimizer.decay_norm_and_bias) return {optim::ParamGroup{model.named_parameters()}};
+  WeightDecaySplit split = split_weight_decay(model);
+  return {optim::ParamGroup{split.decay}, optim::ParamGroup{split.no_decay, 0.0}};
+}
+
+std::unique_ptr<optim::Optimizer> make_optimizer(const Recipe& r,
+                                                 std::vector<optim::ParamGroup> groups) {
+  const OptimizerRecipe& o = r.optimizer;
+  if (o.name == "sgd")
+    return std::make_unique<optim::SGD>(
+        std::move(groups),
+        optim::SGDOptions{o.lr, o.momentum, o.dampening, o.nesterov, o.weight_decay});
+  optim::AdamWOptions a;
+  a.lr = o.lr;
+  a.betas = {o.beta1, o.beta2};
+  a.eps = o.eps;
+  a.weight_decay = o.weight_decay;
+  return std::make_unique<optim::AdamW>(std::move(groups), a);
+}
+
+Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)), layout_(layout) {
   const Recipe& r = recipe_;
   if (r.device != "cpu")
     throw Error(cat(r.source, ": device '", r.device,
@@ -154,20 +174,11 @@ Session::Session(Recipe recipe, RankLayout layout)
 
   // ---- model and optimizer ----
   model_ = build_model(r, corpus_ ? corpus_->vocab().size() : 0);
-  const OptimizerRecipe& o = r.optimizer;
-  if (o.name == "sgd") {
-    optimizer_ = std::make_unique<optim::SGD>(
-        param_groups(r, *model_),
-        optim::SGDOptions{o.lr, o.momentum, o.dampening, o.nesterov, o.weight_decay});
-  } else {
-    optim::AdamWOptions a;
-    a.lr = o.lr;
-    a.betas = {o.beta1, o.beta2};
-    a.eps = o.eps;
-    a.weight_decay = o.weight_decay;
-    optimizer_ = std::make_unique<optim::AdamW>(param_groups(r, *model_), a);
-  }
+  // Sharded: DistributedRun builds it (the full one would cost the memory zero1 saves).
+  if (!shards_optimizer())
+    optimizer_ = std::make_unique<TrainOptimizer>(make_optimizer(r, param_groups(r, *model_)));
 
+  const OptimizerRecipe& o = r.optimizer;
   const ScheduleRecipe& s = r.schedule;
   optim::ScheduleOptions so_lr;
   so_lr.kind = s.name == "step"        ? optim::ScheduleKind::step
@@ -272,6 +283,16 @@ void Session::rekey_dropout(int64_t micro) {
   });
 }
 
+TrainOptimizer& Session::optimizer() {
+  CHECK(optimizer_) << "the sharded optimizer is used before DistributedRun built it";
+  return *optimizer_;
+}
+
+void Session::set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zero) {
+  CHECK(shards_optimizer()) << "a sharded optimizer for a session without parallel.zero1";
+  optimizer_ = std::make_unique<TrainOptimizer>(std::move(zero));
+}
+
 const data::Vocab& Session::vocab() const {
   CHECK(corpus_) << "vocab() of a model that is not a language model";
   return corpus_->vocab();
@@ -368,8 +389,12 @@ EvalMetrics Session::evaluate_images() {
 }
 
 void Session::save(const std::string& dir, const TrainState& s) const {
+  CHECK(optimizer_) << "save() before the sharded optimizer was built";
+  const bool sharded = shards_optimizer();
+  if (sharded || layout_.rank == 0)
+    write_safetensors(optimizer_file(dir, sharded, layout_.rank), optimizer_->state());
+  if (layout_.rank != 0) return;
   write_safetensors(dir + "/model.safetensors", model_->state(), {{"format", "pt"}});
-  write_safetensors(dir + "/optimizer.safetensors", optimizer_->state());
   json j;
   j["step"] = s.step;
   j["epoch"] = s.epoch;
@@ -381,8 +406,11 @@ void Session::save(const std::string& dir, const TrainState& s) const {
               {"init_stream", uint64_t(kStreamInit)},
               {"dropout", "re-keyed per micro-step from (seed, layer, micro-step, rank)"},
               {"augment", "keyed by (seed, epoch, sample index)"}};
-  j["parallel"] = {
-      {"world_size", layout_.world_size}, {"dp", layout_.world_size}, {"pp", 1}, {"tp", 1}};
+  j["parallel"] = {{"world_size", layout_.world_size},
+                   {"dp", layout_.world_size},
+                   {"pp", 1},
+                   {"tp", 1},
+                   {"zero1", sharded}};
   if (corpus_) j["vocab"] = corpus_->vocab().symbols();
   j["recipe"] = recipe_to_yaml(recipe_);
   write_file_atomic(dir + "/trainer_state.json", j.dump(2) + "\n");
@@ -431,15 +459,16 @@ std::string join_lines(const std::vector<std::string>& lines) {
 }
 }  // namespace
 
-TrainState Session::load(const std::string& dir) {
+TrainState Session::load(const std::string& dir) { return load_checkpoint(dir, true); }
+
+TrainState Session::load_model(const std::string& dir) { return load_checkpoint(dir, false); }
+
+TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
   SafetensorsFile model_file = read_safetensors(dir + "/model.safetensors");
   std::vector<std::string> problems = load_named(model_->state(), model_file.tensors);
   if (!problems.empty())
     throw Error(
         cat(dir, "/model.safetensors does not match the recipe's model:", join_lines(problems)));
-  SafetensorsFile optim_file = read_safetensors(dir + "/optimizer.safetensors");
-  std::vector<NamedTensor> optim_state;
-  for (const auto& [name, t] : optim_file.tensors) optim_state.push_back({name, t});
   std::string state_path = dir + "/trainer_state.json";
   json j;
   try {
@@ -460,6 +489,7 @@ TrainState Session::load(const std::string& dir) {
   if (s.step < 0 || s.epoch < 0 || s.position < 0)
     throw Error(cat(state_path, ": negative step, epoch or position"));
   s.world_size = j.contains("parallel") ? j["parallel"].value("world_size", int64_t(1)) : 1;
+  const bool saved_sharded = j.contains("parallel") && j["parallel"].value("zero1", false);
   if (corpus_ && j.contains("vocab")) {
     std::vector<int64_t> symbols;
     try {
@@ -472,8 +502,25 @@ TrainState Session::load(const std::string& dir) {
                       " symbols differs from the ", corpus_->vocab().size(), " of ",
                       corpus_->name(), "; the corpus or data.vocab changed since it was written"));
   }
-  // Everything validated: now change the model and optimizer.
-  optimizer_->load_state(optim_state);
+  if (with_optimizer) {
+    // The sample position counts one rank's samples, and a shard holds one
+    // rank's part of the optimizer state: both mean the same only on the same layout.
+    if (s.world_size != layout_.world_size)
+      throw Error(cat(dir, " was written by ", s.world_size,
+                      " data-parallel ranks; resume it on as many (parallel.dp=", s.world_size,
+                      "), not ", layout_.world_size));
+    const bool sharded = shards_optimizer();
+    if (saved_sharded != sharded)
+      throw Error(cat(dir, " was written with parallel.zero1=", saved_sharded ? "true" : "false",
+                      " (the optimizer state ",
+                      saved_sharded ? "sharded over the ranks" : "whole on every rank",
+                      "); resume it with parallel.zero1=", saved_sharded ? "true" : "false"));
+    SafetensorsFile optim_file = read_safetensors(optimizer_file(dir, sharded, layout_.rank));
+    std::vector<NamedTensor> optim_state;
+    for (const auto& [name, t] : optim_file.tensors) optim_state.push_back({name, t});
+    // Everything validated: now change the optimizer (it refuses another layout) and the model.
+    optimizer().load_state(optim_state);
+  }
   copy_named(model_->state(), model_file.tensors);
   return s;
 }
@@ -514,6 +561,9 @@ std::string Session::summary() {
   // scaled to the micro-batch.
   int64_t state_copies =
       recipe_.optimizer.name == "adamw" ? 2 : (recipe_.optimizer.momentum > 0 ? 1 : 0);
+  // zero1: each rank keeps the state of about 1/world of the parameters.
+  const int64_t world = layout_.world_size;
+  const int64_t state_params = shards_optimizer() ? (params + world - 1) / world : params;
   Allocator& a = allocator(Device{});
   int64_t before = a.stats().current_bytes;
   a.reset_peak();
@@ -536,10 +586,11 @@ std::string Session::summary() {
   char buf[256];
   std::snprintf(
       buf, sizeof buf,
-      "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB, "
+      "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB%s, "
       "activations %.1f MiB (micro-batch %lld)\n",
       double(params) * 4 * mib, double(params) * 4 * mib,
-      double(params) * 4 * double(state_copies) * mib,
+      double(state_params) * 4 * double(state_copies) * mib,
+      shards_optimizer() ? cat(" (zero1: sharded, 1/", world, " per rank)").c_str() : "",
       double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_);
   out << buf;
   return out.str();

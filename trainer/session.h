@@ -2,6 +2,12 @@
 // optimizer, LR schedule) and the state that moves as training runs, with
 // its checkpoint round trip. The loop (trainer/train.cpp) drives it.
 //
+// The optimizer: the session builds the recipe's SGD or AdamW over every
+// parameter, except under parallel.zero1 on several ranks, where
+// DistributedRun builds this rank's shard of it over DataParallel's buckets
+// and hands it over (set_sharded_optimizer) before the first step. A
+// checkpoint then holds one optimizer file per rank (trainer/checkpoint.h).
+//
 // Two kinds of model share the loop: classifiers read images through the
 // data::Loader; language models (model gpt or lstm_lm, data text) read
 // random token windows of a corpus (data/text.h). Their loss is the mean
@@ -27,6 +33,7 @@
 #include "layers/module.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "trainer/distributed.h"
 #include "trainer/recipe.h"
 
 namespace trainer {
@@ -65,6 +72,13 @@ struct RankLayout {
   int world_size = 1;
 };
 
+// The recipe's parameter groups: one, or with weight decay and without it
+// (norm weights and biases) unless optimizer.decay_norm_and_bias.
+std::vector<optim::ParamGroup> param_groups(const Recipe& recipe, const Module& model);
+// The recipe's optimizer (optimizer.name: SGD or AdamW) over groups.
+std::unique_ptr<optim::Optimizer> make_optimizer(const Recipe& recipe,
+                                                 std::vector<optim::ParamGroup> groups);
+
 class Session {
  public:
   // Builds everything from the recipe (throws Error on a bad combination,
@@ -75,7 +89,12 @@ class Session {
   Module& model() { return *model_; }
   const std::shared_ptr<Module>& model_ptr() const { return model_; }
   const RankLayout& layout() const { return layout_; }
-  optim::Optimizer& optimizer() { return *optimizer_; }
+  // The optimizer; when sharded, only once set_sharded_optimizer() has run.
+  TrainOptimizer& optimizer();
+  // parallel.zero1 on several ranks: the optimizer is this rank's shard.
+  bool shards_optimizer() const { return trainer::shards_optimizer(recipe_, layout_.world_size); }
+  // Takes the sharded optimizer DistributedRun built (shards_optimizer() only).
+  void set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zero);
   const optim::LrSchedule& schedule() const { return *schedule_; }
   // The image loaders (classifiers only).
   data::Loader& train_loader() { return *train_loader_; }
@@ -101,10 +120,17 @@ class Session {
   Tensor forward(const Tensor& images);
   EvalMetrics evaluate();
 
-  // Writes model.safetensors, optimizer.safetensors and trainer_state.json into dir.
+  // Writes this rank's part of a checkpoint into dir: rank 0 the model,
+  // trainer_state.json and the optimizer state (optimizer.safetensors);
+  // when sharded every rank its shard (optimizer.rank<r>.safetensors).
+  // Every rank calls it, once dir exists.
   void save(const std::string& dir, const TrainState& state) const;
-  // Restores model, optimizer and state from a checkpoint directory.
+  // Resumes: restores model, optimizer (this rank's file) and state from a
+  // checkpoint written on the same layout (data-parallel ranks, zero1);
+  // otherwise throws Error saying what differs.
   TrainState load(const std::string& dir);
+  // Restores the model and the state alone (evaluation, sampling: any layout).
+  TrainState load_model(const std::string& dir);
   // Loads parameters and buffers by name from a safetensors file; strict:
   // missing, unexpected or mis-shaped tensors are an Error listing them all.
   void init_from(const std::string& path, bool strict);
@@ -117,6 +143,8 @@ class Session {
   void build_text_data();
   EvalMetrics evaluate_images();
   EvalMetrics evaluate_text();
+  // load() with the optimizer, load_model() without it.
+  TrainState load_checkpoint(const std::string& dir, bool with_optimizer);
 
   Recipe recipe_;
   RankLayout layout_;
@@ -128,7 +156,7 @@ class Session {
   std::unique_ptr<data::TextWindows> train_windows_;
   std::unique_ptr<data::EvalWindows> val_windows_;
   int64_t text_epoch_ = 0, text_position_ = 0;
-  std::unique_ptr<optim::Optimizer> optimizer_;
+  std::unique_ptr<TrainOptimizer> optimizer_;
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;
   int64_t steps_per_epoch_ = 0;

@@ -5,12 +5,12 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
 #include "models/sample.h"
-#include "optim/clip.h"
 #include "parallel/trace.h"
 #include "trainer/checkpoint.h"
 #include "trainer/distributed.h"
@@ -34,7 +34,11 @@ class StopSignals {
     old_term_ = std::signal(SIGTERM, on_stop_signal);
     old_int_ = std::signal(SIGINT, on_stop_signal);
   }
+  // Leaving by an error (a dead peer, say), the handlers stay: the launcher
+  // sends SIGTERM when it sees a rank fail, and the default action would
+  // kill this process before main prints the error that says why.
   ~StopSignals() {
+    if (std::uncaught_exceptions() > uncaught_) return;
     std::signal(SIGTERM, old_term_);
     std::signal(SIGINT, old_int_);
   }
@@ -43,6 +47,7 @@ class StopSignals {
  private:
   void (*old_term_)(int);
   void (*old_int_)(int);
+  int uncaught_ = std::uncaught_exceptions();
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -163,12 +168,14 @@ class TrainLoop {
       say(cat("step ", state_.step, ": non-finite loss, step skipped"));
     } else {
       nonfinite_in_a_row_ = 0;
+      TrainOptimizer& opt = s_.optimizer();
+      // Sharded: the gradients are averaged into each rank's shard only, so
+      // the optimizer computes the norm.
       if (r_.optimizer.clip_grad_norm > 0)
-        last_grad_norm_ =
-            optim::clip_grad_norm(s_.model().parameters(), r_.optimizer.clip_grad_norm);
+        last_grad_norm_ = opt.clip_grad_norm(r_.optimizer.clip_grad_norm);
       parallel::TraceScope span(timeline, "optimizer");
-      s_.optimizer().set_lr(lr);
-      s_.optimizer().step();
+      opt.set_lr(lr);
+      opt.step();
     }
     run_.zero_grad(s_.optimizer());
     ++state_.step;
@@ -217,14 +224,18 @@ class TrainLoop {
     write_log("val", {{"loss", m.loss}, {"top1", m.top1}, {"top5", m.top5}});
   }
 
-  // Rank 0 writes the replicated state; `latest` moves only once every
-  // rank has passed the barrier (all parts written).
+  // Rank 0 creates the directory and writes the replicated state, every
+  // rank its optimizer shard (when sharded); `latest` moves only once every
+  // rank has passed the second barrier (all parts written).
   void save() {
-    std::string tmp;
+    // The name CheckpointDir::begin gives the directory on rank 0.
+    std::string tmp = ckpt_.root() + "/" + CheckpointDir::step_name(state_.step) + ".tmp";
     if (print_) {
-      tmp = ckpt_.begin(state_.step);
-      s_.save(tmp, state_);
+      const std::string made = ckpt_.begin(state_.step);
+      CHECK_EQ(made, tmp);
     }
+    run_.barrier();
+    s_.save(tmp, state_);
     run_.barrier();
     if (print_) {
       std::string dir = ckpt_.commit(state_.step, pending_best_);
@@ -241,8 +252,7 @@ class TrainLoop {
 
   void summary() {
     double elapsed = seconds_since(t0_);
-    int64_t rate =
-        int64_t(elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0);
+    int64_t rate = int64_t(elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0);
     std::string head = cat("done: ", state_.step, " steps in ", format_duration(elapsed), ", ");
     std::string skipped = cat(state_.nonfinite_skipped, " non-finite steps skipped");
     if (s_.is_language_model())
@@ -288,8 +298,9 @@ int train_command(const TrainArgs& args) {
     std::printf("recipe %s (resolved):\n%s", r.source.c_str(), recipe_to_yaml(r).c_str());
   Session s(r, {dist.rank, dist.world_size});
   if (main_rank) {
-    std::printf("parallel layout: world %d (dp=%d, pp=1, tp=1), %d CPU threads per rank\n",
-                dist.world_size, dist.world_size, num_threads());
+    std::printf("parallel layout: world %d (dp=%d, pp=1, tp=1%s), %d CPU threads per rank\n",
+                dist.world_size, dist.world_size, s.shards_optimizer() ? ", zero1" : "",
+                num_threads());
     std::printf("%lld steps (%lld per epoch), micro-batch %lld x grad_accum %lld per rank\n",
                 (long long)s.total_steps(), (long long)s.steps_per_epoch(),
                 (long long)s.micro_batch(), (long long)r.training.grad_accum);
@@ -298,18 +309,16 @@ int train_command(const TrainArgs& args) {
     if (main_rank) std::printf("%s", s.summary().c_str());
     return 0;
   }
+  // Before the checkpoint is read: under zero1 it builds the optimizer. Every
+  // rank then loads the same model, so the broadcast it does now is harmless.
+  DistributedRun run(dist, s, r.training.trace || args.trace);
   if (!args.init_from.empty()) s.init_from(args.init_from, args.init_strict);
   TrainState state;
   if (std::optional<std::string> dir = resume_dir(args.resume, r)) {
     state = s.load(*dir);
-    // The sample position counts one rank's samples: it means the same only on the same layout.
-    if (state.world_size != dist.world_size)
-      throw Error(cat(*dir, " was written by ", state.world_size,
-                      " data-parallel ranks; resume it on as many (parallel.dp=", state.world_size,
-                      "), not ", dist.world_size));
     if (main_rank)
       std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
-                (long long)state.step, (long long)state.epoch, (long long)state.position);
+                  (long long)state.step, (long long)state.epoch, (long long)state.position);
   } else if (args.resume == "auto" && main_rank) {
     std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
   }
@@ -317,7 +326,6 @@ int train_command(const TrainArgs& args) {
     std::filesystem::create_directories(r.output_dir);
     write_file_atomic(r.output_dir + "/recipe.yaml", recipe_to_yaml(r));
   }
-  DistributedRun run(dist, r, s.model_ptr(), r.training.trace || args.trace);
   return TrainLoop(s, state, run).run();
 }
 
@@ -343,7 +351,7 @@ int eval_command(const EvalArgs& args) {
   apply_threads(r);
   Session s(r);
   std::string dir = checkpoint_to_load(args.checkpoint);
-  TrainState state = s.load(dir);
+  TrainState state = s.load_model(dir);
   EvalMetrics m = s.evaluate();
   if (s.is_language_model())
     std::printf("eval %s (step %lld): loss %.4f | %.4f bits/char | %lld tokens\n", dir.c_str(),
@@ -362,7 +370,7 @@ int sample_command(const SampleArgs& args) {
   apply_threads(r);
   Session s(r);
   std::string dir = checkpoint_to_load(args.checkpoint);
-  TrainState state = s.load(dir);
+  TrainState state = s.load_model(dir);
   // An empty prompt starts the text at a line break.
   const std::string prompt = args.prompt.empty() ? "\n" : args.prompt;
   std::vector<int64_t> ids;

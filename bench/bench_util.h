@@ -1,0 +1,55 @@
+// Shared by the training benchmarks (bench_train, bench_dp): an image-model
+// case on synthetic data, its model and SGD-with-momentum optimizer, and
+// the median of step timings. Inline only: every bench/*.cpp is its own
+// executable.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "models/registry.h"
+#include "optim/optimizer.h"
+
+namespace trainer::bench {
+
+// An image classifier on synthetic [batch, channels, size, size] inputs.
+struct ImageCase {
+  const char* name;
+  const char* model;
+  int64_t batch, size, channels, classes;
+};
+
+inline std::shared_ptr<Module> make_case_model(const ImageCase& c, ModelOptions o = {}) {
+  o.num_classes = c.classes;
+  o.in_channels = c.channels;
+  o.image_size = c.size;
+  return make_model(c.model, o);
+}
+
+// SGD, lr 0.01, momentum 0.9, weight decay 1e-4, over every parameter of model.
+inline optim::SGD make_sgd(const Module& model) {
+  return optim::SGD({optim::ParamGroup{model.named_parameters()}},
+                    optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median seconds of step() over `steps` timed runs after `warmup` untimed ones.
+inline double median_step_seconds(int steps, const std::function<void()>& step, int warmup = 2) {
+  std::vector<double> times;
+  for (int i = 0; i < warmup + steps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    step();
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= warmup) times.push_back(dt);
+  }
+  return median(times);
+}
+
+}  // namespace trainer::bench

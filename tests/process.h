@@ -1,0 +1,110 @@
+// Running a program as a child process from a test: its stdout and stderr
+// captured together, an optional SIGTERM once a line appears in its output,
+// and an optional timeout so a test never hangs.
+//
+//   ProcessResult r = run_process({TRAINER_BINARY, "train", recipe}, {.stop_after = "step 10/40"});
+//   INFO(r.output);
+//   REQUIRE(r.code == 0);
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "tests/testing.h"
+
+namespace trainer::testing {
+
+struct ProcessResult {
+  int code = -1;       // exit code, 128 + signal when killed
+  std::string output;  // stdout and stderr
+  double seconds = 0;
+};
+
+struct ProcessOptions {
+  std::vector<std::pair<std::string, std::string>> env{};  // set in the child
+  // Non-empty: SIGTERM to the child once its output contains this text.
+  std::string stop_after{};
+  // > 0: SIGTERM to the child's process group after this many seconds, SIGKILL 15 s later.
+  double timeout_s = 0;
+};
+
+// Runs argv (argv[0] is the program's path) in its own process group and waits for it.
+inline ProcessResult run_process(const std::vector<std::string>& argv,
+                                 const ProcessOptions& options = {}) {
+  int out[2];
+  REQUIRE(::pipe2(out, O_CLOEXEC) == 0);  // dup2 below clears it on 1 and 2
+  auto start = std::chrono::steady_clock::now();
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(out[1], 1);
+    ::dup2(out[1], 2);
+    ::close(out[0]);
+    for (const auto& [k, v] : options.env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  ::fcntl(out[0], F_SETFL, O_NONBLOCK);
+  ProcessResult r;
+  int status = 0;
+  bool open = true, stopped = false, timed_out = false;
+  for (;;) {
+    // Reaped first, then read: everything the child wrote before exiting is in the pipe.
+    bool exited = ::waitpid(pid, &status, WNOHANG) == pid;
+    char buf[4096];
+    ssize_t n = 0;
+    while (open && (n = ::read(out[0], buf, sizeof buf)) > 0) r.output.append(buf, size_t(n));
+    if (n == 0) open = false;  // every writer closed it
+    if (exited) break;
+    if (!options.stop_after.empty() && !stopped &&
+        r.output.find(options.stop_after) != std::string::npos) {
+      ::kill(pid, SIGTERM);
+      stopped = true;
+    }
+    double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (options.timeout_s > 0 && elapsed > options.timeout_s && !timed_out) {
+      ::kill(-pid, SIGTERM);
+      timed_out = true;
+    }
+    if (timed_out && elapsed > options.timeout_s + 15) ::kill(-pid, SIGKILL);
+    if (open) {
+      pollfd p{out[0], POLLIN, 0};
+      ::poll(&p, 1, 10);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  ::close(out[0]);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (timed_out) r.output += "\n(the test stopped it after the timeout)";
+  return r;
+}
+
+#ifdef TRAINER_BINARY
+// Runs `trainer args...`, the binary under test.
+inline ProcessResult run_trainer(const std::vector<std::string>& args,
+                                 const ProcessOptions& options = {}) {
+  std::vector<std::string> argv{TRAINER_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, options);
+}
+#endif
+
+}  // namespace trainer::testing
