@@ -87,10 +87,11 @@ class RefBackend : public Backend {
 
   // ---- ref_attention.cpp ----
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                         const AttentionAttrs& attrs, const Tensor& out, const Tensor& lse) override;
-  void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                          const Tensor& v, const Tensor& out, const Tensor& lse,
-                          const AttentionAttrs& attrs, const Tensor& grad_q, const Tensor& grad_k,
+                         const AttentionAttrs& attrs, const Tensor& out,
+                         const Tensor& lse) override;
+  void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& out, const Tensor& lse, const AttentionAttrs& attrs,
+                          const Tensor& grad_q, const Tensor& grad_k,
                           const Tensor& grad_v) override;
 
   // ---- ref_rnn.cpp ----
