@@ -251,10 +251,17 @@ void Transport::sleep_until_event(Clock::time_point deadline) {
     if (ucp_worker_arm(ucx_->worker) != UCS_OK) return;
   }
   std::vector<pollfd> fds{{ucx_->event_fd, POLLIN, 0}};
-  for (auto& peer : peers_)
-    if (peer && peer->pidfd >= 0 && !peer->exited.load()) fds.push_back({peer->pidfd, POLLIN, 0});
+  watch_local_peers(fds, nullptr);
   auto left = std::chrono::ceil<Millis>(deadline - Clock::now());
   ::poll(fds.data(), fds.size(), int(std::clamp(left, Millis(0), kMaxSleep).count()));
+}
+
+void Transport::watch_local_peers(std::vector<pollfd>& fds, std::vector<Peer*>* watched) const {
+  for (const auto& peer : peers_) {
+    if (!peer || peer->pidfd < 0 || peer->exited.load()) continue;
+    fds.push_back({peer->pidfd, POLLIN, 0});
+    if (watched) watched->push_back(peer.get());
+  }
 }
 
 void Transport::check_liveness_locked() {
@@ -265,11 +272,7 @@ void Transport::check_liveness_locked() {
   last_liveness_check_ = now;
   std::vector<pollfd> fds;
   std::vector<Peer*> watched;
-  for (auto& peer : peers_) {
-    if (!peer || peer->pidfd < 0 || peer->exited.load()) continue;
-    fds.push_back({peer->pidfd, POLLIN, 0});
-    watched.push_back(peer.get());
-  }
+  watch_local_peers(fds, &watched);
   if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) return;
   for (size_t i = 0; i < fds.size(); ++i)
     if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) watched[i]->exited.store(true);

@@ -28,6 +28,8 @@
 //   r.wait(timeout);   // Error: "rank 1: allreduce(ring): rank 2 ... "
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -128,6 +130,9 @@ class Transport {
   // Blocks until the worker has events, a local peer exits, a short sleep
   // passes or the deadline comes (see Request::wait).
   void sleep_until_event(Clock::time_point deadline);
+  // Appends a POLLIN entry for each local peer not yet known to have exited
+  // to fds, and the peer to watched (when given), in the same order.
+  void watch_local_peers(std::vector<pollfd>& fds, std::vector<Peer*>* watched) const;
 
   int rank_;
   int world_size_;

@@ -33,6 +33,7 @@ class Dropout : public Module {
   Dropout(double p, Generator gen);
   Tensor forward(const Tensor& x) override;
   Generator& generator() { return gen_; }
+  double p() const { return p_; }
 
  private:
   double p_;

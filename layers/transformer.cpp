@@ -27,13 +27,16 @@ Tensor LayerNorm::forward(const Tensor& x) {
 
 CausalSelfAttention::CausalSelfAttention(const TransformerOptions& o, Generator& gen,
                                          uint64_t dropout_site)
-    : num_heads_(o.num_heads), attn_p_(o.dropout), attn_gen_(o.seed, dropout_stream(dropout_site)) {
+    : num_heads_(o.num_heads) {
   CHECK(o.num_heads >= 1 && o.d_model % o.num_heads == 0)
       << "CausalSelfAttention: width " << o.d_model << " is not a multiple of " << o.num_heads
       << " heads";
   c_attn =
       register_module("c_attn", std::make_shared<Linear>(o.d_model, 3 * o.d_model, gen, o.bias));
   c_proj = register_module("c_proj", std::make_shared<Linear>(o.d_model, o.d_model, gen, o.bias));
+  attn_dropout = register_module(
+      "attn_dropout",
+      std::make_shared<Dropout>(o.dropout, Generator(o.seed, dropout_stream(dropout_site))));
   resid_dropout = register_module(
       "resid_dropout",
       std::make_shared<Dropout>(o.dropout, Generator(o.seed, dropout_stream(dropout_site + 1))));
@@ -42,7 +45,8 @@ CausalSelfAttention::CausalSelfAttention(const TransformerOptions& o, Generator&
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   CHECK(x.dim() == 3) << "CausalSelfAttention expects [B, T, D], got " << x.shape_str();
   Tensor qkv = (*c_attn)(x);  // [B, T, 3D]: q, k, v side by side
-  Tensor y = causal_attention_qkv(qkv, num_heads_, attn_p_, is_training(), attn_gen_);
+  Tensor y = causal_attention_qkv(qkv, num_heads_, attn_dropout->p(), is_training(),
+                                  attn_dropout->generator());
   return (*resid_dropout)((*c_proj)(y));
 }
 

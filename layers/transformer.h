@@ -62,15 +62,12 @@ class CausalSelfAttention : public Module {
   Tensor forward(const Tensor& x) override;
 
   std::shared_ptr<Linear> c_attn, c_proj;
-  std::shared_ptr<Dropout> resid_dropout;
-  // The attention-weights dropout's generator (trainers re-key it per step,
-  // as they do Dropout::generator()).
-  Generator& generator() { return attn_gen_; }
+  // attn_dropout holds the attention weights' dropout rate and generator
+  // (the fused kernel applies it); resid_dropout is applied as a layer.
+  std::shared_ptr<Dropout> attn_dropout, resid_dropout;
 
  private:
   int64_t num_heads_;
-  double attn_p_;
-  Generator attn_gen_;
 };
 
 // nanoGPT's MLP (module name "mlp"; the class is named apart from

@@ -10,7 +10,6 @@
 #include "data/idx.h"
 #include "data/image_folder.h"
 #include "layers/linear.h"
-#include "layers/transformer.h"
 #include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
@@ -272,14 +271,13 @@ void Session::build_text_data() {
 void Session::rekey_dropout(int64_t micro) {
   uint64_t layer = 0;
   model_->apply([&](Module& m) {
-    Generator* gen = nullptr;
-    if (auto* d = dynamic_cast<Dropout*>(&m)) gen = &d->generator();
-    if (auto* a = dynamic_cast<CausalSelfAttention*>(&m)) gen = &a->generator();
-    if (!gen) return;
+    auto* d = dynamic_cast<Dropout*>(&m);
+    if (!d) return;
     // Stream: purpose in the low 8 bits, the layer above; offset: 2^32
     // blocks per micro-step and rank, far more than any layer draws.
     const uint64_t block = uint64_t(micro) * uint64_t(layout_.world_size) + uint64_t(layout_.rank);
-    *gen = Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8), block << 32);
+    d->generator() =
+        Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8), block << 32);
   });
 }
 
