@@ -12,9 +12,14 @@ DistributedSampler::DistributedSampler(const SamplerOptions& options) : options_
     throw Error(cat("sampler: rank ", options.rank, " is outside world size ", options.world_size));
   if (options.dataset_size <= 0) throw Error("sampler: the dataset is empty");
   const int64_t n = options.dataset_size, world = options.world_size;
-  // PyTorch's counts: drop_last floors, padding rounds up.
-  num_samples_ = options.drop_last ? n / world : (n + world - 1) / world;
-  if (num_samples_ == 0)
+  CHECK(!(options.exact && options.drop_last)) << "sampler: exact and drop_last both set";
+  // PyTorch's counts: drop_last floors, padding rounds up; exact: the
+  // positions r, r + world, ... below n.
+  if (options.exact)
+    num_samples_ = (n - options.rank + world - 1) / world;
+  else
+    num_samples_ = options.drop_last ? n / world : (n + world - 1) / world;
+  if (num_samples_ == 0 && !options.exact)
     throw Error(cat("sampler: ", n, " samples cannot give each of ", world,
                     " ranks one sample with drop_last; use fewer ranks or pad"));
 }

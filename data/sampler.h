@@ -30,15 +30,22 @@ struct SamplerOptions {
   uint64_t seed = 0;
   bool shuffle = true;     // false: the identity order (evaluation)
   bool drop_last = false;  // drop the tail instead of padding by wrapping around
+  // Neither drop nor pad (evaluation): rank r takes r, r + world, ... below
+  // dataset_size, so every sample is read exactly once and the ranks' counts
+  // differ by at most one.
+  bool exact = false;
 };
 
 class DistributedSampler {
  public:
   explicit DistributedSampler(const SamplerOptions& options);
-  // Samples per rank and epoch.
+  // This rank's samples per epoch.
   int64_t num_samples() const { return num_samples_; }
-  // num_samples() * world_size: the epoch after dropping or padding.
-  int64_t total_size() const { return num_samples_ * options_.world_size; }
+  // The epoch after dropping or padding: num_samples() * world_size (exact:
+  // the dataset size).
+  int64_t total_size() const {
+    return options_.exact ? options_.dataset_size : num_samples_ * options_.world_size;
+  }
   const SamplerOptions& options() const { return options_; }
   // This rank's dataset indices for the epoch, from position on.
   std::vector<int64_t> indices(int64_t epoch, int64_t position = 0) const;

@@ -140,6 +140,37 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
   return buckets;
 }
 
+// Copies root's tensors to every rank in one message, after checking that
+// the ranks agree on the layout (a different model would scramble it).
+void broadcast_tensors(comm::Communicator& comm, const std::vector<NamedTensor>& tensors,
+                       int root) {
+  uint64_t layout[2] = {tensors.size(), 0};
+  for (const NamedTensor& t : tensors) {
+    CHECK(t.tensor.device().is_cpu() && t.tensor.is_contiguous())
+        << "DataParallel broadcasts contiguous CPU state; " << t.name << " is " << t.tensor.str();
+    layout[1] += t.tensor.nbytes();
+  }
+  uint64_t root_layout[2] = {layout[0], layout[1]};
+  comm::broadcast(comm, root_layout, sizeof(root_layout), root);
+  if (root_layout[0] != layout[0] || root_layout[1] != layout[1]) {
+    throw Error(cat("data parallel: rank ", comm.rank(), "'s model has ", layout[0], " tensors of ",
+                    layout[1], " bytes, rank ", root, "'s has ", root_layout[0], " of ",
+                    root_layout[1], "; every rank must build the same model"));
+  }
+  std::vector<char> packed(layout[1]);
+  size_t offset = 0;
+  for (const NamedTensor& t : tensors) {
+    std::memcpy(packed.data() + offset, t.tensor.data_ptr(), t.tensor.nbytes());
+    offset += t.tensor.nbytes();
+  }
+  comm::broadcast(comm, packed.data(), packed.size(), root);
+  offset = 0;
+  for (const NamedTensor& t : tensors) {
+    std::memcpy(t.tensor.data_ptr(), packed.data() + offset, t.tensor.nbytes());
+    offset += t.tensor.nbytes();
+  }
+}
+
 }  // namespace
 
 DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm::Communicator> comm,
@@ -202,35 +233,11 @@ DataParallel::~DataParallel() {
 
 const std::vector<Bucket>& DataParallel::buckets() const { return impl_->buckets; }
 
-void DataParallel::broadcast_state(int root) {
-  // One message: every parameter and buffer packed as bytes, after checking
-  // that the ranks agree on the layout (a different model would scramble it).
-  std::vector<NamedTensor> state = module_->state();
-  uint64_t layout[2] = {state.size(), 0};
-  for (const NamedTensor& t : state) {
-    CHECK(t.tensor.device().is_cpu() && t.tensor.is_contiguous())
-        << "DataParallel broadcasts contiguous CPU state; " << t.name << " is " << t.tensor.str();
-    layout[1] += t.tensor.nbytes();
-  }
-  uint64_t root_layout[2] = {layout[0], layout[1]};
-  comm::broadcast(*comm_, root_layout, sizeof(root_layout), root);
-  if (root_layout[0] != layout[0] || root_layout[1] != layout[1]) {
-    throw Error(cat("data parallel: rank ", comm_->rank(), "'s model has ", layout[0],
-                    " tensors of ", layout[1], " bytes, rank ", root, "'s has ", root_layout[0],
-                    " of ", root_layout[1], "; every rank must build the same model"));
-  }
-  std::vector<char> packed(layout[1]);
-  size_t offset = 0;
-  for (const NamedTensor& t : state) {
-    std::memcpy(packed.data() + offset, t.tensor.data_ptr(), t.tensor.nbytes());
-    offset += t.tensor.nbytes();
-  }
-  comm::broadcast(*comm_, packed.data(), packed.size(), root);
-  offset = 0;
-  for (const NamedTensor& t : state) {
-    std::memcpy(t.tensor.data_ptr(), packed.data() + offset, t.tensor.nbytes());
-    offset += t.tensor.nbytes();
-  }
+void DataParallel::broadcast_state(int root) { broadcast_tensors(*comm_, module_->state(), root); }
+
+void DataParallel::broadcast_buffers(int root) {
+  std::vector<NamedTensor> buffers = module_->named_buffers();
+  if (!buffers.empty()) broadcast_tensors(*comm_, buffers, root);
 }
 
 void DataParallel::set_sync(bool sync) { impl_->sync = sync; }

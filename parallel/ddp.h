@@ -105,6 +105,10 @@ class DataParallel {
 
   // Copies rank root's parameters and buffers to every rank (collective).
   void broadcast_state(int root = 0);
+  // Copies rank root's buffers (BatchNorm running statistics) to every rank
+  // (collective): before a sharded evaluation, so every rank evaluates the
+  // same model, as DDP's broadcast_buffers does before each forward.
+  void broadcast_buffers(int root = 0);
 
   // Whether the next backward reduces its gradients (default true).
   void set_sync(bool sync);

@@ -57,6 +57,31 @@ TEST_CASE("sampler: shards partition the epoch for world sizes 1-8", "[data][sam
   }
 }
 
+TEST_CASE("sampler: exact shards read every sample once, with or without shuffling",
+          "[data][sampler]") {
+  for (int64_t n : {1, 5, 8, 13, 100}) {
+    for (int world = 1; world <= 8; ++world) {
+      for (bool shuffle : {false, true}) {
+        INFO("n " << n << " world " << world << " shuffle " << shuffle);
+        std::vector<int64_t> seen(size_t(n), 0);
+        for (int rank = 0; rank < world; ++rank) {
+          SamplerOptions o{n, rank, world, /*seed=*/7, shuffle};
+          o.exact = true;
+          DistributedSampler s(o);
+          std::vector<int64_t> part = s.indices(/*epoch=*/2);
+          // Rank r holds positions r, r + world, ... below n.
+          REQUIRE(int64_t(part.size()) == (n - rank + world - 1) / world);
+          REQUIRE(s.num_samples() == int64_t(part.size()));
+          for (int64_t i : part) ++seen[size_t(i)];
+          if (!shuffle)
+            for (size_t p = 0; p < part.size(); ++p) REQUIRE(part[p] == rank + int64_t(p) * world);
+        }
+        for (int64_t count : seen) REQUIRE(count == 1);
+      }
+    }
+  }
+}
+
 TEST_CASE("sampler: PyTorch's order without shuffling", "[data][sampler]") {
   // torch DistributedSampler(range(5), num_replicas=2, shuffle=False): [0, 2, 4], [1, 3, 0].
   auto pad = shards(5, 2, false, 0, /*shuffle=*/false);

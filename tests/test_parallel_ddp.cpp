@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -307,6 +308,36 @@ TEST_CASE("ddp: parallel.sync_bn makes dp=2 batch norm match dp=1 on the global 
     // statistics miss by up to 2e-1 (bn1.bias, bn2.running_mean: 2e-2).
     CHECK(worst <= 5e-3f * scale);
   }
+}
+
+TEST_CASE("ddp: dp=2 evaluates each validation image once, with rank 0's batch-norm buffers",
+          "[parallel][mp]") {
+  // Local batch norm: the ranks' running statistics differ after training,
+  // so a rank evaluating its share with its own buffers would move the
+  // result away from one process evaluating rank 0's checkpoint.
+  fs::path two = fresh("eval_two");
+  std::vector<std::string> a = trainer_args(two, {"training.steps=4", "model.name=small_cnn",
+                                                  "model.dropout=0", "training.eval_every=4"});
+  a[1] = std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_cnn.yaml";
+  Outcome b = finish(start(launched(a)), 180);
+  INFO(b.output);
+  REQUIRE(b.code == 0);
+  std::smatch dp;
+  const std::regex dp_line(R"(eval step 4: loss ([0-9.]+) \| top1 ([0-9.]+)% .* \| ([0-9]+) samples)");
+  REQUIRE(std::regex_search(b.output, dp, dp_line));
+
+  std::vector<std::string> eval{TRAINER_BINARY, "eval", a[1], "training.threads=1",
+                                "--checkpoint", (two / "checkpoints").string()};
+  Outcome e = finish(start(eval), 120);
+  INFO(e.output);
+  REQUIRE(e.code == 0);
+  std::smatch one;
+  const std::regex one_line(R"(loss ([0-9.]+) \| top1 ([0-9.]+)% .* \| ([0-9]+) samples)");
+  REQUIRE(std::regex_search(e.output, one, one_line));
+  CHECK(dp[3].str() == one[3].str());
+  CHECK(std::stoll(one[3].str()) == 10000);
+  CHECK(std::fabs(std::stod(dp[2].str()) - std::stod(one[2].str())) < 0.006);
+  CHECK(std::fabs(std::stod(dp[1].str()) - std::stod(one[1].str())) < 1e-4);
 }
 
 TEST_CASE("ddp: resuming under dp=2 reproduces the uninterrupted run bit for bit",

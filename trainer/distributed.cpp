@@ -109,6 +109,26 @@ void DistributedRun::zero_grad(TrainOptimizer& optimizer) {
   if (dp_) dp_->zero_grad();
 }
 
+EvalMetrics DistributedRun::evaluate(Session& session) const {
+  if (!dist_.active()) return session.evaluate();
+  dp_->broadcast_buffers(0);
+  EvalSums mine = session.evaluate_shard();
+  // Gathered, not allreduced: a ring's sums would round differently on each
+  // rank, and best-checkpoint decisions must agree.
+  const double local[4] = {mine.loss, double(mine.top1), double(mine.top5), double(mine.samples)};
+  std::vector<double> all(4 * size_t(dist_.world_size));
+  comm::allgather(*dist_.world, local, all.data(), sizeof(local));
+  EvalSums sums;
+  for (int r = 0; r < dist_.world_size; ++r) {
+    const double* v = all.data() + 4 * r;
+    sums.loss += v[0];
+    sums.top1 += int64_t(v[1]);
+    sums.top5 += int64_t(v[2]);
+    sums.samples += int64_t(v[3]);
+  }
+  return eval_metrics(sums, session.is_language_model());
+}
+
 StepVerdict DistributedRun::agree(double loss, bool finite, bool stop) const {
   if (!dist_.active()) return StepVerdict{loss, finite, stop};
   // Sums of (loss, non-finite ranks, stopping ranks): one message.

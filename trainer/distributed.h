@@ -44,6 +44,7 @@
 namespace trainer {
 
 class Session;
+struct EvalMetrics;
 
 struct Distributed {
   std::shared_ptr<comm::Communicator> world;  // null: a single process
@@ -122,6 +123,11 @@ class DistributedRun {
   // Clears gradients (keeping DataParallel's bucket views). Every
   // iteration, a skipped step's too.
   void zero_grad(TrainOptimizer& optimizer);
+
+  // The validation metrics, the same bits on every rank: rank 0's buffers
+  // are broadcast, each rank evaluates its share of the validation set and
+  // the shares are added up in rank order (collective).
+  EvalMetrics evaluate(Session& session) const;
 
   // One small allreduce per step (local values on a single process).
   StepVerdict agree(double loss, bool finite, bool stop) const;

@@ -239,7 +239,12 @@ void Session::build_image_data() {
       data::ImageTransform(transform_options(r, true, train_set_->channels()),
                            train_set_->channels()),
       data::DistributedSampler(so), lo);
-  data::SamplerOptions vo{.dataset_size = val_set_->size(), .shuffle = false};
+  // Each rank evaluates its share, every image exactly once.
+  data::SamplerOptions vo{.dataset_size = val_set_->size(),
+                          .rank = layout_.rank,
+                          .world_size = layout_.world_size,
+                          .shuffle = false,
+                          .exact = true};
   lo.drop_last = false;
   val_loader_ = std::make_unique<data::Loader>(
       *val_set_,
@@ -331,39 +336,55 @@ Tensor Session::loss(const StepBatch& batch) {
 
 Tensor Session::forward(const Tensor& images) { return (*model_)(images.permute({0, 3, 1, 2})); }
 
-EvalMetrics Session::evaluate() { return corpus_ ? evaluate_text() : evaluate_images(); }
+EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
+  EvalMetrics m;
+  m.samples = sums.samples;
+  if (sums.samples == 0) return m;
+  m.loss = sums.loss / double(sums.samples);
+  if (language_model) {
+    m.bits_per_char = m.loss / std::log(2.0);
+  } else {
+    m.top1 = 100.0 * double(sums.top1) / double(sums.samples);
+    m.top5 = 100.0 * double(sums.top5) / double(sums.samples);
+  }
+  return m;
+}
 
-EvalMetrics Session::evaluate_text() {
+EvalMetrics Session::evaluate() {
+  CHECK_EQ(layout_.world_size, 1)
+      << "Session::evaluate on one rank of several; use DistributedRun::evaluate";
+  return eval_metrics(evaluate_shard(), is_language_model());
+}
+
+EvalSums Session::evaluate_shard() { return corpus_ ? evaluate_text() : evaluate_images(); }
+
+EvalSums Session::evaluate_text() {
   autograd::NoGradGuard no_grad;
   model_->eval();
   CrossEntropyOptions sum_loss;
   sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
-  double loss_sum = 0;
-  EvalMetrics m;
-  for (int64_t first = 0; first < val_windows_->size(); first += micro_batch_) {
+  EvalSums sums;
+  const int64_t stride = micro_batch_ * layout_.world_size;
+  for (int64_t first = micro_batch_ * layout_.rank; first < val_windows_->size(); first += stride) {
     data::TextBatch b = val_windows_->batch(first, micro_batch_);
-    loss_sum += token_cross_entropy((*model_)(b.inputs), b.targets, sum_loss).item<double>();
-    m.samples += b.targets.numel();
+    sums.loss += token_cross_entropy((*model_)(b.inputs), b.targets, sum_loss).item<double>();
+    sums.samples += b.targets.numel();
   }
   model_->train();
-  m.loss = loss_sum / double(m.samples);
-  m.bits_per_char = m.loss / std::log(2.0);
-  return m;
+  return sums;
 }
 
-EvalMetrics Session::evaluate_images() {
+EvalSums Session::evaluate_images() {
   autograd::NoGradGuard no_grad;
   model_->eval();
-  EvalMetrics m;
-  double loss_sum = 0;
-  int64_t top1 = 0, top5 = 0;
+  EvalSums sums;
   val_loader_->start_epoch(0);
   data::Batch batch;
   CrossEntropyOptions sum_loss;
   sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
   while (val_loader_->next(batch)) {
     Tensor logits = forward(batch.images);
-    loss_sum += cross_entropy(logits, batch.labels, sum_loss).item<double>();
+    sums.loss += cross_entropy(logits, batch.labels, sum_loss).item<double>();
     std::vector<float> l = logits.to_vector<float>();
     std::vector<int64_t> y = batch.labels.to_vector<int64_t>();
     int64_t C = logits.size(1);
@@ -372,18 +393,13 @@ EvalMetrics Session::evaluate_images() {
       float target = l[n * size_t(C) + size_t(y[n])];
       int64_t higher = 0;
       for (int64_t c = 0; c < C; ++c) higher += l[n * size_t(C) + size_t(c)] > target;
-      top1 += higher < 1;
-      top5 += higher < 5;
+      sums.top1 += higher < 1;
+      sums.top5 += higher < 5;
     }
-    m.samples += int64_t(y.size());
+    sums.samples += int64_t(y.size());
   }
   model_->train();
-  if (m.samples > 0) {
-    m.loss = loss_sum / double(m.samples);
-    m.top1 = 100.0 * double(top1) / double(m.samples);
-    m.top5 = 100.0 * double(top5) / double(m.samples);
-  }
-  return m;
+  return sums;
 }
 
 void Session::save(const std::string& dir, const TrainState& s) const {

@@ -56,6 +56,16 @@ struct EvalMetrics {
   int64_t samples = 0;       // images, or tokens
 };
 
+// Sums over a share of the validation set. Data-parallel ranks each evaluate
+// a disjoint share and add the shares up in rank order (identical bits on
+// every rank) before eval_metrics() divides.
+struct EvalSums {
+  double loss = 0;  // summed cross-entropy
+  int64_t top1 = 0, top5 = 0;
+  int64_t samples = 0;  // images, or tokens
+};
+EvalMetrics eval_metrics(const EvalSums& sums, bool language_model);
+
 // One micro-batch of training data: images [N, H, W, C] and labels [N] for
 // a classifier; token windows i64 [N, T] and their next tokens [N, T] for
 // a language model.
@@ -118,7 +128,12 @@ class Session {
 
   // Logits for a batch of NHWC images [N, H, W, C] (viewed as NCHW channels-last).
   Tensor forward(const Tensor& images);
+  // The validation set on a single process (DistributedRun::evaluate
+  // combines the ranks' shares).
   EvalMetrics evaluate();
+  // Sums over this rank's share: images r, r + world, ... of the validation
+  // set, or batches of windows r, r + world, ...
+  EvalSums evaluate_shard();
 
   // Writes this rank's part of a checkpoint into dir: rank 0 the model,
   // trainer_state.json and the optimizer state (optimizer.safetensors);
@@ -141,8 +156,8 @@ class Session {
  private:
   void build_image_data();
   void build_text_data();
-  EvalMetrics evaluate_images();
-  EvalMetrics evaluate_text();
+  EvalSums evaluate_images();
+  EvalSums evaluate_text();
   // load() with the optimizer, load_model() without it.
   TrainState load_checkpoint(const std::string& dir, bool with_optimizer);
 

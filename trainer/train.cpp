@@ -203,7 +203,7 @@ class TrainLoop {
 
   void evaluate() {
     auto t = std::chrono::steady_clock::now();
-    EvalMetrics m = s_.evaluate();
+    EvalMetrics m = run_.evaluate(s_);
     last_eval_ = m;
     // The best metric: top-1 accuracy for classifiers, the lowest loss for
     // language models (-1: none yet).
