@@ -9,10 +9,15 @@
 // bandwidth: on one node every byte of busbw costs at least one copy.
 //
 //   trainer launch --nproc-per-node 2 --program build/bench_allreduce -- [--min-bytes B]
-//   [--max-bytes B] [--no-failure-detection]
+//   [--max-bytes B] [--no-failure-detection] [--algorithm ring|recursive-doubling|shm]
+//   [--cross-memory] [--no-shared-memory]
 //
-// Ranks on one host talk over UCX shared memory (posix fifos, cma) with
-// their processes watched through pidfds (see comm/transport.h);
+// Ranks on one host reduce through the communicator's shared-memory channel
+// (comm/shm_channel.h: small messages staged, large ones pipelined through the
+// segment, or with --cross-memory read from the peers' buffers by
+// process_vm_readv); --no-shared-memory (CommOptions::shared_memory) keeps
+// them on UCX shared memory (posix fifos, cma), and --algorithm forces one.
+// Local peers' processes are watched through pidfds (see comm/transport.h);
 // --no-failure-detection turns the watching off (CommOptions::detect_peer_failure)
 // to show what it costs.
 #include <sys/resource.h>
@@ -53,14 +58,15 @@ struct Timing {
   double cpu_seconds;  // mean CPU time per allreduce, the busiest rank's
 };
 
-Timing time_allreduce(Communicator& world, std::vector<float>& data, size_t bytes) {
+Timing time_allreduce(Communicator& world, std::vector<float>& data, size_t bytes,
+                      const AllreduceOptions& options) {
   const size_t count = bytes / sizeof(float);
-  allreduce(world, data.data(), count, DType::f32);  // warm-up: connections, pages
+  allreduce(world, data.data(), count, DType::f32, options);  // warm-up: connections, pages
   barrier(world);
   const int iters = iterations(bytes);
   auto start = std::chrono::steady_clock::now();
   double cpu_start = cpu_seconds();
-  for (int i = 0; i < iters; ++i) allreduce(world, data.data(), count, DType::f32);
+  for (int i = 0; i < iters; ++i) allreduce(world, data.data(), count, DType::f32, options);
   double mean[2] = {Seconds(std::chrono::steady_clock::now() - start).count() / iters,
                     (cpu_seconds() - cpu_start) / iters};
   allreduce(world, mean, 2, DType::f64, {.op = ReduceOp::max});
@@ -99,6 +105,13 @@ std::map<size_t, double> run_mpi(int ranks, size_t min_bytes, size_t max_bytes) 
   return times;
 }
 
+AllreduceAlgorithm parse_algorithm(const std::string& name) {
+  if (name == "ring") return AllreduceAlgorithm::ring;
+  if (name == "recursive-doubling") return AllreduceAlgorithm::recursive_doubling;
+  if (name == "shm") return AllreduceAlgorithm::shm;
+  throw Error(cat("--algorithm ", name, ": use ring, recursive-doubling or shm"));
+}
+
 size_t parse_bytes(int& i, int argc, char** argv) {
   if (i + 1 >= argc) throw Error(cat(argv[i], " needs a value"));
   return std::strtoull(argv[++i], nullptr, 10);
@@ -110,6 +123,7 @@ int main(int argc, char** argv) {
   try {
     size_t min_bytes = 1024, max_bytes = size_t(256) << 20;
     CommOptions options;
+    AllreduceOptions allreduce_options;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       if (a == "--min-bytes")
@@ -118,9 +132,16 @@ int main(int argc, char** argv) {
         max_bytes = parse_bytes(i, argc, argv);
       else if (a == "--no-failure-detection")
         options.detect_peer_failure = false;
+      else if (a == "--no-shared-memory")
+        options.shared_memory = false;
+      else if (a == "--cross-memory")
+        allreduce_options.cross_memory = true;
+      else if (a == "--algorithm" && i + 1 < argc)
+        allreduce_options.algorithm = parse_algorithm(argv[++i]);
       else
         throw Error(cat("unknown argument ", a,
-                        "; use --min-bytes B --max-bytes B --no-failure-detection"));
+                        "; use --min-bytes B --max-bytes B --no-failure-detection --algorithm "
+                        "ring|recursive-doubling|shm --cross-memory --no-shared-memory"));
     }
     Bootstrap boot = detect_bootstrap();
     const int n = boot.world_size;
@@ -129,7 +150,7 @@ int main(int argc, char** argv) {
       auto world = init_world(boot, options);
       std::vector<float> data(max_bytes / sizeof(float), 1.0f);
       for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2)
-        ours.emplace_back(bytes, time_allreduce(*world, data, bytes));
+        ours.emplace_back(bytes, time_allreduce(*world, data, bytes, allreduce_options));
       barrier(*world);
     }
     if (boot.rank != 0) return 0;
@@ -141,6 +162,10 @@ int main(int argc, char** argv) {
                 options.detect_peer_failure
                     ? "peer failure detection on (local peers: shared memory + pidfd)"
                     : "peer failure detection off (--no-failure-detection)");
+    std::printf(
+        "# algorithm %s%s%s\n", std::string(algorithm_name(allreduce_options.algorithm)).c_str(),
+        options.shared_memory ? "" : ", no shared-memory channel",
+        allreduce_options.cross_memory ? ", shm large messages by cross-memory attach" : "");
     std::printf("# copy bound: single-thread memcpy %.2f GB/s\n", copy);
     std::printf("# %12s %11s | %10s %9s %9s %10s | %10s %9s %9s | %7s\n", "bytes", "count",
                 "time(us)", "algbw", "busbw", "cpu(us)", "mpi(us)", "algbw", "busbw", "speedup");

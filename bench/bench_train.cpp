@@ -12,6 +12,9 @@
 //
 //   bench_train                       # all cases, 1 and 2 threads
 //   bench_train --threads 2 --steps 5 --case resnet18_64
+//   bench_train --case resnet50_224 --skip-torch   # ours only (for profiling)
+//   bench_train --precision bf16      # forward + loss under AutocastGuard(bf16) on both
+//                                     # sides (torch.autocast("cpu", torch.bfloat16))
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,6 +26,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "core/autocast.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
 #include "models/gpt.h"
@@ -32,6 +36,9 @@ using namespace trainer;
 using namespace trainer::bench;
 
 namespace {
+
+// --precision: the autocast dtype of forward and loss (f32: off).
+DType g_precision = DType::f32;
 
 const ImageCase kCases[] = {
     {"small_cnn_28", "small_cnn", 128, 28, 1, 10},
@@ -48,7 +55,11 @@ double run_case(const ImageCase& c, int steps) {
   Tensor images = normal({c.batch, c.size, c.size, c.channels}, 0, 1, gen).permute({0, 3, 1, 2});
   Tensor labels = from_vector(std::vector<int64_t>(size_t(c.batch), 3));
   return median_step_seconds(steps, [&] {
-    Tensor loss = cross_entropy((*model)(images), labels);
+    Tensor loss;
+    {
+      AutocastGuard autocast(g_precision);
+      loss = cross_entropy((*model)(images), labels);
+    }
     loss.backward();
     sgd.step();
     sgd.zero_grad();
@@ -88,8 +99,12 @@ double run_lm_case(const LMCase& c, int steps) {
   Tensor tokens = uniform({c.batch, c.seq}, 0, double(c.vocab), gen).to(DType::i64);
   Tensor targets = uniform({c.batch * c.seq}, 0, double(c.vocab), gen).to(DType::i64);
   return median_step_seconds(steps, [&] {
-    Tensor logits = (*model)(tokens).reshape({c.batch * c.seq, c.vocab});
-    Tensor loss = cross_entropy(logits, targets);
+    Tensor loss;
+    {
+      AutocastGuard autocast(g_precision);
+      Tensor logits = (*model)(tokens).reshape({c.batch * c.seq, c.vocab});
+      loss = cross_entropy(logits, targets);
+    }
     loss.backward();
     sgd.step();
     sgd.zero_grad();
@@ -132,7 +147,8 @@ Result measure_in_child(const std::function<double()>& per_second, int threads) 
 Result measure_torch(const std::string& args, int threads, int steps) {
   std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_train_torch.py " +
                     args + " --threads " + std::to_string(threads) + " --steps " +
-                    std::to_string(steps) + " 2>/dev/null";
+                    std::to_string(steps) + " --precision " +
+                    (g_precision == DType::bf16 ? "bf16" : "fp32") + " 2>/dev/null";
   Result r;
   if (FILE* p = popen(cmd.c_str(), "r")) {
     r.ok = std::fscanf(p, "%lf %lf", &r.samples_per_second, &r.peak_mib) == 2;
@@ -163,6 +179,7 @@ int main(int argc, char** argv) {
   std::vector<int> threads = {1, 2};
   int steps = 5;
   std::string only;
+  bool skip_torch = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--threads" && i + 1 < argc)
@@ -171,26 +188,35 @@ int main(int argc, char** argv) {
       steps = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
+    else if (a == "--skip-torch")
+      skip_torch = true;
+    else if (a == "--precision" && i + 1 < argc &&
+             (std::string(argv[i + 1]) == "bf16" || std::string(argv[i + 1]) == "fp32"))
+      g_precision = std::string(argv[++i]) == "bf16" ? DType::bf16 : DType::f32;
     else {
-      std::fprintf(stderr, "usage: bench_train [--threads N] [--steps N] [--case NAME]\n");
+      std::fprintf(stderr,
+                   "usage: bench_train [--threads N] [--steps N] [--case NAME] [--skip-torch] "
+                   "[--precision fp32|bf16]\n");
       return 2;
     }
   }
   std::printf(
       "training step = forward + backward + SGD(momentum) step, synthetic data, median of %d "
-      "steps\n",
-      steps);
+      "steps, %s\n",
+      steps, g_precision == DType::bf16 ? "bf16 autocast (both sides)" : "fp32");
   std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr", "ours samp/s",
               "peak MiB", "torch samp/s", "peak MiB", "ratio");
   for (const ImageCase& c : kCases) {
     if (!only.empty() && only != c.name) continue;
     for (int t : threads) {
       Result ours = measure_in_child([&] { return double(c.batch) / run_case(c, steps); }, t);
-      Result torch =
-          measure_torch(std::string("--model ") + c.model + " --batch " + std::to_string(c.batch) +
-                            " --size " + std::to_string(c.size) + " --channels " +
-                            std::to_string(c.channels) + " --classes " + std::to_string(c.classes),
-                        t, steps);
+      Result torch;
+      if (!skip_torch)
+        torch = measure_torch(std::string("--model ") + c.model + " --batch " +
+                                  std::to_string(c.batch) + " --size " + std::to_string(c.size) +
+                                  " --channels " + std::to_string(c.channels) + " --classes " +
+                                  std::to_string(c.classes),
+                              t, steps);
       print_row(c.name, c.batch, t, ours, torch);
     }
   }
@@ -205,12 +231,14 @@ int main(int argc, char** argv) {
     for (int t : threads) {
       Result ours =
           measure_in_child([&] { return double(c.batch * c.seq) / run_lm_case(c, steps); }, t);
-      Result torch = measure_torch(
-          "--model " + std::string(c.name) + " --batch " + std::to_string(c.batch) + " --seq " +
-              std::to_string(c.seq) + " --classes " + std::to_string(c.vocab) + " --size " +
-              std::to_string(c.width) + " --layers " + std::to_string(c.layers) + " --heads " +
-              std::to_string(c.heads),
-          t, steps);
+      Result torch;
+      if (!skip_torch)
+        torch = measure_torch("--model " + std::string(c.name) + " --batch " +
+                                  std::to_string(c.batch) + " --seq " + std::to_string(c.seq) +
+                                  " --classes " + std::to_string(c.vocab) + " --size " +
+                                  std::to_string(c.width) + " --layers " +
+                                  std::to_string(c.layers) + " --heads " + std::to_string(c.heads),
+                              t, steps);
       print_row(c.name, c.batch, t, ours, torch);
     }
   }

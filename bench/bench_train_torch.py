@@ -1,10 +1,13 @@
 """PyTorch side of bench_train: the same training step (forward, backward,
 SGD momentum 0.9, weight decay 1e-4) on the same model, batch, input size and
 thread count, channels-last, synthetic data. Prints "samples_per_second
-peak_rss_mib" (for --model lstm_lm and gpt: "tokens_per_second peak_rss_mib"). Not a
-project dependency: bench_train calls it when torch is importable.
+peak_rss_mib" (for --model lstm_lm and gpt: "tokens_per_second peak_rss_mib"). With
+--precision bf16, forward and loss run under torch.autocast("cpu", torch.bfloat16), as
+ours run under AutocastGuard(bf16). Not a project dependency: bench_train calls it when
+torch is importable.
 """
 import argparse
+import contextlib
 import resource
 import statistics
 import time
@@ -126,6 +129,13 @@ def median_step_seconds(steps, loss, opt):
     return statistics.median(times)
 
 
+def autocast(a):
+    """The context forward and loss run in: bf16 autocast for --precision bf16."""
+    if a.precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def lm_tokens_per_second(a):
     """Language models: vocab --classes, width --size, --layers layers, sequence --seq,
     batch --batch (GPT: --heads heads, context --seq)."""
@@ -138,7 +148,8 @@ def lm_tokens_per_second(a):
     y = torch.randint(0, a.classes, (a.batch, a.seq))
 
     def loss():
-        return F.cross_entropy(model(x).reshape(-1, a.classes), y.reshape(-1))
+        with autocast(a):
+            return F.cross_entropy(model(x).reshape(-1, a.classes), y.reshape(-1))
 
     return a.batch * a.seq / median_step_seconds(a.steps, loss, opt)
 
@@ -149,6 +160,7 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -161,7 +173,11 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(a.batch, a.channels, a.size, a.size).to(memory_format=torch.channels_last)
     y = torch.full((a.batch,), 3, dtype=torch.long)
-    sps = a.batch / median_step_seconds(a.steps, lambda: F.cross_entropy(model(x), y), opt)
+    def loss():
+        with autocast(a):
+            return F.cross_entropy(model(x), y)
+
+    sps = a.batch / median_step_seconds(a.steps, loss, opt)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     print(f"{sps:.3f} {peak:.1f}")
 

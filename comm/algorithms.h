@@ -7,17 +7,32 @@
 //   allreduce_ring.cpp                 reduce-scatter then all-gather, segmented and pipelined;
 //                                      its two phases also serve reduce_scatter and allgather
 //   allreduce_recursive_doubling.cpp   log2(n) full-buffer exchanges, for small messages
-//   broadcast_binomial.cpp             binomial tree from the root
+//   allreduce_shm.cpp                  ranks on one host, over comm/shm_channel.h instead
+//   broadcast_binomial.cpp             binomial tree from the root, segmented and pipelined
 //   barrier_dissemination.cpp          log2(n) rounds of empty messages
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "comm/reduce.h"
+#include "comm/shm_channel.h"
 
 namespace trainer::comm {
+
+// Elements [begin, begin + count) of a buffer.
+struct Range {
+  size_t begin = 0, count = 0;
+};
+
+// Part i of `whole` cut into `parts` nearly equal parts (the first count % parts are one longer).
+inline Range part_of(Range whole, int parts, int i) {
+  size_t base = whole.count / size_t(parts), extra = whole.count % size_t(parts);
+  return {whole.begin + base * size_t(i) + std::min<size_t>(size_t(i), extra),
+          base + (size_t(i) < extra ? 1 : 0)};
+}
 
 class OpChannel {
  public:
@@ -74,6 +89,13 @@ void allreduce_ring(OpChannel& ch, void* data, size_t count, DType dtype, Reduce
                     size_t segment_bytes);
 void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType dtype,
                                   ReduceOp op);
+// The same over the shared-memory channel, as the operation with this ticket
+// (taken at issue). Up to staged_bytes (capped at ShmChannel::kStagingBytes)
+// every rank copies its buffer into its staging area and reduces all of them;
+// larger buffers are reduced block by block through the staging areas, or
+// with cross_memory straight from the peers' memory.
+void allreduce_shm(ShmChannel& ch, uint64_t ticket, const char* op_name, Millis timeout, void* data,
+                   size_t count, DType dtype, ReduceOp op, size_t staged_bytes, bool cross_memory);
 
 // The ring's phases on data split into size() equal chunks of chunk_count elements:
 // afterwards rank r holds chunk r reduced over all ranks (avg: scaled by 1/size)...
@@ -82,7 +104,8 @@ void reduce_scatter_ring(OpChannel& ch, void* data, size_t chunk_count, DType dt
 // ...and, given chunk r on rank r, every rank holds every chunk (chunks of chunk_bytes bytes).
 void all_gather_ring(OpChannel& ch, void* data, size_t chunk_bytes, size_t segment_bytes);
 
-void broadcast_binomial(OpChannel& ch, void* data, size_t bytes, int root);
+// Segments of at most segment_bytes are forwarded down the tree as they arrive.
+void broadcast_binomial(OpChannel& ch, void* data, size_t bytes, int root, size_t segment_bytes);
 void barrier_dissemination(OpChannel& ch);
 
 }  // namespace trainer::comm

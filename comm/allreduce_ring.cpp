@@ -6,9 +6,9 @@
 //
 // Chunks are cut into segments of at most segment_bytes, and a segment moves
 // on as soon as it has arrived (and been reduced), so the steps overlap: the
-// ring is a pipeline of segments rather than n-1 barriers. Receives of the
-// reduce-scatter land in a window of scratch slots, kPipelineDepth segments
-// ahead of the one being reduced.
+// ring is a pipeline of segments rather than n-1 barriers. Both phases post
+// their receives kPipelineDepth segments ahead of the one being handled; those
+// of the reduce-scatter land in a window of scratch slots.
 #include <algorithm>
 #include <cstring>
 
@@ -20,17 +20,6 @@ namespace trainer::comm {
 namespace {
 
 constexpr int kPipelineDepth = 8;
-
-struct Range {
-  size_t begin = 0, count = 0;
-};
-
-// Part i of `whole` cut into `parts` nearly equal parts (the first count % parts are one longer).
-Range part_of(Range whole, int parts, int i) {
-  size_t base = whole.count / size_t(parts), extra = whole.count % size_t(parts);
-  return {whole.begin + base * size_t(i) + std::min<size_t>(size_t(i), extra),
-          base + (size_t(i) < extra ? 1 : 0)};
-}
 
 class Ring {
  public:
@@ -77,18 +66,22 @@ class Ring {
 
   // Step s sends chunk r-s to the right and receives chunk r-s-1 from the
   // left straight into place; a received segment is forwarded at once.
+  // Receives are posted kPipelineDepth segments ahead, as in the reduce-scatter.
   void all_gather() {
     const int steps = n_ - 1, total = steps * segments_, base = steps * segments_;
-    std::vector<Request> receives(static_cast<size_t>(total)), sends;
-    for (int k = 0; k < total; ++k) {
+    const int window = std::min(total, kPipelineDepth);
+    std::vector<Request> receives(static_cast<size_t>(window)), sends;
+    auto post_receive = [&](int k) {
       Range seg = segment(mod(rank_ - k / segments_ - 1), k % segments_);
-      if (seg.count) receives[k] = ch_.irecv(left(), base + k, at(seg), bytes(seg));
-    }
+      if (seg.count) receives[k % window] = ch_.irecv(left(), base + k, at(seg), bytes(seg));
+    };
+    for (int k = 0; k < window; ++k) post_receive(k);
     for (int j = 0; j < segments_; ++j) send(base, rank_, j, sends);
     for (int k = 0; k < total; ++k) {
       const int s = k / segments_, j = k % segments_;
-      ch_.wait(receives[k]);
+      ch_.wait(receives[k % window]);
       if (s + 1 < steps) send(base + (s + 1) * segments_, mod(rank_ - s - 1), j, sends);
+      if (k + window < total) post_receive(k + window);
     }
     ch_.wait_all(sends);
   }

@@ -35,15 +35,27 @@ Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
   const uint32_t seq = comm.next_seq();
   const size_t bytes = count * dtype_size(dtype);
   AllreduceAlgorithm algorithm = o.algorithm;
-  if (algorithm == AllreduceAlgorithm::automatic)
-    algorithm = bytes <= o.small_message_bytes ? AllreduceAlgorithm::recursive_doubling
-                                               : AllreduceAlgorithm::ring;
+  ShmChannel* shm = nullptr;
+  uint64_t ticket = 0;
+  if (algorithm == AllreduceAlgorithm::automatic || algorithm == AllreduceAlgorithm::shm) {
+    shm = comm.size() > 1 ? comm.shm() : nullptr;
+    if (shm) {
+      algorithm = AllreduceAlgorithm::shm;
+      ticket = shm->take_ticket();
+    } else {
+      algorithm = bytes <= o.small_message_bytes ? AllreduceAlgorithm::recursive_doubling
+                                                 : AllreduceAlgorithm::ring;
+    }
+  }
   COMM_LOG(LogLevel::debug, "allreduce #", seq, " on communicator ", comm.id(), " (", comm.size(),
            " ranks): ", count, " x ", dtype, ", ", reduce_op_name(o.op), ", ",
            algorithm_name(algorithm));
   Millis timeout = timeout_of(comm, o.timeout);
-  return [&comm, data, count, dtype, o, seq, algorithm, timeout] {
-    if (algorithm == AllreduceAlgorithm::ring) {
+  return [&comm, data, count, dtype, o, seq, algorithm, shm, ticket, timeout] {
+    if (algorithm == AllreduceAlgorithm::shm) {
+      allreduce_shm(*shm, ticket, "allreduce(shm)", timeout, data, count, dtype, o.op,
+                    o.staged_bytes, o.cross_memory);
+    } else if (algorithm == AllreduceAlgorithm::ring) {
       OpChannel ch(comm, seq, "allreduce(ring)", timeout);
       allreduce_ring(ch, data, count, dtype, o.op, o.segment_bytes);
     } else {
@@ -88,13 +100,14 @@ Task allgather_task(Communicator& comm, const void* input, void* output, size_t 
 Task broadcast_task(Communicator& comm, void* data, size_t bytes, int root,
                     const CollectiveOptions& o) {
   CHECK(root >= 0 && root < comm.size()) << "broadcast root " << root << " of " << comm.size();
+  CHECK(o.segment_bytes > 0) << "segment_bytes must be positive";
   const uint32_t seq = comm.next_seq();
   COMM_LOG(LogLevel::debug, "broadcast #", seq, " on communicator ", comm.id(), ": ", bytes,
            " bytes from ", root, ", binomial tree");
   Millis timeout = timeout_of(comm, o.timeout);
-  return [&comm, data, bytes, root, seq, timeout] {
+  return [&comm, data, bytes, root, o, seq, timeout] {
     OpChannel ch(comm, seq, "broadcast(binomial)", timeout);
-    broadcast_binomial(ch, data, bytes, root);
+    broadcast_binomial(ch, data, bytes, root, o.segment_bytes);
   };
 }
 
@@ -113,6 +126,8 @@ std::string_view algorithm_name(AllreduceAlgorithm algorithm) {
       return "ring";
     case AllreduceAlgorithm::recursive_doubling:
       return "recursive doubling";
+    case AllreduceAlgorithm::shm:
+      return "shm";
   }
   return "?";
 }

@@ -22,19 +22,28 @@
 
 namespace trainer::comm {
 
-enum class AllreduceAlgorithm { automatic, ring, recursive_doubling };
+// automatic: shm when every rank of the communicator runs on this host, else
+// recursive doubling up to small_message_bytes and ring above. shm where the
+// channel is unavailable falls back to that choice.
+enum class AllreduceAlgorithm { automatic, ring, recursive_doubling, shm };
 
 struct AllreduceOptions {
   ReduceOp op = ReduceOp::sum;
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::automatic;
   size_t segment_bytes = 1 << 20;         // the ring's pipeline unit
   size_t small_message_bytes = 64 << 10;  // automatic: recursive doubling up to this size
-  Millis timeout{0};                      // per wait without progress; 0: the communicator's
+  // shm: messages up to this size (at most ShmChannel::kStagingBytes) are
+  // staged through the segment, larger ones read from the peers' buffers.
+  size_t staged_bytes = 64 << 10;
+  // shm above staged_bytes: read the peers' buffers by cross-memory attach
+  // (process_vm_readv) instead of pipelining blocks through the segment.
+  bool cross_memory = false;
+  Millis timeout{0};  // per wait without progress; 0: the communicator's
 };
 
 struct CollectiveOptions {
   ReduceOp op = ReduceOp::sum;     // reduce_scatter
-  size_t segment_bytes = 1 << 20;  // reduce_scatter, allgather
+  size_t segment_bytes = 1 << 20;  // reduce_scatter, allgather, broadcast: the pipeline unit
   Millis timeout{0};               // 0: the communicator's
 };
 

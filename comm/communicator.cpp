@@ -111,6 +111,16 @@ Work Communicator::enqueue(std::function<void()> fn) {
   return progress_->push(std::move(fn));
 }
 
+ShmChannel* Communicator::shm() {
+  std::lock_guard<std::mutex> lock(shm_mutex_);
+  if (!shm_created_) {
+    shm_created_ = true;
+    if (options_.shared_memory && world_->store)
+      shm_ = ShmChannel::create(*world_->store, transport(), members_, rank_, id_);
+  }
+  return shm_.get();
+}
+
 Request Communicator::isend(int peer, uint32_t tag, const void* data, size_t bytes) {
   CHECK(peer >= 0 && peer < size() && peer != rank_) << "send to rank " << peer << " of " << size();
   CHECK(tag < (1u << kTagSeqBits)) << "point-to-point tag " << tag;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "comm/bootstrap.h"
+#include "comm/shm_channel.h"
 #include "comm/transport.h"
 #include "comm/work.h"
 
@@ -35,6 +36,9 @@ struct CommOptions {
   // over shared memory (see comm/transport.h). false turns both off, leaving
   // dead peers to the timeout.
   bool detect_peer_failure = true;
+  // Collectives of a communicator whose members all run on this host go
+  // through a shared-memory channel (comm/shm_channel.h); false keeps them on UCX.
+  bool shared_memory = true;
 };
 
 class ProgressThread;
@@ -68,6 +72,10 @@ class Communicator {
   uint32_t next_seq() { return seq_.fetch_add(1); }
   // Runs fn on this communicator's progress thread after the work queued before it.
   Work enqueue(std::function<void()> fn);
+  // The shared-memory channel when every member runs on this host (and
+  // options().shared_memory), else null. Created on the first call, which is
+  // collective: every rank makes it at the same point of its issue order.
+  ShmChannel* shm();
 
  private:
   friend std::shared_ptr<Communicator> init_world(const Bootstrap& boot,
@@ -81,6 +89,9 @@ class Communicator {
   int rank_;
   CommOptions options_;
   std::atomic<uint32_t> seq_{0};
+  std::mutex shm_mutex_;
+  bool shm_created_ = false;
+  std::unique_ptr<ShmChannel> shm_;  // before progress_: outlives the thread that may use it
   std::unique_ptr<ProgressThread> progress_;
 };
 

@@ -19,8 +19,9 @@ std::string_view reduce_op_name(ReduceOp op) {
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
   dispatch_floating(dtype, "reduce", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    T* d = static_cast<T*>(dst);
-    const T* s = static_cast<const T*>(src);
+    // Never overlapping (reduce.h): without restrict the compiler keeps the loop scalar.
+    T* __restrict d = static_cast<T*>(dst);
+    const T* __restrict s = static_cast<const T*>(src);
     if (op == ReduceOp::max) {
       for (size_t i = 0; i < count; ++i) d[i] = store_as<T>(std::max(load(d[i]), load(s[i])));
     } else {

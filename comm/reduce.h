@@ -17,7 +17,7 @@ namespace trainer::comm {
 enum class ReduceOp { sum, avg, max };
 std::string_view reduce_op_name(ReduceOp op);
 
-// dst[i] = dst[i] (op) src[i] for i < count.
+// dst[i] = dst[i] (op) src[i] for i < count; dst and src do not overlap.
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
 // data[i] *= factor.
 void scale(void* data, size_t count, DType dtype, double factor);

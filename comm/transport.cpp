@@ -84,6 +84,7 @@ struct Transport::Peer {
   int rank = -1;
   ucp_ep_h ep = nullptr;
   long pid = 0;
+  bool local = false;               // same host, kernel and pid namespace
   int pidfd = -1;                   // local peers: watched for exit
   std::atomic<int> status{UCS_OK};  // set by the error callback (remote peers)
   std::atomic<bool> exited{false};  // set by check_liveness_locked (local peers)
@@ -142,7 +143,8 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
     process >> peer->pid;
     std::getline(process >> std::ws, peer_identity);
     // The peer is alive until it passes the barrier below, so the pidfd is its.
-    if (detect_peer_failure && peer_identity == identity) peer->pidfd = open_pidfd(peer->pid);
+    peer->local = peer_identity == identity;
+    if (detect_peer_failure && peer->local) peer->pidfd = open_pidfd(peer->pid);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -238,6 +240,22 @@ std::string Transport::peer_failure(int peer) const {
   return status == UCS_OK ? ""
                           : cat("UCX reports ", ucs_status_string(ucs_status_t(status)),
                                 "; its process probably died");
+}
+
+bool Transport::is_local(int peer) const {
+  return peer == rank_ || (!peers_.empty() && peers_[peer]->local);
+}
+
+long Transport::pid(int peer) const { return peer == rank_ ? long(::getpid()) : peers_[peer]->pid; }
+
+std::string Transport::poll_peer(int peer) {
+  Peer* p = peers_.empty() || peer == rank_ ? nullptr : peers_[peer].get();
+  if (!p) return "";
+  if (p->pidfd >= 0 && !p->exited.load()) {
+    pollfd fd{p->pidfd, POLLIN, 0};
+    if (::poll(&fd, 1, 0) > 0 && (fd.revents & (POLLIN | POLLHUP | POLLERR))) p->exited.store(true);
+  }
+  return peer_failure(peer);
 }
 
 void Transport::sleep_until_event(Clock::time_point deadline) {

@@ -118,6 +118,14 @@ class Transport {
   // Empty while the peer is healthy, else what failed (UCX's report, or the
   // exit of a local peer's process).
   std::string peer_failure(int peer) const;
+  // True for this rank and for peers on this host (same kernel and pid
+  // namespace): shared memory and cross-memory attach reach them.
+  bool is_local(int peer) const;
+  // The process id of a local peer (this rank: its own).
+  long pid(int peer) const;
+  // Polls a local peer's pidfd now (waits outside UCX, such as the shared-memory
+  // channel's, call this) and returns peer_failure(peer).
+  std::string poll_peer(int peer);
 
  private:
   friend class Request;

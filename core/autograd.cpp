@@ -5,6 +5,7 @@
 #include <queue>
 #include <unordered_map>
 
+#include "core/autocast.h"
 #include "core/ops.h"
 
 namespace trainer::autograd {
@@ -119,6 +120,8 @@ struct ReadyOrder {
 void run_backward(const TensorList& roots, const TensorList& grads, bool retain_graph) {
   CHECK_EQ(roots.size(), grads.size());
   NoGradGuard no_grad;
+  // Backward ops follow the dtypes forward chose (core/autocast.h).
+  AutocastGuard no_autocast(DType::f32);
 
   // Count, for every node reachable from the roots, the edges that lead into it.
   std::unordered_map<Node*, int> dependencies;

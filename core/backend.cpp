@@ -116,6 +116,28 @@ void Backend::batch_norm_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&) {
   unsupported("batch_norm_backward");
 }
+Tensor Backend::batch_norm_relu_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                        double eps, const Tensor& out, const Tensor& mean,
+                                        const Tensor& var) {
+  batch_norm_forward(x, gamma, beta, eps, /*fuse_relu=*/true, out, mean, var);
+  return out;
+}
+void Backend::batch_norm_relu_backward(const Tensor& grad_out, const Tensor& record,
+                                       const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                       const Tensor& var, double eps, const Tensor& grad_x,
+                                       const Tensor& grad_gamma, const Tensor& grad_beta) {
+  // The mask runs on [N, H, W, C] views: unit-stride loops for channels-last images.
+  auto nhwc = [](const Tensor& t) {
+    const Shape& s = t.strides();
+    return make_view(t, {t.size(0), t.size(2), t.size(3), t.size(1)}, {s[0], s[2], s[3], s[1]},
+                     t.offset());
+  };
+  Tensor masked = empty(nhwc(grad_out).shape(), grad_out.dtype(), grad_out.device());
+  unary_backward(UnaryOp::relu, nhwc(grad_out), nhwc(record), nhwc(record), masked);
+  int64_t C = x.size(1), H = x.size(2), W = x.size(3);
+  batch_norm_backward(make_view(masked, x.shape(), {H * W * C, 1, W * C, C}, 0), x, gamma, mean,
+                      var, eps, grad_x, grad_gamma, grad_beta);
+}
 void Backend::layer_norm_forward(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&,
                                  const Tensor&, const Tensor&) {
   unsupported("layer_norm_forward");

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/conv_attrs.h"
 #include "core/op_kinds.h"
@@ -34,6 +35,27 @@ struct AttentionAttrs {
   double scale = 1.0;       // of the scores, usually 1 / sqrt(HD)
   double dropout_p = 0.0;   // of the attention weights; 0: no dropout
   PhiloxKey dropout_key{};  // the mask's draw (used when dropout_p > 0)
+};
+
+// The operands of the fused optimizer updates (section "optimizer"): entry k
+// updates params[k] in place from grads[k] and its state slots, all of one
+// dtype (f32 or f64) and numel. Scalars are per tensor because parameter
+// groups differ in lr and weight decay, and parameters in their step count.
+struct MultiTensorSgd {
+  TensorList params, grads;
+  TensorList momentum_buffers;  // empty when momentum == 0
+  std::vector<double> lr, weight_decay;
+  std::vector<int64_t> step;  // including this update: 1 starts the momentum buffer
+  double momentum = 0, dampening = 0;
+  bool nesterov = false;
+};
+struct MultiTensorAdamW {
+  TensorList params, grads, exp_avg, exp_avg_sq;
+  TensorList max_exp_avg_sq;  // amsgrad only, else empty
+  std::vector<double> lr, weight_decay;
+  std::vector<int64_t> step;  // including this update (1 on the first)
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  bool amsgrad = false;
 };
 
 class Backend {
@@ -155,6 +177,17 @@ class Backend {
                                    const Tensor& mean, const Tensor& var, double eps,
                                    const Tensor& grad_x, const Tensor& grad_gamma,
                                    const Tensor& grad_beta);
+  // Training forward with the relu fused (batch_norm_forward with fuse_relu).
+  // Returns the record its backward masks the gradient by, in the backend's
+  // own form (the default: out itself, the mask being out > 0).
+  virtual Tensor batch_norm_relu_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                         double eps, const Tensor& out, const Tensor& mean,
+                                         const Tensor& var);
+  // Its gradients: grad_out masked by the record, then batch_norm_backward.
+  virtual void batch_norm_relu_backward(const Tensor& grad_out, const Tensor& record,
+                                        const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                        const Tensor& var, double eps, const Tensor& grad_x,
+                                        const Tensor& grad_gamma, const Tensor& grad_beta);
 
   // ---- layer norm (core/ops_transformer.h) ----
   // x [R, D] contiguous, normalised over D: out = (x - mean) * rstd * weight
@@ -238,6 +271,23 @@ class Backend {
                             const Tensor& record, const Tensor& grad_x, const Tensor& grad_h0,
                             const Tensor& grad_weight_ih, const Tensor& grad_weight_hh,
                             const Tensor& grad_bias_ih, const Tensor& grad_bias_hh);
+
+  // ---- optimizer (optim/optimizer.cpp, clip.cpp, loss_scaler.cpp) ----
+  // Fused multi-tensor kernels: one call covers a whole list of tensors (on
+  // CUDA one launch over chunks of all of them, as apex's multi_tensor_apply).
+  // Tensors contiguous; the update math is optim/optim_math.h.
+  virtual void sgd_step(const MultiTensorSgd& /*a*/) { unsupported("sgd_step"); }
+  virtual void adamw_step(const MultiTensorAdamW& /*a*/) { unsupported("adamw_step"); }
+  // grads[k] *= inv_scale in place (any floating dtype); returns whether any
+  // element was inf/nan before (torch's _amp_foreach_non_finite_check_and_unscale_).
+  virtual bool unscale_grads(const TensorList& /*grads*/, double /*inv_scale*/) {
+    unsupported("unscale_grads");
+  }
+  // The sum over every element of every grad of |g|^p (max |g| for p = inf,
+  // NaN-propagating), accumulated in double in an order fixed by the sizes.
+  virtual double grads_power_sum(const TensorList& /*grads*/, double /*p*/) {
+    unsupported("grads_power_sum");
+  }
 
  protected:
   [[noreturn]] void unsupported(const char* op) const;

@@ -3,6 +3,8 @@
 // channels-last outputs the op allocates.
 #include "core/ops_conv.h"
 
+#include "core/autocast.h"
+
 namespace trainer {
 
 using autograd::GradMask;
@@ -203,10 +205,11 @@ void check_batch_norm(const char* op, const Tensor& x, const TensorList& per_cha
 
 // xhat = (x - mean) / sqrt(var + eps) with batch statistics, out = xhat * gamma + beta
 // (then relu when fused). Backward (mean and var depend on x): mask the gradient
-// by out > 0 when relu was fused, then the formula in RefBackend::batch_norm_backward.
+// by out > 0 when relu was fused (the backend's relu record), then the formula
+// in RefBackend::batch_norm_backward.
 struct BatchNormTrainFn {
   struct Saved {
-    Tensor x, gamma, mean, var, out;
+    Tensor x, gamma, mean, var, relu_record;
     double eps = 0.0;
   };
   static constexpr const char* name = "batch_norm";
@@ -219,8 +222,13 @@ struct BatchNormTrainFn {
     Tensor out = empty_channels_last(x.shape(), x.dtype(), x.device());
     Tensor mean = empty({x.size(1)}, x.dtype(), x.device());
     Tensor var = empty({x.size(1)}, x.dtype(), x.device());
-    backend(x.device()).batch_norm_forward(xc, gamma, beta, eps, fuse_relu, out, mean, var);
-    s = Saved{xc, gamma, mean, var, fuse_relu ? out : Tensor(), eps};
+    Backend& be = backend(x.device());
+    Tensor record;
+    if (fuse_relu)
+      record = be.batch_norm_relu_forward(xc, gamma, beta, eps, out, mean, var);
+    else
+      be.batch_norm_forward(xc, gamma, beta, eps, false, out, mean, var);
+    s = Saved{xc, gamma, mean, var, record, eps};
     return {out, mean, var};
   }
   static TensorList backward(Saved& s, const TensorList& g, const GradMask&) {
@@ -228,8 +236,12 @@ struct BatchNormTrainFn {
     Tensor gg = empty(s.gamma.shape(), s.gamma.dtype(), s.gamma.device());
     Tensor gb = empty(s.gamma.shape(), s.gamma.dtype(), s.gamma.device());
     Tensor go = channels_last_operand(g[0]);
-    if (s.out.defined()) go = relu_mask(go, s.out);
-    backend(gx.device()).batch_norm_backward(go, s.x, s.gamma, s.mean, s.var, s.eps, gx, gg, gb);
+    Backend& be = backend(gx.device());
+    if (s.relu_record.defined())
+      be.batch_norm_relu_backward(go, s.relu_record, s.x, s.gamma, s.mean, s.var, s.eps, gx, gg,
+                                  gb);
+    else
+      be.batch_norm_backward(go, s.x, s.gamma, s.mean, s.var, s.eps, gx, gg, gb);
     return {gx, gg, gb};
   }
 };
@@ -303,7 +315,8 @@ Tensor add_channels_last(const Tensor& a, const Tensor& b) {
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dAttrs& attrs,
               bool fuse_relu) {
-  return autograd::apply<Conv2dFn>(x, weight, bias, attrs, fuse_relu);
+  return autograd::apply<Conv2dFn>(autocast_lower(x), autocast_lower(weight), autocast_lower(bias),
+                                   attrs, fuse_relu);
 }
 
 Tensor max_pool2d(const Tensor& x, const Pool2dAttrs& attrs) {
@@ -327,13 +340,16 @@ Tensor adaptive_avg_pool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
 
 BatchNormResult batch_norm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                  double eps, bool fuse_relu) {
-  TensorList r = autograd::apply<BatchNormTrainFn>(x, gamma, beta, eps, fuse_relu);
+  TensorList r = autograd::apply<BatchNormTrainFn>(autocast_fp32(x), autocast_fp32(gamma),
+                                                   autocast_fp32(beta), eps, fuse_relu);
   return {r[0], r[1].detach(), r[2].detach()};
 }
 
 Tensor batch_norm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const Tensor& running_mean, const Tensor& running_var, double eps) {
-  return autograd::apply<BatchNormEvalFn>(x, gamma, beta, running_mean, running_var, eps);
+  return autograd::apply<BatchNormEvalFn>(autocast_fp32(x), autocast_fp32(gamma),
+                                          autocast_fp32(beta), autocast_fp32(running_mean),
+                                          autocast_fp32(running_var), eps);
 }
 
 Tensor conv2d_bn_eval(const Tensor& x, const Tensor& weight, const Tensor& bias,

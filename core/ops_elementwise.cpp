@@ -1,4 +1,5 @@
 // Elementwise ops: forward and backward side by side.
+#include "core/autocast.h"
 #include "core/ops.h"
 #include "core/ops_conv.h"
 
@@ -92,7 +93,12 @@ struct BinaryFn {
         a.shape() == b.shape() && !a.is_contiguous() && is_channels_last(a) && is_channels_last(b);
     Tensor out = channels_last ? empty_channels_last(shape, a.dtype(), a.device())
                                : empty(shape, a.dtype(), a.device());
-    backend(a.device()).binary(op, a.expand(shape), b.expand(shape), out);
+    if (channels_last) {  // kernels loop row-major: hand them the [N, H, W, C] views
+      std::vector<int> nhwc = {0, 2, 3, 1};
+      backend(a.device()).binary(op, a.permute(nhwc), b.permute(nhwc), out.permute(nhwc));
+    } else {
+      backend(a.device()).binary(op, a.expand(shape), b.expand(shape), out);
+    }
     s.op = op;
     s.a_shape = a.shape();
     s.b_shape = b.shape();
@@ -261,8 +267,8 @@ Tensor compare(CompareOp op, const Tensor& a, const Tensor& b) {
 
 Tensor unary(UnaryOp op, const Tensor& x) { return autograd::apply<UnaryFn>(x, op); }
 Tensor neg(const Tensor& x) { return unary(UnaryOp::neg, x); }
-Tensor exp(const Tensor& x) { return unary(UnaryOp::exp, x); }
-Tensor log(const Tensor& x) { return unary(UnaryOp::log, x); }
+Tensor exp(const Tensor& x) { return unary(UnaryOp::exp, autocast_fp32(x)); }
+Tensor log(const Tensor& x) { return unary(UnaryOp::log, autocast_fp32(x)); }
 Tensor sqrt(const Tensor& x) { return unary(UnaryOp::sqrt, x); }
 Tensor rsqrt(const Tensor& x) { return unary(UnaryOp::rsqrt, x); }
 Tensor abs(const Tensor& x) { return unary(UnaryOp::abs, x); }
@@ -275,7 +281,9 @@ Tensor gelu(const Tensor& x, GeluApprox approx) {
 }
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
-  return autograd::apply<BinaryFn>(a, b, op);
+  Tensor pa = a, pb = b;
+  autocast_promote(pa, pb);
+  return autograd::apply<BinaryFn>(pa, pb, op);
 }
 Tensor add(const Tensor& a, const Tensor& b) { return binary(BinaryOp::add, a, b); }
 Tensor sub(const Tensor& a, const Tensor& b) { return binary(BinaryOp::sub, a, b); }
@@ -293,7 +301,9 @@ Tensor mul(const Tensor& x, double s) { return binary_scalar(BinaryOp::mul, x, s
 Tensor pow(const Tensor& x, double exponent) { return binary_scalar(BinaryOp::pow, x, exponent); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
-  return autograd::apply<WhereFn>(cond, a, b);
+  Tensor pa = a, pb = b;
+  autocast_promote(pa, pb);
+  return autograd::apply<WhereFn>(cond, pa, pb);
 }
 Tensor clamp(const Tensor& x, double lo, double hi) { return autograd::apply<ClampFn>(x, lo, hi); }
 

@@ -1,4 +1,5 @@
 // matmul: forward and backward.
+#include "core/autocast.h"
 #include "core/ops.h"
 
 namespace trainer {
@@ -44,8 +45,9 @@ struct MatmulFn {
 
 }  // namespace
 
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  CHECK(a.defined() && b.defined()) << "matmul: undefined operand";
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  CHECK(a_in.defined() && b_in.defined()) << "matmul: undefined operand";
+  Tensor a = autocast_lower(a_in), b = autocast_lower(b_in);
   CHECK(a.dim() >= 1 && b.dim() >= 1) << "matmul: 0-d operand";
   if (a.dim() == 1 && b.dim() == 1)
     return autograd::apply<MatmulFn>(a.unsqueeze(0), b.unsqueeze(1)).reshape({});

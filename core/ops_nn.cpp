@@ -1,4 +1,5 @@
 // softmax, log_softmax, cross_entropy and dropout: forward and backward side by side.
+#include "core/autocast.h"
 #include "core/ops.h"
 
 namespace trainer {
@@ -36,8 +37,9 @@ struct SoftmaxFn {
   }
 };
 
-Tensor softmax_op(const Tensor& x, int dim, bool log) {
-  CHECK(x.defined()) << (log ? "log_softmax" : "softmax") << ": undefined tensor";
+Tensor softmax_op(const Tensor& x_in, int dim, bool log) {
+  CHECK(x_in.defined()) << (log ? "log_softmax" : "softmax") << ": undefined tensor";
+  Tensor x = autocast_fp32(x_in);
   // A 0-d tensor is one row of one element, as in PyTorch.
   if (x.dim() == 0) return autograd::apply<SoftmaxFn>(x.reshape({1}), dim, log).reshape({});
   return autograd::apply<SoftmaxFn>(x, dim, log);
@@ -97,9 +99,10 @@ Tensor log_softmax(const Tensor& x, int dim) { return softmax_op(x, dim, /*log=*
 // The mean over non-ignored rows divides by max(count, 1): when every row is
 // ignored the loss is 0 with a zero gradient (PyTorch returns NaN), so a
 // micro-batch made only of padding leaves the training loss finite.
-Tensor cross_entropy(const Tensor& logits, const Tensor& target,
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& target,
                      const CrossEntropyOptions& options) {
-  check_floating("cross_entropy", logits);
+  check_floating("cross_entropy", logits_in);
+  Tensor logits = autocast_fp32(logits_in);
   CHECK(target.defined()) << "cross_entropy: undefined target";
   CHECK(logits.dim() == 2) << "cross_entropy expects logits [N, C], got " << logits.shape_str();
   CHECK(target.dim() == 1 && target.size(0) == logits.size(0))

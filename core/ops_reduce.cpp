@@ -1,5 +1,6 @@
 // Reductions: forward and backward side by side. Kernels reduce into the
 // keepdim layout; the op drops the reduced dims unless keepdim.
+#include "core/autocast.h"
 #include "core/ops.h"
 
 namespace trainer {
@@ -131,11 +132,11 @@ struct MaxDimFn {
 }  // namespace
 
 Tensor sum(const Tensor& x, std::vector<int> dims, bool keepdim) {
-  return autograd::apply<SumFn>(x, dims_to_mask(dims, x.dim()), keepdim, false);
+  return autograd::apply<SumFn>(autocast_fp32(x), dims_to_mask(dims, x.dim()), keepdim, false);
 }
 
 Tensor mean(const Tensor& x, std::vector<int> dims, bool keepdim) {
-  return autograd::apply<SumFn>(x, dims_to_mask(dims, x.dim()), keepdim, true);
+  return autograd::apply<SumFn>(autocast_fp32(x), dims_to_mask(dims, x.dim()), keepdim, true);
 }
 
 Tensor var(const Tensor& x, std::vector<int> dims, int64_t correction, bool keepdim) {

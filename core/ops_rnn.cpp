@@ -2,6 +2,8 @@
 // kernels (core/backend.h, section "recurrent").
 #include "core/ops_rnn.h"
 
+#include "core/autocast.h"
+
 namespace trainer {
 
 using autograd::GradMask;
@@ -115,8 +117,12 @@ bool records_graph(const TensorList& inputs) {
 
 }  // namespace
 
-LSTMOutput lstm_layer(const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
-                      const Tensor& weight_hh, const Tensor& bias_ih, const Tensor& bias_hh) {
+LSTMOutput lstm_layer(const Tensor& x_in, const Tensor& h0_in, const Tensor& c0_in,
+                      const Tensor& weight_ih_in, const Tensor& weight_hh_in,
+                      const Tensor& bias_ih_in, const Tensor& bias_hh_in) {
+  Tensor x = autocast_lower(x_in), h0 = autocast_lower(h0_in), c0 = autocast_lower(c0_in);
+  Tensor weight_ih = autocast_lower(weight_ih_in), weight_hh = autocast_lower(weight_hh_in);
+  Tensor bias_ih = autocast_lower(bias_ih_in), bias_hh = autocast_lower(bias_hh_in);
   int64_t H = check_layer("lstm_layer", 4, x, h0, weight_ih, weight_hh, bias_ih, bias_hh);
   CHECK(c0.defined() && c0.shape() == h0.shape() && c0.dtype() == x.dtype() &&
         c0.device() == x.device())
@@ -130,8 +136,12 @@ LSTMOutput lstm_layer(const Tensor& x, const Tensor& h0, const Tensor& c0, const
   return {out[0], out[1], out[2]};
 }
 
-GRUOutput gru_layer(const Tensor& x, const Tensor& h0, const Tensor& weight_ih,
-                    const Tensor& weight_hh, const Tensor& bias_ih, const Tensor& bias_hh) {
+GRUOutput gru_layer(const Tensor& x_in, const Tensor& h0_in, const Tensor& weight_ih_in,
+                    const Tensor& weight_hh_in, const Tensor& bias_ih_in,
+                    const Tensor& bias_hh_in) {
+  Tensor x = autocast_lower(x_in), h0 = autocast_lower(h0_in);
+  Tensor weight_ih = autocast_lower(weight_ih_in), weight_hh = autocast_lower(weight_hh_in);
+  Tensor bias_ih = autocast_lower(bias_ih_in), bias_hh = autocast_lower(bias_hh_in);
   int64_t H = check_layer("gru_layer", 3, x, h0, weight_ih, weight_hh, bias_ih, bias_hh);
   bool training = records_graph({x, h0, weight_ih, weight_hh, bias_ih, bias_hh});
   TensorList out = autograd::apply<GRUFn>(x.contiguous(), h0.contiguous(), weight_ih.contiguous(),

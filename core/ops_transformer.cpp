@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/autocast.h"
+
 namespace trainer {
 
 using autograd::GradMask;
@@ -134,8 +136,10 @@ AttentionAttrs attention_attrs(const Tensor& q, int64_t num_heads, double dropou
 
 }  // namespace
 
-Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  CHECK(x.defined() && weight.defined() && bias.defined()) << "layer_norm: undefined tensor";
+Tensor layer_norm(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in, double eps) {
+  CHECK(x_in.defined() && weight_in.defined() && bias_in.defined())
+      << "layer_norm: undefined tensor";
+  Tensor x = autocast_fp32(x_in), weight = autocast_fp32(weight_in), bias = autocast_fp32(bias_in);
   CHECK(is_floating(x.dtype())) << "layer_norm needs a floating tensor, got " << x.dtype();
   CHECK(x.dim() >= 1) << "layer_norm needs at least one dim, got " << x.shape_str();
   int64_t D = x.size(-1);
@@ -152,9 +156,10 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   return out.reshape(shape);
 }
 
-Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t num_heads,
-                        double dropout_p, bool training, Generator& gen) {
-  CHECK(q.defined() && k.defined() && v.defined()) << "causal_attention: undefined tensor";
+Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                        int64_t num_heads, double dropout_p, bool training, Generator& gen) {
+  CHECK(q_in.defined() && k_in.defined() && v_in.defined()) << "causal_attention: undefined tensor";
+  Tensor q = autocast_lower(q_in), k = autocast_lower(k_in), v = autocast_lower(v_in);
   CHECK(q.dim() == 3 && k.shape() == q.shape() && v.shape() == q.shape())
       << "causal_attention: q " << q.shape_str() << ", k " << k.shape_str() << ", v "
       << v.shape_str() << " must all be [B, T, D]";
@@ -168,9 +173,10 @@ Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64
   return autograd::apply<CausalAttentionFn>(q, k, v, attrs);
 }
 
-Tensor causal_attention_qkv(const Tensor& qkv, int64_t num_heads, double dropout_p, bool training,
-                            Generator& gen) {
-  CHECK(qkv.defined()) << "causal_attention_qkv: undefined tensor";
+Tensor causal_attention_qkv(const Tensor& qkv_in, int64_t num_heads, double dropout_p,
+                            bool training, Generator& gen) {
+  CHECK(qkv_in.defined()) << "causal_attention_qkv: undefined tensor";
+  Tensor qkv = autocast_lower(qkv_in);
   CHECK(qkv.dim() == 3 && qkv.size(2) % 3 == 0)
       << "causal_attention_qkv: qkv " << qkv.shape_str() << " must be [B, T, 3D]";
   CHECK(is_floating(qkv.dtype())) << "causal_attention_qkv: dtype " << qkv.dtype();

@@ -136,6 +136,17 @@ TextWindows::TextWindows(const TextCorpus& corpus, const WindowOptions& options)
     throw Error(cat("text corpus ", corpus.name(), ": the training part has ",
                     corpus.train_tokens(), " tokens, fewer than one window of T + 1 = ", T + 1,
                     "; use a longer corpus or a shorter sequence length"));
+  if (options.streams > 0) {
+    const int64_t streams = options.streams * options.world_size;
+    stream_len_ = (corpus.train_tokens() - T) / streams;
+    if (stream_len_ < T)
+      throw Error(cat("text corpus ", corpus.name(), ": the training part's ",
+                      corpus.train_tokens(), " tokens cannot make ", streams,
+                      " contiguous streams of at least one window of ", T,
+                      " tokens; use fewer streams (a smaller batch) or random windows"));
+    per_rank_ = stream_len_ / T * options.streams;
+    return;
+  }
   per_rank_ = (corpus.train_tokens() - 1) / T / options.world_size;
   if (per_rank_ == 0)
     throw Error(cat("text corpus ", corpus.name(), ": ", (corpus.train_tokens() - 1) / T,
@@ -154,15 +165,25 @@ int64_t TextWindows::start(int64_t epoch, int64_t index) const {
   return int64_t(u % starts);
 }
 
+int64_t TextWindows::stream_start(int64_t epoch, int64_t i, int64_t k) const {
+  PhiloxKey key{options_.seed, kStreamShuffle + (uint64_t(epoch) << 8), 0};
+  const int64_t offset = int64_t(philox_block(key, 0).v[0] % uint32_t(options_.seq_len));
+  const int64_t stream = int64_t(options_.rank) * options_.streams + i;
+  return offset + stream * stream_len_ + k * options_.seq_len;
+}
+
 TextBatch TextWindows::batch(int64_t epoch, int64_t position, int64_t n) const {
-  if (position < 0 || n < 0 || position + n > per_rank_)
+  if (position < 0 || n < 0 || position + n > per_rank_ ||
+      (contiguous() && (position % options_.streams != 0 || n != options_.streams)))
     throw Error(cat("text windows [", position, ", ", position + n,
                     ") are outside this rank's epoch of ", per_rank_,
-                    " windows; was the checkpoint written with another corpus, sequence "
-                    "length or world size?"));
+                    contiguous() ? cat(" windows in chunks of ", options_.streams) : " windows",
+                    "; was the checkpoint written with another corpus, sequence "
+                    "length, batch or world size?"));
   std::vector<int64_t> starts;
   for (int64_t p = position; p < position + n; ++p)
-    starts.push_back(start(epoch, p * options_.world_size + options_.rank));
+    starts.push_back(contiguous() ? stream_start(epoch, p % options_.streams, p / options_.streams)
+                                  : start(epoch, p * options_.world_size + options_.rank));
   return gather_windows(corpus_.tokens(), starts, options_.seq_len);
 }
 
@@ -170,16 +191,33 @@ EvalWindows::EvalWindows(const TextCorpus& corpus, const EvalOptions& options)
     : corpus_(corpus), options_(options) {
   const int64_t T = options.seq_len;
   CHECK(T >= 1 && options.max_windows >= 0) << "sequence length " << T;
-  available_ = corpus.val_tokens() > 0 ? (corpus.val_tokens() - 1) / T : 0;
+  CHECK(options.streams >= 0) << "evaluation streams " << options.streams;
+  const int64_t streams = std::max<int64_t>(options.streams, 1);
+  stream_len_ = corpus.val_tokens() > 0 ? (corpus.val_tokens() - 1) / streams : 0;
+  available_ = stream_len_ / T;
   if (available_ == 0)
     throw Error(cat("text corpus ", corpus.name(), ": the validation part has ",
-                    corpus.val_tokens(), " tokens, fewer than one window of T + 1 = ", T + 1,
-                    "; raise the validation fraction or shorten the sequence length"));
-  count_ = options.max_windows > 0 ? std::min(options.max_windows, available_) : available_;
+                    corpus.val_tokens(), " tokens, fewer than ",
+                    options.streams > 0 ? cat(streams, " streams of ") : std::string(),
+                    "one window of T + 1 = ", T + 1,
+                    "; raise the validation fraction or shorten the sequence length",
+                    options.streams > 0 ? " or the batch" : ""));
+  if (options.streams == 0) {
+    count_ = options.max_windows > 0 ? std::min(options.max_windows, available_) : available_;
+    return;
+  }
+  // Whole chunks: max_windows rounds up to a multiple of the streams.
+  int64_t chunks = available_;
+  if (options.max_windows > 0)
+    chunks = std::min(chunks, (options.max_windows + streams - 1) / streams);
+  count_ = chunks * streams;
 }
 
 int64_t EvalWindows::start(int64_t k) const {
   CHECK(k >= 0 && k < count_) << "evaluation window " << k << " of " << count_;
+  if (options_.streams > 0)
+    return corpus_.train_tokens() + (k % options_.streams) * stream_len_ +
+           (k / options_.streams) * options_.seq_len;
   // Evenly spread: window floor(k * available / count) of the sequential ones.
   int64_t sequential = k * available_ / count_;
   return corpus_.train_tokens() + sequential * options_.seq_len;

@@ -23,6 +23,20 @@
 // starts k * T tokens into the validation part; max_windows > 0 evaluates
 // that many, evenly spread over the part.
 //
+// Contiguous streams (streams > 0; truncated backpropagation through time,
+// as PyTorch's word_language_model batchifies): the training part is cut
+// into S = streams x world streams of L = floor((train tokens - T) / S)
+// tokens. In epoch e they start at o_e + j L, the offset o_e in [0, T) drawn
+// from Philox(seed, kStreamShuffle + (e << 8)) so window boundaries move
+// between epochs. Rank r owns streams r * streams ... (r + 1) * streams - 1;
+// an epoch is floor(L / T) chunks, and the batch at position k x streams is
+// window k of each of the rank's streams: row i of consecutive batches
+// continues the same text, so a recurrent model carries its state across
+// them. Evaluation streams cut the validation part the same way (no
+// offset), window k of stream j at index k S + j, so batch(k S + first, n)
+// is chunk k of streams first ... first + n - 1; max_windows > 0 keeps the
+// first ceil(max_windows / S) chunks.
+//
 //   TextCorpus corpus = TextCorpus::load("datasets/kjv.txt", {.vocab = VocabKind::chars});
 //   TextWindows train(corpus, {.seq_len = 256, .seed = 0});
 //   TextBatch b = train.batch(/*epoch=*/0, /*position=*/0, /*n=*/32);   // i64 [32, 256] x 2
@@ -108,6 +122,7 @@ struct WindowOptions {
   uint64_t seed = 0;
   int rank = 0;
   int world_size = 1;
+  int64_t streams = 0;  // per rank; 0: random windows, else contiguous streams
 };
 
 // Random training windows (see the top of the file).
@@ -118,20 +133,28 @@ class TextWindows {
   // This rank's windows per epoch.
   int64_t windows_per_epoch() const { return per_rank_; }
   int64_t seq_len() const { return options_.seq_len; }
-  // Start token of window `index` (counted over all ranks) of an epoch.
+  bool contiguous() const { return options_.streams > 0; }
+  // Random windows: the start token of window `index` (counted over all
+  // ranks) of an epoch.
   int64_t start(int64_t epoch, int64_t index) const;
-  // This rank's windows [position, position + n) of the epoch.
+  // This rank's windows [position, position + n) of the epoch. Contiguous:
+  // position a multiple of streams and n == streams (one chunk).
   TextBatch batch(int64_t epoch, int64_t position, int64_t n) const;
 
  private:
+  // Contiguous: the start of chunk k of this rank's local stream i.
+  int64_t stream_start(int64_t epoch, int64_t i, int64_t k) const;
+
   const TextCorpus& corpus_;
   WindowOptions options_;
   int64_t per_rank_ = 0;
+  int64_t stream_len_ = 0;  // contiguous: L
 };
 
 struct EvalOptions {
   int64_t seq_len = 256;    // T
   int64_t max_windows = 0;  // 0: every window of the validation part
+  int64_t streams = 0;      // 0: sequential windows, else S contiguous streams
 };
 
 // Sequential, non-overlapping validation windows (see the top of the file).
@@ -140,6 +163,7 @@ class EvalWindows {
   // Error when the validation part is shorter than one window.
   EvalWindows(const TextCorpus& corpus, const EvalOptions& options);
   int64_t size() const { return count_; }
+  int64_t streams() const { return options_.streams; }
   // Start token of evaluation window k.
   int64_t start(int64_t k) const;
   // Windows [first, first + n), n clipped to the end.
@@ -148,8 +172,9 @@ class EvalWindows {
  private:
   const TextCorpus& corpus_;
   EvalOptions options_;
-  int64_t available_ = 0;  // non-overlapping windows in the validation part
-  int64_t count_ = 0;      // those evaluated
+  int64_t available_ = 0;   // non-overlapping windows in the validation part (per stream)
+  int64_t count_ = 0;       // those evaluated (over all streams)
+  int64_t stream_len_ = 0;  // streams: tokens per stream
 };
 
 }  // namespace trainer::data

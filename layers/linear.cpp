@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/autocast.h"
 #include "core/backend.h"
 #include "core/ops.h"
 #include "layers/init.h"
@@ -60,8 +61,10 @@ struct LinearFn {
 
 // The rows of x go through as one [N, in] matrix: one GEMM, and the weight's
 // gradient is one g^T x rather than a product per batch index summed after.
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  CHECK(x.defined() && weight.defined()) << "linear: undefined input or weight";
+Tensor linear(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in) {
+  CHECK(x_in.defined() && weight_in.defined()) << "linear: undefined input or weight";
+  Tensor x = autocast_lower(x_in), weight = autocast_lower(weight_in),
+         bias = autocast_lower(bias_in);
   CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1))
       << "linear: x " << x.shape_str() << " does not match weight " << weight.shape_str();
   CHECK(is_floating(x.dtype()) && weight.dtype() == x.dtype() &&

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/backend.h"
 #include "core/cpu/loops.h"
 #include "core/ops.h"
 
@@ -79,15 +80,27 @@ double grad_norm(const TensorList& params, double norm_type) {
     throw Error(cat("clip_grad_norm: norm_type must be > 0 (or inf), got ", norm_type));
   bool is_max = std::isinf(norm_type);
   double total = 0;
+  auto combine = [&](double v) { total = is_max ? nan_max(v, total) : total + v; };
+  // Gradients on a GPU: one multi-tensor reduction per device (core/backend.h).
+  std::vector<std::pair<Device, TensorList>> on_device;
   for (size_t k = 0; k < params.size(); ++k) {
     Tensor grad = params[k].grad();
     if (!grad.defined()) continue;
-    if ((grad.dtype() != DType::f32 && grad.dtype() != DType::f64) || !grad.device().is_cpu())
+    if (grad.dtype() != DType::f32 && grad.dtype() != DType::f64)
       throw Error(cat("clip_grad_norm: the gradient of parameter ", k, " is ", grad.dtype(), " on ",
-                      grad.device(), "; expected f32 or f64 on cpu"));
-    double v = grad_power_sum(grad.is_contiguous() ? grad : grad.contiguous(), norm_type);
-    total = is_max ? nan_max(v, total) : total + v;
+                      grad.device(), "; expected f32 or f64"));
+    Tensor g = grad.is_contiguous() ? grad : grad.contiguous();
+    if (g.device().is_cpu()) {
+      combine(grad_power_sum(g, norm_type));
+      continue;
+    }
+    auto it = std::find_if(on_device.begin(), on_device.end(),
+                           [&](const auto& d) { return d.first == g.device(); });
+    if (it == on_device.end()) it = on_device.insert(on_device.end(), {g.device(), {}});
+    it->second.push_back(g);
   }
+  for (const auto& [device, grads] : on_device)
+    combine(backend(device).grads_power_sum(grads, norm_type));
   if (is_max) return total;
   return norm_type == 2.0 ? std::sqrt(total) : std::pow(total, 1.0 / norm_type);
 }

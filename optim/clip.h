@@ -10,9 +10,10 @@
 // gradients become nan), unless error_if_nonfinite asks for an Error; with
 // fp16 loss scaling, LossScaler skips such steps first.
 //
-// Parameters without a gradient are ignored. Gradients are f32/f64 CPU
-// tensors; the norm is accumulated in double over fixed-size blocks summed in
-// order, so it does not depend on the thread count.
+// Parameters without a gradient are ignored. Gradients are f32/f64 tensors
+// on any device (GPU ones through the backend's grads_power_sum, one fused
+// reduction per device); the norm is accumulated in double over fixed-size
+// blocks summed in order, so it does not depend on the thread count.
 #pragma once
 
 #include "core/tensor.h"

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "core/autograd.h"
+#include "core/backend.h"
 #include "core/cpu/loops.h"
 #include "core/ops.h"
 #include "optim/optim_math.h"
@@ -20,11 +21,8 @@ void require(bool ok, const char* field, const char* rule, double value) {
   if (!ok) throw Error(cat("loss scaler: ", field, " must be ", rule, ", got ", value));
 }
 
-// grad *= inv_scale in place; returns whether any element was inf/nan before.
+// grad (CPU) *= inv_scale in place; returns whether any element was inf/nan before.
 bool unscale_tensor(Tensor grad, double inv_scale) {
-  if (!grad.device().is_cpu())
-    throw Error(cat("loss scaler: a gradient is on ", grad.device(),
-                    "; this loss scaler unscales CPU tensors"));
   Tensor g = grad.is_contiguous() ? grad : grad.contiguous();
   int64_t n = g.numel();
   int64_t blocks = (n + kUnscaleBlock - 1) / kUnscaleBlock;
@@ -69,14 +67,31 @@ Tensor LossScaler::scale_loss(const Tensor& loss) const {
 }
 
 bool LossScaler::unscale(Optimizer& optimizer) {
+  return unscale(parameters(optimizer.param_groups()));
+}
+
+bool LossScaler::unscale(const TensorList& params) {
   if (!options_.enabled || unscaled_) return found_inf_;
   autograd::NoGradGuard no_grad;
   const double inv_scale = 1.0 / scale_;
   bool found = false;
-  for (const Tensor& p : parameters(optimizer.param_groups())) {
+  // Gradients on a GPU: one multi-tensor unscale per device (core/backend.h).
+  std::vector<std::pair<Device, TensorList>> on_device;
+  for (const Tensor& p : params) {
     Tensor grad = p.grad();
-    if (grad.defined()) found = unscale_tensor(grad, inv_scale) || found;
+    if (!grad.defined()) continue;
+    if (grad.device().is_cpu()) {
+      found = unscale_tensor(grad, inv_scale) || found;
+      continue;
+    }
+    CHECK(grad.is_contiguous()) << "loss scaler: a non-contiguous gradient on " << grad.device();
+    auto it = std::find_if(on_device.begin(), on_device.end(),
+                           [&](const auto& d) { return d.first == grad.device(); });
+    if (it == on_device.end()) it = on_device.insert(on_device.end(), {grad.device(), {}});
+    it->second.push_back(grad);
   }
+  for (const auto& [device, grads] : on_device)
+    found = backend(device).unscale_grads(grads, inv_scale) || found;
   unscaled_ = true;
   found_inf_ = found;
   return found_inf_;
@@ -85,11 +100,15 @@ bool LossScaler::unscale(Optimizer& optimizer) {
 void LossScaler::set_found_inf(bool found_inf) { found_inf_ = found_inf; }
 
 bool LossScaler::step(Optimizer& optimizer) {
-  if (unscale(optimizer)) {
+  return step(parameters(optimizer.param_groups()), [&] { optimizer.step(); });
+}
+
+bool LossScaler::step(const TensorList& params, const std::function<void()>& optimizer_step) {
+  if (unscale(params)) {
     ++skipped_steps_;
     return false;
   }
-  optimizer.step();
+  optimizer_step();
   return true;
 }
 

@@ -17,12 +17,14 @@
 //            otherwise      -> good-step count += 1; at growth_interval,
 //                              S *= growth_factor (unless that overflows f32), count = 0
 //
-// Gradients may be any floating dtype on the CPU (bf16/f16 are unscaled in
-// f32 and rounded back). With disabled options the scaler is the identity
+// Gradients may be any floating dtype (bf16/f16 are unscaled in f32 and
+// rounded back), on the CPU or a GPU (one fused unscale per device through
+// the backend's unscale_grads). With disabled options the scaler is the identity
 // (S = 1, nothing is checked), so fp32 and fp16 runs share one code path.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "optim/optimizer.h"
@@ -47,12 +49,18 @@ class LossScaler {
   // Multiplies every gradient of the optimizer's parameters by 1/S, once per
   // iteration (a second call does nothing), and returns whether any was inf/nan.
   bool unscale(Optimizer& optimizer);
+  // As above, over the gradients of params (an optimizer that is not an
+  // optim::Optimizer, e.g. the trainer's replicated-or-sharded one).
+  bool unscale(const TensorList& params);
   // Replaces the found-inf flag of this iteration, e.g. with its OR over the
   // ranks that each hold a shard of the gradients.
   void set_found_inf(bool found_inf);
   // Unscales if not done yet, then runs optimizer.step() unless an inf/nan
   // was found. Returns whether the step ran.
   bool step(Optimizer& optimizer);
+  // As above with params' gradients, running optimizer_step (e.g. clipping,
+  // then the update) unless an inf/nan was found.
+  bool step(const TensorList& params, const std::function<void()>& optimizer_step);
   // Adjusts S after the iteration's step (see the header comment).
   void update();
 

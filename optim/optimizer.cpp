@@ -1,10 +1,12 @@
 #include "optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
 
 #include "core/autograd.h"
+#include "core/backend.h"
 #include "core/cpu/loops.h"
 #include "optim/optim_math.h"
 
@@ -28,6 +30,60 @@ void require_option(bool ok, const char* kind, const char* field, const char* ru
 }
 
 int64_t read_step(const Tensor& step) { return step.data<int64_t>()[0]; }
+
+// The CPU side of the multi-tensor interface (core/backend.h): tensor by
+// tensor, each split over the threads.
+void sgd_step_cpu(const MultiTensorSgd& a) {
+  for (size_t k = 0; k < a.params.size(); ++k) {
+    const Tensor& param = a.params[k];
+    dispatch_param_dtype(param.dtype(), [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      SgdScalars<T> s = sgd_scalars<T>(a.lr[k], a.momentum, a.dampening, a.weight_decay[k],
+                                       a.nesterov, a.step[k] == 1);
+      T* __restrict p = param.data<T>();
+      const T* __restrict g = a.grads[k].data<T>();
+      T* __restrict buf = a.momentum_buffers.empty() ? nullptr : a.momentum_buffers[k].data<T>();
+      cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
+        const SgdScalars<T> sc = s;  // local: the element stores cannot alias it
+        if (buf) {
+          for (int64_t i = begin; i < end; ++i) sgd_update(sc, p[i], g[i], buf[i]);
+        } else {
+          for (int64_t i = begin; i < end; ++i) {
+            T unused = 0;
+            sgd_update(sc, p[i], g[i], unused);
+          }
+        }
+      });
+    });
+  }
+}
+
+void adamw_step_cpu(const MultiTensorAdamW& a) {
+  for (size_t k = 0; k < a.params.size(); ++k) {
+    const Tensor& param = a.params[k];
+    dispatch_param_dtype(param.dtype(), [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      AdamWScalars<T> s = adamw_scalars<T>(a.lr[k], a.beta1, a.beta2, a.eps, a.weight_decay[k],
+                                           a.amsgrad, a.step[k]);
+      T* __restrict p = param.data<T>();
+      const T* __restrict g = a.grads[k].data<T>();
+      T* __restrict m = a.exp_avg[k].data<T>();
+      T* __restrict v = a.exp_avg_sq[k].data<T>();
+      T* __restrict vmax = a.amsgrad ? a.max_exp_avg_sq[k].data<T>() : nullptr;
+      cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
+        const AdamWScalars<T> sc = s;  // local: the element stores cannot alias it
+        if (vmax) {
+          for (int64_t i = begin; i < end; ++i) adamw_update(sc, p[i], g[i], m[i], v[i], vmax[i]);
+        } else {
+          for (int64_t i = begin; i < end; ++i) {
+            T unused = 0;
+            adamw_update(sc, p[i], g[i], m[i], v[i], unused);
+          }
+        }
+      });
+    });
+  }
+}
 
 }  // namespace
 
@@ -75,9 +131,6 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, double weight_de
       if (t.dtype() != DType::f32 && t.dtype() != DType::f64)
         throw Error(cat(kind_, ": parameter '", p.name, "' is ", t.dtype(),
                         "; optimizers update f32 (or f64) master weights"));
-      if (!t.device().is_cpu())
-        throw Error(cat(kind_, ": parameter '", p.name, "' is on ", t.device(),
-                        "; this optimizer updates CPU tensors"));
       if (!t.is_contiguous())
         throw Error(cat(kind_, ": parameter '", p.name, "' is not contiguous (shape ",
                         t.shape_str(), ", strides ", shape_str(t.strides()), ")"));
@@ -106,6 +159,9 @@ void Optimizer::set_lr(double lr) {
 
 void Optimizer::step() {
   autograd::NoGradGuard no_grad;
+  // Per device and dtype, in parameter order (one multi-tensor call each).
+  std::vector<std::pair<std::pair<Device, DType>, std::vector<Update>>> batches;
+  std::vector<ParamState*> stepped;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const ParamGroup& g = groups_[gi];
     double lr = lr_ * g.lr_scale;
@@ -114,18 +170,24 @@ void Optimizer::step() {
       const NamedTensor& p = g.params[pi];
       Tensor grad = p.tensor.grad();
       if (!grad.defined()) continue;
+      const Device device = p.tensor.device();
       if (grad.shape() != p.tensor.shape() || grad.dtype() != p.tensor.dtype() ||
-          !grad.device().is_cpu())
+          grad.device() != device)
         throw Error(cat(kind_, ": the gradient of '", p.name, "' is ", grad.dtype(), " ",
                         grad.shape_str(), " on ", grad.device(), ", expected ", p.tensor.dtype(),
-                        " ", p.tensor.shape_str(), " on cpu"));
+                        " ", p.tensor.shape_str(), " on ", device));
       ParamState& s = state_[gi][pi];
-      int64_t step = read_step(s.step) + 1;
-      update(p.tensor, grad.is_contiguous() ? grad : grad.contiguous(), s.slots, step, lr,
-             weight_decay);
-      s.step.data<int64_t>()[0] = step;
+      const std::pair<Device, DType> key{device, p.tensor.dtype()};
+      auto it = std::find_if(batches.begin(), batches.end(),
+                             [&](const auto& b) { return b.first == key; });
+      if (it == batches.end()) it = batches.insert(batches.end(), {key, {}});
+      it->second.push_back({p.tensor, grad.is_contiguous() ? grad : grad.contiguous(), &s.slots,
+                            read_step(s.step) + 1, lr, weight_decay});
+      stepped.push_back(&s);
     }
   }
+  for (const auto& [key, updates] : batches) update(key.first, updates);
+  for (ParamState* s : stepped) s->step.data<int64_t>()[0] += 1;
 }
 
 void Optimizer::zero_grad(bool set_to_none) { zero_grads(groups_, set_to_none); }
@@ -190,27 +252,23 @@ std::vector<std::string> SGD::state_slots() const {
   return {"momentum_buffer"};
 }
 
-void SGD::update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots, int64_t step,
-                 double lr, double weight_decay) {
-  dispatch_param_dtype(param.dtype(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    SgdScalars<T> s = sgd_scalars<T>(lr, options_.momentum, options_.dampening, weight_decay,
-                                     options_.nesterov, step == 1);
-    T* __restrict p = param.data<T>();
-    const T* __restrict g = grad.data<T>();
-    T* __restrict buf = slots.empty() ? nullptr : slots[0].data<T>();
-    cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
-      const SgdScalars<T> sc = s;  // local: the element stores cannot alias it
-      if (buf) {
-        for (int64_t i = begin; i < end; ++i) sgd_update(sc, p[i], g[i], buf[i]);
-      } else {
-        for (int64_t i = begin; i < end; ++i) {
-          T unused = 0;
-          sgd_update(sc, p[i], g[i], unused);
-        }
-      }
-    });
-  });
+void SGD::update(Device device, const std::vector<Update>& updates) {
+  MultiTensorSgd a;
+  a.momentum = options_.momentum;
+  a.dampening = options_.dampening;
+  a.nesterov = options_.nesterov;
+  for (const Update& u : updates) {
+    a.params.push_back(u.param);
+    a.grads.push_back(u.grad);
+    if (!u.slots->empty()) a.momentum_buffers.push_back((*u.slots)[0]);
+    a.lr.push_back(u.lr);
+    a.weight_decay.push_back(u.weight_decay);
+    a.step.push_back(u.step);
+  }
+  if (device.is_cpu())
+    sgd_step_cpu(a);
+  else
+    backend(device).sgd_step(a);
 }
 
 // ---- AdamW ----
@@ -231,29 +289,26 @@ std::vector<std::string> AdamW::state_slots() const {
   return {"exp_avg", "exp_avg_sq"};
 }
 
-void AdamW::update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots,
-                   int64_t step, double lr, double weight_decay) {
-  dispatch_param_dtype(param.dtype(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    AdamWScalars<T> s = adamw_scalars<T>(lr, options_.betas.first, options_.betas.second,
-                                         options_.eps, weight_decay, options_.amsgrad, step);
-    T* __restrict p = param.data<T>();
-    const T* __restrict g = grad.data<T>();
-    T* __restrict m = slots[0].data<T>();
-    T* __restrict v = slots[1].data<T>();
-    T* __restrict vmax = options_.amsgrad ? slots[2].data<T>() : nullptr;
-    cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
-      const AdamWScalars<T> sc = s;  // local: the element stores cannot alias it
-      if (vmax) {
-        for (int64_t i = begin; i < end; ++i) adamw_update(sc, p[i], g[i], m[i], v[i], vmax[i]);
-      } else {
-        for (int64_t i = begin; i < end; ++i) {
-          T unused = 0;
-          adamw_update(sc, p[i], g[i], m[i], v[i], unused);
-        }
-      }
-    });
-  });
+void AdamW::update(Device device, const std::vector<Update>& updates) {
+  MultiTensorAdamW a;
+  a.beta1 = options_.betas.first;
+  a.beta2 = options_.betas.second;
+  a.eps = options_.eps;
+  a.amsgrad = options_.amsgrad;
+  for (const Update& u : updates) {
+    a.params.push_back(u.param);
+    a.grads.push_back(u.grad);
+    a.exp_avg.push_back((*u.slots)[0]);
+    a.exp_avg_sq.push_back((*u.slots)[1]);
+    if (options_.amsgrad) a.max_exp_avg_sq.push_back((*u.slots)[2]);
+    a.lr.push_back(u.lr);
+    a.weight_decay.push_back(u.weight_decay);
+    a.step.push_back(u.step);
+  }
+  if (device.is_cpu())
+    adamw_step_cpu(a);
+  else
+    backend(device).adamw_step(a);
 }
 
 }  // namespace trainer::optim

@@ -18,7 +18,11 @@
 // Semantics follow torch.optim: a parameter without a gradient is skipped
 // (its state and step counter do not advance); zero_grad sets gradients to
 // none by default. Parameters and state are contiguous f32 (the model's
-// master weights) or f64 (tests), on the CPU.
+// master weights) or f64 (tests), on the CPU or a GPU. Each step updates all
+// parameters of a device at once through the multi-tensor interface of
+// core/backend.h (MultiTensorSgd, MultiTensorAdamW): on CUDA one fused
+// launch, on the CPU the same lists run through OpenMP loops here.
+// The step counters stay on the host.
 //
 // State names: "<param name>.<slot>", slots "step" (0-d i64: the number of
 // updates this parameter has received), "momentum_buffer" (SGD with
@@ -84,17 +88,24 @@ class Optimizer {
     Tensor step;                // 0-d i64
     std::vector<Tensor> slots;  // parameter-shaped, in state_slots() order
   };
-  // Checks the groups (unique non-empty names, contiguous f32/f64 CPU
-  // tensors) and the lr; the derived constructor then calls init_state().
+  // Checks the groups (unique non-empty names, contiguous f32/f64 tensors)
+  // and the lr; the derived constructor then calls init_state().
   Optimizer(std::vector<ParamGroup> groups, double lr, double weight_decay, const char* kind);
   void init_state();
 
   // The names of the per-parameter state tensors, e.g. {"exp_avg", "exp_avg_sq"}.
   virtual std::vector<std::string> state_slots() const = 0;
-  // Updates one parameter. step is its update count including this one (1 on
-  // the first); param, grad and the slots are contiguous and of one dtype.
-  virtual void update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots,
-                      int64_t step, double lr, double weight_decay) = 0;
+  // One parameter's update in this step: step is its update count including
+  // this one (1 on the first); param, grad and the slots are contiguous, of
+  // one dtype, on one device.
+  struct Update {
+    Tensor param, grad;
+    const std::vector<Tensor>* slots;
+    int64_t step;
+    double lr, weight_decay;
+  };
+  // Updates parameters of one device and dtype together (one multi-tensor call).
+  virtual void update(Device device, const std::vector<Update>& updates) = 0;
 
   const char* kind_;  // "SGD", "AdamW": prefixes error messages
 
@@ -121,8 +132,7 @@ class SGD final : public Optimizer {
 
  private:
   std::vector<std::string> state_slots() const override;
-  void update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots, int64_t step,
-              double lr, double weight_decay) override;
+  void update(Device device, const std::vector<Update>& updates) override;
   SGDOptions options_;
 };
 
@@ -142,8 +152,7 @@ class AdamW final : public Optimizer {
 
  private:
   std::vector<std::string> state_slots() const override;
-  void update(const Tensor& param, const Tensor& grad, std::vector<Tensor>& slots, int64_t step,
-              double lr, double weight_decay) override;
+  void update(Device device, const std::vector<Update>& updates) override;
   AdamWOptions options_;
 };
 

@@ -128,7 +128,9 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
       bucket.offsets.push_back(numel);
       numel += p.tensor.numel();
     }
-    bucket.flat = zeros({numel}, group.front().tensor.dtype());
+    // On the parameters' device: backward writes the gradients there (a
+    // GPU's buckets are staged through host memory by the reduce hook).
+    bucket.flat = zeros({numel}, group.front().tensor.dtype(), group.front().tensor.device());
     for (size_t i = 0; i < group.size(); ++i) {
       const Shape& shape = group[i].tensor.shape();
       bucket.grads.push_back(
@@ -142,12 +144,13 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
 
 // Copies root's tensors to every rank in one message, after checking that
 // the ranks agree on the layout (a different model would scramble it).
+// Device tensors travel through host copies.
 void broadcast_tensors(comm::Communicator& comm, const std::vector<NamedTensor>& tensors,
                        int root) {
   uint64_t layout[2] = {tensors.size(), 0};
   for (const NamedTensor& t : tensors) {
-    CHECK(t.tensor.device().is_cpu() && t.tensor.is_contiguous())
-        << "DataParallel broadcasts contiguous CPU state; " << t.name << " is " << t.tensor.str();
+    CHECK(t.tensor.is_contiguous())
+        << "DataParallel broadcasts contiguous state; " << t.name << " is " << t.tensor.str();
     layout[1] += t.tensor.nbytes();
   }
   uint64_t root_layout[2] = {layout[0], layout[1]};
@@ -160,13 +163,21 @@ void broadcast_tensors(comm::Communicator& comm, const std::vector<NamedTensor>&
   std::vector<char> packed(layout[1]);
   size_t offset = 0;
   for (const NamedTensor& t : tensors) {
-    std::memcpy(packed.data() + offset, t.tensor.data_ptr(), t.tensor.nbytes());
-    offset += t.tensor.nbytes();
+    const Tensor host = t.tensor.device().is_cpu() ? t.tensor : t.tensor.to(Device{});
+    std::memcpy(packed.data() + offset, host.data_ptr(), host.nbytes());
+    offset += host.nbytes();
   }
   comm::broadcast(comm, packed.data(), packed.size(), root);
   offset = 0;
   for (const NamedTensor& t : tensors) {
-    std::memcpy(t.tensor.data_ptr(), packed.data() + offset, t.tensor.nbytes());
+    if (t.tensor.device().is_cpu()) {
+      std::memcpy(t.tensor.data_ptr(), packed.data() + offset, t.tensor.nbytes());
+    } else {
+      Tensor host = empty(t.tensor.shape(), t.tensor.dtype());
+      std::memcpy(host.data_ptr(), packed.data() + offset, host.nbytes());
+      Tensor dst = t.tensor;  // a handle on the module's tensor
+      dst.copy_(host);
+    }
     offset += t.tensor.nbytes();
   }
 }

@@ -4,9 +4,12 @@
 // mismatches with rank, index, expected and actual; the exit code tells the test.
 //
 //   comm_worker collectives            every collective, dtype, op and algorithm; exit 0
-//   comm_worker kill VICTIM TIMEOUT_MS the victim SIGKILLs itself mid-run; the others must
-//                                      get an Error within the timeout and exit 3
-//   comm_worker hang VICTIM TIMEOUT_MS the victim stops taking part (exit 5 later); likewise
+//   comm_worker kill VICTIM TIMEOUT_MS [ALGORITHM]
+//                                      the victim SIGKILLs itself mid-run; the others must
+//                                      get an Error within the timeout and exit 3; ALGORITHM:
+//                                      ring (default), shm-staged, shm-pipelined, shm-direct
+//   comm_worker hang VICTIM TIMEOUT_MS [ALGORITHM]
+//                                      the victim stops taking part (exit 5 later); likewise
 //   comm_worker fail RANK CODE         RANK exits with CODE at once, the others idle for a minute
 #include <signal.h>
 #include <unistd.h>
@@ -81,29 +84,44 @@ void expect(const std::string& what, const std::vector<T>& actual, Expected&& ex
 }
 
 template <class T>
-void check_allreduce(Communicator& comm, size_t count, ReduceOp op, AllreduceAlgorithm algorithm,
-                     size_t segment_bytes) {
+void check_allreduce(Communicator& comm, size_t count, const AllreduceOptions& o) {
   std::vector<T> data = make_input<T>(comm.rank(), count);
-  AllreduceOptions o{.op = op, .algorithm = algorithm, .segment_bytes = segment_bytes};
   allreduce(comm, data.data(), count, dtype_of<T>(), o);
   expect(
-      cat("allreduce ", dtype_of<T>(), " ", reduce_op_name(op), " ", algorithm_name(algorithm),
-          " count ", count, " segment ", segment_bytes, " (", comm.size(), " ranks)"),
-      data, [&](size_t i) { return expected_reduction(op, comm.size(), i); }, dtype_of<T>());
+      cat("allreduce ", dtype_of<T>(), " ", reduce_op_name(o.op), " ", algorithm_name(o.algorithm),
+          " count ", count, " segment ", o.segment_bytes, " staged ", o.staged_bytes, " (",
+          comm.size(), " ranks)"),
+      data, [&](size_t i) { return expected_reduction(o.op, comm.size(), i); }, dtype_of<T>());
 }
 
+// The shared-memory allreduce's three ways: staged (counts under the
+// default staged_bytes), pipelined through the segment and direct by
+// cross-memory attach (both with staged_bytes 0).
+std::vector<AllreduceOptions> shm_variants(ReduceOp op) {
+  return {
+      {.op = op, .algorithm = AllreduceAlgorithm::shm},
+      {.op = op, .algorithm = AllreduceAlgorithm::shm, .staged_bytes = 0},
+      {.op = op, .algorithm = AllreduceAlgorithm::shm, .staged_bytes = 0, .cross_memory = true}};
+}
+
+// Every algorithm on odd counts, and the large shm ways on a count that spans
+// several of their blocks (pipelined) and pieces (direct).
 template <class T>
 void check_all_allreduces(Communicator& comm) {
   const int n = comm.size();
   for (size_t count : {size_t(0), size_t(1), size_t(n * 3 + 1), size_t(1000), size_t(4099)})
-    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max})
-      for (AllreduceAlgorithm a : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring,
-                                   AllreduceAlgorithm::recursive_doubling})
-        for (size_t segment : {size_t(64), size_t(1) << 20}) {
-          if (a == AllreduceAlgorithm::recursive_doubling && segment != 64)
-            continue;  // no segments
-          check_allreduce<T>(comm, count, op, a, segment);
-        }
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+      for (AllreduceAlgorithm a : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring})
+        for (size_t segment : {size_t(64), size_t(1) << 20})
+          check_allreduce<T>(comm, count, {.op = op, .algorithm = a, .segment_bytes = segment});
+      check_allreduce<T>(comm, count,
+                         {.op = op, .algorithm = AllreduceAlgorithm::recursive_doubling});
+      for (const AllreduceOptions& o : shm_variants(op)) check_allreduce<T>(comm, count, o);
+    }
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+    std::vector<AllreduceOptions> large = shm_variants(op);
+    for (size_t v = 1; v < large.size(); ++v) check_allreduce<T>(comm, 600011, large[v]);
+  }
 }
 
 void check_reduce_scatter(Communicator& comm, size_t count) {
@@ -127,14 +145,14 @@ void check_allgather(Communicator& comm, size_t count) {
       [&](size_t i) { return double(i / count * 1000 + i % count); }, DType::f32);
 }
 
-void check_broadcast(Communicator& comm, size_t count) {
+void check_broadcast(Communicator& comm, size_t count, size_t segment_bytes) {
   for (int root = 0; root < comm.size(); ++root) {
     std::vector<float> data(count, -1.0f);
     if (comm.rank() == root)
       for (size_t i = 0; i < count; ++i) data[i] = float(root * 100 + int(i % 50));
-    broadcast(comm, data.data(), count * sizeof(float), root);
+    broadcast(comm, data.data(), count * sizeof(float), root, {.segment_bytes = segment_bytes});
     expect(
-        cat("broadcast from ", root, " count ", count), data,
+        cat("broadcast from ", root, " count ", count, " segment ", segment_bytes), data,
         [&](size_t i) { return double(root * 100 + int(i % 50)); }, DType::f32);
   }
 }
@@ -199,7 +217,8 @@ int run_collectives(Communicator& world) {
   for (size_t count : {size_t(1), size_t(13), size_t(300)}) {
     check_reduce_scatter(world, count);
     check_allgather(world, count);
-    check_broadcast(world, count);
+    check_broadcast(world, count, size_t(1) << 20);
+    check_broadcast(world, count, 36);
   }
   barrier(world);
   check_split(world);
@@ -210,11 +229,18 @@ int run_collectives(Communicator& world) {
 }
 
 // The victim dies (SIGKILL) or hangs (sleeps through three timeouts) after a
-// first allreduce; the others keep reducing and must get an Error.
-int run_victim(Communicator& world, int victim, int timeout_ms, bool hang) {
+// first allreduce; the others keep reducing and must get an Error. algorithm:
+// ring, shm-staged, shm-pipelined or shm-direct.
+int run_victim(Communicator& world, int victim, int timeout_ms, bool hang,
+               const std::string& algorithm) {
   std::vector<float> data(4096, 1.0f);
   AllreduceOptions o{
       .algorithm = AllreduceAlgorithm::ring, .segment_bytes = 1024, .timeout = Millis(timeout_ms)};
+  if (algorithm != "ring") {
+    o.algorithm = AllreduceAlgorithm::shm;
+    o.staged_bytes = algorithm == "shm-staged" ? data.size() * sizeof(float) : 0;
+    o.cross_memory = algorithm == "shm-direct";
+  }
   allreduce(world, data.data(), data.size(), DType::f32, o);
   if (world.rank() == victim && !hang) ::raise(SIGKILL);
   if (world.rank() == victim) {
@@ -250,12 +276,15 @@ int main(int argc, char** argv) {
     g_rank = boot.rank;
     auto world = init_world(boot, {.timeout = Millis(60000), .connect_timeout = Millis(30000)});
     if (scenario == "collectives") return run_collectives(*world);
-    if ((scenario == "kill" || scenario == "hang") && argc == 4)
-      return run_victim(*world, std::atoi(argv[2]), std::atoi(argv[3]), scenario == "hang");
+    if ((scenario == "kill" || scenario == "hang") && (argc == 4 || argc == 5))
+      return run_victim(*world, std::atoi(argv[2]), std::atoi(argv[3]), scenario == "hang",
+                        argc == 5 ? argv[4] : "ring");
     if (scenario == "fail" && argc == 4)
       return run_fail(*world, std::atoi(argv[2]), std::atoi(argv[3]));
-    std::fprintf(stderr,
-                 "usage: comm_worker collectives | kill|hang VICTIM TIMEOUT_MS | fail RANK CODE\n");
+    std::fprintf(
+        stderr,
+        "usage: comm_worker collectives | kill|hang VICTIM TIMEOUT_MS [ALGORITHM] | fail RANK "
+        "CODE\n");
     return 2;
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());

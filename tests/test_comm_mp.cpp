@@ -115,39 +115,62 @@ std::vector<Outcome> run_world(int n, const std::vector<std::string>& args) {
 
 }  // namespace
 
-TEST_CASE("comm: a killed peer becomes an error naming it on every survivor", "[comm][mp]") {
-  const int n = 3, victim = 1;
-  std::vector<Outcome> outcomes = run_world(n, {"kill", std::to_string(victim), "3000"});
+namespace {
+
+// The victim of n ranks is SIGKILLed mid-run (algorithm: see comm_worker); the
+// survivors must fail fast with an error naming the operation and the victim.
+void check_killed_peer(int n, int victim, const std::string& algorithm, const std::string& op) {
+  std::vector<Outcome> outcomes = run_world(n, {"kill", std::to_string(victim), "3000", algorithm});
   for (int r = 0; r < n; ++r) {
-    INFO("rank " << r << ":\n" << outcomes[r].output);
+    INFO("rank " << r << " (" << algorithm << "):\n" << outcomes[r].output);
     if (r == victim) {
       CHECK(outcomes[r].code == 128 + SIGKILL);
       continue;
     }
     CHECK(outcomes[r].code == 3);
-    CHECK(outcomes[r].output.find("allreduce(ring)") != std::string::npos);
+    CHECK(outcomes[r].output.find(op) != std::string::npos);
     CHECK(outcomes[r].output.find(trainer::cat("rank ", victim, " (")) != std::string::npos);
     CHECK(outcomes[r].seconds < 30);
   }
 }
 
-TEST_CASE("comm: a hung peer becomes a timeout error on every survivor", "[comm][mp]") {
-  const int n = 3, victim = 2, timeout_ms = 1500;
+// The victim stops taking part; the survivors must time out after about timeout_ms.
+void check_hung_peer(int n, int victim, const std::string& algorithm, const std::string& op) {
+  const int timeout_ms = 1500;
   std::vector<Outcome> outcomes =
-      run_world(n, {"hang", std::to_string(victim), std::to_string(timeout_ms)});
+      run_world(n, {"hang", std::to_string(victim), std::to_string(timeout_ms), algorithm});
   for (int r = 0; r < n; ++r) {
-    INFO("rank " << r << ":\n" << outcomes[r].output);
+    INFO("rank " << r << " (" << algorithm << "):\n" << outcomes[r].output);
     if (r == victim) {
       CHECK(outcomes[r].code == 5);
       continue;
     }
     CHECK(outcomes[r].code == 3);
-    CHECK(outcomes[r].output.find("allreduce(ring)") != std::string::npos);
+    CHECK(outcomes[r].output.find(op) != std::string::npos);
     CHECK(outcomes[r].output.find("timed out") != std::string::npos);
     double caught = -1;
-    std::sscanf(outcomes[r].output.substr(outcomes[r].output.find("caught after")).c_str(),
-                "caught after %lf", &caught);
+    const size_t at = outcomes[r].output.find("caught after");
+    REQUIRE(at != std::string::npos);
+    std::sscanf(outcomes[r].output.substr(at).c_str(), "caught after %lf", &caught);
     CHECK(caught >= 0.9 * timeout_ms / 1000.0);
     CHECK(caught < 3.0 * timeout_ms / 1000.0);
   }
+}
+
+}  // namespace
+
+TEST_CASE("comm: a killed peer becomes an error naming it on every survivor", "[comm][mp]") {
+  check_killed_peer(3, 1, "ring", "allreduce(ring)");
+}
+
+TEST_CASE("comm: a peer killed during a shared-memory allreduce is named by every survivor",
+          "[comm][mp]") {
+  check_killed_peer(3, 1, "shm-pipelined", "allreduce(shm)");
+  check_killed_peer(4, 2, "shm-staged", "allreduce(shm)");
+  check_killed_peer(2, 0, "shm-direct", "allreduce(shm)");
+}
+
+TEST_CASE("comm: a hung peer becomes a timeout error on every survivor", "[comm][mp]") {
+  check_hung_peer(3, 2, "ring", "allreduce(ring)");
+  check_hung_peer(3, 2, "shm-pipelined", "allreduce(shm)");
 }

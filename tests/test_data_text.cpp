@@ -156,6 +156,67 @@ TEST_CASE("text: evaluation windows are sequential and non-overlapping", "[data]
   REQUIRE(some.start(3) > c.train_tokens() + 300 / 2);
 }
 
+TEST_CASE("text: contiguous streams continue row by row across batches", "[data][text]") {
+  // Byte i % 251: a window's first token gives its start modulo 251.
+  std::string text(5003, ' ');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = char(i % 251);
+  TextCorpus c(text, {.vocab = VocabKind::bytes, .val_fraction = 0.2}, "mem");
+  const int64_t T = 13, B = 3, train = c.train_tokens();
+  for (int world : {1, 2}) {
+    INFO("world " << world);
+    const int64_t L = (train - T) / (B * world);
+    std::set<int64_t> first_starts;
+    for (int rank = 0; rank < world; ++rank) {
+      TextWindows w(c, {.seq_len = T, .seed = 5, .rank = rank, .world_size = world, .streams = B});
+      REQUIRE(w.contiguous());
+      REQUIRE(w.windows_per_epoch() == L / T * B);
+      for (int64_t epoch : {0, 1}) {
+        TextBatch prev = w.batch(epoch, 0, B);
+        std::vector<int64_t> starts(static_cast<size_t>(B));
+        for (int64_t i = 0; i < B; ++i) {
+          // Stream j = rank B + i starts at j L plus an offset below T.
+          const int64_t j = rank * B + i,
+                        first = prev.inputs.select(0, i).select(0, 0).item<int64_t>();
+          const int64_t offset = ((first - j * L) % 251 + 251) % 251;
+          REQUIRE(offset < T);
+          if (i > 0) REQUIRE(j * L + offset - starts[0] == i * L);  // one offset for all
+          starts[size_t(i)] = j * L + offset;
+          require_window(c, prev, i, starts[size_t(i)]);
+          if (epoch == 0) first_starts.insert(starts[size_t(i)]);
+        }
+        for (int64_t k = 1; k < w.windows_per_epoch() / B; ++k) {
+          TextBatch b = w.batch(epoch, k * B, B);
+          for (int64_t i = 0; i < B; ++i) {
+            // Row i's window k follows window k - 1 without a gap.
+            require_window(c, b, i, starts[size_t(i)] + k * T);
+            REQUIRE(starts[size_t(i)] + k * T + T + 1 <= train);
+          }
+        }
+      }
+      REQUIRE_THROWS_WITH(w.batch(0, 1, B), Catch::Contains("in chunks of 3"));
+      REQUIRE_THROWS_WITH(w.batch(0, 0, B + 1), Catch::Contains("in chunks of 3"));
+    }
+    REQUIRE(int64_t(first_starts.size()) == B * world);  // every rank its own streams
+  }
+  // The offset moves with the epoch (same seed, same streams).
+  TextWindows w(c, {.seq_len = T, .seed = 5, .streams = B});
+  std::set<int64_t> firsts;
+  for (int64_t epoch = 0; epoch < 8; ++epoch)
+    firsts.insert(w.batch(epoch, 0, B).inputs.select(0, 0).select(0, 0).item<int64_t>());
+  REQUIRE(firsts.size() > 1);
+
+  // Evaluation streams: window k of stream j at index k S + j.
+  EvalWindows val(c, {.seq_len = T, .streams = 4});
+  const int64_t Lv = (c.val_tokens() - 1) / 4;
+  REQUIRE(val.size() == Lv / T * 4);
+  for (int64_t k = 0; k < val.size() / 4; ++k) {
+    TextBatch b = val.batch(k * 4 + 1, 2);
+    require_window(c, b, 0, train + 1 * Lv + k * T);
+    require_window(c, b, 1, train + 2 * Lv + k * T);
+  }
+  REQUIRE(EvalWindows(c, {.seq_len = T, .max_windows = 5, .streams = 4}).size() == 8);
+}
+
 TEST_CASE("text: missing, empty and too-short corpora are clear errors", "[data][text]") {
   fs::path dir = fs::temp_directory_path() / "trainer_text_test";
   fs::create_directories(dir);

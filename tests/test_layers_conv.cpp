@@ -3,6 +3,7 @@
 // channels-last layout, and a few closed forms.
 #include "tests/testing.h"
 
+#include <optional>
 #include <random>
 
 #include "core/ops_conv.h"
@@ -140,14 +141,47 @@ TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[
   }
 }
 
+TEST_CASE("conv2d: strided 1x1 sgemm backward paths match the reference", "[layers][conv]") {
+  // Unpadded 1x1 convs read the pixels (oy * sy, ox * sx): the data gradient
+  // scatters one sgemm's rows there (zeros elsewhere, including the rows and
+  // columns floor mode never reads), the weight gradient gathers them.
+  const Pair strides[] = {{2, 2}, {2, 1}, {3, 2}, {1, 3}, {2, 2}};
+  Generator gen(12);
+  int iter = 0;
+  for (const Pair& stride : strides) {
+    int64_t I = 3 + iter % 4, O = 2 + (iter * 3) % 5;
+    Shape xs = {1 + iter % 3, I, 7 + iter % 3, 9 - iter % 2};
+    bool bias = iter == 4;
+    Conv2dAttrs a{.stride = stride};
+    INFO("stride " << stride[0] << "x" << stride[1] << " x " << shape_str(xs) << " bias " << bias);
+    TensorList in = {image_cl(xs, gen), rand_tensor({O, I, 1, 1}, gen)};
+    if (bias) in.push_back(rand_tensor({O}, gen));
+    check_fast_vs_reference(
+        [&](const TensorList& t) { return conv2d(t[0], t[1], bias ? t[2] : Tensor(), a); }, in,
+        1e-4, 1e-4);
+    ++iter;
+  }
+}
+
 TEST_CASE("add of channels-last images stays channels-last", "[layers][conv]") {
   Generator gen(10);
-  Tensor a = image_cl({2, 5, 3, 4}, gen), b = image_cl({2, 5, 3, 4}, gen);
-  Tensor s = add(a, b);
-  REQUIRE(is_channels_last(s));
-  require_close(s, add(a.contiguous(), b.contiguous()), 0, 0, "sum");
-  check_fast_vs_reference([](const TensorList& t) { return relu_channels_last(t[0] + t[1]); },
-                          {a, b});
+  for (Shape xs : {Shape{2, 5, 3, 4}, Shape{1, 7, 5, 3}, Shape{3, 17, 2, 9}, Shape{2, 3, 1, 1}}) {
+    INFO("x " << shape_str(xs));
+    Tensor a = image_cl(xs, gen), b = image_cl(xs, gen);
+    Tensor s = add(a, b);
+    REQUIRE(is_channels_last(s));
+    require_close(s, add(a.contiguous(), b.contiguous()), 0, 0, "sum");
+    require_close(a * b, a.contiguous() * b.contiguous(), 0, 0, "product");
+    check_fast_vs_reference([](const TensorList& t) { return relu_channels_last(t[0] + t[1]); },
+                            {a, b});
+    // A tensor read twice: autograd sums its two channels-last gradients.
+    check_fast_vs_reference(
+        [](const TensorList& t) {
+          Tensor y = relu_channels_last(t[0] * t[1]);
+          return add_channels_last(y, t[0] * 2.0);
+        },
+        {a, b});
+  }
 }
 
 TEST_CASE("pooling: closed forms", "[layers][pool]") {
@@ -255,6 +289,51 @@ TEST_CASE("batch_norm: oneDNN matches the reference on odd shapes", "[layers][bn
     BatchNormResult ref = batch_norm_train(x, gamma, beta, 1e-5);
     require_close(fast.mean, ref.mean, 1e-5, 1e-5, "mean");
     require_close(fast.var, ref.var, 1e-4, 1e-5, "var");
+  }
+}
+
+TEST_CASE("batch_norm: fast statistics of a large image with a large mean", "[layers][bn]") {
+  // Many pixels (several f32 blocks and threads' shares) with a mean 1000
+  // times the spread: the one-pass statistics still match the f64 reference.
+  Generator gen(13);
+  Tensor x = image_cl({5, 19, 33, 31}, gen) * 0.1 + 100.0;
+  Tensor gamma = rand_tensor({19}, gen, 0.5, 1.5), beta = rand_tensor({19}, gen);
+  BatchNormResult fast = batch_norm_train(x, gamma, beta, 1e-5, true);
+  ReferenceKernelsGuard guard;
+  BatchNormResult ref = batch_norm_train(x, gamma, beta, 1e-5, true);
+  require_close(fast.mean, ref.mean, 1e-6, 1e-6, "mean");
+  require_close(fast.var, ref.var, 1e-4, 1e-7, "var");
+  require_close(fast.out, ref.out, 1e-3, 1e-3, "out");
+}
+
+TEST_CASE("batch_norm: fused relu backward takes the record of either forward", "[layers][bn]") {
+  Generator gen(11);
+  Tensor x = image_cl({3, 6, 5, 7}, gen), g = image_cl({3, 6, 5, 7}, gen);
+  Tensor gamma = rand_tensor({6}, gen, 0.5, 1.5), beta = rand_tensor({6}, gen);
+  auto grads = [&](bool ref_forward, bool ref_backward) {
+    Tensor xr = x.detach().requires_grad_(), gr = gamma.detach().requires_grad_();
+    Tensor br = beta.detach().requires_grad_();
+    Tensor out;
+    {
+      std::optional<ReferenceKernelsGuard> guard;
+      if (ref_forward) guard.emplace();
+      out = batch_norm_train(xr, gr, br, 1e-5, true).out;
+    }
+    {
+      std::optional<ReferenceKernelsGuard> guard;
+      if (ref_backward) guard.emplace();
+      out.backward(g);
+    }
+    return TensorList{out, xr.grad(), gr.grad(), br.grad()};
+  };
+  TensorList ref = grads(true, true);
+  // A record goes back to the backend that made it (the guard is per thread):
+  // the fast backward also takes the reference forward's.
+  for (bool ref_forward : {false, true}) {
+    INFO("reference forward " << ref_forward);
+    TensorList got = grads(ref_forward, false);
+    const char* names[] = {"out", "grad_x", "grad_gamma", "grad_beta"};
+    for (int k = 0; k < 4; ++k) require_close(got[k], ref[k], 1e-4, 1e-4, names[k]);
   }
 }
 

@@ -323,10 +323,12 @@ TEST_CASE("ddp: dp=2 evaluates each validation image once, with rank 0's batch-n
   INFO(b.output);
   REQUIRE(b.code == 0);
   std::smatch dp;
-  const std::regex dp_line(R"(eval step 4: loss ([0-9.]+) \| top1 ([0-9.]+)% .* \| ([0-9]+) samples)");
+  const std::regex dp_line(
+      R"(eval step 4: loss ([0-9.]+) \| top1 ([0-9.]+)% .* \| ([0-9]+) samples)");
   REQUIRE(std::regex_search(b.output, dp, dp_line));
 
-  std::vector<std::string> eval{TRAINER_BINARY, "eval", a[1], "training.threads=1",
+  std::vector<std::string> eval{TRAINER_BINARY, "eval",
+                                a[1],           "training.threads=1",
                                 "--checkpoint", (two / "checkpoints").string()};
   Outcome e = finish(start(eval), 120);
   INFO(e.output);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/cpu/cpu_backend.h"
 #include "core/ops_rnn.h"
 #include "layers/rnn.h"
 #include "models/lstm_lm.h"
@@ -163,6 +164,25 @@ TEST_CASE("recurrent fast path matches the reference kernels", "[rnn]") {
         },
         l, 1e-4, 1e-5);
   }
+}
+
+TEST_CASE("recurrent fast path on several threads matches the reference kernels", "[rnn]") {
+  // The step loops split the batch rows among the threads: uneven splits
+  // (B 5 on 2 and 3 threads), fewer rows than threads (B 1, 2).
+  Generator gen(9);
+  int threads = num_threads();
+  for (int nt : {2, 3}) {
+    set_num_threads(nt);
+    for (auto [B, T, I, H] : {std::array<int64_t, 4>{5, 6, 7, 33}, {1, 3, 4, 5}, {2, 4, 3, 17}}) {
+      INFO(nt << " threads, B " << B << " T " << T << " I " << I << " H " << H);
+      check_fast_vs_reference(lstm_all, lstm_inputs(B, T, I, H, gen, DType::f32), 1e-4, 1e-5);
+      check_fast_vs_reference(gru_all, gru_inputs(B, T, I, H, gen, DType::f32), 1e-4, 1e-5);
+    }
+    // The workers run one GEMM primitive at once: repeated runs agree exactly.
+    TensorList l = lstm_inputs(8, 5, 16, 40, gen, DType::f32);
+    require_close(lstm_all(l), lstm_all(l), 0, 0, "repeated lstm_layer");
+  }
+  set_num_threads(threads);
 }
 
 TEST_CASE("LSTM and GRU modules: names, init, dropout, batch_first", "[rnn]") {

@@ -97,18 +97,21 @@ std::string file_bytes(const fs::path& p) { return read_file(p.string()); }
 // after a warmup, so the first half's run (steps=N/2) trains exactly as the
 // first half of the straight one. Dropout is on (attention weights,
 // residuals, between LSTM layers), so its re-keying is covered too.
-void check_lm_resume(const std::string& model) {
-  fs::path a = fresh(model + "_straight"), b = fresh(model + "_resumed");
+// sampling: data.sampling (contiguous: the LSTM's carried state must resume too).
+void check_lm_resume(const std::string& model, const std::string& sampling = "random") {
+  fs::path a = fresh(model + "_" + sampling + "_straight"),
+           b = fresh(model + "_" + sampling + "_resumed");
   const int64_t N = 8;
   fs::path ra = tiny_recipe(a, model), rb = tiny_recipe(b, model);
-  ProcessResult straight = run_trainer({"train", ra.string()});
+  const std::string data_sampling = "data.sampling=" + sampling;
+  ProcessResult straight = run_trainer({"train", ra.string(), data_sampling});
   INFO(straight.output);
   REQUIRE(straight.code == 0);
   ProcessResult half =
-      run_trainer({"train", rb.string(), "training.steps=" + std::to_string(N / 2)});
+      run_trainer({"train", rb.string(), data_sampling, "training.steps=" + std::to_string(N / 2)});
   INFO(half.output);
   REQUIRE(half.code == 0);
-  ProcessResult rest = run_trainer({"train", rb.string(), "--resume", "auto"});
+  ProcessResult rest = run_trainer({"train", rb.string(), data_sampling, "--resume", "auto"});
   INFO(rest.output);
   REQUIRE(rest.code == 0);
   REQUIRE(rest.output.find("resumed from") != std::string::npos);
@@ -204,6 +207,20 @@ TEST_CASE("train: resuming a GPT language model is bit-identical", "[train][lm]"
 
 TEST_CASE("train: resuming an LSTM language model is bit-identical", "[train][lm]") {
   check_lm_resume("lstm_lm");
+}
+
+TEST_CASE("train: an LSTM LM carrying its state over contiguous streams resumes bit-identically",
+          "[train][lm]") {
+  check_lm_resume("lstm_lm", "contiguous");
+  // The carried state is saved with each checkpoint, and it is not zeros.
+  fs::path mid = fs::temp_directory_path() / "trainer_lm_lstm_lm_contiguous_resumed" / "run" /
+                 "checkpoints" / CheckpointDir::step_name(4) / "stream_state.rank0.safetensors";
+  SafetensorsFile f = read_safetensors(mid.string());
+  REQUIRE(f.tensors.count("h") == 1);
+  REQUIRE(f.tensors.at("h").shape() == Shape{2, 4, 16});  // layers, micro-batch, hidden
+  double sum = 0;
+  for (float v : f.tensors.at("c").to_vector<float>()) sum += std::fabs(v);
+  REQUIRE(sum > 0.1);
 }
 
 TEST_CASE("train: a language model logs bits per character; sample is deterministic",

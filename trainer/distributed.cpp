@@ -5,7 +5,9 @@
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
 #include "optim/clip.h"
+#include "parallel/device_staging.h"
 #include "parallel/sync_batchnorm.h"
+#include "trainer/device.h"
 #include "trainer/session.h"
 
 namespace trainer {
@@ -83,6 +85,12 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   o.overlap = recipe.parallel.overlap;
   o.timeline = timeline_.get();
   if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
+    // GPU gradients: each bucket copied to pinned host memory on a comm
+    // stream, allreduced there and copied back (parallel/device_staging.h).
+#if TRAINER_HAVE_CUDA
+  const Device device = module_device(*model);
+  if (device.is_cuda()) o.reduce = parallel::staged_reduce(cuda_bucket_copier(device));
+#endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dist.world, o);
   if (!sharded) return;
   auto make = [&recipe](std::vector<optim::ParamGroup> groups) {

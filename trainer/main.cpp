@@ -10,6 +10,8 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
+#include "parallel/device_staging.h"
+#include "trainer/device.h"
 #include "trainer/launch.h"
 #include "trainer/recipe.h"
 #include "trainer/train.h"
@@ -21,7 +23,8 @@ namespace {
 int run_info() {
   std::printf("trainer %s\n", "0.1.0");
 #ifdef TRAINER_HAVE_CUDA
-  std::printf("CUDA backend: compiled\n");
+  std::printf("CUDA backend: compiled, %d device(s) visible\n", device_availability().cuda_devices);
+  std::printf("UCX CUDA memory: %s\n", parallel::ucx_supports_cuda_memory() ? "yes" : "no");
 #else
   std::printf("CUDA backend: not compiled\n");
 #endif

@@ -167,6 +167,7 @@ std::vector<Field> schema(Recipe& r) {
       string_field("data.vocab", &d.vocab, {"byte", "char"}),
       int_field("data.seq_len", &d.seq_len, 0, 1 << 20),
       int_field("data.val_windows", &d.val_windows, 0, kBig),
+      string_field("data.sampling", &d.sampling, {"random", "contiguous"}),
 
       string_field("optimizer.name", &op.name, {"sgd", "adamw"}),
       float_field("optimizer.lr", &op.lr, 0.0, 100.0),
@@ -212,6 +213,10 @@ std::vector<Field> schema(Recipe& r) {
       bool_field("parallel.sync_bn", &p.sync_bn),
 
       string_field("precision", &r.precision, {"fp32", "bf16", "fp16"}),
+      float_field("loss_scaler.init_scale", &r.loss_scaler.init_scale, 1e-30, 1e30),
+      float_field("loss_scaler.growth_factor", &r.loss_scaler.growth_factor, 1.0 + 1e-9, 1e6),
+      float_field("loss_scaler.backoff_factor", &r.loss_scaler.backoff_factor, 1e-9, 1.0 - 1e-9),
+      int_field("loss_scaler.growth_interval", &r.loss_scaler.growth_interval, 1, kBig),
       string_field("device", &r.device, {"cpu", "cuda"}),
       int_field("seed", &r.seed, 0, std::numeric_limits<int64_t>::max()),
       string_field("output_dir", &r.output_dir),

@@ -42,12 +42,13 @@ struct DataRecipe {
   bool augment = false;                // random crop + flip for training
   int64_t workers = 2;
   int64_t prefetch = 4;
-  std::string bad_files = "skip";  // skip | error
-  double val_fraction = 0.1;       // text: the last fraction of the corpus
-  std::string path;                // text: the corpus file
-  std::string vocab = "char";      // text: byte (256 ids) | char (the corpus's characters)
-  int64_t seq_len = 0;             // text: tokens per window (T); 0: model.context
-  int64_t val_windows = 0;         // text: windows per evaluation, spread evenly; 0: all
+  std::string bad_files = "skip";   // skip | error
+  double val_fraction = 0.1;        // text: the last fraction of the corpus
+  std::string path;                 // text: the corpus file
+  std::string vocab = "char";       // text: byte (256 ids) | char (the corpus's characters)
+  int64_t seq_len = 0;              // text: tokens per window (T); 0: model.context
+  int64_t val_windows = 0;          // text: windows per evaluation, spread evenly; 0: all
+  std::string sampling = "random";  // text: random windows | contiguous streams (TBPTT)
 };
 
 struct OptimizerRecipe {
@@ -101,6 +102,14 @@ struct ParallelRecipe {
   bool sync_bn = false;
 };
 
+// Dynamic loss scaling of precision: fp16 (optim/loss_scaler.h; unused otherwise).
+struct LossScalerRecipe {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;  // finite steps before the scale grows
+};
+
 struct Recipe {
   std::string source;  // the file it came from
   ModelRecipe model;
@@ -110,7 +119,8 @@ struct Recipe {
   TrainingRecipe training;
   ParallelRecipe parallel;
   std::string precision = "fp32";  // fp32 | bf16 | fp16
-  std::string device = "cpu";      // cpu | cuda
+  LossScalerRecipe loss_scaler;
+  std::string device = "cpu";  // cpu | cuda
   int64_t seed = 0;
   std::string output_dir = "runs/default";
 };

@@ -13,6 +13,7 @@
 #include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
+#include "trainer/device.h"
 #include "trainer/safetensors.h"
 
 namespace trainer {
@@ -138,12 +139,8 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const Recipe& r,
 
 Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)), layout_(layout) {
   const Recipe& r = recipe_;
-  if (r.device != "cpu")
-    throw Error(cat(r.source, ": device '", r.device,
-                    "': the training loop runs on the CPU for now (the CUDA op set is issue 9)"));
-  if (r.precision != "fp32")
-    throw Error(cat(r.source, ": precision '", r.precision,
-                    "': mixed precision needs the CUDA backend; use precision: fp32 on the CPU"));
+  // First: a recipe asking for an absent GPU fails before any data is read.
+  const Device device = training_device(r, layout_.world_size);
   const int64_t world = layout_.world_size;
   const TrainingRecipe& t = r.training;
   if (t.global_batch % (t.grad_accum * world) != 0)
@@ -156,6 +153,9 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
   if (is_language_model_name(r.model.name) != (r.data.name == "text"))
     throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
                     r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
+  if (r.data.sampling != "random" && r.data.name != "text")
+    throw Error(cat(r.source, ": data.sampling '", r.data.sampling,
+                    "' is for text; images are read by the shuffling sampler"));
   if (r.data.name == "text")
     build_text_data();
   else
@@ -173,6 +173,8 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
 
   // ---- model and optimizer ----
   model_ = build_model(r, corpus_ ? corpus_->vocab().size() : 0);
+  lstm_ = std::dynamic_pointer_cast<LSTMLM>(model_);
+  move_module(*model_, device);  // before the optimizer builds its state beside the parameters
   // Sharded: DistributedRun builds it (the full one would cost the memory zero1 saves).
   if (!shards_optimizer())
     optimizer_ = std::make_unique<TrainOptimizer>(make_optimizer(r, param_groups(r, *model_)));
@@ -252,27 +254,6 @@ void Session::build_image_data() {
       data::DistributedSampler(vo), lo);
 }
 
-void Session::build_text_data() {
-  const Recipe& r = recipe_;
-  const DataRecipe& d = r.data;
-  if (d.path.empty())
-    throw Error(cat(r.source, ": data.path must name the text corpus (e.g. datasets/kjv.txt)"));
-  const int64_t T = d.seq_len > 0 ? d.seq_len : r.model.context;
-  if (r.model.name == "gpt" && T > r.model.context)
-    throw Error(cat(r.source, ": data.seq_len ", T, " is longer than model.context ",
-                    r.model.context, " (GPT's block size)"));
-  corpus_ = std::make_unique<data::TextCorpus>(data::TextCorpus::load(
-      d.path, {.vocab = d.vocab == "byte" ? data::VocabKind::bytes : data::VocabKind::chars,
-               .val_fraction = d.val_fraction}));
-  train_windows_ = std::make_unique<data::TextWindows>(
-      *corpus_, data::WindowOptions{.seq_len = T,
-                                    .seed = uint64_t(r.seed),
-                                    .rank = layout_.rank,
-                                    .world_size = layout_.world_size});
-  val_windows_ = std::make_unique<data::EvalWindows>(
-      *corpus_, data::EvalOptions{.seq_len = T, .max_windows = d.val_windows});
-}
-
 void Session::rekey_dropout(int64_t micro) {
   uint64_t layer = 0;
   model_->apply([&](Module& m) {
@@ -305,6 +286,8 @@ void Session::start_epoch(int64_t epoch, int64_t position) {
   if (!corpus_) return train_loader_->start_epoch(epoch, position);
   text_epoch_ = epoch;
   text_position_ = position;
+  // A new epoch's streams start from zeros; a resumed one from the saved state.
+  if (position == 0) carried_ = RNNState{};
 }
 
 bool Session::next_batch(StepBatch& batch) {
@@ -312,29 +295,23 @@ bool Session::next_batch(StepBatch& batch) {
     data::Batch b;
     if (!train_loader_->next(b)) return false;
     batch = StepBatch{b.images, b.labels, b.position, b.labels.numel()};
-    return true;
+  } else if (!next_text_batch(batch)) {
+    return false;
   }
-  if (text_position_ + micro_batch_ > train_windows_->windows_per_epoch()) return false;
-  data::TextBatch b = train_windows_->batch(text_epoch_, text_position_, micro_batch_);
-  text_position_ += micro_batch_;
-  batch = StepBatch{b.inputs, b.targets, text_position_, b.targets.numel()};
+  const Device device = module_device(*model_);
+  batch.inputs = to_device(batch.inputs, device);
+  batch.targets = to_device(batch.targets, device);
   return true;
 }
 
-namespace {
-// Cross-entropy of logits [N, T, V] against targets [N, T] over all N x T tokens.
-Tensor token_cross_entropy(const Tensor& logits, const Tensor& targets,
-                           const CrossEntropyOptions& options = {}) {
-  return cross_entropy(logits.flatten(0, 1), targets.flatten(), options);
-}
-}  // namespace
-
 Tensor Session::loss(const StepBatch& batch) {
-  if (corpus_) return token_cross_entropy((*model_)(batch.inputs), batch.targets);
-  return cross_entropy(forward(batch.inputs), batch.targets);
+  if (corpus_) return text_loss(batch);
+  return cross_entropy(forward(batch.inputs), to_device(batch.targets, module_device(*model_)));
 }
 
-Tensor Session::forward(const Tensor& images) { return (*model_)(images.permute({0, 3, 1, 2})); }
+Tensor Session::forward(const Tensor& images) {
+  return (*model_)(to_device(images, module_device(*model_)).permute({0, 3, 1, 2}));
+}
 
 EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
   EvalMetrics m;
@@ -358,22 +335,6 @@ EvalMetrics Session::evaluate() {
 
 EvalSums Session::evaluate_shard() { return corpus_ ? evaluate_text() : evaluate_images(); }
 
-EvalSums Session::evaluate_text() {
-  autograd::NoGradGuard no_grad;
-  model_->eval();
-  CrossEntropyOptions sum_loss;
-  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
-  EvalSums sums;
-  const int64_t stride = micro_batch_ * layout_.world_size;
-  for (int64_t first = micro_batch_ * layout_.rank; first < val_windows_->size(); first += stride) {
-    data::TextBatch b = val_windows_->batch(first, micro_batch_);
-    sums.loss += token_cross_entropy((*model_)(b.inputs), b.targets, sum_loss).item<double>();
-    sums.samples += b.targets.numel();
-  }
-  model_->train();
-  return sums;
-}
-
 EvalSums Session::evaluate_images() {
   autograd::NoGradGuard no_grad;
   model_->eval();
@@ -384,7 +345,8 @@ EvalSums Session::evaluate_images() {
   sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
   while (val_loader_->next(batch)) {
     Tensor logits = forward(batch.images);
-    sums.loss += cross_entropy(logits, batch.labels, sum_loss).item<double>();
+    sums.loss +=
+        cross_entropy(logits, to_device(batch.labels, logits.device()), sum_loss).item<double>();
     std::vector<float> l = logits.to_vector<float>();
     std::vector<int64_t> y = batch.labels.to_vector<int64_t>();
     int64_t C = logits.size(1);
@@ -407,6 +369,7 @@ void Session::save(const std::string& dir, const TrainState& s) const {
   const bool sharded = shards_optimizer();
   if (sharded || layout_.rank == 0)
     write_safetensors(optimizer_file(dir, sharded, layout_.rank), optimizer_->state());
+  if (carries_state()) save_stream_state(dir);
   if (layout_.rank != 0) return;
   write_safetensors(dir + "/model.safetensors", model_->state(), {{"format", "pt"}});
   json j;
@@ -534,6 +497,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     for (const auto& [name, t] : optim_file.tensors) optim_state.push_back({name, t});
     // Everything validated: now change the optimizer (it refuses another layout) and the model.
     optimizer().load_state(optim_state);
+    if (carries_state()) load_stream_state(dir, s.position);
   }
   copy_named(model_->state(), model_file.tensors);
   return s;
@@ -567,7 +531,11 @@ std::string Session::summary() {
         << (c.vocab().kind() == data::VocabKind::bytes ? "byte" : "char") << " vocabulary of "
         << c.vocab().size() << ", windows of " << train_windows_->seq_len() << " tokens ("
         << with_commas(train_windows_->windows_per_epoch()) << " per epoch, "
-        << with_commas(val_windows_->size()) << " per evaluation)\n";
+        << with_commas(val_windows_->size()) << " per evaluation"
+        << (train_windows_->contiguous() ? cat("; contiguous streams, ", micro_batch_, " per rank",
+                                               carries_state() ? ", state carried" : "")
+                                         : std::string())
+        << ")\n";
   }
 
   // Memory: parameters, gradients and optimizer state exactly; activations
@@ -578,7 +546,7 @@ std::string Session::summary() {
   // zero1: each rank keeps the state of about 1/world of the parameters.
   const int64_t world = layout_.world_size;
   const int64_t state_params = shards_optimizer() ? (params + world - 1) / world : params;
-  Allocator& a = allocator(Device{});
+  Allocator& a = allocator(module_device(*model_));
   int64_t before = a.stats().current_bytes;
   a.reset_peak();
   {
@@ -592,7 +560,11 @@ std::string Session::summary() {
           zeros({2, recipe_.data.image_size, recipe_.data.image_size, recipe_.model.in_channels});
       two.targets = zeros({2}, DType::i64);
     }
+    two.inputs = to_device(two.inputs, module_device(*model_));
+    two.targets = to_device(two.targets, module_device(*model_));
+    RNNState kept = carried_;  // the probe must not become the carried state
     loss(two).backward();
+    carried_ = kept;
   }
   int64_t activations = (a.stats().peak_bytes - before - params * 4) / 2 * micro_batch_;
   model_->zero_grad();

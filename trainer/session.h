@@ -31,12 +31,15 @@
 #include "data/loader.h"
 #include "data/text.h"
 #include "layers/module.h"
+#include "layers/rnn.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "trainer/distributed.h"
 #include "trainer/recipe.h"
 
 namespace trainer {
+
+class LSTMLM;
 
 // What moves during training; saved in trainer_state.json.
 struct TrainState {
@@ -155,7 +158,15 @@ class Session {
 
  private:
   void build_image_data();
+  // Language models (trainer/session_lm.cpp).
   void build_text_data();
+  bool next_text_batch(StepBatch& batch);
+  Tensor text_loss(const StepBatch& batch);
+  // Whether the LSTM LM carries its state between micro-batches
+  // (data.sampling: contiguous), saved per rank with checkpoints.
+  bool carries_state() const;
+  void save_stream_state(const std::string& dir) const;
+  void load_stream_state(const std::string& dir, int64_t position);
   EvalSums evaluate_images();
   EvalSums evaluate_text();
   // load() with the optimizer, load_model() without it.
@@ -171,6 +182,8 @@ class Session {
   std::unique_ptr<data::TextWindows> train_windows_;
   std::unique_ptr<data::EvalWindows> val_windows_;
   int64_t text_epoch_ = 0, text_position_ = 0;
+  std::shared_ptr<LSTMLM> lstm_;  // model_ when it is the LSTM LM
+  RNNState carried_;              // its state after the last micro-batch
   std::unique_ptr<TrainOptimizer> optimizer_;
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;

@@ -8,13 +8,16 @@
 #include <exception>
 #include <filesystem>
 
+#include "core/autocast.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/ops.h"
 #include "models/sample.h"
 #include "parallel/trace.h"
 #include "trainer/checkpoint.h"
+#include "trainer/device.h"
 #include "trainer/distributed.h"
 #include "trainer/metrics.h"
+#include "trainer/precision.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
 
@@ -77,11 +80,12 @@ std::optional<std::string> resume_dir(const std::string& resume, const Recipe& r
 class TrainLoop {
  public:
   // Rank 0 alone prints, logs and writes checkpoints; every rank trains.
-  TrainLoop(Session& s, TrainState state, DistributedRun& run)
+  TrainLoop(Session& s, TrainState state, DistributedRun& run, Precision& precision)
       : s_(s),
         r_(s.recipe()),
         state_(state),
         run_(run),
+        precision_(precision),
         print_(run.dist().is_main()),
         ckpt_(checkpoint_root(r_), r_.training.keep_last),
         log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {}
@@ -140,6 +144,7 @@ class TrainLoop {
       Tensor loss;
       {
         parallel::TraceScope span(timeline, "forward");
+        AutocastGuard autocast(precision_.autocast_dtype());
         loss = s_.loss(batch);
       }
       double v = loss.item<double>();
@@ -149,7 +154,7 @@ class TrainLoop {
       if (finite || run_.dist().active()) {
         auto no_sync = run_.no_sync(m + 1 < accum);
         parallel::TraceScope span(timeline, "backward");
-        (accum == 1 ? loss : loss * (1.0 / double(accum))).backward();
+        precision_.scale_loss(accum == 1 ? loss : loss * (1.0 / double(accum))).backward();
       }
       state_.position = batch.position;
       samples_ += batch.items;
@@ -169,13 +174,18 @@ class TrainLoop {
     } else {
       nonfinite_in_a_row_ = 0;
       TrainOptimizer& opt = s_.optimizer();
-      // Sharded: the gradients are averaged into each rank's shard only, so
-      // the optimizer computes the norm.
-      if (r_.optimizer.clip_grad_norm > 0)
-        last_grad_norm_ = opt.clip_grad_norm(r_.optimizer.clip_grad_norm);
       parallel::TraceScope span(timeline, "optimizer");
-      opt.set_lr(lr);
-      opt.step();
+      // fp16: the gradients are unscaled first, and the step is skipped when
+      // one holds an inf/nan (the same on every rank: they are averaged).
+      precision_.step(s_.model().parameters(), [&] {
+        // Sharded: the gradients are averaged into each rank's shard only, so
+        // the optimizer computes the norm.
+        if (r_.optimizer.clip_grad_norm > 0)
+          last_grad_norm_ = opt.clip_grad_norm(r_.optimizer.clip_grad_norm);
+        opt.set_lr(lr);
+        opt.step();
+      });
+      precision_.update();
     }
     run_.zero_grad(s_.optimizer());
     ++state_.step;
@@ -192,18 +202,27 @@ class TrainLoop {
     int64_t done = state_.step - step_at_start_;
     double eta = done > 0 ? elapsed / double(done) * double(s_.total_steps() - state_.step) : -1;
     const bool lm = s_.is_language_model();
-    say(progress_line({state_.epoch, state_.step, s_.total_steps(), last_loss_, last_lr_, rate, eta,
-                       lm ? "tokens" : "samples"}));
+    std::string line = progress_line({state_.epoch, state_.step, s_.total_steps(), last_loss_,
+                                      last_lr_, rate, eta, lm ? "tokens" : "samples"});
+    if (precision_.scales_loss())
+      line += cat(" | loss scale ", precision_.scale(), " (", precision_.skipped_steps(),
+                  " steps skipped)");
+    say(line);
     Scalars sc{{"loss", last_loss_},
                {"lr", last_lr_},
                {lm ? "tokens_per_second" : "samples_per_second", rate}};
     if (r_.optimizer.clip_grad_norm > 0) sc.push_back({"grad_norm", last_grad_norm_});
+    for (const auto& kv : precision_.scalars()) sc.push_back(kv);
     write_log("train", sc);
   }
 
   void evaluate() {
     auto t = std::chrono::steady_clock::now();
-    EvalMetrics m = run_.evaluate(s_);
+    EvalMetrics m;
+    {
+      AutocastGuard autocast(precision_.autocast_dtype());
+      m = run_.evaluate(s_);
+    }
     last_eval_ = m;
     // The best metric: top-1 accuracy for classifiers, the lowest loss for
     // language models (-1: none yet).
@@ -236,6 +255,7 @@ class TrainLoop {
     }
     run_.barrier();
     s_.save(tmp, state_);
+    if (print_) precision_.save(tmp);
     run_.barrier();
     if (print_) {
       std::string dir = ckpt_.commit(state_.step, pending_best_);
@@ -255,6 +275,8 @@ class TrainLoop {
     int64_t rate = int64_t(elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0);
     std::string head = cat("done: ", state_.step, " steps in ", format_duration(elapsed), ", ");
     std::string skipped = cat(state_.nonfinite_skipped, " non-finite steps skipped");
+    if (precision_.scales_loss())
+      skipped += cat(", ", precision_.skipped_steps(), " fp16 overflow steps skipped");
     if (s_.is_language_model())
       say(cat(head, rate, " tokens/s; final eval loss ", last_eval_.loss, ", ",
               last_eval_.bits_per_char, " bits/char, best loss ", state_.best_metric, "; ",
@@ -272,6 +294,7 @@ class TrainLoop {
   const Recipe& r_;
   TrainState state_;
   DistributedRun& run_;
+  Precision& precision_;
   bool print_;
   CheckpointDir ckpt_;
   std::unique_ptr<MetricsLog> log_;  // rank 0 only
@@ -305,6 +328,7 @@ int train_command(const TrainArgs& args) {
                 (long long)s.total_steps(), (long long)s.steps_per_epoch(),
                 (long long)s.micro_batch(), (long long)r.training.grad_accum);
   }
+  if (main_rank) std::printf("device %s\n", cat(module_device(s.model())).c_str());
   if (args.dry_run) {
     if (main_rank) std::printf("%s", s.summary().c_str());
     return 0;
@@ -313,9 +337,11 @@ int train_command(const TrainArgs& args) {
   // rank then loads the same model, so the broadcast it does now is harmless.
   DistributedRun run(dist, s, r.training.trace || args.trace);
   if (!args.init_from.empty()) s.init_from(args.init_from, args.init_strict);
+  Precision precision(r, s.shards_optimizer());
   TrainState state;
   if (std::optional<std::string> dir = resume_dir(args.resume, r)) {
     state = s.load(*dir);
+    precision.load(*dir);
     if (main_rank)
       std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
                   (long long)state.step, (long long)state.epoch, (long long)state.position);
@@ -326,7 +352,7 @@ int train_command(const TrainArgs& args) {
     std::filesystem::create_directories(r.output_dir);
     write_file_atomic(r.output_dir + "/recipe.yaml", recipe_to_yaml(r));
   }
-  return TrainLoop(s, state, run).run();
+  return TrainLoop(s, state, run, precision).run();
 }
 
 namespace {
@@ -352,7 +378,11 @@ int eval_command(const EvalArgs& args) {
   Session s(r);
   std::string dir = checkpoint_to_load(args.checkpoint);
   TrainState state = s.load_model(dir);
-  EvalMetrics m = s.evaluate();
+  EvalMetrics m;
+  {
+    AutocastGuard autocast(Precision(r, false).autocast_dtype());
+    m = s.evaluate();
+  }
   if (s.is_language_model())
     std::printf("eval %s (step %lld): loss %.4f | %.4f bits/char | %lld tokens\n", dir.c_str(),
                 (long long)state.step, m.loss, m.bits_per_char, (long long)m.samples);

@@ -15,8 +15,10 @@
 #include <cstring>
 #include <limits>
 
+#include "core/attention_math.h"
 #include "core/check.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/lowp.h"
 #include "core/cpu/vec_math.h"
 
 namespace trainer {
@@ -50,13 +52,14 @@ bool fast_layout(const Tensor& x) {
 }
 
 // m[s] = dropout multiplier (1 / (1 - p) kept, 0 dropped) of Philox
-// elements first + s, s in [0, n), as RefBackend draws them.
+// elements first + s, s in [0, n), as RefBackend and the CUDA kernels draw
+// them (core/attention_math.h).
 void dropout_row(PhiloxKey key, uint64_t first, int64_t n, double keep, float scale, float* m) {
   for (int64_t s = 0; s < n;) {
     uint64_t i = first + uint64_t(s);
     Philox4x32 r = philox_block(key, i / 4);
     for (uint32_t lane = uint32_t(i % 4); lane < 4 && s < n; ++lane, ++s)
-      m[s] = double(uint_to_unit(r.v[lane])) < keep ? scale : 0.0f;
+      m[s] = math::dropout_keeps(r.v[lane], keep) ? scale : 0.0f;
   }
 }
 
@@ -104,6 +107,10 @@ struct Scratch {
 void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const AttentionAttrs& attrs, const Tensor& out,
                                    const Tensor& lse) {
+  if (cpu::any_half({&q, &k, &v, &out}))  // bf16/f16: the f32 kernel on copies (core/cpu/lowp.h)
+    return cpu::run_in_f32({q, k, v}, {out}, [&](const TensorList& i, const TensorList& o) {
+      attention_forward(i[0], i[1], i[2], attrs, o[0], lse);
+    });
   if (!fast_layout(q) || !fast_layout(k) || !fast_layout(v) || !out.is_contiguous() ||
       out.dtype() != DType::f32 || lse.dtype() != DType::f32)
     return RefBackend::attention_forward(q, k, v, attrs, out, lse);
@@ -130,7 +137,8 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
         float* row = S + i * n;
         lse_all[bh * T + t] = softmax_causal(row, t + 1, n);
         if (!drop) continue;
-        dropout_row(attrs.dropout_key, uint64_t((bh * T + t) * T), t + 1, keep, drop_scale, M);
+        dropout_row(attrs.dropout_key, math::attention_dropout_index(bh, t, 0, T), t + 1, keep,
+                    drop_scale, M);
 #pragma omp simd
         for (int64_t s = 0; s <= t; ++s) row[s] *= M[s];
       }
@@ -148,6 +156,12 @@ void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, con
                                     const Tensor& v, const Tensor& out, const Tensor& lse,
                                     const AttentionAttrs& attrs, const Tensor& grad_q,
                                     const Tensor& grad_k, const Tensor& grad_v) {
+  if (cpu::any_half({&grad_out, &q, &k, &v, &out}))
+    return cpu::run_in_f32({grad_out, q, k, v, out}, {grad_q, grad_k, grad_v},
+                           [&](const TensorList& i, const TensorList& o) {
+                             attention_backward(i[0], i[1], i[2], i[3], i[4], lse, attrs, o[0],
+                                                o[1], o[2]);
+                           });
   bool fast = fast_layout(q) && fast_layout(k) && fast_layout(v) && fast_layout(grad_q) &&
               fast_layout(grad_k) && fast_layout(grad_v) && grad_out.is_contiguous() &&
               grad_out.dtype() == DType::f32 && out.is_contiguous() && out.dtype() == DType::f32 &&
@@ -194,7 +208,8 @@ void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, con
         for (int64_t c = 0; c < HD; ++c) delta += go[c] * o[c];
         if (drop) {
           float* pm = Pm + i * n;
-          dropout_row(attrs.dropout_key, uint64_t((bh * T + t) * T), t + 1, keep, drop_scale, M);
+          dropout_row(attrs.dropout_key, math::attention_dropout_index(bh, t, 0, T), t + 1, keep,
+                      drop_scale, M);
 #pragma omp simd
           for (int64_t s = 0; s <= t; ++s) {
             pm[s] = p[s] * M[s];
@@ -203,7 +218,7 @@ void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, con
           std::fill(pm + t + 1, pm + n, 0.0f);
         }
 #pragma omp simd
-        for (int64_t s = 0; s <= t; ++s) dp[s] = p[s] * (dp[s] - delta);
+        for (int64_t s = 0; s <= t; ++s) dp[s] = math::attention_grad_score(p[s], dp[s], delta);
         std::fill(dp + t + 1, dp + n, 0.0f);
       }
       // dV[0:n] += (P m)^T dO_tile; dQ_tile = scale dS K; dK[0:n] += scale dS^T Q_tile.

@@ -87,6 +87,13 @@ class CpuBackend : public RefBackend {
   void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
                            const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
                            const Tensor& grad_gamma, const Tensor& grad_beta) override;
+  Tensor batch_norm_relu_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                 double eps, const Tensor& out, const Tensor& mean,
+                                 const Tensor& var) override;
+  void batch_norm_relu_backward(const Tensor& grad_out, const Tensor& record, const Tensor& x,
+                                const Tensor& gamma, const Tensor& mean, const Tensor& var,
+                                double eps, const Tensor& grad_x, const Tensor& grad_gamma,
+                                const Tensor& grad_beta) override;
   void layer_norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                           const Tensor& out, const Tensor& mean, const Tensor& rstd) override;
   void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,

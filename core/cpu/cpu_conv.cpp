@@ -7,10 +7,13 @@
 // and reorders are built once per (shapes, strides, attributes, thread count)
 // and cached; each call binds pointers and runs (STYLE.md "Set up once, run
 // many"). Stride-1 data gradients run as forward convolutions of the flipped
-// weights, and 1x1 weight gradients as one sgemm (both faster than oneDNN
-// 2.6's backward kernels). Max pooling's argmax record is oneDNN's workspace. Types other than
-// f32, and adaptive pooling whose windows do not tile the input (the op sends
-// tiling ones to avg_pool2d), run the reference kernels.
+// weights, and 1x1 gradients as sgemm (core/cpu/conv_pointwise.h; both faster
+// than oneDNN 2.6's backward kernels). Max pooling's argmax record, and batch
+// norm's relu mask when the relu is fused, are oneDNN's workspaces.
+// bf16 convolutions run cpu_conv_bf16.cpp, f16 ones the f32 kernels on
+// converted copies (core/cpu/lowp.h). Other types than f32, and adaptive
+// pooling whose windows do not tile the input (the op sends tiling ones to
+// avg_pool2d), run the reference kernels.
 #include <omp.h>
 
 #include <cstring>
@@ -20,7 +23,10 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "core/cpu/bn_stats.h"
+#include "core/cpu/conv_pointwise.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
 #include "core/ops_conv.h"
 
@@ -197,6 +203,12 @@ memory weights_for(const std::optional<dnnl::reorder>& reorder, const memory::de
 
 void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         const Conv2dAttrs& a, bool fuse_relu, const Tensor& out) {
+  if (cpu::all_of_dtype({&x, &weight, &bias, &out}, DType::bf16))
+    return cpu::conv2d_bf16(x, weight, bias, a, fuse_relu, out);
+  if (cpu::any_half({&x, &weight, &bias, &out}))  // f16: on the f32 kernels (core/cpu/lowp.h)
+    return cpu::run_in_f32({x, weight, bias}, {out}, [&](const TensorList& i, const TensorList& o) {
+      conv2d(i[0], i[1], i[2], a, fuse_relu, o[0]);
+    });
   if (!fast_dtype({&x, &weight, &bias, &out}))
     return RefBackend::conv2d(x, weight, bias, a, fuse_relu, out);
   static Cache<ConvForward> cache;
@@ -295,8 +307,17 @@ void conv2d_backward_data_as_forward(const Tensor& grad_out, const Tensor& weigh
 // Forward: out = conv(x, w) + b. Backward data: grad_x = conv_transpose(grad_out, w).
 void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weight,
                                       const Conv2dAttrs& a, const Tensor& grad_x) {
+  if (cpu::all_of_dtype({&grad_out, &weight, &grad_x}, DType::bf16))
+    return cpu::conv2d_backward_data_bf16(grad_out, weight, a, grad_x);
+  if (cpu::any_half({&grad_out, &weight, &grad_x}))
+    return cpu::run_in_f32({grad_out, weight}, {grad_x},
+                           [&](const TensorList& i, const TensorList& o) {
+                             conv2d_backward_data(i[0], i[1], a, o[0]);
+                           });
   if (!fast_dtype({&grad_out, &weight, &grad_x}))
     return RefBackend::conv2d_backward_data(grad_out, weight, a, grad_x);
+  if (a.stride != Pair{1, 1} && cpu::pointwise(weight.shape(), a, grad_x, grad_out))
+    return cpu::pointwise_backward_data(grad_out, weight, a, grad_x);
   if (backward_data_as_forward(weight, a))
     return conv2d_backward_data_as_forward(grad_out, weight, a, grad_x);
   static Cache<ConvBackwardData> cache;
@@ -325,28 +346,22 @@ void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weig
 }
 
 // Forward: out = conv(x, w) + b. Backward weights: grad_w = correlate(grad_out, x),
-// grad_b = sum of grad_out over N, OH, OW.
-//
-// A pointwise (1x1, stride 1, unpadded, ungrouped, no bias) convolution on
-// channels-last images is a matrix product over the M = N*H*W pixels,
-// out[M, O] = x[M, I] w[O, I]^T, so grad_w[O, I] = grad_out[M, O]^T x[M, I]:
-// one sgemm straight into the user's [O, I] buffer, faster than oneDNN's
-// 1x1 backward-weights kernel and with no reorder after it.
+// grad_b = sum of grad_out over N, OH, OW. Pointwise ones without bias run as
+// one sgemm straight into the user's [O, I] buffer (no reorder after it).
 void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x,
                                          const Conv2dAttrs& a, const Tensor& grad_weight,
                                          const Tensor& grad_bias) {
+  if (cpu::all_of_dtype({&grad_out, &x, &grad_weight, &grad_bias}, DType::bf16))
+    return cpu::conv2d_backward_weights_bf16(grad_out, x, a, grad_weight, grad_bias);
+  if (cpu::any_half({&grad_out, &x, &grad_weight, &grad_bias}))
+    return cpu::run_in_f32({grad_out, x}, {grad_weight, grad_bias},
+                           [&](const TensorList& i, const TensorList& o) {
+                             conv2d_backward_weights(i[0], i[1], a, o[0], o[1]);
+                           });
   if (!fast_dtype({&grad_out, &x, &grad_weight, &grad_bias}))
     return RefBackend::conv2d_backward_weights(grad_out, x, a, grad_weight, grad_bias);
-  bool pointwise = grad_weight.size(2) == 1 && grad_weight.size(3) == 1 && a.groups == 1 &&
-                   a.stride == Pair{1, 1} && a.padding == Pair{0, 0} && !grad_bias.defined() &&
-                   is_channels_last(x) && is_channels_last(grad_out);
-  if (pointwise) {
-    int64_t M = x.size(0) * x.size(2) * x.size(3), I = x.size(1), O = grad_out.size(1);
-    dnnl_status_t st = dnnl_sgemm('T', 'N', O, I, M, 1.0f, grad_out.data<float>(), O,
-                                  x.data<float>(), I, 0.0f, grad_weight.data<float>(), I);
-    CHECK(st == dnnl_success) << "dnnl_sgemm for a 1x1 conv's weight gradient failed: " << st;
-    return;
-  }
+  if (!grad_bias.defined() && cpu::pointwise(grad_weight.shape(), a, x, grad_out))
+    return cpu::pointwise_backward_weights(grad_out, x, a, grad_weight);
   static Cache<ConvBackwardWeights> cache;
   Key key =
       make_key("conv_bwd_weights").add(grad_out).add(x).add(grad_weight).add(grad_bias).add(a);
@@ -485,14 +500,19 @@ dnnl::normalization_flags affine() {
   return dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
 }
 
+// Training computes the batch statistics, or takes them when given
+// (cpu::channel_mean_var computed them: one read of x instead of two).
+enum class BnMode { inference, training, training_given_stats };
+
 // relu (training only) fuses it into the normalisation; oneDNN then writes a
-// relu mask to a workspace for its own backward, which we do not use (the op
-// masks the gradient by out > 0), so the workspace is scratch.
+// relu mask to a workspace, the record its fused backward masks the gradient by.
 dnnl::batch_normalization_forward::primitive_desc bn_forward_pd(const Tensor& x, double eps,
-                                                                bool training, bool relu) {
-  auto flags = training ? affine() : affine() | dnnl::normalization_flags::use_global_stats;
+                                                                BnMode mode, bool relu) {
+  auto flags =
+      mode == BnMode::training ? affine() : affine() | dnnl::normalization_flags::use_global_stats;
   if (relu) flags = flags | dnnl::normalization_flags::fuse_norm_relu;
-  auto kind = training ? dnnl::prop_kind::forward_training : dnnl::prop_kind::forward_inference;
+  auto kind = mode == BnMode::inference ? dnnl::prop_kind::forward_inference
+                                        : dnnl::prop_kind::forward_training;
   auto desc =
       DNNL_CHECK(dnnl::batch_normalization_forward::desc(kind, image_md(x), float(eps), flags));
   return DNNL_CHECK(dnnl::batch_normalization_forward::primitive_desc(desc, cpu::dnnl_engine()));
@@ -513,17 +533,65 @@ Key bn_key(const char* kind, const Tensor& x, double eps) {
   return make_key(kind).add(x).add({eps_bits});
 }
 
-const BnForward& bn_forward(const Tensor& x, double eps, bool training, bool relu) {
+const BnForward& bn_forward(const Tensor& x, double eps, BnMode mode, bool relu) {
   static Cache<BnForward> cache;
-  const char* kind = !training ? "bn_infer" : relu ? "bn_train_relu" : "bn_train";
-  return cache.get(bn_key(kind, x, eps), [&] {
-    auto pd = bn_forward_pd(x, eps, training, relu);
+  return cache.get(bn_key("bn_fwd", x, eps).add({int64_t(mode), relu}), [&] {
+    auto pd = bn_forward_pd(x, eps, mode, relu);
     return BnForward{pd, dnnl::batch_normalization_forward(pd)};
   });
 }
 
 // Per-channel [C] operands: gamma, beta, mean, var and their gradients.
 memory channel_mem(const Tensor& t) { return bind(vector_md(t.numel()), t); }
+
+// The training forward; returns the relu workspace (u8) when relu is fused.
+Tensor bn_train_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                        bool relu, const Tensor& out, const Tensor& mean, const Tensor& var) {
+  bool given = is_channels_last(x);
+  if (given) cpu::channel_mean_var(x, mean, var);
+  const BnForward& e =
+      bn_forward(x, eps, given ? BnMode::training_given_stats : BnMode::training, relu);
+  std::unordered_map<int, memory> args = {
+      {DNNL_ARG_SRC, bind(e.pd.src_desc(), x)}, {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
+      {DNNL_ARG_SCALE, channel_mem(gamma)},     {DNNL_ARG_SHIFT, channel_mem(beta)},
+      {DNNL_ARG_MEAN, channel_mem(mean)},       {DNNL_ARG_VARIANCE, channel_mem(var)}};
+  Tensor workspace;
+  if (relu) args[DNNL_ARG_WORKSPACE] = scratch(e.pd.workspace_desc(), workspace);
+  run(e.prim, args);
+  return workspace;
+}
+
+// The backward; with a relu workspace, of the relu-fused forward (oneDNN
+// masks grad_out by it).
+void bn_backward(const Tensor& grad_out, const Tensor& relu_workspace, const Tensor& x,
+                 const Tensor& gamma, const Tensor& mean, const Tensor& var, double eps,
+                 const Tensor& grad_x, const Tensor& grad_gamma, const Tensor& grad_beta) {
+  static Cache<BnBackward> cache;
+  bool relu = relu_workspace.defined();
+  Key key = bn_key(relu ? "bn_bwd_relu" : "bn_bwd", x, eps).add(grad_out).add(grad_x);
+  const BnBackward& e = cache.get(key, [&] {
+    auto hint = bn_forward_pd(x, eps, BnMode::training, relu);
+    auto flags = relu ? affine() | dnnl::normalization_flags::fuse_norm_relu : affine();
+    auto desc = DNNL_CHECK(dnnl::batch_normalization_backward::desc(
+        dnnl::prop_kind::backward, image_md(grad_out), image_md(x), float(eps), flags));
+    auto pd = DNNL_CHECK(
+        dnnl::batch_normalization_backward::primitive_desc(desc, cpu::dnnl_engine(), hint));
+    return BnBackward{pd, dnnl::batch_normalization_backward(pd)};
+  });
+  // oneDNN 2.6 asks for a shift operand whenever use_shift is set, though
+  // its backward never reads it: gamma's buffer stands in.
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
+                                          {DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
+                                          {DNNL_ARG_SCALE, channel_mem(gamma)},
+                                          {DNNL_ARG_SHIFT, channel_mem(gamma)},
+                                          {DNNL_ARG_MEAN, channel_mem(mean)},
+                                          {DNNL_ARG_VARIANCE, channel_mem(var)},
+                                          {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)},
+                                          {DNNL_ARG_DIFF_SCALE, channel_mem(grad_gamma)},
+                                          {DNNL_ARG_DIFF_SHIFT, channel_mem(grad_beta)}};
+  if (relu) args[DNNL_ARG_WORKSPACE] = bind(e.pd.workspace_desc(), relu_workspace);
+  run(e.prim, args);
+}
 
 }  // namespace
 
@@ -532,14 +600,16 @@ void CpuBackend::batch_norm_forward(const Tensor& x, const Tensor& gamma, const 
                                     const Tensor& mean, const Tensor& var) {
   if (!fast_dtype({&x, &gamma, &beta, &out, &mean, &var}))
     return RefBackend::batch_norm_forward(x, gamma, beta, eps, fuse_relu, out, mean, var);
-  const BnForward& e = bn_forward(x, eps, true, fuse_relu);
-  std::unordered_map<int, memory> args = {
-      {DNNL_ARG_SRC, bind(e.pd.src_desc(), x)}, {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
-      {DNNL_ARG_SCALE, channel_mem(gamma)},     {DNNL_ARG_SHIFT, channel_mem(beta)},
-      {DNNL_ARG_MEAN, channel_mem(mean)},       {DNNL_ARG_VARIANCE, channel_mem(var)}};
-  Tensor workspace;
-  if (fuse_relu) args[DNNL_ARG_WORKSPACE] = scratch(e.pd.workspace_desc(), workspace);
-  run(e.prim, args);
+  bn_train_forward(x, gamma, beta, eps, fuse_relu, out, mean, var);
+}
+
+// The record is oneDNN's relu workspace (u8); the reference forward's is out.
+Tensor CpuBackend::batch_norm_relu_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                           double eps, const Tensor& out, const Tensor& mean,
+                                           const Tensor& var) {
+  if (!fast_dtype({&x, &gamma, &beta, &out, &mean, &var}))
+    return RefBackend::batch_norm_relu_forward(x, gamma, beta, eps, out, mean, var);
+  return bn_train_forward(x, gamma, beta, eps, true, out, mean, var);
 }
 
 void CpuBackend::batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
@@ -547,7 +617,7 @@ void CpuBackend::batch_norm_inference(const Tensor& x, const Tensor& gamma, cons
                                       double eps, const Tensor& out) {
   if (!fast_dtype({&x, &gamma, &beta, &running_mean, &running_var, &out}))
     return RefBackend::batch_norm_inference(x, gamma, beta, running_mean, running_var, eps, out);
-  const BnForward& e = bn_forward(x, eps, false, false);
+  const BnForward& e = bn_forward(x, eps, BnMode::inference, false);
   run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
                {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
                {DNNL_ARG_SCALE, channel_mem(gamma)},
@@ -565,27 +635,20 @@ void CpuBackend::batch_norm_backward(const Tensor& grad_out, const Tensor& x, co
   if (!fast_dtype({&grad_out, &x, &gamma, &mean, &var, &grad_x, &grad_gamma, &grad_beta}))
     return RefBackend::batch_norm_backward(grad_out, x, gamma, mean, var, eps, grad_x, grad_gamma,
                                            grad_beta);
-  static Cache<BnBackward> cache;
-  Key key = bn_key("bn_bwd", x, eps).add(grad_out).add(grad_x);
-  const BnBackward& e = cache.get(key, [&] {
-    auto hint = bn_forward_pd(x, eps, true, false);
-    auto desc = DNNL_CHECK(dnnl::batch_normalization_backward::desc(
-        dnnl::prop_kind::backward, image_md(grad_out), image_md(x), float(eps), affine()));
-    auto pd = DNNL_CHECK(
-        dnnl::batch_normalization_backward::primitive_desc(desc, cpu::dnnl_engine(), hint));
-    return BnBackward{pd, dnnl::batch_normalization_backward(pd)};
-  });
-  // oneDNN 2.6 asks for a shift operand whenever use_shift is set, though
-  // this backward (no fused relu) never reads it: gamma's buffer stands in.
-  run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
-               {DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
-               {DNNL_ARG_SCALE, channel_mem(gamma)},
-               {DNNL_ARG_SHIFT, channel_mem(gamma)},
-               {DNNL_ARG_MEAN, channel_mem(mean)},
-               {DNNL_ARG_VARIANCE, channel_mem(var)},
-               {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)},
-               {DNNL_ARG_DIFF_SCALE, channel_mem(grad_gamma)},
-               {DNNL_ARG_DIFF_SHIFT, channel_mem(grad_beta)}});
+  bn_backward(grad_out, Tensor(), x, gamma, mean, var, eps, grad_x, grad_gamma, grad_beta);
+}
+
+// Backward of batch_norm_relu_forward: oneDNN masks by its workspace; a
+// record from the reference forward (out itself) takes the reference path.
+void CpuBackend::batch_norm_relu_backward(const Tensor& grad_out, const Tensor& record,
+                                          const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                          const Tensor& var, double eps, const Tensor& grad_x,
+                                          const Tensor& grad_gamma, const Tensor& grad_beta) {
+  if (record.dtype() != DType::u8 ||
+      !fast_dtype({&grad_out, &x, &gamma, &mean, &var, &grad_x, &grad_gamma, &grad_beta}))
+    return RefBackend::batch_norm_relu_backward(grad_out, record, x, gamma, mean, var, eps, grad_x,
+                                                grad_gamma, grad_beta);
+  bn_backward(grad_out, record, x, gamma, mean, var, eps, grad_x, grad_gamma, grad_beta);
 }
 
 }  // namespace trainer

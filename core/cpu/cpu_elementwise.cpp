@@ -130,9 +130,12 @@ void CpuBackend::fill(const Tensor& dst, double value) {
 }
 
 void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
-  // f32 gelu_tanh through cpu::tanh_f32, which vectorises (libm's tanhf does not).
-  if (op == UnaryOp::gelu_tanh && out.dtype() == DType::f32 && x.dtype() == DType::f32)
-    return map1<float>(out, x, [](float v) { return cpu::gelu_tanh_f32(v); });
+  // f32 (and bf16/f16, computed in f32) gelu_tanh through cpu::tanh_f32, which
+  // vectorises (libm's tanhf does not).
+  if (op == UnaryOp::gelu_tanh && out.dtype() == x.dtype() && out.dtype() != DType::f64)
+    return dispatch_floating(out.dtype(), "gelu_tanh", [&](auto tag) {
+      map1<typename decltype(tag)::type>(out, x, [](float v) { return cpu::gelu_tanh_f32(v); });
+    });
   dispatch_floating(out.dtype(), unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
     math::visit_unary(op, [&](auto f) { map1<T>(out, x, [f](A<T> v) { return f(v); }); });
@@ -141,10 +144,13 @@ void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
 
 void CpuBackend::unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
                                 const Tensor& grad_x) {
-  if (op == UnaryOp::gelu_tanh && grad_x.dtype() == DType::f32 && x.dtype() == DType::f32 &&
-      grad.dtype() == DType::f32)
-    return map3<float>(grad_x, x, x, grad,
-                       [](float v, float, float g) { return cpu::gelu_tanh_grad_f32(v, g); });
+  if (op == UnaryOp::gelu_tanh && grad_x.dtype() == x.dtype() && grad.dtype() == x.dtype() &&
+      x.dtype() != DType::f64)
+    return dispatch_floating(x.dtype(), "gelu_tanh", [&](auto tag) {
+      map3<typename decltype(tag)::type>(grad_x, x, x, grad, [](float v, float, float g) {
+        return cpu::gelu_tanh_grad_f32(v, g);
+      });
+    });
   dispatch_floating(grad_x.dtype(), unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
     math::visit_unary(op, [&](auto f) {

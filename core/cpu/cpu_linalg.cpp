@@ -6,8 +6,9 @@
 // A primitive is built once per (dtype, thread count, dims and strides of the
 // three operands) and cached; each call binds pointers and runs it. When
 // oneDNN only offers its reference implementation for a strided layout, the
-// plan copies the operands to a dense layout first; f64 and f16 run the
-// reference kernel (RefBackend::matmul).
+// plan copies the operands to a dense layout first. bf16 runs oneDNN's AMX /
+// AVX512-BF16 kernels; f16 (none in oneDNN 2.6) the f32 ones on converted
+// copies (core/cpu/lowp.h); f64 the reference kernel (RefBackend::matmul).
 #include <omp.h>
 
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <unordered_map>
 
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
 
 namespace trainer {
@@ -188,6 +190,9 @@ const MatmulPlan& plan_for(const Tensor& a, const Tensor& b, const Tensor& out,
 
 // out[..., M, N] = a[..., M, K] @ b[..., K, N]
 void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (cpu::all_of_dtype({&a, &b, &out}, DType::f16))
+    return cpu::run_in_f32(
+        {a, b}, {out}, [&](const TensorList& i, const TensorList& o) { matmul(i[0], i[1], o[0]); });
   std::optional<dnnl::memory::data_type> dt = cpu::dnnl_dtype(out.dtype());
   bool dtypes_match = a.dtype() == out.dtype() && b.dtype() == out.dtype();
   if (!dt || !dtypes_match || out.dim() - 2 > int(kMaxBatchDims) || !out.is_contiguous())

@@ -2,11 +2,17 @@
 // then per step one GEMM applies the recurrent weights and a fused,
 // vectorised loop computes the gates and the new state. Backward walks the
 // steps back with one GEMM per step for the recurrent gradient, then three
-// whole-sequence GEMMs give grad_x, grad_weight_ih and grad_weight_hh.
+// whole-sequence GEMMs give grad_x, grad_weight_ih and grad_weight_hh. The
+// step loops split the batch rows among the threads, each thread running all
+// steps of its rows without synchronising (class Recurrence).
 // GEMMs are oneDNN matmul primitives, built once per shape and cached; the
 // per-step recurrent GEMM multiplies by weights reordered once per call into
-// the primitive's preferred (packed) layout, and the state it reads is kept
-// in a buffer hs [B, T + 1, H] so every step has the same strides.
+// the primitive's preferred (packed) layout. Its operands are dense (oneDNN
+// 2.6 runs its brgemm kernels on packed weights only for dense operands, and
+// a generic sgemm that repacks the weights every call otherwise): the states
+// it reads are kept time-major in hs [T + 1, B, H], its output goes to a
+// per-step buffer [B, 4H] (backward: [B, H] from a per-step copy of the gate
+// gradients).
 //
 // Why not oneDNN 2.6's lstm_forward/lstm_backward primitives: on this
 // machine (one LSTM layer, B 32, T 128, I = H = 512, one thread, CPU time)
@@ -33,6 +39,7 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/loops.h"
+#include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
 
 namespace trainer {
@@ -53,10 +60,17 @@ Mat rows_of(const float* p, int64_t rows, int64_t cols, int64_t ld) {
 
 // One cached matmul: c [M, N] (ld ldc) = a [M, K] b [K, N] (+ c when
 // accumulate), b either as strided (its user layout) or packed.
+// The scratchpad is the caller's (scratch_md): workers running one primitive
+// at once each pass their own.
 struct GemmPlan {
   std::optional<dnnl::matmul> prim;
-  dnnl::memory::desc a_md, b_md, c_md, b_user_md;
+  dnnl::memory::desc a_md, b_md, c_md, b_user_md, scratch_md;
 };
+
+// A buffer of at least `bytes` for a scratchpad (an f32 tensor).
+Tensor scratch_buffer(size_t bytes) {
+  return empty({int64_t(bytes / sizeof(float)) + 1}, DType::f32);
+}
 
 struct GemmKeyHash {
   size_t operator()(const std::vector<int64_t>& k) const {
@@ -93,6 +107,7 @@ const GemmPlan& gemm_plan(const Mat& a, const Mat& b, int64_t ldc, bool accumula
           ? DNNL_CHECK(dnnl::memory::desc({b.rows, b.cols}, dt::f32, dnnl::memory::format_tag::any))
           : plan->b_user_md;
   dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (accumulate) {
     dnnl::post_ops ops;
     ops.append_sum(1.0f);
@@ -101,22 +116,29 @@ const GemmPlan& gemm_plan(const Mat& a, const Mat& b, int64_t ldc, bool accumula
   dnnl::matmul::desc desc = DNNL_CHECK(dnnl::matmul::desc(plan->a_md, b_req, plan->c_md));
   auto pd = DNNL_CHECK(dnnl::matmul::primitive_desc(desc, attr, cpu::dnnl_engine()));
   plan->b_md = pd.weights_desc();
+  plan->scratch_md = pd.scratchpad_desc();
   plan->prim = DNNL_CHECK(dnnl::matmul(pd));
   return *cache.emplace(key, std::move(plan)).first->second;
 }
 
-void run_gemm(const GemmPlan& plan, const float* a, const void* b, float* c) {
+// scratch: plan.scratch_md.get_size() bytes.
+void run_gemm(const GemmPlan& plan, const float* a, const void* b, float* c, void* scratch,
+              dnnl::stream& stream = cpu::dnnl_stream()) {
   dnnl::engine& engine = cpu::dnnl_engine();
   dnnl::memory ma = DNNL_CHECK(dnnl::memory(plan.a_md, engine, const_cast<float*>(a)));
   dnnl::memory mb = DNNL_CHECK(dnnl::memory(plan.b_md, engine, const_cast<void*>(b)));
   dnnl::memory mc = DNNL_CHECK(dnnl::memory(plan.c_md, engine, c));
-  DNNL_CHECK(plan.prim->execute(cpu::dnnl_stream(),
-                                {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}}));
+  dnnl::memory ms = DNNL_CHECK(dnnl::memory(plan.scratch_md, engine, scratch));
+  DNNL_CHECK(plan.prim->execute(
+      stream,
+      {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}}));
 }
 
 // c [M, N] (leading dim ldc) = a b, or += a b when accumulate.
 void gemm(const Mat& a, const Mat& b, float* c, int64_t ldc, bool accumulate = false) {
-  run_gemm(gemm_plan(a, b, ldc, accumulate, /*packed=*/false), a.p, b.p, c);
+  const GemmPlan& plan = gemm_plan(a, b, ldc, accumulate, /*packed=*/false);
+  Tensor scratch = scratch_buffer(plan.scratch_md.get_size());
+  run_gemm(plan, a.p, b.p, c, scratch.data<float>());
 }
 
 // The recurrent weights of one call, reordered once for the per-step GEMM
@@ -130,12 +152,57 @@ class PackedGemm {
     dnnl::memory src = DNNL_CHECK(dnnl::memory(plan_.b_user_md, engine, const_cast<float*>(b.p)));
     dnnl::memory dst = DNNL_CHECK(dnnl::memory(plan_.b_md, engine, storage_.data<float>()));
     DNNL_CHECK(dnnl::reorder(src, dst).execute(cpu::dnnl_stream(), src, dst));
+    scratch_ = scratch_buffer(plan_.scratch_md.get_size());
   }
-  void run(const float* a, float* c) const { run_gemm(plan_, a, storage_.data<float>(), c); }
+  void run(const float* a, float* c, dnnl::stream& stream) const {
+    run_gemm(plan_, a, storage_.data<float>(), c, scratch_.data<float>(), stream);
+  }
 
  private:
   const GemmPlan& plan_;
-  Tensor storage_;
+  Tensor storage_, scratch_;  // packed weights; this instance's scratchpad
+};
+
+// The per-step loop of one layer. Each batch row's recurrence is independent
+// of the others', so with n workers (threads) worker k runs every step of the
+// rows [B k / n, B (k + 1) / n) alone: no barrier between steps, the gate math
+// right after the GEMM that feeds it, on data still in the worker's cache.
+// Each worker has its own single-threaded GEMM primitive and packed weights
+// (a primitive built for n threads splits its work n ways, so it must not run
+// inside a parallel region).
+class Recurrence {
+ public:
+  // a_like(b0, rows): the per-step GEMM's left operand for rows [b0, b0 + rows)
+  // (any step: every step has its shape and strides); c = a b (+ c), ldc.
+  template <class ALike>
+  Recurrence(int64_t B, const ALike& a_like, const Mat& b, int64_t ldc, bool accumulate)
+      : B_(B), workers_(int(std::min<int64_t>(omp_get_max_threads(), B))) {
+    int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    gemms_.reserve(size_t(workers_));
+    for (int k = 0; k < workers_; ++k)
+      gemms_.emplace_back(a_like(first_row(k), first_row(k + 1) - first_row(k)), b, ldc,
+                          accumulate);
+    omp_set_num_threads(threads);
+  }
+
+  // Runs body(b0, b1, gemm, stream) for every worker's rows [b0, b1), the
+  // workers in parallel.
+  template <class Body>
+  void run(const Body& body) const {
+#pragma omp parallel num_threads(workers_) if (workers_ > 1)
+    {
+      dnnl::stream stream = DNNL_CHECK(dnnl::stream(cpu::dnnl_engine()));
+      for (int k = omp_get_thread_num(); k < workers_; k += omp_get_num_threads())
+        body(first_row(k), first_row(k + 1), gemms_[size_t(k)], stream);
+    }
+  }
+
+ private:
+  int64_t first_row(int k) const { return B_ * k / workers_; }
+  int64_t B_;
+  int workers_;
+  std::vector<PackedGemm> gemms_;
 };
 
 // exp(x) to about 2 ulp (Cephes' expf): x = k ln2 + r, exp(r) by a
@@ -163,16 +230,17 @@ inline float tanh_approx(float x) { return 1.0f - 2.0f / (1.0f + exp_approx(2.0f
 // The cell loops of one batch row and step, over j < H; their arguments are
 // locals, so the compiler knows no store reloads them and vectorises.
 
-// a: pre-activations [4H] less bias, replaced by the activated i, f, g, o;
+// a: input projection [4H] (less bias), replaced by the activated i, f, g,
+// o of the pre-activations a + gh + bias (gh [4H]: the recurrent projection);
 // c = f c_prev + i g; h = hn = o tanh(c).
-void lstm_cell_forward(float* a, const float* bias, const float* c_prev, float* c, float* h,
-                       float* hn, int64_t H) {
+void lstm_cell_forward(float* a, const float* gh, const float* bias, const float* c_prev, float* c,
+                       float* h, float* hn, int64_t H) {
 #pragma omp simd
   for (int64_t j = 0; j < H; ++j) {
-    float i = sigmoid_approx(a[j] + bias[j]);
-    float f = sigmoid_approx(a[H + j] + bias[H + j]);
-    float g = tanh_approx(a[2 * H + j] + bias[2 * H + j]);
-    float o = sigmoid_approx(a[3 * H + j] + bias[3 * H + j]);
+    float i = sigmoid_approx(a[j] + gh[j] + bias[j]);
+    float f = sigmoid_approx(a[H + j] + gh[H + j] + bias[H + j]);
+    float g = tanh_approx(a[2 * H + j] + gh[2 * H + j] + bias[2 * H + j]);
+    float o = sigmoid_approx(a[3 * H + j] + gh[3 * H + j] + bias[3 * H + j]);
     a[j] = i;
     a[H + j] = f;
     a[2 * H + j] = g;
@@ -272,13 +340,10 @@ void column_sums(const float* a, int64_t R, int64_t N, float* out) {
   }
 }
 
-// hs [B, T + 1, H] with hs[b, 0] = h0[b]: the states the recurrent GEMM reads.
+// hs [T + 1, B, H] with hs[0] = h0: the states the recurrent GEMM reads.
 Tensor states_buffer(const Tensor& h0, int64_t T) {
-  int64_t B = h0.size(0), H = h0.size(1);
-  Tensor hs = empty({B * (T + 1) * H}, DType::f32);
-  for (int64_t b = 0; b < B; ++b)
-    std::memcpy(hs.data<float>() + b * (T + 1) * H, h0.data<float>() + b * H,
-                size_t(H) * sizeof(float));
+  Tensor hs = empty({(T + 1) * h0.numel()}, DType::f32);
+  std::memcpy(hs.data<float>(), h0.data<float>(), size_t(h0.numel()) * sizeof(float));
   return hs;
 }
 
@@ -288,33 +353,44 @@ Tensor CpuBackend::lstm_forward(const Tensor& x, const Tensor& h0, const Tensor&
                                 const Tensor& weight_ih, const Tensor& weight_hh,
                                 const Tensor& bias, bool training, const Tensor& y,
                                 const Tensor& h_n, const Tensor& c_n) {
+  if (cpu::any_half({&x, &h0, &c0, &weight_ih, &weight_hh, &bias})) {
+    // bf16/f16: the f32 kernel on copies (core/cpu/lowp.h); its record is f32.
+    Tensor record;
+    cpu::run_in_f32({x, h0, c0, weight_ih, weight_hh, bias}, {y, h_n, c_n},
+                    [&](const TensorList& i, const TensorList& o) {
+                      record = lstm_forward(i[0], i[1], i[2], i[3], i[4], i[5], training, o[0],
+                                            o[1], o[2]);
+                    });
+    return record;
+  }
   if (!all_f32({&x, &h0, &c0, &weight_ih, &weight_hh, &bias}))
     return RefBackend::lstm_forward(x, h0, c0, weight_ih, weight_hh, bias, training, y, h_n, c_n);
   int64_t B = x.size(0), T = x.size(1), I = x.size(2), H = h0.size(1), G = 4 * H;
-  int64_t ldh = (T + 1) * H;
   Tensor record = empty({B * T * 5 * H}, DType::f32);
   float* gates = record.data<float>();  // [B, T, 4H]
   float* cs = gates + B * T * G;        // [B, T, H]
-  Tensor hs_t = states_buffer(h0, T);
-  float* hs = hs_t.data<float>();
+  Tensor hs_t = states_buffer(h0, T), gh_t = empty({B * G}, DType::f32);
+  float *hs = hs_t.data<float>(), *gh = gh_t.data<float>();
   const float* bs = bias.data<float>();
   float* yp = y.data<float>();
   gemm(rows_of(x.data<float>(), B * T, I, I), rows_of(weight_ih.data<float>(), G, I, I).t(), gates,
        G);
-  PackedGemm recurrent(rows_of(hs, B, H, ldh), rows_of(weight_hh.data<float>(), G, H, H).t(), T * G,
-                       /*accumulate=*/true);
-  for (int64_t t = 0; t < T; ++t) {
-    recurrent.run(hs + t * H, gates + t * G);
-#pragma omp parallel for schedule(static) if (B * G >= cpu::kParallelGrain)
-    for (int64_t b = 0; b < B; ++b) {
-      float* a = gates + (b * T + t) * G;
-      const float* cp = t == 0 ? c0.data<float>() + b * H : cs + (b * T + t - 1) * H;
-      float* c = cs + (b * T + t) * H;
-      float* h = yp + (b * T + t) * H;
-      float* hn = hs + b * ldh + (t + 1) * H;
-      lstm_cell_forward(a, bs, cp, c, h, hn, H);
+  Recurrence recurrence(
+      B, [&](int64_t b0, int64_t rows) { return rows_of(hs + b0 * H, rows, H, H); },
+      rows_of(weight_hh.data<float>(), G, H, H).t(), G, /*accumulate=*/false);
+  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+    for (int64_t t = 0; t < T; ++t) {
+      gemm.run(hs + (t * B + b0) * H, gh + b0 * G, stream);
+      for (int64_t b = b0; b < b1; ++b) {
+        float* a = gates + (b * T + t) * G;
+        const float* cp = t == 0 ? c0.data<float>() + b * H : cs + (b * T + t - 1) * H;
+        float* c = cs + (b * T + t) * H;
+        float* h = yp + (b * T + t) * H;
+        float* hn = hs + ((t + 1) * B + b) * H;
+        lstm_cell_forward(a, gh + b * G, bs, cp, c, h, hn, H);
+      }
     }
-  }
+  });
   for (int64_t b = 0; b < B; ++b) {
     std::memcpy(h_n.data<float>() + b * H, yp + (b * T + T - 1) * H, size_t(H) * sizeof(float));
     std::memcpy(c_n.data<float>() + b * H, cs + (b * T + T - 1) * H, size_t(H) * sizeof(float));
@@ -335,6 +411,13 @@ void CpuBackend::lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, con
                                const Tensor& grad_h0, const Tensor& grad_c0,
                                const Tensor& grad_weight_ih, const Tensor& grad_weight_hh,
                                const Tensor& grad_bias) {
+  if (record.defined() && cpu::any_half({&grad_y, &x, &h0, &c0, &weight_ih, &weight_hh, &y}))
+    return cpu::run_in_f32({grad_y, grad_h_n, grad_c_n, x, h0, c0, weight_ih, weight_hh, bias, y},
+                           {grad_x, grad_h0, grad_c0, grad_weight_ih, grad_weight_hh, grad_bias},
+                           [&](const TensorList& i, const TensorList& o) {
+                             lstm_backward(i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7], i[8],
+                                           i[9], record, o[0], o[1], o[2], o[3], o[4], o[5]);
+                           });
   if (!record.defined() || !all_f32({&grad_y, &x, &h0, &c0, &weight_ih, &weight_hh, &y}))
     return RefBackend::lstm_backward(grad_y, grad_h_n, grad_c_n, x, h0, c0, weight_ih, weight_hh,
                                      bias, y, record, grad_x, grad_h0, grad_c0, grad_weight_ih,
@@ -343,29 +426,32 @@ void CpuBackend::lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, con
   const float* gates = record.data<float>();
   const float* cs = gates + B * T * G;
   const float* gy = grad_y.data<float>();
-  Tensor dgates_t = empty({B * T * G}, DType::f32);
-  float* dg = dgates_t.data<float>();
+  Tensor dgates_t = empty({B * T * G}, DType::f32), dstep_t = empty({B * G}, DType::f32);
+  float *dg = dgates_t.data<float>(), *dstep = dstep_t.data<float>();
   float* dh_next = grad_h0.data<float>();  // carried in place; ends as grad_h0
   float* dc_next = grad_c0.data<float>();
   std::memcpy(dh_next, grad_h_n.data<float>(), size_t(B * H) * sizeof(float));
   std::memcpy(dc_next, grad_c_n.data<float>(), size_t(B * H) * sizeof(float));
   const float* c0p = c0.data<float>();
-  PackedGemm recurrent(rows_of(dg, B, G, T * G), rows_of(weight_hh.data<float>(), G, H, H), H,
-                       /*accumulate=*/false);
-  for (int64_t t = T - 1; t >= 0; --t) {
-#pragma omp parallel for schedule(static) if (B * G >= cpu::kParallelGrain)
-    for (int64_t b = 0; b < B; ++b) {
-      const float* a = gates + (b * T + t) * G;
-      const float* c = cs + (b * T + t) * H;
-      const float* cp = t == 0 ? c0p + b * H : cs + (b * T + t - 1) * H;
-      const float* gyt = gy + (b * T + t) * H;
-      float* d = dg + (b * T + t) * G;
-      float* dhn = dh_next + b * H;
-      float* dcn = dc_next + b * H;
-      lstm_cell_backward(a, c, cp, gyt, dhn, dcn, d, H);
+  Recurrence recurrence(
+      B, [&](int64_t b0, int64_t rows) { return rows_of(dstep + b0 * G, rows, G, G); },
+      rows_of(weight_hh.data<float>(), G, H, H), H, /*accumulate=*/false);
+  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+    for (int64_t t = T - 1; t >= 0; --t) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* a = gates + (b * T + t) * G;
+        const float* c = cs + (b * T + t) * H;
+        const float* cp = t == 0 ? c0p + b * H : cs + (b * T + t - 1) * H;
+        const float* gyt = gy + (b * T + t) * H;
+        float* d = dstep + b * G;
+        float* dhn = dh_next + b * H;
+        float* dcn = dc_next + b * H;
+        lstm_cell_backward(a, c, cp, gyt, dhn, dcn, d, H);
+        std::memcpy(dg + (b * T + t) * G, d, size_t(G) * sizeof(float));
+      }
+      gemm.run(dstep + b0 * G, dh_next + b0 * H, stream);
     }
-    recurrent.run(dg + t * G, dh_next);
-  }
+  });
   Mat dG = rows_of(dg, B * T, G, G);
   gemm(dG, rows_of(weight_ih.data<float>(), G, I, I), grad_x.data<float>(), I);
   gemm(dG.t(), rows_of(x.data<float>(), B * T, I, I), grad_weight_ih.data<float>(), I);
@@ -379,10 +465,18 @@ Tensor CpuBackend::gru_forward(const Tensor& x, const Tensor& h0, const Tensor& 
                                const Tensor& weight_hh, const Tensor& bias_ih,
                                const Tensor& bias_hh, bool training, const Tensor& y,
                                const Tensor& h_n) {
+  if (cpu::any_half({&x, &h0, &weight_ih, &weight_hh, &bias_ih, &bias_hh})) {
+    Tensor record;
+    cpu::run_in_f32({x, h0, weight_ih, weight_hh, bias_ih, bias_hh}, {y, h_n},
+                    [&](const TensorList& i, const TensorList& o) {
+                      record =
+                          gru_forward(i[0], i[1], i[2], i[3], i[4], i[5], training, o[0], o[1]);
+                    });
+    return record;
+  }
   if (!all_f32({&x, &h0, &weight_ih, &weight_hh, &bias_ih, &bias_hh}))
     return RefBackend::gru_forward(x, h0, weight_ih, weight_hh, bias_ih, bias_hh, training, y, h_n);
   int64_t B = x.size(0), T = x.size(1), I = x.size(2), H = h0.size(1), G = 3 * H;
-  int64_t ldh = (T + 1) * H;
   Tensor gi_t = empty({B * T * G}, DType::f32), gh_t = empty({B * G}, DType::f32);
   Tensor record = empty({B * T * 4 * H}, DType::f32);
   Tensor hs_t = states_buffer(h0, T);
@@ -391,21 +485,23 @@ Tensor CpuBackend::gru_forward(const Tensor& x, const Tensor& h0, const Tensor& 
   const float *bi = bias_ih.data<float>(), *bh = bias_hh.data<float>();
   float* yp = y.data<float>();
   gemm(rows_of(x.data<float>(), B * T, I, I), rows_of(weight_ih.data<float>(), G, I, I).t(), gi, G);
-  PackedGemm recurrent(rows_of(hs, B, H, ldh), rows_of(weight_hh.data<float>(), G, H, H).t(), G,
-                       /*accumulate=*/false);
-  for (int64_t t = 0; t < T; ++t) {
-    recurrent.run(hs + t * H, gh);
-#pragma omp parallel for schedule(static) if (B * G >= cpu::kParallelGrain)
-    for (int64_t b = 0; b < B; ++b) {
-      const float* a = gi + (b * T + t) * G;
-      const float* e = gh + b * G;
-      const float* hpb = hs + b * ldh + t * H;
-      float* hn = hs + b * ldh + (t + 1) * H;
-      float* r4 = rec + (b * T + t) * 4 * H;
-      float* h = yp + (b * T + t) * H;
-      gru_cell_forward(a, e, bi, bh, hpb, r4, h, hn, H);
+  Recurrence recurrence(
+      B, [&](int64_t b0, int64_t rows) { return rows_of(hs + b0 * H, rows, H, H); },
+      rows_of(weight_hh.data<float>(), G, H, H).t(), G, /*accumulate=*/false);
+  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+    for (int64_t t = 0; t < T; ++t) {
+      gemm.run(hs + (t * B + b0) * H, gh + b0 * G, stream);
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* a = gi + (b * T + t) * G;
+        const float* e = gh + b * G;
+        const float* hpb = hs + (t * B + b) * H;
+        float* hn = hs + ((t + 1) * B + b) * H;
+        float* r4 = rec + (b * T + t) * 4 * H;
+        float* h = yp + (b * T + t) * H;
+        gru_cell_forward(a, e, bi, bh, hpb, r4, h, hn, H);
+      }
     }
-  }
+  });
   for (int64_t b = 0; b < B; ++b)
     std::memcpy(h_n.data<float>() + b * H, yp + (b * T + T - 1) * H, size_t(H) * sizeof(float));
   return training ? record : Tensor();
@@ -423,6 +519,14 @@ void CpuBackend::gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, cons
                               const Tensor& record, const Tensor& grad_x, const Tensor& grad_h0,
                               const Tensor& grad_weight_ih, const Tensor& grad_weight_hh,
                               const Tensor& grad_bias_ih, const Tensor& grad_bias_hh) {
+  if (record.defined() && cpu::any_half({&grad_y, &x, &h0, &weight_ih, &weight_hh, &y}))
+    return cpu::run_in_f32(
+        {grad_y, grad_h_n, x, h0, weight_ih, weight_hh, bias_ih, bias_hh, y},
+        {grad_x, grad_h0, grad_weight_ih, grad_weight_hh, grad_bias_ih, grad_bias_hh},
+        [&](const TensorList& i, const TensorList& o) {
+          gru_backward(i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7], i[8], record, o[0], o[1],
+                       o[2], o[3], o[4], o[5]);
+        });
   if (!record.defined() || !all_f32({&grad_y, &x, &h0, &weight_ih, &weight_hh, &y}))
     return RefBackend::gru_backward(grad_y, grad_h_n, x, h0, weight_ih, weight_hh, bias_ih, bias_hh,
                                     y, record, grad_x, grad_h0, grad_weight_ih, grad_weight_hh,
@@ -433,24 +537,28 @@ void CpuBackend::gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, cons
   const float* yp = y.data<float>();
   const float* h0p = h0.data<float>();
   Tensor dgi_t = empty({B * T * G}, DType::f32), dgh_t = empty({B * T * G}, DType::f32);
-  float *dgi = dgi_t.data<float>(), *dgh = dgh_t.data<float>();
+  Tensor dstep_t = empty({B * G}, DType::f32);
+  float *dgi = dgi_t.data<float>(), *dgh = dgh_t.data<float>(), *dstep = dstep_t.data<float>();
   float* dh_next = grad_h0.data<float>();  // carried in place; ends as grad_h0
   std::memcpy(dh_next, grad_h_n.data<float>(), size_t(B * H) * sizeof(float));
-  PackedGemm recurrent(rows_of(dgh, B, G, T * G), rows_of(weight_hh.data<float>(), G, H, H), H,
-                       /*accumulate=*/true);
-  for (int64_t t = T - 1; t >= 0; --t) {
-#pragma omp parallel for schedule(static) if (B * G >= cpu::kParallelGrain)
-    for (int64_t b = 0; b < B; ++b) {
-      const float* r4 = rec + (b * T + t) * 4 * H;
-      const float* hp = t == 0 ? h0p + b * H : yp + (b * T + t - 1) * H;
-      const float* gyt = gy + (b * T + t) * H;
-      float* di = dgi + (b * T + t) * G;
-      float* dh_ = dgh + (b * T + t) * G;
-      float* dhn = dh_next + b * H;
-      gru_cell_backward(r4, hp, gyt, dhn, di, dh_, H);
+  Recurrence recurrence(
+      B, [&](int64_t b0, int64_t rows) { return rows_of(dstep + b0 * G, rows, G, G); },
+      rows_of(weight_hh.data<float>(), G, H, H), H, /*accumulate=*/true);
+  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+    for (int64_t t = T - 1; t >= 0; --t) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* r4 = rec + (b * T + t) * 4 * H;
+        const float* hp = t == 0 ? h0p + b * H : yp + (b * T + t - 1) * H;
+        const float* gyt = gy + (b * T + t) * H;
+        float* di = dgi + (b * T + t) * G;
+        float* dh_ = dstep + b * G;
+        float* dhn = dh_next + b * H;
+        gru_cell_backward(r4, hp, gyt, dhn, di, dh_, H);
+        std::memcpy(dgh + (b * T + t) * G, dh_, size_t(G) * sizeof(float));
+      }
+      gemm.run(dstep + b0 * G, dh_next + b0 * H, stream);
     }
-    recurrent.run(dgh + t * G, dh_next);
-  }
+  });
   Mat dGi = rows_of(dgi, B * T, G, G), dGh = rows_of(dgh, B * T, G, G);
   gemm(dGi, rows_of(weight_ih.data<float>(), G, I, I), grad_x.data<float>(), I);
   gemm(dGi.t(), rows_of(x.data<float>(), B * T, I, I), grad_weight_ih.data<float>(), I);

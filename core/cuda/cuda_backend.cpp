@@ -1,6 +1,7 @@
-// CudaBackend's elementwise and random kernels: validate the operands, make
-// their device current, describe them as Launch<N> and enqueue the kernel of
-// copy.cu, elementwise.cu or random.cu on the current stream.
+// CudaBackend's elementwise, random and attention kernels: validate the
+// operands, make their device current, describe them as Launch<N> (or
+// AttentionArgs, kernels.h) and enqueue the kernel of copy.cu,
+// elementwise.cu, random.cu or attention.cu on the current stream.
 #include "core/cuda/cuda_backend.h"
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device.h"
 #include "core/cuda/kernel_scope.h"
+#include "core/cuda/kernels.h"
 #include "core/cuda/stream.h"
 
 namespace trainer::cuda {
@@ -142,6 +144,62 @@ void CudaBackend::bernoulli(const Tensor& out, double p, PhiloxKey key) {
   for_each_launch<1>(out.shape(), {&out}, [&](const Launch<1>& g) {
     launch_bernoulli(g, out.dtype(), p, key, scope.stream());
   });
+}
+
+// ---- attention (kernels: attention.cu) ----
+
+namespace {
+
+AttentionOperand attention_operand(const Tensor& t) {
+  return {static_cast<char*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// The launch arguments of q, k, v [B, T, D] and lse [B, NH, T]; checks dtypes.
+AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& lse, const AttentionAttrs& attrs) {
+  check_dtypes(op, q.dtype(), {&k, &v});
+  const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  CHECK(lse.dtype() == stat && lse.is_contiguous())
+      << op << ": lse must be contiguous " << stat << ", got " << lse.dtype();
+  AttentionArgs a;
+  a.q = attention_operand(q), a.k = attention_operand(k), a.v = attention_operand(v);
+  a.lse = lse.data_ptr();
+  a.B = q.size(0), a.T = q.size(1), a.NH = attrs.num_heads, a.HD = q.size(2) / attrs.num_heads;
+  a.scale = attrs.scale, a.dropout_p = attrs.dropout_p, a.dropout_key = attrs.dropout_key;
+  return a;
+}
+
+}  // namespace
+
+void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const AttentionAttrs& attrs, const Tensor& out,
+                                    const Tensor& lse) {
+  KernelScope scope("causal_attention", {&out, &lse, &q, &k, &v});
+  AttentionArgs a = attention_args("causal_attention", q, k, v, lse, attrs);
+  check_dtypes("causal_attention", q.dtype(), {&out});
+  a.out = attention_operand(out);
+  launch_attention_forward(a, q.dtype(), scope.stream());
+}
+
+// Forward: out_t = sum_{s <= t} p[t, s] m[t, s] v_s, p = softmax(scale q k^T).
+// With dp = m (grad_out_t . v_s) and delta_t = grad_out_t . out_t:
+// grad_v_s = sum_t p m grad_out_t, ds = p (dp - delta_t),
+// grad_q_t = scale sum_s ds k_s, grad_k_s = scale sum_t ds q_t.
+void CudaBackend::attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, const Tensor& out, const Tensor& lse,
+                                     const AttentionAttrs& attrs, const Tensor& grad_q,
+                                     const Tensor& grad_k, const Tensor& grad_v) {
+  KernelScope scope("causal_attention_backward",
+                    {&grad_q, &grad_k, &grad_v, &grad_out, &q, &k, &v, &out, &lse});
+  AttentionArgs a = attention_args("causal_attention_backward", q, k, v, lse, attrs);
+  check_dtypes("causal_attention_backward", q.dtype(),
+               {&grad_out, &out, &grad_q, &grad_k, &grad_v});
+  Tensor delta = empty(lse.shape(), lse.dtype(), lse.device());
+  a.out = attention_operand(out), a.grad_out = attention_operand(grad_out);
+  a.grad_q = attention_operand(grad_q), a.grad_k = attention_operand(grad_k);
+  a.grad_v = attention_operand(grad_v);
+  a.delta = delta.data_ptr();
+  launch_attention_backward(a, q.dtype(), scope.stream());
 }
 
 namespace {

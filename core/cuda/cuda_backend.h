@@ -16,8 +16,9 @@
 //   cuda_image.cpp    batch norm and pooling
 //   conv.cpp          convolution on cuDNN (algorithm search cached per shape)
 //   reduce.cu, nn.cu, index.cu, norm.cu, pool.cu   their kernels
-// Kernels not listed here (attention, recurrent) fall to Backend's default,
-// which throws an Error naming the op.
+//   attention.cu      fused causal attention (host side in cuda_backend.cpp)
+//   rnn.cpp           LSTM and GRU layers on cuDNN's RNN API
+//   cuda_optim.cpp    fused multi-tensor optimizer updates, unscaling, gradient norms (optim.cu)
 //
 // Allocation: temporaries and outputs are allocated on the current device,
 // so code creating CUDA tensors for cuda:i runs with i current
@@ -102,6 +103,41 @@ class CudaBackend final : public Backend {
   void batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
                            const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
                            const Tensor& grad_gamma, const Tensor& grad_beta) override;
+
+  // ---- cuda_backend.cpp (kernels: attention.cu) ----
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const AttentionAttrs& attrs, const Tensor& out,
+                         const Tensor& lse) override;
+  void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& out, const Tensor& lse, const AttentionAttrs& attrs,
+                          const Tensor& grad_q, const Tensor& grad_k,
+                          const Tensor& grad_v) override;
+
+  // ---- rnn.cpp ----
+  Tensor lstm_forward(const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
+                      const Tensor& weight_hh, const Tensor& bias, bool training, const Tensor& y,
+                      const Tensor& h_n, const Tensor& c_n) override;
+  void lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& grad_c_n,
+                     const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,
+                     const Tensor& weight_hh, const Tensor& bias, const Tensor& y,
+                     const Tensor& record, const Tensor& grad_x, const Tensor& grad_h0,
+                     const Tensor& grad_c0, const Tensor& grad_weight_ih,
+                     const Tensor& grad_weight_hh, const Tensor& grad_bias) override;
+  Tensor gru_forward(const Tensor& x, const Tensor& h0, const Tensor& weight_ih,
+                     const Tensor& weight_hh, const Tensor& bias_ih, const Tensor& bias_hh,
+                     bool training, const Tensor& y, const Tensor& h_n) override;
+  void gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, const Tensor& x, const Tensor& h0,
+                    const Tensor& weight_ih, const Tensor& weight_hh, const Tensor& bias_ih,
+                    const Tensor& bias_hh, const Tensor& y, const Tensor& record,
+                    const Tensor& grad_x, const Tensor& grad_h0, const Tensor& grad_weight_ih,
+                    const Tensor& grad_weight_hh, const Tensor& grad_bias_ih,
+                    const Tensor& grad_bias_hh) override;
+
+  // ---- cuda_optim.cpp (kernels: optim.cu) ----
+  void sgd_step(const MultiTensorSgd& a) override;
+  void adamw_step(const MultiTensorAdamW& a) override;
+  bool unscale_grads(const TensorList& grads, double inv_scale) override;
+  double grads_power_sum(const TensorList& grads, double p) override;
 
   // ---- conv.cpp ----
   void conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dAttrs& attrs,

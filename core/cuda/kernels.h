@@ -1,5 +1,6 @@
-// The boundary between CudaBackend's row, index, normalisation and pooling
-// kernels (reduce.cu, nn.cu, index.cu, norm.cu, pool.cu; nvcc, C++17) and
+// The boundary between CudaBackend's row, index, normalisation, pooling and
+// attention kernels (reduce.cu, nn.cu, index.cu, norm.cu, pool.cu,
+// attention.cu; nvcc, C++17), the multi-tensor optimizer kernels (optim.cu) and
 // their host side (cuda_ops.cpp, conv.cpp): plain structs and launchers, as
 // launch.h is for the elementwise kernels.
 //
@@ -17,7 +18,10 @@
 // the CUDA context is unusable afterwards.
 #pragma once
 
+#include <vector>
+
 #include "core/cuda/launch.h"
+#include "optim/optim_math.h"
 
 namespace trainer::cuda {
 
@@ -126,5 +130,77 @@ void launch_avg_pool_backward(const Image& grad_x, const Image& grad_out, const 
 void launch_adaptive_avg_pool(const Image& out, const Image& x, DType t, cudaStream_t stream);
 void launch_adaptive_avg_pool_backward(const Image& grad_x, const Image& grad_out, DType t,
                                        cudaStream_t stream);
+
+// ---- attention.cu ----
+// One [B, T, D] operand of causal attention in element strides: element
+// (t, c) of head h of batch b is at data + b sb + t st + (h HD + c) sc.
+struct AttentionOperand {
+  char* data = nullptr;
+  int64_t sb = 0, st = 0, sc = 0;
+};
+// The operands and attributes of Backend::attention_forward/_backward
+// (core/backend.h, section "attention"). lse and delta are [B, NH, T]
+// contiguous in acc_t<T>; delta is the backward's scratch for
+// delta_t = grad_out_t . out_t per head.
+struct AttentionArgs {
+  AttentionOperand q, k, v, out, grad_out, grad_q, grad_k, grad_v;
+  void* lse = nullptr;
+  void* delta = nullptr;
+  int64_t B = 0, T = 0, NH = 1, HD = 0;
+  double scale = 1.0, dropout_p = 0.0;
+  PhiloxKey dropout_key{};
+};
+// Writes out and lse from q, k, v. Floating dtypes, HD <= kMaxAttentionHeadDim.
+void launch_attention_forward(const AttentionArgs& a, DType t, cudaStream_t stream);
+// Writes delta, then grad_q, grad_k, grad_v from grad_out, q, k, v, out and lse.
+void launch_attention_backward(const AttentionArgs& a, DType t, cudaStream_t stream);
+inline constexpr int64_t kMaxAttentionHeadDim = 256;
+
+// ---- optim.cu ----
+// Multi-tensor launches (apex's multi_tensor_apply): the host lists the
+// tensors once, each with its pointers and scalars, and the chunks of
+// kMultiTensorChunk elements they split into; one block updates one chunk
+// (a grid-stride loop over chunks), so a single launch covers every tensor
+// of an optimizer step. Tables (tensors, then chunks) live in device memory.
+inline constexpr int64_t kMultiTensorChunk = int64_t(1) << 16;
+// Block b handles elements [chunk * kMultiTensorChunk, ...) of tensor `tensor`.
+struct ChunkRef {
+  int32_t tensor;
+  int32_t chunk;
+};
+// The chunks of tensors of these sizes, tensor by tensor (host side, cuda_optim.cpp).
+std::vector<ChunkRef> plan_chunks(const std::vector<int64_t>& numels);
+// param, grad and the momentum buffer (nullptr when momentum == 0) of dtype
+// t (f32, f64); scalars from optim::sgd_scalars<double>, cast to t.
+struct SgdTensor {
+  void* param;
+  const void* grad;
+  void* momentum_buffer;
+  int64_t numel;
+  optim::SgdScalars<double> s;
+};
+void launch_sgd_step(const SgdTensor* tensors, const ChunkRef* chunks, int64_t num_chunks, DType t,
+                     cudaStream_t stream);
+// max_exp_avg_sq is nullptr without amsgrad.
+struct AdamWTensor {
+  void* param;
+  const void* grad;
+  void *exp_avg, *exp_avg_sq, *max_exp_avg_sq;
+  int64_t numel;
+  optim::AdamWScalars<double> s;
+};
+void launch_adamw_step(const AdamWTensor* tensors, const ChunkRef* chunks, int64_t num_chunks,
+                       DType t, cudaStream_t stream);
+struct GradTensor {
+  void* grad;
+  int64_t numel;
+};
+// grad *= inv_scale (computed in acc_t<T>; any floating dtype t); *found_inf
+// (i32) becomes 1 when an element was inf/nan.
+void launch_unscale_grads(const GradTensor* tensors, const ChunkRef* chunks, int64_t num_chunks,
+                          DType t, double inv_scale, int32_t* found_inf, cudaStream_t stream);
+// partial[b] (f64) = sum |g|^p over chunk b (max |g| for p = inf).
+void launch_grad_power_sums(const GradTensor* tensors, const ChunkRef* chunks, int64_t num_chunks,
+                            DType t, double p, double* partial, cudaStream_t stream);
 
 }  // namespace trainer::cuda

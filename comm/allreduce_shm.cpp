@@ -1,0 +1,146 @@
+// Allreduce among ranks of one host over the shared-memory channel
+// (comm/shm_channel.h), in one of three ways:
+//
+// staged (small): every rank copies its buffer into its staging area and
+//   publishes phase 1; once all have, each rank folds the areas in rank order
+//   (0, 1, ..., n-1) into its buffer, so all ranks compute the same bits. One
+//   synchronisation; a rank reuses its area two operations later, after every
+//   peer has moved past the operation that read it (wait_previous).
+// pipelined (large, the default): the buffer moves in blocks of one staging
+//   area, alternating between a rank's two areas. Per block: every rank
+//   copies its block into its area (phase "copied"); rank r folds sub-block r
+//   of all areas in rank order and writes the result back into its area
+//   (phase "reduced"); every rank copies each sub-block from its owner's area
+//   into its buffer. Memory traffic is one copy of the buffer in and one out,
+//   the reduction runs on cache-resident areas. A block's area is written
+//   again two blocks later, when every peer has copied the block in between
+//   (and so has finished copying out of it).
+// direct (large, with cross_memory): the buffer is cut into n chunks, chunk r
+//   owned by rank r. Phase 1: every rank posts its buffer's address; rank r
+//   reads chunk r of each peer's buffer by cross-memory attach
+//   (process_vm_readv), kPieceBytes at a time, and adds it into its own chunk;
+//   phase 2: rank r copies chunk p of rank p straight into place; phase 3:
+//   nobody returns (and lets its caller change the buffer) while a peer may
+//   still read it. Fewer copies, but the kernel's copy runs at about half the
+//   speed of memcpy here.
+#include <cstring>
+
+#include "comm/algorithms.h"
+#include "comm/log.h"
+
+namespace trainer::comm {
+
+namespace {
+
+// Small enough that a piece and the matching part of our chunk stay in L2
+// between the read and the reduction.
+constexpr size_t kPieceBytes = size_t(256) << 10;
+
+void allreduce_staged(ShmChannel::Turn& turn, int n, int rank, char* data, size_t count,
+                      DType dtype, ReduceOp op) {
+  const size_t bytes = count * dtype_size(dtype);
+  turn.wait_previous();
+  std::memcpy(turn.staging(rank), data, bytes);
+  turn.post(data, bytes);
+  turn.publish(1);
+  turn.wait_all(1);
+  if (rank != 0) std::memcpy(data, turn.staging(0), bytes);
+  for (int p = 1; p < n; ++p) reduce_into(data, turn.staging(p), count, dtype, op);
+  if (op == ReduceOp::avg) scale(data, count, dtype, 1.0 / n);
+}
+
+void allreduce_direct(ShmChannel::Turn& turn, int n, int rank, char* data, size_t count,
+                      DType dtype, ReduceOp op) {
+  const size_t element_bytes = dtype_size(dtype);
+  turn.post(data, count * element_bytes);
+  turn.publish(1);
+  turn.wait_all(1);
+
+  const Range mine = part_of({0, count}, n, rank);
+  const size_t piece_count = std::max<size_t>(1, kPieceBytes / element_bytes);
+  char* scratch = thread_scratch(piece_count * element_bytes);
+  for (size_t begin = mine.begin; begin < mine.begin + mine.count; begin += piece_count) {
+    const size_t pc = std::min(piece_count, mine.begin + mine.count - begin);
+    for (int p = 0; p < n; ++p) {
+      if (p == rank) continue;
+      turn.read_peer(p, begin * element_bytes, scratch, pc * element_bytes);
+      reduce_into(data + begin * element_bytes, scratch, pc, dtype, op);
+    }
+  }
+  if (op == ReduceOp::avg) scale(data + mine.begin * element_bytes, mine.count, dtype, 1.0 / n);
+  turn.publish(2);
+  turn.wait_all(2);
+
+  for (int p = 0; p < n; ++p) {
+    if (p == rank) continue;
+    const Range theirs = part_of({0, count}, n, p);
+    turn.read_peer(p, theirs.begin * element_bytes, data + theirs.begin * element_bytes,
+                   theirs.count * element_bytes);
+  }
+  turn.publish(3);
+  turn.wait_all(3);
+}
+
+// Phases: 1 posted; block k: 2 + 2k copied, 3 + 2k reduced; 2 + 2 * blocks done.
+void allreduce_pipelined(ShmChannel::Turn& turn, int n, int rank, char* data, size_t count,
+                         DType dtype, ReduceOp op) {
+  const size_t element_bytes = dtype_size(dtype);
+  const size_t block_count = ShmChannel::kStagingBytes / element_bytes;
+  const size_t blocks = (count + block_count - 1) / block_count;
+  turn.post(data, count * element_bytes);
+  turn.publish(1);
+  turn.wait_all(1);  // every peer has finished the previous operation: the areas are free
+  for (size_t k = 0; k < blocks; ++k) {
+    const Range block{k * block_count, std::min(block_count, count - k * block_count)};
+    const int index = int(k % 2);
+    const uint32_t copied = uint32_t(2 + 2 * k), reduced = copied + 1;
+    char* mine = turn.area(rank, index);
+    std::memcpy(mine, data + block.begin * element_bytes, block.count * element_bytes);
+    turn.publish(copied);
+    turn.wait_all(copied);
+
+    const Range sub = part_of({0, block.count}, n, rank);
+    const size_t offset = sub.begin * element_bytes, sub_bytes = sub.count * element_bytes;
+    char* out = data + (block.begin + sub.begin) * element_bytes;
+    std::memcpy(out, turn.area(0, index) + offset, sub_bytes);
+    for (int p = 1; p < n; ++p)
+      reduce_into(out, turn.area(p, index) + offset, sub.count, dtype, op);
+    if (op == ReduceOp::avg) scale(out, sub.count, dtype, 1.0 / n);
+    std::memcpy(mine + offset, out, sub_bytes);
+    turn.publish(reduced);
+    turn.wait_all(reduced);
+
+    for (int p = 0; p < n; ++p) {
+      if (p == rank) continue;
+      const Range theirs = part_of({0, block.count}, n, p);
+      std::memcpy(data + (block.begin + theirs.begin) * element_bytes,
+                  turn.area(p, index) + theirs.begin * element_bytes, theirs.count * element_bytes);
+    }
+  }
+  const uint32_t done = uint32_t(2 + 2 * blocks);
+  turn.publish(done);
+  turn.wait_all(done);
+}
+
+}  // namespace
+
+void allreduce_shm(ShmChannel& ch, uint64_t ticket, const char* op_name, Millis timeout, void* data,
+                   size_t count, DType dtype, ReduceOp op, size_t staged_bytes, bool cross_memory) {
+  ShmChannel::Turn turn(ch, ticket, op_name, timeout);
+  const size_t bytes = count * dtype_size(dtype);
+  const size_t blocks = (bytes + ShmChannel::kStagingBytes - 1) / ShmChannel::kStagingBytes;
+  const char* how = bytes <= std::min(staged_bytes, ShmChannel::kStagingBytes) ? "staged"
+                    : cross_memory || 2 + 2 * blocks > ShmChannel::kMaxPhase
+                        ? "direct (cross-memory attach)"
+                        : "pipelined";
+  COMM_LOG(LogLevel::debug, "allreduce shm: ", count, " x ", dtype, ", ", how);
+  char* d = static_cast<char*>(data);
+  if (how[0] == 's')
+    allreduce_staged(turn, ch.size(), ch.rank(), d, count, dtype, op);
+  else if (how[0] == 'p')
+    allreduce_pipelined(turn, ch.size(), ch.rank(), d, count, dtype, op);
+  else
+    allreduce_direct(turn, ch.size(), ch.rank(), d, count, dtype, op);
+}
+
+}  // namespace trainer::comm

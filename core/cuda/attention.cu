@@ -1,0 +1,418 @@
+// Fused causal attention on CUDA, flash-attention style (Dao et al. 2022,
+// with FlashAttention-2's split of the backward into a key-side and a
+// query-side pass): no [T, T] matrix ever reaches global memory.
+//
+// Forward: a block owns kBlockRows query rows of one (batch, head), kept in
+// shared memory, and streams the keys and values those rows may see
+// (s <= its last row) through shared memory in tiles of kTile rows. A warp
+// owns kRowsPerWarp query rows: lane j scores key s0 + j, the warp folds
+// the tile into the row's online softmax (core/attention_math.h), and each
+// lane accumulates the output columns lane, lane + 32, ... in registers.
+// The row's lse is written for the backward.
+//
+// Backward, with p recomputed from q, k and lse:
+//   delta_t = grad_out_t . out_t                                (a warp per row)
+//   key side (a block owns kBlockRows keys, streams the rows t >= s):
+//     grad_v_s = sum_t p m grad_out_t,  grad_k_s = scale sum_t ds q_t
+//   query side (as the forward):  grad_q_t = scale sum_s ds k_s
+// with dp = m (grad_out_t . v_s) and ds = p (dp - delta_t). Every gradient
+// row is written by one block summing in a fixed order: the result is
+// deterministic (no atomics).
+//
+// The dropout multiplier m of (b, h, t, s) is drawn as the CPU draws it
+// (core/attention_math.h), so one key gives one mask on every device.
+// Computation in acc_t<T>: float for f32, bf16 and f16, double for f64.
+#include <math.h>
+
+#include <type_traits>
+
+#include "core/attention_math.h"
+#include "core/cuda/elementwise.cuh"
+#include "core/cuda/kernels.h"
+
+namespace trainer::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kBlockThreads = kWarps * 32;
+constexpr int kRowsPerWarp = 4;
+constexpr int kBlockRows = kWarps * kRowsPerWarp;  // rows a block owns
+constexpr int kTile = 32;                          // streamed rows per tile: one per lane
+constexpr unsigned kFullMask = 0xffffffffu;
+// Shared memory a kernel may use without opting in (cudaFuncSetAttribute).
+constexpr size_t kDefaultSharedBytes = size_t(48) << 10;
+
+template <class A>
+__device__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+template <class A>
+__device__ A warp_max(A v) {
+  for (int o = 16; o > 0; o /= 2) {
+    A w = __shfl_xor_sync(kFullMask, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// Element (t, c) of head h of batch b is at head_of(...)[t st + c sc].
+template <class T>
+__device__ T* head_of(const AttentionOperand& o, int64_t b, int64_t h, int64_t HD) {
+  return reinterpret_cast<T*>(o.data) + b * o.sb + h * HD * o.sc;
+}
+
+// dst[r ld + c] = element (t0 + r, c) of a head in acc_t<T>, 0 past T;
+// the whole block cooperates.
+template <class T, class A>
+__device__ void load_rows(A* dst, int64_t ld, const T* src, const AttentionOperand& o, int64_t t0,
+                          int rows, int64_t T_, int64_t HD) {
+  for (int64_t i = threadIdx.x; i < rows * HD; i += blockDim.x) {
+    const int64_t r = i / HD, c = i - r * HD, t = t0 + r;
+    dst[r * ld + c] = t < T_ ? load(src[t * o.st + c * o.sc]) : A(0);
+  }
+}
+
+template <class A>
+__device__ A dot(const A* a, const A* b, int64_t HD) {
+  A s = 0;
+  for (int64_t c = 0; c < HD; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// The dropout multiplier of (bh, t, s): 1 without dropout.
+template <class A>
+__device__ A dropout_multiplier(const AttentionArgs& a, int64_t bh, int64_t t, int64_t s) {
+  if (a.dropout_p <= 0.0) return A(1);
+  const double keep = 1.0 - a.dropout_p;
+  return math::attention_dropout(a.dropout_key, math::attention_dropout_index(bh, t, s, a.T), keep,
+                                 A(1.0 / keep));
+}
+
+// Shared memory of every kernel: two blocks of owned rows [kBlockRows, HD]
+// (read by the whole warp at once: broadcast) and two tiles [kTile, HD + 1]
+// (lane j reads row j; the padding keeps the lanes on distinct banks).
+template <class A>
+struct Shared {
+  A *own0, *own1, *tile0, *tile1;
+  int64_t ld;
+  __device__ Shared(unsigned char* raw, int64_t HD) : ld(HD + 1) {
+    own0 = reinterpret_cast<A*>(raw);
+    own1 = own0 + kBlockRows * HD;
+    tile0 = own1 + kBlockRows * HD;
+    tile1 = tile0 + kTile * ld;
+  }
+};
+
+size_t shared_bytes(int64_t HD, size_t acc_size) {
+  return size_t(2 * kBlockRows * HD + 2 * kTile * (HD + 1)) * acc_size;
+}
+
+// out_t = sum_{s <= t} softmax_s(scale q_t . k_s) m[t, s] v_s; lse_t.
+// Q owned (own0), K and V streamed (tile0, tile1).
+template <class T, int LC>
+__global__ void __launch_bounds__(kBlockThreads) attention_forward_kernel(AttentionArgs a) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char raw[];
+  const int64_t HD = a.HD, T_ = a.T;
+  const Shared<A> sh(raw, HD);
+  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
+  const int64_t t0 = int64_t(blockIdx.y) * kBlockRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const A scale = A(a.scale);
+  load_rows(sh.own0, HD, head_of<const T>(a.q, b, h, HD), a.q, t0, kBlockRows, T_, HD);
+  math::OnlineSoftmax<A> st[kRowsPerWarp];
+  A acc[kRowsPerWarp][LC];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    st[r] = {A(-INFINITY), A(0)};
+#pragma unroll
+    for (int i = 0; i < LC; ++i) acc[r][i] = A(0);
+  }
+  const int64_t t_end = t0 + kBlockRows < T_ ? t0 + kBlockRows : T_;
+  for (int64_t s0 = 0; s0 < t_end; s0 += kTile) {
+    __syncthreads();  // the previous tile's readers are done
+    load_rows(sh.tile0, sh.ld, head_of<const T>(a.k, b, h, HD), a.k, s0, kTile, T_, HD);
+    load_rows(sh.tile1, sh.ld, head_of<const T>(a.v, b, h, HD), a.v, s0, kTile, T_, HD);
+    __syncthreads();
+    const int64_t s = s0 + lane;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t t = t0 + row;
+      if (t >= T_ || s0 > t) continue;  // warp-uniform: no key of this tile is seen
+      const bool seen = s <= t;
+      const A score =
+          seen ? scale * dot(sh.own0 + row * HD, sh.tile0 + lane * sh.ld, HD) : A(-INFINITY);
+      const A corr = st[r].rescale(warp_max(score));
+      A p = seen ? math::m_exp(score - st[r].m) : A(0);
+      st[r].l += warp_sum(p);
+      if (seen) p *= dropout_multiplier<A>(a, bh, t, s);
+#pragma unroll
+      for (int i = 0; i < LC; ++i) acc[r][i] *= corr;
+      const int n = t - s0 + 1 < kTile ? int(t - s0 + 1) : kTile;
+      for (int j = 0; j < n; ++j) {
+        const A pj = __shfl_sync(kFullMask, p, j);
+        const A* vj = sh.tile1 + j * sh.ld;
+#pragma unroll
+        for (int i = 0; i < LC; ++i) {
+          const int64_t c = lane + 32 * i;
+          if (c < HD) acc[r][i] += pj * vj[c];
+        }
+      }
+    }
+  }
+  T* out = head_of<T>(a.out, b, h, HD);
+  A* lse = static_cast<A*>(a.lse) + bh * T_;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t t = t0 + warp * kRowsPerWarp + r;
+    if (t >= T_) continue;
+    const A inv_l = A(1) / st[r].l;
+#pragma unroll
+    for (int i = 0; i < LC; ++i) {
+      const int64_t c = lane + 32 * i;
+      if (c < HD) out[t * a.out.st + c * a.out.sc] = store_as<T>(acc[r][i] * inv_l);
+    }
+    if (lane == 0) lse[t] = st[r].m + math::m_log(st[r].l);
+  }
+}
+
+// delta[bh, t] = grad_out_t . out_t over the head's columns; a warp per row.
+template <class T>
+__global__ void __launch_bounds__(kBlockThreads) attention_delta_kernel(AttentionArgs a) {
+  using A = acc_t<T>;
+  const int64_t rows = a.B * a.NH * a.T, HD = a.HD;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; row < rows;
+       row += warps) {
+    const int64_t bh = row / a.T, t = row % a.T, b = bh / a.NH, h = bh % a.NH;
+    const T* go = head_of<const T>(a.grad_out, b, h, HD) + t * a.grad_out.st;
+    const T* o = head_of<const T>(a.out, b, h, HD) + t * a.out.st;
+    A sum = 0;
+    for (int64_t c = lane; c < HD; c += 32)
+      sum += load(go[c * a.grad_out.sc]) * load(o[c * a.out.sc]);
+    sum = warp_sum(sum);
+    if (lane == 0) static_cast<A*>(a.delta)[row] = sum;
+  }
+}
+
+// grad_q_t = scale sum_{s <= t} ds k_s. Q and grad_out owned (own0, own1),
+// K and V streamed (tile0, tile1).
+template <class T, int LC>
+__global__ void __launch_bounds__(kBlockThreads) attention_grad_q_kernel(AttentionArgs a) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char raw[];
+  const int64_t HD = a.HD, T_ = a.T;
+  const Shared<A> sh(raw, HD);
+  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
+  const int64_t t0 = int64_t(blockIdx.y) * kBlockRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const A scale = A(a.scale);
+  const A* lse = static_cast<const A*>(a.lse) + bh * T_;
+  const A* delta = static_cast<const A*>(a.delta) + bh * T_;
+  load_rows(sh.own0, HD, head_of<const T>(a.q, b, h, HD), a.q, t0, kBlockRows, T_, HD);
+  load_rows(sh.own1, HD, head_of<const T>(a.grad_out, b, h, HD), a.grad_out, t0, kBlockRows, T_,
+            HD);
+  A acc[kRowsPerWarp][LC];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int i = 0; i < LC; ++i) acc[r][i] = A(0);
+  const int64_t t_end = t0 + kBlockRows < T_ ? t0 + kBlockRows : T_;
+  for (int64_t s0 = 0; s0 < t_end; s0 += kTile) {
+    __syncthreads();
+    load_rows(sh.tile0, sh.ld, head_of<const T>(a.k, b, h, HD), a.k, s0, kTile, T_, HD);
+    load_rows(sh.tile1, sh.ld, head_of<const T>(a.v, b, h, HD), a.v, s0, kTile, T_, HD);
+    __syncthreads();
+    const int64_t s = s0 + lane;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t t = t0 + row;
+      if (t >= T_ || s0 > t) continue;
+      A ds = 0;
+      if (s <= t) {
+        const A p =
+            math::m_exp(scale * dot(sh.own0 + row * HD, sh.tile0 + lane * sh.ld, HD) - lse[t]);
+        const A dp = dropout_multiplier<A>(a, bh, t, s) *
+                     dot(sh.own1 + row * HD, sh.tile1 + lane * sh.ld, HD);
+        ds = math::attention_grad_score(p, dp, delta[t]);
+      }
+      const int n = t - s0 + 1 < kTile ? int(t - s0 + 1) : kTile;
+      for (int j = 0; j < n; ++j) {
+        const A dsj = __shfl_sync(kFullMask, ds, j);
+        const A* kj = sh.tile0 + j * sh.ld;
+#pragma unroll
+        for (int i = 0; i < LC; ++i) {
+          const int64_t c = lane + 32 * i;
+          if (c < HD) acc[r][i] += dsj * kj[c];
+        }
+      }
+    }
+  }
+  T* grad_q = head_of<T>(a.grad_q, b, h, HD);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t t = t0 + warp * kRowsPerWarp + r;
+    if (t >= T_) continue;
+#pragma unroll
+    for (int i = 0; i < LC; ++i) {
+      const int64_t c = lane + 32 * i;
+      if (c < HD) grad_q[t * a.grad_q.st + c * a.grad_q.sc] = store_as<T>(scale * acc[r][i]);
+    }
+  }
+}
+
+// grad_v_s = sum_{t >= s} p m grad_out_t, grad_k_s = scale sum_{t >= s} ds q_t.
+// K and V owned (own0, own1), Q and grad_out streamed (tile0, tile1).
+template <class T, int LC>
+__global__ void __launch_bounds__(kBlockThreads) attention_grad_kv_kernel(AttentionArgs a) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char raw[];
+  const int64_t HD = a.HD, T_ = a.T;
+  const Shared<A> sh(raw, HD);
+  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
+  const int64_t s_begin = int64_t(blockIdx.y) * kBlockRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const A scale = A(a.scale);
+  const A* lse = static_cast<const A*>(a.lse) + bh * T_;
+  const A* delta = static_cast<const A*>(a.delta) + bh * T_;
+  load_rows(sh.own0, HD, head_of<const T>(a.k, b, h, HD), a.k, s_begin, kBlockRows, T_, HD);
+  load_rows(sh.own1, HD, head_of<const T>(a.v, b, h, HD), a.v, s_begin, kBlockRows, T_, HD);
+  A gk[kRowsPerWarp][LC], gv[kRowsPerWarp][LC];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int i = 0; i < LC; ++i) gk[r][i] = gv[r][i] = A(0);
+  for (int64_t t0 = s_begin; t0 < T_; t0 += kTile) {
+    __syncthreads();
+    load_rows(sh.tile0, sh.ld, head_of<const T>(a.q, b, h, HD), a.q, t0, kTile, T_, HD);
+    load_rows(sh.tile1, sh.ld, head_of<const T>(a.grad_out, b, h, HD), a.grad_out, t0, kTile, T_,
+              HD);
+    __syncthreads();
+    const int64_t t = t0 + lane;
+    const A lse_t = t < T_ ? lse[t] : A(0), delta_t = t < T_ ? delta[t] : A(0);
+    const int n = T_ - t0 < kTile ? int(T_ - t0) : kTile;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t s = s_begin + row;
+      if (s >= T_) continue;
+      A pm = 0, ds = 0;
+      if (t < T_ && t >= s) {
+        const A p =
+            math::m_exp(scale * dot(sh.tile0 + lane * sh.ld, sh.own0 + row * HD, HD) - lse_t);
+        const A m = dropout_multiplier<A>(a, bh, t, s);
+        const A dp = m * dot(sh.tile1 + lane * sh.ld, sh.own1 + row * HD, HD);
+        pm = p * m;
+        ds = math::attention_grad_score(p, dp, delta_t);
+      }
+      for (int j = 0; j < n; ++j) {
+        const A pmj = __shfl_sync(kFullMask, pm, j), dsj = __shfl_sync(kFullMask, ds, j);
+        const A* qj = sh.tile0 + j * sh.ld;
+        const A* goj = sh.tile1 + j * sh.ld;
+#pragma unroll
+        for (int i = 0; i < LC; ++i) {
+          const int64_t c = lane + 32 * i;
+          if (c < HD) {
+            gv[r][i] += pmj * goj[c];
+            gk[r][i] += dsj * qj[c];
+          }
+        }
+      }
+    }
+  }
+  T* grad_k = head_of<T>(a.grad_k, b, h, HD);
+  T* grad_v = head_of<T>(a.grad_v, b, h, HD);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t s = s_begin + warp * kRowsPerWarp + r;
+    if (s >= T_) continue;
+#pragma unroll
+    for (int i = 0; i < LC; ++i) {
+      const int64_t c = lane + 32 * i;
+      if (c >= HD) continue;
+      grad_k[s * a.grad_k.st + c * a.grad_k.sc] = store_as<T>(scale * gk[r][i]);
+      grad_v[s * a.grad_v.st + c * a.grad_v.sc] = store_as<T>(gv[r][i]);
+    }
+  }
+}
+
+// Calls fn with the output columns per lane the head dim needs (LC): the
+// register arrays are sized at compile time.
+template <class Fn>
+void with_lane_columns(int64_t HD, Fn&& fn) {
+  if (HD <= 64)
+    fn(std::integral_constant<int, 2>{});
+  else if (HD <= 128)
+    fn(std::integral_constant<int, 4>{});
+  else
+    fn(std::integral_constant<int, int(kMaxAttentionHeadDim / 32)>{});
+}
+
+// Launches kernel over (batch x head, blocks of kBlockRows rows) with the
+// shared memory of the head dim, opting in beyond 48 KiB where the GPU allows.
+template <class Kernel>
+void launch_tiled(Kernel kernel, const AttentionArgs& a, size_t acc_size, const char* op,
+                  cudaStream_t stream) {
+  const size_t bytes = shared_bytes(a.HD, acc_size);
+  if (bytes > kDefaultSharedBytes) {
+    int device = 0, optin = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (bytes > size_t(optin))
+      throw Error(cat(op, ": head dim ", a.HD, " needs ", bytes, " bytes of shared memory, GPU ",
+                      device, " has ", optin, "; use fewer, wider heads or f32"));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  }
+  const dim3 grid(unsigned(a.B * a.NH), unsigned((a.T + kBlockRows - 1) / kBlockRows));
+  kernel<<<grid, kBlockThreads, bytes, stream>>>(a);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void check_args(const AttentionArgs& a, const char* op) {
+  CHECK(a.HD >= 1 && a.HD <= kMaxAttentionHeadDim)
+      << op << ": head dim " << a.HD << " outside [1, " << kMaxAttentionHeadDim << "]";
+  CHECK(a.B * a.NH <= INT32_MAX && (a.T + kBlockRows - 1) / kBlockRows <= 65535)
+      << op << ": " << a.B << " x " << a.NH << " heads of " << a.T << " steps exceed the grid";
+}
+
+}  // namespace
+
+void launch_attention_forward(const AttentionArgs& a, DType t, cudaStream_t stream) {
+  if (a.B * a.T * a.NH == 0) return;
+  check_args(a, "causal_attention");
+  dispatch_floating(t, "causal_attention", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    with_lane_columns(a.HD, [&](auto lc) {
+      launch_tiled(attention_forward_kernel<T, decltype(lc)::value>, a, sizeof(acc_t<T>),
+                   "causal_attention", stream);
+    });
+  });
+}
+
+void launch_attention_backward(const AttentionArgs& a, DType t, cudaStream_t stream) {
+  if (a.B * a.T * a.NH == 0) return;
+  check_args(a, "causal_attention_backward");
+  dispatch_floating(t, "causal_attention_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const int64_t rows = a.B * a.NH * a.T;
+    const int64_t blocks = std::min<int64_t>((rows + kWarps - 1) / kWarps, kMaxBlocks);
+    attention_delta_kernel<T><<<unsigned(blocks), kBlockThreads, 0, stream>>>(a);
+    CUDA_CHECK(cudaGetLastError());
+    with_lane_columns(a.HD, [&](auto lc) {
+      constexpr int LC = decltype(lc)::value;
+      launch_tiled(attention_grad_kv_kernel<T, LC>, a, sizeof(acc_t<T>),
+                   "causal_attention_backward", stream);
+      launch_tiled(attention_grad_q_kernel<T, LC>, a, sizeof(acc_t<T>), "causal_attention_backward",
+                   stream);
+    });
+  });
+}
+
+}  // namespace trainer::cuda

@@ -1,0 +1,161 @@
+#include "trainer/device.h"
+
+#include <algorithm>
+#include <map>
+
+#include "comm/bootstrap.h"
+#include "core/autograd.h"
+
+#if TRAINER_HAVE_CUDA
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/device.h"
+#include "core/cuda/stream.h"
+#endif
+
+namespace trainer {
+
+DeviceAvailability device_availability() {
+#if TRAINER_HAVE_CUDA
+  return {true, cuda::device_count()};
+#else
+  return {false, 0};
+#endif
+}
+
+Device resolve_device(const Recipe& r, int local_rank, const DeviceAvailability& available) {
+  if (r.device == "cpu") return Device{};
+  if (r.device != "cuda")
+    throw Error(cat(r.source, ": device: '", r.device, "' is not a device; use cpu or cuda"));
+  if (!available.cuda_built)
+    throw Error(cat(r.source, ": device: cuda, but this trainer was built without the CUDA ",
+                    "backend (configure with -DTRAINER_CUDA=ON where the CUDA toolkit and cuDNN ",
+                    "are installed); use device: cpu"));
+  if (available.cuda_devices == 0)
+    throw Error(cat(r.source, ": device: cuda, but no CUDA device is visible (no GPU, no ",
+                    "driver, or CUDA_VISIBLE_DEVICES hides them); use device: cpu"));
+  if (local_rank < 0 || local_rank >= available.cuda_devices)
+    throw Error(cat(r.source, ": device: cuda, but this process's local rank ", local_rank,
+                    " has no GPU: ", available.cuda_devices,
+                    " CUDA device(s) visible; start at most that many processes per node"));
+  return Device{kCUDA, local_rank};
+}
+
+void make_device_current(Device device) {
+#if TRAINER_HAVE_CUDA
+  if (device.is_cuda()) cuda::set_device(device.index);
+#else
+  CHECK(device.is_cpu()) << "a " << device << " device in a build without CUDA";
+#endif
+}
+
+Device training_device(const Recipe& r, int world_size) {
+  // The environment is read only when a GPU is asked for (it picks which).
+  int local_rank = 0;
+  if (r.device == "cuda")
+    local_rank = comm::detect_bootstrap(comm::process_environment()).local_rank;
+  Device device = resolve_device(r, local_rank, device_availability());
+  if (device.is_cuda() && world_size > 1 && (r.parallel.zero1 || r.parallel.sync_bn))
+    throw Error(cat(r.source, ": device: cuda with ", world_size, " data-parallel ranks and ",
+                    r.parallel.zero1 ? "parallel.zero1" : "parallel.sync_bn",
+                    ": on GPUs data parallelism stages plain gradient buckets through host "
+                    "memory; ZeRO-1 and SyncBatchNorm run on CPU tensors only for now"));
+  make_device_current(device);
+  return device;
+}
+
+void rebind_storages(const TensorList& tensors,
+                     const std::function<Tensor(const Tensor& bytes)>& copy_storage) {
+  // Old storage -> new one; the old ones stay alive until every tensor moved.
+  std::map<const Storage*, std::pair<std::shared_ptr<Storage>, std::shared_ptr<Storage>>> moved;
+  for (const Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    const std::shared_ptr<Storage>& old = t.storage();
+    auto it = moved.find(old.get());
+    if (it == moved.end()) {
+      auto impl = std::make_shared<TensorImpl>();
+      impl->storage = old;
+      impl->shape = {int64_t(old->bytes)};
+      impl->strides = {1};
+      impl->dtype = DType::u8;
+      impl->device = old->device;
+      Tensor copy = copy_storage(Tensor(impl));
+      CHECK(copy.defined() && copy.dtype() == DType::u8 && copy.numel() == int64_t(old->bytes) &&
+            copy.offset() == 0 && copy.is_contiguous())
+          << "rebind_storages: the copy of a " << old->bytes << "-byte storage is not its bytes";
+      it = moved.emplace(old.get(), std::make_pair(old, copy.storage())).first;
+    }
+    t.impl()->storage = it->second.second;
+    t.impl()->device = it->second.second->device;
+  }
+}
+
+void move_module(Module& module, Device device) {
+  autograd::NoGradGuard no_grad;
+  TensorList tensors;
+  for (const NamedTensor& p : module.state())
+    if (p.tensor.device() != device) tensors.push_back(p.tensor);
+  for (const Tensor& t : module.parameters()) t.set_grad(Tensor());
+  rebind_storages(tensors, [&](const Tensor& bytes) { return bytes.to(device); });
+}
+
+Device module_device(const Module& module) {
+  std::vector<NamedTensor> state = module.state();
+  return state.empty() ? Device{} : state.front().tensor.device();
+}
+
+Tensor to_device(const Tensor& t, Device device) {
+  if (!t.defined() || t.device() == device) return t;
+  autograd::NoGradGuard no_grad;
+  return t.to(device);
+}
+
+#if TRAINER_HAVE_CUDA
+namespace {
+
+class CudaBucketCopier final : public parallel::BucketCopier {
+ public:
+  explicit CudaBucketCopier(int device) : device_(device), stream_(device) {}
+
+  // On the backward thread, whose current stream is the compute stream.
+  std::shared_ptr<void> ready(const Tensor& flat) override {
+    CHECK(flat.device() == (Device{kCUDA, device_})) << "a bucket on " << flat.device();
+    auto event = std::make_shared<cuda::Event>();
+    event->record(cuda::current_stream(device_));
+    return event;
+  }
+  void to_host(const Tensor& flat, const std::shared_ptr<void>& ready, void* host) override {
+    cuda::DeviceGuard guard(device_);
+    static_cast<const cuda::Event*>(ready.get())->wait(stream_);
+    CUDA_CHECK(cudaMemcpyAsync(host, flat.data_ptr(), flat.nbytes(), cudaMemcpyDeviceToHost,
+                               stream_.handle()));
+    stream_.synchronize();
+  }
+  // Synchronised before the bucket's Work finishes, so the optimizer, queued
+  // on the compute stream after DataParallel::finish(), reads the result.
+  void from_host(const void* host, const Tensor& flat) override {
+    cuda::DeviceGuard guard(device_);
+    CUDA_CHECK(cudaMemcpyAsync(flat.data_ptr(), host, flat.nbytes(), cudaMemcpyHostToDevice,
+                               stream_.handle()));
+    stream_.synchronize();
+  }
+  std::shared_ptr<void> host_buffer(size_t bytes) override {
+    void* p = nullptr;
+    CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
+    return std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); });
+  }
+
+ private:
+  int device_;
+  cuda::Stream stream_;  // the comm stream
+};
+
+}  // namespace
+
+std::shared_ptr<parallel::BucketCopier> cuda_bucket_copier(Device device) {
+  CHECK(device.is_cuda()) << "cuda_bucket_copier for " << device;
+  cuda::DeviceGuard guard(device.index);
+  return std::make_shared<CudaBucketCopier>(device.index);
+}
+#endif
+
+}  // namespace trainer
