@@ -28,6 +28,7 @@
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
+#include "core/cpu/primitive_cache.h"
 #include "core/ops_conv.h"
 
 namespace trainer {
@@ -81,62 +82,10 @@ void run(const dnnl::primitive& p, const std::unordered_map<int, memory>& args) 
   DNNL_CHECK(cpu::dnnl_stream().wait());
 }
 
-// ---- the primitive cache ----
-
-// Everything a primitive depends on, as a flat list of integers.
-struct Key {
-  std::vector<int64_t> words;
-  bool operator==(const Key& o) const { return words == o.words; }
-  Key& add(std::initializer_list<int64_t> ws) {
-    words.insert(words.end(), ws.begin(), ws.end());
-    return *this;
-  }
-  Key& add(const Tensor& t) {
-    if (!t.defined()) return add({-1});
-    add({t.dim()});
-    words.insert(words.end(), t.shape().begin(), t.shape().end());
-    words.insert(words.end(), t.strides().begin(), t.strides().end());
-    return *this;
-  }
-  Key& add(const Conv2dAttrs& a) {
-    return add({a.stride[0], a.stride[1], a.padding[0], a.padding[1], a.dilation[0], a.dilation[1],
-                a.groups});
-  }
-  Key& add(const Pool2dAttrs& a) {
-    return add({a.kernel[0], a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1],
-                int64_t(a.count_include_pad)});
-  }
-};
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    size_t h = 1469598103934665603ull;
-    for (int64_t w : k.words) h = (h ^ size_t(w)) * 1099511628211ull;
-    return h;
-  }
-};
-
-Key make_key(const char* kind) {
-  Key k;
-  k.add({int64_t(std::hash<std::string_view>()(kind)), omp_get_max_threads()});
-  return k;
-}
-
-// One cache per primitive kind; entries live for the process.
-template <class Entry>
-class Cache {
- public:
-  template <class Make>
-  const Entry& get(const Key& key, Make&& make) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = map_.find(key);
-    if (it == map_.end()) it = map_.emplace(key, std::make_unique<Entry>(make())).first;
-    return *it->second;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> map_;
-};
+// The primitive cache (core/cpu/primitive_cache.h).
+using cpu::Cache;
+using cpu::Key;
+using cpu::make_key;
 
 // A reorder from one weights layout to another, or none when they agree.
 std::optional<dnnl::reorder> maybe_reorder(const memory::desc& from, const memory::desc& to) {

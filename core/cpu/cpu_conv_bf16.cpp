@@ -16,6 +16,7 @@
 
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
+#include "core/cpu/primitive_cache.h"
 
 namespace trainer::cpu {
 
@@ -73,46 +74,6 @@ dnnl::convolution_forward::desc forward_desc(const Tensor& x, const Shape& w, bo
       {a.padding[0], a.padding[1]}, right_padding(x, out, w, a)));
 }
 
-// A key of everything a primitive depends on: kind, threads, shapes, strides, attributes.
-std::vector<int64_t> make_key(int kind, std::initializer_list<const Tensor*> ts,
-                              const Conv2dAttrs& a, bool flag) {
-  std::vector<int64_t> k = {kind, omp_get_max_threads(), flag};
-  for (const Tensor* t : ts) {
-    k.push_back(t->defined() ? t->dim() : -1);
-    if (!t->defined()) continue;
-    k.insert(k.end(), t->shape().begin(), t->shape().end());
-    k.insert(k.end(), t->strides().begin(), t->strides().end());
-  }
-  k.insert(k.end(), {a.stride[0], a.stride[1], a.padding[0], a.padding[1], a.dilation[0],
-                     a.dilation[1], a.groups});
-  return k;
-}
-
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const {
-    size_t h = 1469598103934665603ull;
-    for (int64_t w : k) h = (h ^ size_t(w)) * 1099511628211ull;
-    return h;
-  }
-};
-
-// One cache per primitive kind; entries live for the process.
-template <class Entry>
-class Cache {
- public:
-  template <class Make>
-  const Entry& get(const std::vector<int64_t>& key, Make&& make) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = map_.find(key);
-    if (it == map_.end()) it = map_.emplace(key, std::make_unique<Entry>(make())).first;
-    return *it->second;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<std::vector<int64_t>, std::unique_ptr<Entry>, KeyHash> map_;
-};
-
 std::optional<dnnl::reorder> maybe_reorder(const memory::desc& from, const memory::desc& to) {
   if (from == to) return std::nullopt;
   return DNNL_CHECK(
@@ -152,18 +113,20 @@ struct BackwardWeights {
 void conv2d_bf16(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dAttrs& a,
                  bool fuse_relu, const Tensor& out) {
   static Cache<Forward> cache;
-  const Forward& e = cache.get(make_key(0, {&x, &weight, &bias, &out}, a, fuse_relu), [&] {
-    dnnl::primitive_attr attr;
-    if (fuse_relu) {
-      dnnl::post_ops ops;
-      ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
-      attr.set_post_ops(ops);
-    }
-    auto pd = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
-        forward_desc(x, weight.shape(), bias.defined(), out, a), attr, dnnl_engine()));
-    return Forward{pd, dnnl::convolution_forward(pd),
-                   maybe_reorder(weights_md(weight.shape(), a.groups, false), pd.weights_desc())};
-  });
+  const Forward& e = cache.get(
+      make_key("bf16_conv_fwd").add(x).add(weight).add(bias).add(out).add(a).add({fuse_relu}), [&] {
+        dnnl::primitive_attr attr;
+        if (fuse_relu) {
+          dnnl::post_ops ops;
+          ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+          attr.set_post_ops(ops);
+        }
+        auto pd = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
+            forward_desc(x, weight.shape(), bias.defined(), out, a), attr, dnnl_engine()));
+        return Forward{
+            pd, dnnl::convolution_forward(pd),
+            maybe_reorder(weights_md(weight.shape(), a.groups, false), pd.weights_desc())};
+      });
   Tensor w_buf;
   std::unordered_map<int, memory> args = {
       {DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
@@ -177,20 +140,21 @@ void conv2d_bf16(const Tensor& x, const Tensor& weight, const Tensor& bias, cons
 void conv2d_backward_data_bf16(const Tensor& grad_out, const Tensor& weight, const Conv2dAttrs& a,
                                const Tensor& grad_x) {
   static Cache<BackwardData> cache;
-  const BackwardData& e = cache.get(make_key(1, {&grad_out, &weight, &grad_x}, a, false), [&] {
-    auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
-        forward_desc(grad_x, weight.shape(), false, grad_out, a), dnnl_engine()));
-    auto desc = DNNL_CHECK(dnnl::convolution_backward_data::desc(
-        dnnl::algorithm::convolution_direct, image_md(grad_x),
-        weights_md(weight.shape(), a.groups, true), image_md(grad_out), {a.stride[0], a.stride[1]},
-        {a.dilation[0] - 1, a.dilation[1] - 1}, {a.padding[0], a.padding[1]},
-        right_padding(grad_x, grad_out, weight.shape(), a)));
-    auto pd =
-        DNNL_CHECK(dnnl::convolution_backward_data::primitive_desc(desc, dnnl_engine(), hint));
-    return BackwardData{
-        pd, dnnl::convolution_backward_data(pd),
-        maybe_reorder(weights_md(weight.shape(), a.groups, false), pd.weights_desc())};
-  });
+  const BackwardData& e =
+      cache.get(make_key("bf16_conv_bwd_data").add(grad_out).add(weight).add(grad_x).add(a), [&] {
+        auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
+            forward_desc(grad_x, weight.shape(), false, grad_out, a), dnnl_engine()));
+        auto desc = DNNL_CHECK(dnnl::convolution_backward_data::desc(
+            dnnl::algorithm::convolution_direct, image_md(grad_x),
+            weights_md(weight.shape(), a.groups, true), image_md(grad_out),
+            {a.stride[0], a.stride[1]}, {a.dilation[0] - 1, a.dilation[1] - 1},
+            {a.padding[0], a.padding[1]}, right_padding(grad_x, grad_out, weight.shape(), a)));
+        auto pd =
+            DNNL_CHECK(dnnl::convolution_backward_data::primitive_desc(desc, dnnl_engine(), hint));
+        return BackwardData{
+            pd, dnnl::convolution_backward_data(pd),
+            maybe_reorder(weights_md(weight.shape(), a.groups, false), pd.weights_desc())};
+      });
   Tensor w_buf;
   run(e.prim,
       {{DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
@@ -206,8 +170,15 @@ void conv2d_backward_weights_bf16(const Tensor& grad_out, const Tensor& x, const
   static Cache<BackwardWeights> cache;
   const Shape& ws = grad_weight.shape();
   const bool bias = grad_bias.defined();
-  const BackwardWeights& e =
-      cache.get(make_key(2, {&grad_out, &x, &grad_weight, &grad_bias}, a, bias), [&] {
+  const BackwardWeights& e = cache.get(
+      make_key("bf16_conv_bwd_weights")
+          .add(grad_out)
+          .add(x)
+          .add(grad_weight)
+          .add(grad_bias)
+          .add(a)
+          .add({bias}),
+      [&] {
         auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
             forward_desc(x, ws, bias, grad_out, a), dnnl_engine()));
         auto desc = DNNL_CHECK(dnnl::convolution_backward_weights::desc(
