@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
-  libdnnl-dev libucx-dev libyaml-cpp-dev libopencv-dev catch2
+  libdnnl-dev ocl-icd-opencl-dev libucx-dev libyaml-cpp-dev libopencv-dev catch2
   nlohmann-json3-dev libcli11-dev zlib1g-dev
   openmpi-bin libopenmpi-dev
   dataset-fashion-mnist bible-kjv
