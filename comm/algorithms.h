@@ -84,9 +84,12 @@ inline char* thread_scratch(size_t bytes) {
   return buffer.get();
 }
 
+struct Reducer;  // comm/collectives.h
+
 // In place on count elements of dtype at data; every rank ends with the reduction.
+// reducer (optional): its arithmetic and scratch instead of the host's.
 void allreduce_ring(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,
-                    size_t segment_bytes);
+                    size_t segment_bytes, const Reducer* reducer = nullptr);
 void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType dtype,
                                   ReduceOp op);
 // The same over the shared-memory channel, as the operation with this ticket

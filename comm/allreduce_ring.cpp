@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "comm/algorithms.h"
+#include "comm/collectives.h"
 #include "comm/log.h"
 
 namespace trainer::comm {
@@ -37,11 +38,14 @@ class Ring {
   // Step s sends chunk r-s-1 to the right and receives chunk r-s-2 from the
   // left, reducing it into ours; the chunk received at step s is the one sent
   // at step s+1. After n-1 steps chunk r holds the reduction of every rank.
-  void reduce_scatter(DType dtype, ReduceOp op) {
+  void reduce_scatter(DType dtype, ReduceOp op, const Reducer* reducer = nullptr) {
     const int steps = n_ - 1, total = steps * segments_;
     const int window = std::min(total, kPipelineDepth);
     const size_t slot_bytes = segment(0, 0).count * element_bytes_;
-    char* scratch = thread_scratch(size_t(window) * slot_bytes);
+    std::shared_ptr<void> own_scratch;
+    if (reducer && reducer->scratch) own_scratch = reducer->scratch(size_t(window) * slot_bytes);
+    char* scratch = own_scratch ? static_cast<char*>(own_scratch.get())
+                                : thread_scratch(size_t(window) * slot_bytes);
     std::vector<Request> receives(static_cast<size_t>(window)), sends;
     auto post_receive = [&](int k) {
       Range seg = segment(recv_chunk_rs(k / segments_), k % segments_);
@@ -56,7 +60,9 @@ class Ring {
       const int c = recv_chunk_rs(s);
       Range seg = segment(c, j);
       ch_.wait(receives[k % window]);
-      if (seg.count)
+      if (seg.count && reducer && reducer->reduce)
+        reducer->reduce(at(seg), &scratch[(k % window) * slot_bytes], seg.count, dtype, op);
+      else if (seg.count)
         reduce_into(at(seg), &scratch[(k % window) * slot_bytes], seg.count, dtype, op);
       if (s + 1 < steps) send((s + 1) * segments_, c, j, sends);
       if (k + window < total) post_receive(k + window);
@@ -116,14 +122,17 @@ class Ring {
 }  // namespace
 
 void allreduce_ring(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,
-                    size_t segment_bytes) {
+                    size_t segment_bytes, const Reducer* reducer) {
   if (ch.size() == 1) return;
   Ring ring(ch, static_cast<char*>(data), count, dtype_size(dtype), segment_bytes);
   COMM_LOG(LogLevel::debug, "allreduce ring: ", count, " x ", dtype, ", ", ring.segments(),
            " segments per chunk");
-  ring.reduce_scatter(dtype, op);
+  ring.reduce_scatter(dtype, op, reducer);
   Range mine = ring.chunk(ch.rank());
-  if (op == ReduceOp::avg) scale(ring.at(mine), mine.count, dtype, 1.0 / ch.size());
+  if (op == ReduceOp::avg && reducer && reducer->scale)
+    reducer->scale(ring.at(mine), mine.count, dtype, 1.0 / ch.size());
+  else if (op == ReduceOp::avg)
+    scale(ring.at(mine), mine.count, dtype, 1.0 / ch.size());
   ring.all_gather();
 }
 

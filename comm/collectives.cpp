@@ -34,7 +34,7 @@ Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
   check_reducible(dtype, o.segment_bytes);
   const uint32_t seq = comm.next_seq();
   const size_t bytes = count * dtype_size(dtype);
-  AllreduceAlgorithm algorithm = o.algorithm;
+  AllreduceAlgorithm algorithm = o.reducer ? AllreduceAlgorithm::ring : o.algorithm;
   ShmChannel* shm = nullptr;
   uint64_t ticket = 0;
   if (algorithm == AllreduceAlgorithm::automatic || algorithm == AllreduceAlgorithm::shm) {
@@ -57,7 +57,7 @@ Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
                     o.staged_bytes, o.cross_memory);
     } else if (algorithm == AllreduceAlgorithm::ring) {
       OpChannel ch(comm, seq, "allreduce(ring)", timeout);
-      allreduce_ring(ch, data, count, dtype, o.op, o.segment_bytes);
+      allreduce_ring(ch, data, count, dtype, o.op, o.segment_bytes, o.reducer.get());
     } else {
       OpChannel ch(comm, seq, "allreduce(recursive doubling)", timeout);
       allreduce_recursive_doubling(ch, data, count, dtype, o.op);

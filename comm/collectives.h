@@ -16,6 +16,9 @@
 //   Tensor all = allgather(*dp, shard);                                // [k] -> [n*k]
 #pragma once
 
+#include <functional>
+#include <memory>
+
 #include "comm/communicator.h"
 #include "comm/reduce.h"
 #include "core/tensor.h"
@@ -26,6 +29,21 @@ namespace trainer::comm {
 // recursive doubling up to small_message_bytes and ring above. shm where the
 // channel is unavailable falls back to that choice.
 enum class AllreduceAlgorithm { automatic, ring, recursive_doubling, shm };
+
+// The ring allreduce's arithmetic and receive scratch, for buffers the host
+// may not touch (GPU memory handed to a transport that moves it, e.g. UCX
+// built with CUDA): each function runs on the progress thread and returns
+// once its result is in memory. Unset members: the host's (comm/reduce.h,
+// the thread's scratch).
+struct Reducer {
+  // dst[i] = dst[i] (op) src[i] for i < count (op sum, avg as sum, or max).
+  std::function<void(void* dst, const void* src, size_t count, DType dtype, ReduceOp op)> reduce;
+  // data[i] *= factor (avg's final scaling).
+  std::function<void(void* data, size_t count, DType dtype, double factor)> scale;
+  // Receive scratch of at least bytes, in the memory the data lives in; kept
+  // until the collective ends.
+  std::function<std::shared_ptr<void>(size_t bytes)> scratch;
+};
 
 struct AllreduceOptions {
   ReduceOp op = ReduceOp::sum;
@@ -39,6 +57,8 @@ struct AllreduceOptions {
   // (process_vm_readv) instead of pipelining blocks through the segment.
   bool cross_memory = false;
   Millis timeout{0};  // per wait without progress; 0: the communicator's
+  // Set: the ring (whatever `algorithm` says), reducing with it.
+  std::shared_ptr<const Reducer> reducer{};
 };
 
 struct CollectiveOptions {

@@ -102,8 +102,13 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
   std::vector<NamedTensor> params;
   for (const NamedTensor& p : module.named_parameters()) {
     if (!p.tensor.requires_grad()) continue;
-    CHECK(p.tensor.device().is_cpu() && p.tensor.is_contiguous())
-        << "DataParallel reduces contiguous CPU parameters; " << p.name << " is " << p.tensor.str();
+    CHECK(p.tensor.is_contiguous())
+        << "DataParallel reduces contiguous parameters; " << p.name << " is " << p.tensor.str();
+    // Device buckets need a reduce hook that moves them (parallel/device_staging.h,
+    // parallel/zero.h): the default one hands their pointers to the host collectives.
+    CHECK(p.tensor.device().is_cpu() || options.reduce)
+        << "DataParallel: " << p.name << " is on " << p.tensor.device()
+        << "; gradients off the CPU need DataParallelOptions::reduce (staged_reduce)";
     params.push_back(p);
   }
   std::vector<std::vector<NamedTensor>> groups;

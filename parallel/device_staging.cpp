@@ -182,6 +182,31 @@ bool ucx_supports_cuda_memory() {
   return supported;
 }
 
+BucketReduceFn direct_reduce(std::shared_ptr<const comm::Reducer> reducer,
+                             std::function<void(const Tensor& flat)> ready,
+                             DeviceStagingOptions options) {
+  CHECK(reducer) << "direct_reduce without a reducer";
+  comm::AllreduceOptions allreduce = options.allreduce;
+  allreduce.reducer = std::move(reducer);
+  return [allreduce, ready = std::move(ready)](comm::Communicator& comm, const Bucket& bucket) {
+    CHECK(bucket.flat.is_contiguous()) << "direct_reduce: bucket " << bucket.index;
+    if (ready) ready(bucket.flat);
+    return comm::allreduce_async(comm, bucket.flat.data_ptr(), size_t(bucket.flat.numel()),
+                                 bucket.flat.dtype(), allreduce);
+  };
+}
+
+void allreduce_through_host(comm::Communicator& comm, const Tensor& t,
+                            const comm::AllreduceOptions& options) {
+  CHECK(t.defined() && t.is_contiguous()) << "allreduce_through_host takes a contiguous tensor";
+  // A CPU tensor takes the same round trip (a clone), so tests on the CPU
+  // run the data flow of a GPU's.
+  Tensor host = t.device().is_cpu() ? t.clone() : t.to(Device{});
+  comm::allreduce(comm, host.data_ptr(), size_t(host.numel()), host.dtype(), options);
+  Tensor dst = t;
+  dst.copy_(host);
+}
+
 BucketReduceFn staged_reduce(std::shared_ptr<BucketCopier> copier, DeviceStagingOptions options) {
   CHECK(copier) << "staged_reduce without a copier";
   auto stager = std::make_shared<Stager>(std::move(copier), options);

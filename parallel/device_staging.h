@@ -28,6 +28,7 @@
 // bucket, kept per bucket index and reused every step.
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "comm/collectives.h"
@@ -60,9 +61,28 @@ struct DeviceStagingOptions {
 
 // Whether this process's UCX can move CUDA memory itself (ucp_context_query
 // lists UCS_MEMORY_TYPE_CUDA: UCX built with CUDA and its cuda transports
-// loadable). The collectives of comm/ reduce on the host, so staged_reduce
-// stages either way; `trainer info` reports it for a device-side reduction.
+// loadable). staged_reduce stages either way; parallel.gpu_direct (auto, on)
+// uses direct_reduce below only where this is true.
 bool ucx_supports_cuda_memory();
+
+// A BucketReduceFn without staging (recipe parallel.gpu_direct): each
+// bucket's own memory is handed to the ring allreduce, whose transport
+// (UCX built with CUDA) moves device memory itself, and whose reduction
+// step is `reducer` (CUDA: a kernel on the bucket's device, trainer/device.h).
+// ready(flat) runs first on the backward thread and returns once the
+// bucket's gradients are in memory (CUDA: the compute stream synchronised);
+// empty: nothing to wait for (CPU tensors, as in the tests).
+BucketReduceFn direct_reduce(std::shared_ptr<const comm::Reducer> reducer,
+                             std::function<void(const Tensor& flat)> ready = {},
+                             DeviceStagingOptions options = {});
+
+// Allreduces t (contiguous, any device) in place through host memory: t is
+// copied to a host tensor (a CPU one too, so the CPU tests run this data
+// flow), allreduced there and copied back (Tensor::copy_ crosses devices and returns once the
+// copy is done). For small tensors off the bucket path (SyncBatchNorm's
+// statistics). Collective.
+void allreduce_through_host(comm::Communicator& comm, const Tensor& t,
+                            const comm::AllreduceOptions& options = {});
 
 // A BucketReduceFn staging every bucket through host memory with copier.
 // The function owns two threads (issue, completion), joined when the last

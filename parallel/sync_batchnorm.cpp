@@ -7,6 +7,8 @@
 #include "comm/collectives.h"
 #include "core/autograd.h"
 #include "core/cpu/loops.h"
+#include "core/ops.h"
+#include "parallel/device_staging.h"
 
 namespace trainer::parallel {
 namespace {
@@ -151,13 +153,112 @@ struct SyncBatchNormFn {
   }
 };
 
+// The same math with device-generic tensor ops (CUDA: its kernels), for x
+// on any device: the per-channel sums are computed where x lives, in f64,
+// and only the [2C + 1] / [2C] statistics cross to the host for the
+// allreduce (allreduce_through_host).
+struct SyncBatchNormOpsFn {
+  struct Saved {
+    Tensor x, gamma, mean, invstd;  // mean, invstd [1, C, 1, 1] f64 on x's device
+    double count = 0;
+    comm::Communicator* comm = nullptr;
+  };
+  static constexpr const char* name = "sync_batch_norm";
+
+  // [C] f64 tensors a and b (and a trailing extra value) summed over the ranks, on the host.
+  static std::vector<double> allreduce_pair(comm::Communicator& comm, const Tensor& a,
+                                            const Tensor& b, const double* extra) {
+    const int64_t C = a.numel();
+    Tensor host = empty({2 * C + (extra ? 1 : 0)}, DType::f64);
+    make_view(host, {C}, {1}, 0).copy_(a);
+    make_view(host, {C}, {1}, C).copy_(b);
+    if (extra) host.data<double>()[2 * C] = *extra;
+    allreduce_through_host(comm, host, {.op = comm::ReduceOp::sum});
+    return host.to_vector<double>();
+  }
+
+  static TensorList forward(Saved& s, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                            double eps, comm::Communicator* comm, double* count_out) {
+    const int64_t C = x.size(1), M = x.size(0) * x.size(2) * x.size(3);
+    const Device device = x.device();
+    Tensor xd = x.to(DType::f64);
+    double local_count = double(M);
+    std::vector<double> stats =
+        allreduce_pair(*comm, sum(xd, {0, 2, 3}), sum(mul(xd, xd), {0, 2, 3}), &local_count);
+    const double count = stats.back();
+    if (!(count > 1))
+      throw Error(cat(
+          "sync_batch_norm in training needs more than one value per channel over all ranks, got ",
+          count, " (this rank's input ", x.shape_str(), ")"));
+    std::vector<double> mu(static_cast<size_t>(C)), var = mu, inv = mu;
+    for (int64_t c = 0; c < C; ++c) {
+      mu[size_t(c)] = stats[size_t(c)] / count;
+      var[size_t(c)] = std::max(0.0, stats[size_t(C + c)] / count - mu[size_t(c)] * mu[size_t(c)]);
+      inv[size_t(c)] = 1.0 / std::sqrt(var[size_t(c)] + eps);
+    }
+    Tensor mean = from_vector(mu, {1, C, 1, 1}).to(device);
+    Tensor invstd = from_vector(inv, {1, C, 1, 1}).to(device);
+    Tensor scale = mul(invstd, gamma.to(DType::f64).reshape({1, C, 1, 1}));
+    Tensor out = add(mul(sub(xd, mean), scale), beta.to(DType::f64).reshape({1, C, 1, 1}));
+    Tensor mean_out = from_vector(mu).to(x.dtype()).to(device);
+    Tensor var_out = from_vector(var).to(x.dtype()).to(device);
+    s = Saved{x, gamma, mean, invstd, count, comm};
+    *count_out = count;
+    return {to_channels_last(out.to(x.dtype())), mean_out, var_out};
+  }
+
+  static TensorList backward(Saved& s, const TensorList& g, const autograd::GradMask& needs) {
+    const Tensor& x = s.x;
+    const int64_t C = x.size(1);
+    Tensor go = g[0].defined() ? g[0].to(DType::f64) : zeros(x.shape(), DType::f64, x.device());
+    Tensor xhat = mul(sub(x.to(DType::f64), s.mean), s.invstd);
+    Tensor sg = sum(go, {0, 2, 3}), sgx = sum(mul(go, xhat), {0, 2, 3});
+    Tensor gb = sg.to(s.gamma.dtype()), gg = sgx.to(s.gamma.dtype()), gx;
+    if (needs[0]) {
+      std::vector<double> sums = allreduce_pair(*s.comm, sg, sgx, nullptr);
+      std::vector<double> mean_g(static_cast<size_t>(C)), mean_gx = mean_g;
+      for (int64_t c = 0; c < C; ++c) {
+        mean_g[size_t(c)] = sums[size_t(c)] / s.count;
+        mean_gx[size_t(c)] = sums[size_t(C + c)] / s.count;
+      }
+      Tensor mg = from_vector(mean_g, {1, C, 1, 1}).to(x.device());
+      Tensor mgx = from_vector(mean_gx, {1, C, 1, 1}).to(x.device());
+      Tensor scale = mul(s.invstd, s.gamma.to(DType::f64).reshape({1, C, 1, 1}));
+      gx = to_channels_last(mul(sub(sub(go, mg), mul(xhat, mgx)), scale).to(x.dtype()));
+    }
+    return {gx, gg, gb};
+  }
+};
+
 }  // namespace
+
+BatchStatsResult sync_batch_norm_ops(comm::Communicator& comm, const Tensor& x, const Tensor& gamma,
+                                     const Tensor& beta, double eps, bool relu) {
+  auto floating = [](DType d) {
+    return d == DType::f32 || d == DType::f64 || d == DType::bf16 || d == DType::f16;
+  };
+  CHECK(x.dim() == 4 && floating(x.dtype()))
+      << "sync_batch_norm takes a floating [N, C, H, W] tensor, got " << x.shape_str() << " "
+      << x.dtype();
+  const int64_t C = x.size(1);
+  for (const Tensor* t : {&gamma, &beta})
+    CHECK(t->dim() == 1 && t->size(0) == C && t->dtype() == gamma.dtype() && floating(t->dtype()) &&
+          t->device() == x.device())
+        << "sync_batch_norm: per-channel tensor " << t->shape_str() << " " << t->dtype() << " on "
+        << t->device() << " for input " << x.shape_str() << " " << x.dtype() << " on "
+        << x.device();
+  double count = 0;
+  TensorList r = autograd::apply<SyncBatchNormOpsFn>(x, gamma, beta, eps, &comm, &count);
+  Tensor out = relu ? trainer::relu(r[0]) : r[0];
+  return {{out, r[1].detach(), r[2].detach()}, int64_t(std::llround(count))};
+}
 
 BatchStatsResult sync_batch_norm(comm::Communicator& comm, const Tensor& x, const Tensor& gamma,
                                  const Tensor& beta, double eps, bool relu) {
-  CHECK(x.dim() == 4 && x.device().is_cpu())
-      << "sync_batch_norm takes a CPU [N, C, H, W] tensor, got " << x.shape_str() << " on "
-      << x.device();
+  // Device tensors (a GPU): the tensor-op path, whose statistics are staged
+  // through host memory for the allreduce.
+  if (!x.device().is_cpu()) return sync_batch_norm_ops(comm, x, gamma, beta, eps, relu);
+  CHECK(x.dim() == 4) << "sync_batch_norm takes an [N, C, H, W] tensor, got " << x.shape_str();
   const int64_t C = x.size(1);
   for (const Tensor* t : {&gamma, &beta})
     CHECK(t->dim() == 1 && t->size(0) == C && t->dtype() == x.dtype() && t->is_contiguous())

@@ -32,11 +32,23 @@
 
 namespace trainer::parallel {
 
-// Batch normalisation of x [N, C, H, W] (f32 or f64, CPU) by the statistics
+// Batch normalisation of x [N, C, H, W] (f32 or f64) by the statistics
 // of every rank's x, relu after it when asked. result.mean/var are the global
 // mean and biased variance [C] (no gradient); count is the global M. Collective.
+// CPU tensors take the fused loops below; device tensors (a GPU) take
+// sync_batch_norm_ops.
 BatchStatsResult sync_batch_norm(comm::Communicator& comm, const Tensor& x, const Tensor& gamma,
                                  const Tensor& beta, double eps, bool relu = false);
+
+// The same normalisation with device-generic tensor ops (f64 sums where x
+// lives), the per-channel statistics staged through host memory for the
+// allreduce (allreduce_through_host, parallel/device_staging.h). What a GPU
+// runs; on CPU tensors it is the reference the tests hold the GPU path to.
+// x may also be bf16 or f16 (autocast) with gamma and beta of another
+// floating dtype: the math is f64, the output and statistics x's dtype, the
+// gamma and beta gradients theirs.
+BatchStatsResult sync_batch_norm_ops(comm::Communicator& comm, const Tensor& x, const Tensor& gamma,
+                                     const Tensor& beta, double eps, bool relu = false);
 
 // Makes every BatchNorm2d in model (itself included) normalise with
 // sync_batch_norm over comm, in place: names, parameters, buffers and the

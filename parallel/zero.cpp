@@ -18,16 +18,18 @@ struct ZeroOptimizer::Piece {
   int group = 0;
   int64_t begin = 0, end = 0;  // elements of the flattened parameter
   int64_t shard_offset = 0;    // element offset in the rank's block
-  Tensor value;  // [end - begin] view of the master block: the wrapped optimizer's parameter
-  Tensor grad;   // [end - begin] view of the reduced gradient block
+  Tensor value;      // [end - begin] view of the master block: the wrapped optimizer's parameter
+  Tensor grad;       // [end - begin] view of the reduced gradient block (the optimizer's)
+  Tensor host_grad;  // the same elements in the host buffer `flat` (== grad unless staged)
 };
 
 // Per segment: the flat buffer [world_size * shard_numel] that the gradients
 // are reduce-scattered in and the parameters all-gathered in, and this
 // rank's block of the parameters [shard_numel] that the optimizer updates.
 struct ZeroOptimizer::SegmentBuffers {
-  Tensor flat;
-  Tensor master;
+  Tensor flat;    // host
+  Tensor master;  // on the parameters' device
+  Tensor grad;    // staged: this rank's reduced block [shard_numel] on the parameters' device
   bool reduced = false;        // its gradients were reduced this step
   bool stepped = false;        // some parameter of it had a gradient this step
   std::vector<bool> has_grad;  // per parameter, this step
@@ -94,8 +96,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
       if (p.tensor.dtype() != dtype_)
         throw Error(cat("ZeRO-1: parameter '", p.name, "' is ", p.tensor.dtype(), " but '",
                         all.front().name, "' is ", dtype_, "; the sharded buffers hold one dtype"));
-      if (!p.tensor.is_contiguous() || !p.tensor.device().is_cpu())
-        throw Error(cat("ZeRO-1: parameter '", p.name, "' must be a contiguous CPU tensor"));
+      if (!p.tensor.is_contiguous())
+        throw Error(cat("ZeRO-1: parameter '", p.name, "' must be a contiguous tensor"));
+      if (all.empty()) device_ = p.tensor.device();
+      if (p.tensor.device() != device_)
+        throw Error(cat("ZeRO-1: parameter '", p.name, "' is on ", p.tensor.device(), " but '",
+                        all.front().name, "' is on ", device_,
+                        "; the sharded buffers live on one device"));
       all.push_back(p);
     }
   if (options_.buckets) {
@@ -106,11 +113,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   } else {
     segments_ = zero_segments({all}, world_size());
   }
+  staged_ = !device_.is_cpu() || options_.stage_through_host;
   buffers_.resize(segments_.size());
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
     buffers_[s].flat = zeros({seg.shard_numel * world_size()}, dtype_);
-    buffers_[s].master = zeros({seg.shard_numel}, dtype_);
+    buffers_[s].master = zeros({seg.shard_numel}, dtype_, device_);
+    if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
   }
   build_pieces(make_optimizer);
@@ -151,8 +160,10 @@ void ZeroOptimizer::build_pieces(const OptimizerFactory& make_optimizer) {
       piece.shard_offset = lo + piece.begin - first;
       int64_t n = piece.end - piece.begin;
       piece.value = make_view(buffers_[s].master, {n}, {1}, piece.shard_offset);
-      piece.grad = make_view(buffers_[s].flat, {n}, {1},
-                             int64_t(rank()) * seg.shard_numel + piece.shard_offset);
+      piece.host_grad = make_view(buffers_[s].flat, {n}, {1},
+                                  int64_t(rank()) * seg.shard_numel + piece.shard_offset);
+      piece.grad =
+          staged_ ? make_view(buffers_[s].grad, {n}, {1}, piece.shard_offset) : piece.host_grad;
       pieces.push_back(std::move(piece));
     }
   }
@@ -220,7 +231,10 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   CHECK(bucket.numel() == seg.numel && bucket.flat.dtype() == dtype_ && bucket.flat.is_contiguous())
       << "ZeRO-1: bucket " << bucket.index << " is " << bucket.flat.dtype() << " "
       << bucket.flat.shape_str() << ", the layout has " << seg.numel << " x " << dtype_;
-  std::memcpy(buf.flat.data_ptr(), bucket.flat.data_ptr(), byte_count(dtype_, seg.numel));
+  if (bucket.flat.device().is_cpu())
+    std::memcpy(buf.flat.data_ptr(), bucket.flat.data_ptr(), byte_count(dtype_, seg.numel));
+  else  // device -> host on the backward thread, after the bucket's gradients
+    make_view(buf.flat, {seg.numel}, {1}, 0).copy_(bucket.flat);
   std::memset(bytes_at(buf.flat, seg.numel), 0, byte_count(dtype_, buf.flat.numel() - seg.numel));
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
@@ -246,6 +260,11 @@ void ZeroOptimizer::reduce_gradients() {
   } else {
     reduce_standalone();
   }
+  // Staged: the reduced blocks go to the device, where the optimizer runs.
+  if (staged_)
+    for (size_t s = 0; s < segments_.size(); ++s)
+      buffers_[s].grad.copy_(make_view(buffers_[s].flat, {segments_[s].shard_numel}, {1},
+                                       int64_t(rank()) * segments_[s].shard_numel));
   for (SegmentBuffers& buf : buffers_)
     buf.stepped = std::find(buf.has_grad.begin(), buf.has_grad.end(), true) != buf.has_grad.end();
   // A piece of a parameter that has no gradient on any rank gets none: the optimizer skips it.
@@ -259,8 +278,9 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
   double sumsq = 0;
   for (const Piece& p : pieces_) {
     if (!p.value.grad().defined()) continue;
-    sumsq += dtype_ == DType::f64 ? sum_of_squares(p.grad.data<double>(), p.grad.numel())
-                                  : sum_of_squares(p.grad.data<float>(), p.grad.numel());
+    // The host copy of the block holds the same reduced values.
+    sumsq += dtype_ == DType::f64 ? sum_of_squares(p.host_grad.data<double>(), p.host_grad.numel())
+                                  : sum_of_squares(p.host_grad.data<float>(), p.host_grad.numel());
   }
   if (world_size() > 1)
     comm::allreduce(*comm_, &sumsq, 1, DType::f64,
@@ -281,7 +301,11 @@ void ZeroOptimizer::step() {
   // The block starts from the current parameters (a checkpoint may have replaced them).
   for (const Piece& p : pieces_) {
     const Tensor& param = segments_[size_t(p.segment)].params[size_t(p.param)].tensor;
-    std::memcpy(p.value.data_ptr(), bytes_at(param, p.begin), byte_count(dtype_, p.end - p.begin));
+    if (staged_)
+      Tensor(p.value).copy_(make_view(param, {p.end - p.begin}, {1}, param.offset() + p.begin));
+    else
+      std::memcpy(p.value.data_ptr(), bytes_at(param, p.begin),
+                  byte_count(dtype_, p.end - p.begin));
   }
   optimizer_->step();
   comm::CollectiveOptions ag = options_.collective;
@@ -290,12 +314,22 @@ void ZeroOptimizer::step() {
     SegmentBuffers& buf = buffers_[s];
     if (!buf.stepped) continue;  // the same on every rank: no parameter had a gradient
     char* block = bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel);
-    std::memcpy(block, buf.master.data_ptr(), byte_count(dtype_, seg.shard_numel));
+    if (staged_)
+      make_view(buf.flat, {seg.shard_numel}, {1}, int64_t(rank()) * seg.shard_numel)
+          .copy_(buf.master);
+    else
+      std::memcpy(block, buf.master.data_ptr(), byte_count(dtype_, seg.shard_numel));
     comm::allgather(*comm_, block, buf.flat.data_ptr(), byte_count(dtype_, seg.shard_numel), ag);
     for (size_t i = 0; i < seg.params.size(); ++i)
-      if (buf.has_grad[i])
-        std::memcpy(seg.params[i].tensor.data_ptr(), bytes_at(buf.flat, seg.offsets[i]),
-                    byte_count(dtype_, seg.params[i].tensor.numel()));
+      if (buf.has_grad[i]) {
+        Tensor param = seg.params[i].tensor;  // a handle on the model's tensor
+        if (staged_)
+          param.copy_(make_view(buf.flat, param.shape(), contiguous_strides(param.shape()),
+                                seg.offsets[i]));
+        else
+          std::memcpy(param.data_ptr(), bytes_at(buf.flat, seg.offsets[i]),
+                      byte_count(dtype_, param.numel()));
+      }
   }
   for (SegmentBuffers& buf : buffers_) buf.reduced = false;
   for (const Piece& p : pieces_) p.value.set_grad(Tensor());

@@ -28,6 +28,9 @@
 //                                          ZeroOptions{.buckets = &dp.buckets()});
 //   ... backward; dp.finish(); zero->step(); zero->zero_grad(); dp.zero_grad();
 //
+// Parameters on a GPU: the collectives run on host buffers; the optimizer
+// updates this rank's block on the GPU (ZeroOptions::stage_through_host).
+//
 // Layout (deterministic from the parameter list and the world size): without
 // buckets one segment holds the parameters of the groups in order; with
 // buckets each bucket is a segment in its own order. A segment of numel
@@ -93,6 +96,12 @@ struct ZeroOptions {
   // reduced in step().
   const std::vector<Bucket>* buckets = nullptr;
   comm::CollectiveOptions collective{};  // segment size and timeout of both collectives
+  // Parameters on a device (a GPU) are always staged: the collectives run on
+  // host buffers, the gradients are copied device -> host into them, the
+  // reduced block host -> device, where the wrapped optimizer updates the
+  // block, and the updated block back through the host for the all-gather.
+  // True stages CPU parameters the same way (tests of the GPU's data flow).
+  bool stage_through_host = false;
 };
 
 class ZeroOptimizer {
@@ -156,6 +165,8 @@ class ZeroOptimizer {
   std::vector<optim::ParamGroup> groups_;
   ZeroOptions options_;
   DType dtype_ = DType::f32;
+  Device device_;        // the parameters'
+  bool staged_ = false;  // the collectives' buffers are host copies of device ones
   std::vector<ZeroSegment> segments_;
   std::vector<SegmentBuffers> buffers_;  // per segment
   std::vector<Piece> pieces_;            // this rank's, in the wrapped optimizer's order

@@ -12,15 +12,23 @@
 //       Also checks the bucket layout, that overlap starts buckets during
 //       backward (or none with OVERLAP 0), and that only the final micro-step
 //       communicates (the timeline's allreduce spans).
+//   dp_worker reducer
+//       The ring allreduce with a caller's comm::Reducer (host arithmetic that
+//       counts its calls, scratch from its own allocation): every dtype, op
+//       and size must give the bits of the plain ring, the reducer must be
+//       called, and DataParallel through parallel::direct_reduce (the path of
+//       parallel.gpu_direct) must average the gradients as the default does.
 //   dp_worker kill VICTIM
 //       DataParallel training in which VICTIM SIGKILLs itself in the third
 //       backward; the others must get an Error naming it and exit 3.
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "comm/collectives.h"
@@ -28,6 +36,7 @@
 #include "models/small.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
+#include "parallel/device_staging.h"
 
 using namespace trainer;
 using namespace trainer::parallel;
@@ -156,6 +165,88 @@ int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, in
   return g_failures == 0 ? 0 : 1;
 }
 
+struct ReducerCalls {
+  std::atomic<int> reduce{0}, scale{0}, scratch{0};
+};
+
+std::shared_ptr<const comm::Reducer> counting_reducer(std::shared_ptr<ReducerCalls> calls) {
+  auto r = std::make_shared<comm::Reducer>();
+  r->reduce = [calls](void* dst, const void* src, size_t count, DType dtype, comm::ReduceOp op) {
+    ++calls->reduce;
+    comm::reduce_into(dst, src, count, dtype, op);
+  };
+  r->scale = [calls](void* data, size_t count, DType dtype, double factor) {
+    ++calls->scale;
+    comm::scale(data, count, dtype, factor);
+  };
+  r->scratch = [calls](size_t bytes) {
+    ++calls->scratch;
+    return std::shared_ptr<void>(::operator new(bytes), [](void* p) { ::operator delete(p); });
+  };
+  return r;
+}
+
+int run_reducer(const std::shared_ptr<comm::Communicator>& world) {
+  const int n = world->size(), rank = world->rank();
+  for (DType dtype : {DType::f32, DType::f64, DType::bf16})
+    for (comm::ReduceOp op : {comm::ReduceOp::sum, comm::ReduceOp::avg, comm::ReduceOp::max})
+      for (int64_t count : {1, 7, 1000, 70000}) {
+        std::string what = cat("reducer ", dtype, " ", comm::reduce_op_name(op), " x ", count);
+        Generator gen(77, uint64_t(rank));
+        Tensor x = normal({count}, 0.0, 1.0, gen).to(dtype);
+        Tensor plain = x.clone(), hooked = x.clone();
+        comm::allreduce(
+            *world, plain.data_ptr(), size_t(count), dtype,
+            {.op = op, .algorithm = comm::AllreduceAlgorithm::ring, .segment_bytes = 4096});
+        auto calls = std::make_shared<ReducerCalls>();
+        // `automatic` would pick shared memory; the reducer forces the ring.
+        comm::allreduce(*world, hooked.data_ptr(), size_t(count), dtype,
+                        {.op = op, .segment_bytes = 4096, .reducer = counting_reducer(calls)});
+        ++g_checks;
+        if (std::memcmp(plain.data_ptr(), hooked.data_ptr(), plain.nbytes()) != 0) {
+          std::printf("rank %d: %s: mismatch with the plain ring\n", rank, what.c_str());
+          ++g_failures;
+        }
+        if (n > 1) {
+          // Every rank reduces n - 1 received chunks (empty ones are skipped).
+          expect(count < n || calls->reduce >= n - 1,
+                 cat(what, ": the reducer reduced ", int(calls->reduce), " segments"));
+          expect(calls->scratch == 1, cat(what, ": ", int(calls->scratch), " scratch buffers"));
+          expect(calls->scale == (op == comm::ReduceOp::avg ? 1 : 0),
+                 cat(what, ": ", int(calls->scale), " scalings"));
+        }
+      }
+  // DataParallel through direct_reduce against its default reduction.
+  auto calls = std::make_shared<ReducerCalls>();
+  int readies = 0;
+  auto plain_model = make_mlp(1), direct_model = make_mlp(1);
+  DataParallelOptions options;
+  options.bucket_bytes = 1024;
+  options.first_bucket_bytes = 256;
+  DataParallel plain(plain_model, world, options);
+  options.reduce = direct_reduce(counting_reducer(calls), [&](const Tensor&) { ++readies; });
+  DataParallel direct(direct_model, world, options);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto [x, y] = global_batch(step * n + rank, kBatch);
+    cross_entropy(plain(x), y).backward();
+    cross_entropy(direct(x), y).backward();
+    plain.finish();
+    direct.finish();
+    std::vector<NamedTensor> a = direct_model->named_parameters(),
+                             e = plain_model->named_parameters();
+    for (size_t i = 0; i < a.size(); ++i)
+      expect_close(cat("direct_reduce step ", step, ": gradient of ", a[i].name),
+                   a[i].tensor.grad(), e[i].tensor.grad());
+    plain.zero_grad();
+    direct.zero_grad();
+  }
+  expect(readies == 3 * int(direct.buckets().size()),
+         cat(readies, " ready calls for 3 steps of ", direct.buckets().size(), " buckets"));
+  expect(n == 1 || calls->reduce > 0, "direct_reduce used the reducer");
+  std::printf("rank %d: %d checks, %d failed\n", rank, g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
+
 int run_kill(const std::shared_ptr<comm::Communicator>& world, int victim) {
   auto model = make_mlp(1);
   DataParallel dp(model, world, {.bucket_bytes = 4096, .first_bucket_bytes = 4096});
@@ -187,10 +278,12 @@ int main(int argc, char** argv) {
       return run_equiv(world, std::atoi(argv[2]) != 0, std::atoll(argv[3]),
                        size_t(std::atoll(argv[4])));
     if (mode == "kill" && argc == 3) return run_kill(world, std::atoi(argv[2]));
+    if (mode == "reducer" && argc == 2) return run_reducer(world);
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());
     return 2;
   }
-  std::fprintf(stderr, "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES | kill VICTIM\n");
+  std::fprintf(stderr,
+               "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES | kill VICTIM | reducer\n");
   return 64;
 }

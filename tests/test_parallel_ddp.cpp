@@ -122,6 +122,22 @@ void check_equivalence(int nproc, const std::string& overlap, const std::string&
   CHECK(o.output.find(" 0 failed") != std::string::npos);
 }
 
+TEST_CASE("ddp: the ring allreduce with a caller's Reducer, and direct_reduce, 2 and 3 ranks",
+          "[parallel][dp][mp]") {
+  // The hook of parallel.gpu_direct (device memory reduced by a device
+  // kernel), run with a host reducer that counts its calls.
+  for (int nproc : {2, 3}) {
+    INFO(nproc << " ranks");
+    Outcome o = launch_worker(nproc, {"reducer"});
+    INFO(o.output);
+    REQUIRE(o.code == 0);
+    for (int r = 0; r < nproc; ++r)
+      CHECK(o.output.find(cat("rank ", r, ": ")) != std::string::npos);
+    CHECK(o.output.find(" 0 failed") != std::string::npos);
+    CHECK(o.output.find("mismatch") == std::string::npos);
+  }
+}
+
 // The MLP recipe with SGD (whose update is linear in the gradient, so dp=1
 // and dp=2 agree to rounding), 32 samples per step.
 std::vector<std::string> trainer_args(const fs::path& out, std::vector<std::string> extra) {

@@ -67,3 +67,11 @@ TEST_CASE("zero: SyncBatchNorm matches BatchNorm2d on the concatenated batch, 2 
     check_ranks(n, "syncbn");
   }
 }
+
+TEST_CASE("zero: ZeRO-1 and SyncBatchNorm through the GPU's host staging match, 2 ranks",
+          "[parallel][zero][syncbn][staging][mp]") {
+  // CPU tensors taking the data flow of GPU ones: ZeRO-1's buffers staged
+  // through host copies and the optimizer on the "device" block; SyncBatchNorm
+  // by tensor ops with its statistics allreduced through host copies.
+  check_ranks(2, "zero_staged zero_ddp_staged syncbn_ops");
+}

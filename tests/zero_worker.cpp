@@ -12,6 +12,10 @@
 //   zero_worker zero_ddp  ZeRO-1 on DataParallel's buckets (reduce-scatter in backward)
 //                         against DataParallel's allreduce with the plain optimizer
 //   zero_worker syncbn    SyncBatchNorm (uneven per-rank batches) against BatchNorm2d
+//   zero_worker zero_staged zero_ddp_staged syncbn_ops
+//                         the same through the GPU's data flow on CPU tensors: ZeRO-1
+//                         with ZeroOptions::stage_through_host, SyncBatchNorm by
+//                         sync_batch_norm_ops (statistics staged through host copies)
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -189,11 +193,18 @@ void compare_state(const std::string& what, const ZeroOptimizer& zero, const opt
               elements == total);
 }
 
+// The scenarios' variant: the GPU's data flow (staged through host copies).
+bool g_staged = false;
+
+ZeroOptions zero_options(const std::vector<Bucket>* buckets = nullptr) {
+  return ZeroOptions{.buckets = buckets, .stage_through_host = g_staged};
+}
+
 void check_zero_equivalence(comm::Communicator& world, std::shared_ptr<comm::Communicator> comm,
                             const std::string& kind, const Factory& factory) {
   const int n = comm->size(), r = comm->rank();
   Replica mine = make_replica(), ref = make_replica();
-  ZeroOptimizer zero(comm, mine.groups, factory);
+  ZeroOptimizer zero(comm, mine.groups, factory, zero_options());
   std::unique_ptr<optim::Optimizer> plain = factory(ref.groups);
   const int steps = 4;
   for (int64_t t = 0; t < steps; ++t) {
@@ -224,7 +235,7 @@ void check_zero_equivalence(comm::Communicator& world, std::shared_ptr<comm::Com
   std::vector<NamedTensor> saved;
   for (const NamedTensor& e : zero.state()) saved.push_back({e.name, e.tensor.clone()});
   Replica restored = clone_replica(mine);
-  ZeroOptimizer resumed(comm, restored.groups, factory);
+  ZeroOptimizer resumed(comm, restored.groups, factory, zero_options());
   resumed.load_state(saved);
   resumed.set_lr(zero.lr());  // the lr is the schedule's (trainer state), not optimizer state
   for (int64_t t = steps; t < steps + 2; ++t) {
@@ -265,7 +276,7 @@ void check_zero_equivalence(comm::Communicator& world, std::shared_ptr<comm::Com
   std::shared_ptr<comm::Communicator> sub = world.split(color, world.rank());
   if (sub) {
     Replica other = make_replica();
-    ZeroOptimizer smaller(sub, other.groups, factory);
+    ZeroOptimizer smaller(sub, other.groups, factory, zero_options());
     std::vector<NamedTensor> small_state = smaller.state();
     bool same_rank = sub->rank() == r;
     expect_error(
@@ -316,7 +327,7 @@ int run_zero_ddp(comm::Communicator& world) {
   DataParallel zero_dp(zero_model, comm, zero_dpo);
   Factory factory = adamw_factory();
   zero = std::make_shared<ZeroOptimizer>(comm, split_groups(*zero_model), factory,
-                                         ZeroOptions{.buckets = &zero_dp.buckets()});
+                                         zero_options(&zero_dp.buckets()));
   std::unique_ptr<optim::Optimizer> plain = factory(split_groups(*ref_model));
   expect_true(cat("zero_ddp: ", zero_dp.buckets().size(), " buckets"),
               zero_dp.buckets().size() >= 2);
@@ -366,6 +377,22 @@ std::shared_ptr<ConvBn> make_conv_bn() {
   return m;
 }
 
+// convert_sync_batchnorm, or (g_staged) the same with sync_batch_norm_ops.
+int convert_bn(Module& model, std::shared_ptr<comm::Communicator> comm) {
+  if (!g_staged) return convert_sync_batchnorm(model, comm);
+  int converted = 0;
+  model.apply([&](Module& m) {
+    auto* bn = dynamic_cast<BatchNorm2d*>(&m);
+    if (!bn) return;
+    bn->set_batch_stats_norm(
+        [comm](const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, bool relu) {
+          return sync_batch_norm_ops(*comm, x, gamma, beta, eps, relu);
+        });
+    ++converted;
+  });
+  return converted;
+}
+
 int run_syncbn(comm::Communicator& world) {
   std::shared_ptr<comm::Communicator> comm = world.split(0, world.rank());
   const int n = comm->size(), r = comm->rank();
@@ -379,8 +406,7 @@ int run_syncbn(comm::Communicator& world) {
   auto ref = make_conv_bn(), mine = make_conv_bn();
   std::vector<std::string> names_before;
   for (const NamedTensor& p : mine->state()) names_before.push_back(p.name);
-  expect_true("convert_sync_batchnorm converts the one BatchNorm2d",
-              convert_sync_batchnorm(*mine, comm) == 1);
+  expect_true("convert_sync_batchnorm converts the one BatchNorm2d", convert_bn(*mine, comm) == 1);
   std::vector<std::string> names_after;
   for (const NamedTensor& p : mine->state()) names_after.push_back(p.name);
   expect_true("conversion keeps the state names", names_before == names_after);
@@ -426,7 +452,7 @@ int run_syncbn(comm::Communicator& world) {
   // are the global ones over the number of ranks.
   {
     auto ddp_model = make_conv_bn();
-    convert_sync_batchnorm(*ddp_model, comm);
+    convert_bn(*ddp_model, comm);
     DataParallelOptions dpo;
     dpo.first_bucket_bytes = 16;  // a bucket per parameter: reductions start in backward
     dpo.bucket_bytes = 16;
@@ -468,6 +494,15 @@ int main(int argc, char** argv) {
         boot, {.timeout = comm::Millis(60000), .connect_timeout = comm::Millis(30000)});
     for (int i = 1; i < argc; ++i) {
       std::string scenario = argv[i];
+      const std::string staged_suffix = "_staged";
+      g_staged =
+          scenario == "syncbn_ops" || (scenario.size() > staged_suffix.size() &&
+                                       scenario.compare(scenario.size() - staged_suffix.size(),
+                                                        staged_suffix.size(), staged_suffix) == 0);
+      if (g_staged)
+        scenario = scenario == "syncbn_ops"
+                       ? "syncbn"
+                       : scenario.substr(0, scenario.size() - staged_suffix.size());
       if (scenario == "zero") {
         run_zero(*world);
       } else if (scenario == "zero_ddp") {
@@ -475,7 +510,9 @@ int main(int argc, char** argv) {
       } else if (scenario == "syncbn") {
         run_syncbn(*world);
       } else {
-        std::fprintf(stderr, "usage: zero_worker [zero] [zero_ddp] [syncbn]\n");
+        std::fprintf(stderr,
+                     "usage: zero_worker [zero] [zero_ddp] [syncbn] [zero_staged] "
+                     "[zero_ddp_staged] [syncbn_ops]\n");
         return 2;
       }
     }

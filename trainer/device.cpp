@@ -5,6 +5,7 @@
 
 #include "comm/bootstrap.h"
 #include "core/autograd.h"
+#include "core/ops.h"
 
 #if TRAINER_HAVE_CUDA
 #include "core/cuda/cuda_check.h"
@@ -40,6 +41,32 @@ Device resolve_device(const Recipe& r, int local_rank, const DeviceAvailability&
   return Device{kCUDA, local_rank};
 }
 
+void check_device_parallel(const Recipe& r, Device device, int world_size, bool ucx_cuda) {
+  // ZeRO-1 and SyncBatchNorm stage GPU tensors through host memory
+  // (parallel/zero.h, parallel/sync_batchnorm.h), as plain data parallelism
+  // does by default. Only the direct path has conditions.
+  (void)world_size;
+  if (r.parallel.gpu_direct != "on") return;
+  if (!device.is_cuda())
+    throw Error(cat(r.source, ": parallel.gpu_direct: on hands GPU memory to UCX, but the device ",
+                    "is ", device, "; use device: cuda or parallel.gpu_direct: off"));
+  if (!ucx_cuda)
+    throw Error(cat(r.source, ": parallel.gpu_direct: on, but this process's UCX does not ",
+                    "report CUDA memory support (UCX built without CUDA, or its cuda ",
+                    "transports not loadable; see `trainer info`); use parallel.gpu_direct: auto ",
+                    "or off to stage through pinned host buffers"));
+  if (r.parallel.zero1)
+    throw Error(cat(r.source, ": parallel.gpu_direct: on with parallel.zero1: ZeRO-1's ",
+                    "reduce-scatter and all-gather stage through host memory; use ",
+                    "parallel.gpu_direct: auto or off"));
+}
+
+bool uses_gpu_direct(const Recipe& r, Device device, int world_size, bool ucx_cuda) {
+  const std::string& mode = r.parallel.gpu_direct;
+  return device.is_cuda() && world_size > 1 && !r.parallel.zero1 &&
+         (mode == "on" || (mode == "auto" && ucx_cuda));
+}
+
 void make_device_current(Device device) {
 #if TRAINER_HAVE_CUDA
   if (device.is_cuda()) cuda::set_device(device.index);
@@ -54,11 +81,9 @@ Device training_device(const Recipe& r, int world_size) {
   if (r.device == "cuda")
     local_rank = comm::detect_bootstrap(comm::process_environment()).local_rank;
   Device device = resolve_device(r, local_rank, device_availability());
-  if (device.is_cuda() && world_size > 1 && (r.parallel.zero1 || r.parallel.sync_bn))
-    throw Error(cat(r.source, ": device: cuda with ", world_size, " data-parallel ranks and ",
-                    r.parallel.zero1 ? "parallel.zero1" : "parallel.sync_bn",
-                    ": on GPUs data parallelism stages plain gradient buckets through host "
-                    "memory; ZeRO-1 and SyncBatchNorm run on CPU tensors only for now"));
+  // Asks UCX (a context of its own) only when the recipe cares.
+  check_device_parallel(r, device, world_size,
+                        r.parallel.gpu_direct != "off" && parallel::ucx_supports_cuda_memory());
   make_device_current(device);
   return device;
 }
@@ -155,6 +180,64 @@ std::shared_ptr<parallel::BucketCopier> cuda_bucket_copier(Device device) {
   CHECK(device.is_cuda()) << "cuda_bucket_copier for " << device;
   cuda::DeviceGuard guard(device.index);
   return std::make_shared<CudaBucketCopier>(device.index);
+}
+
+namespace {
+
+// A tensor over count elements at p on device, not owning them.
+Tensor wrap_memory(void* p, size_t count, DType dtype, Device device) {
+  const size_t bytes = count * dtype_size(dtype);
+  std::shared_ptr<Storage> storage(new Storage{DataPtr(p, BlockDeleter{}), bytes, device},
+                                   [](Storage* s) {
+                                     (void)s->data.release();  // the caller's memory
+                                     delete s;
+                                   });
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->shape = {int64_t(count)};
+  impl->strides = {1};
+  impl->dtype = dtype;
+  impl->device = device;
+  return Tensor(impl);
+}
+
+}  // namespace
+
+std::shared_ptr<const comm::Reducer> cuda_reducer(Device device) {
+  CHECK(device.is_cuda()) << "cuda_reducer for " << device;
+  auto r = std::make_shared<comm::Reducer>();
+  // On the communicator's progress thread: its current stream of the device.
+  r->reduce = [device](void* dst, const void* src, size_t count, DType dtype, comm::ReduceOp op) {
+    cuda::DeviceGuard guard(device.index);
+    autograd::NoGradGuard no_grad;
+    Tensor d = wrap_memory(dst, count, dtype, device);
+    Tensor s = wrap_memory(const_cast<void*>(src), count, dtype, device);
+    if (op == comm::ReduceOp::max)
+      d.copy_(maximum(d, s));
+    else
+      add_(d, s);
+    CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(device.index)));
+  };
+  r->scale = [device](void* data, size_t count, DType dtype, double factor) {
+    cuda::DeviceGuard guard(device.index);
+    autograd::NoGradGuard no_grad;
+    mul_(wrap_memory(data, count, dtype, device), factor);
+    CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(device.index)));
+  };
+  r->scratch = [device](size_t bytes) -> std::shared_ptr<void> {
+    cuda::DeviceGuard guard(device.index);
+    Tensor t = empty({int64_t(std::max<size_t>(bytes, 1))}, DType::u8, device);
+    return std::shared_ptr<void>(t.data_ptr(), [t](void*) {});
+  };
+  return r;
+}
+
+parallel::BucketReduceFn gpu_direct_reduce(Device device) {
+  CHECK(device.is_cuda()) << "gpu_direct_reduce for " << device;
+  // The bucket is complete in the compute stream's order: wait for it there.
+  return parallel::direct_reduce(cuda_reducer(device), [device](const Tensor&) {
+    CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(device.index)));
+  });
 }
 #endif
 

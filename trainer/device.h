@@ -38,11 +38,24 @@ DeviceAvailability device_availability();
 // Error naming r.source and the key `device` and saying what to do.
 Device resolve_device(const Recipe& r, int local_rank, const DeviceAvailability& available);
 
+// Whether the recipe's parallel settings run on device with world_size
+// data-parallel ranks, ucx_cuda saying whether UCX moves CUDA memory
+// (parallel::ucx_supports_cuda_memory); an Error naming r.source and the key
+// otherwise. On GPUs plain data parallelism, parallel.zero1 and
+// parallel.sync_bn stage through host memory; parallel.gpu_direct: on needs
+// device: cuda, UCX with CUDA support, and no parallel.zero1 (whose
+// reduce-scatter and all-gather are staged).
+void check_device_parallel(const Recipe& r, Device device, int world_size, bool ucx_cuda);
+
+// Whether the gradient buckets go to the collectives as device memory
+// (parallel::direct_reduce with cuda_reducer) rather than staged: on, or
+// auto where UCX moves CUDA memory; only on a GPU with several ranks and
+// without ZeRO-1. Assumes check_device_parallel passed.
+bool uses_gpu_direct(const Recipe& r, Device device, int world_size, bool ucx_cuda);
+
 // resolve_device for this process (its local rank from the launcher's
-// environment), and makes a GPU current for this thread. Data parallelism
-// on GPUs (world_size > 1) is refused with an Error for now: DataParallel
-// keeps its gradient buckets on the CPU (parallel/ddp.cpp), and the staged
-// reduction below is not yet wired into trainer/distributed.cpp.
+// environment), checked by check_device_parallel, and makes a GPU current
+// for this thread.
 Device training_device(const Recipe& r, int world_size = 1);
 
 // Makes device current for this thread (a GPU; nothing for the CPU).
@@ -71,6 +84,17 @@ Tensor to_device(const Tensor& t, Device device);
 // device -> pinned host on a comm stream of its own, after an event recorded
 // on the compute stream when the bucket became ready, and back.
 std::shared_ptr<parallel::BucketCopier> cuda_bucket_copier(Device device);
+
+// The ring allreduce's reduction on device memory of `device` (recipe
+// parallel.gpu_direct): the elementwise op of the received segment into the
+// bucket by a CUDA kernel on the calling thread's stream, synchronised before
+// it returns; receive scratch from the device's caching allocator.
+std::shared_ptr<const comm::Reducer> cuda_reducer(Device device);
+
+// DataParallelOptions::reduce for parallel.gpu_direct: each bucket's device
+// memory allreduced in place (parallel::direct_reduce) once the compute
+// stream has produced it.
+parallel::BucketReduceFn gpu_direct_reduce(Device device);
 #endif
 
 }  // namespace trainer

@@ -84,12 +84,21 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   o.bucket_bytes = size_t(recipe.parallel.bucket_mb) << 20;
   o.overlap = recipe.parallel.overlap;
   o.timeline = timeline_.get();
+  // ZeRO-1 stages GPU buckets itself (its collectives run on host buffers,
+  // parallel/zero.h). Plain GPU gradients: each bucket copied to pinned host
+  // memory on a comm stream, allreduced there and copied back
+  // (parallel/device_staging.h). SyncBatchNorm stages its statistics.
   if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
-    // GPU gradients: each bucket copied to pinned host memory on a comm
-    // stream, allreduced there and copied back (parallel/device_staging.h).
 #if TRAINER_HAVE_CUDA
   const Device device = module_device(*model);
-  if (device.is_cuda()) o.reduce = parallel::staged_reduce(cuda_bucket_copier(device));
+  // parallel.gpu_direct: the buckets' device memory goes to UCX, reduced by
+  // a CUDA kernel (trainer/device.h); checked by training_device.
+  const bool direct =
+      recipe.parallel.gpu_direct != "off" &&
+      uses_gpu_direct(recipe, device, dist.world_size, parallel::ucx_supports_cuda_memory());
+  if (device.is_cuda() && !sharded)
+    o.reduce =
+        direct ? gpu_direct_reduce(device) : parallel::staged_reduce(cuda_bucket_copier(device));
 #endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dist.world, o);
   if (!sharded) return;

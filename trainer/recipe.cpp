@@ -211,6 +211,7 @@ std::vector<Field> schema(Recipe& r) {
       bool_field("parallel.overlap", &p.overlap),
       bool_field("parallel.zero1", &p.zero1),
       bool_field("parallel.sync_bn", &p.sync_bn),
+      string_field("parallel.gpu_direct", &p.gpu_direct, {"auto", "on", "off"}),
 
       string_field("precision", &r.precision, {"fp32", "bf16", "fp16"}),
       float_field("loss_scaler.init_scale", &r.loss_scaler.init_scale, 1e-30, 1e30),

@@ -100,6 +100,9 @@ struct ParallelRecipe {
   bool overlap = true;  // allreduce buckets during backward (false: after it)
   bool zero1 = false;
   bool sync_bn = false;
+  // GPU gradient buckets handed to UCX as device memory (reduced by a CUDA
+  // kernel) instead of staged through pinned host buffers: auto | on | off.
+  std::string gpu_direct = "off";
 };
 
 // Dynamic loss scaling of precision: fp16 (optim/loss_scaler.h; unused otherwise).

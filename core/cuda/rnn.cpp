@@ -23,8 +23,8 @@
 // when training return the record, one u8 tensor holding the weight space
 // then the reserve space: the backward runs on the very weights and reserve
 // of its forward. Workspaces come from the caching allocator. cuDNN's
-// backward data rewrites the reserve space, so a record serves one backward
-// (autograd runs each node's backward once).
+// backward data rewrites the reserve space, so a record serves one backward:
+// a second one (autograd's retain_graph) is an Error (ConsumedRecords).
 //
 // dtypes: f32 (cuDNN's default math: TF32 tensor cores where the GPU has
 // them, as the matmul), f16 (f32 math, tensor cores), f64. bf16 runs on f32
@@ -38,6 +38,7 @@
 #include <mutex>
 #include <vector>
 
+#include "core/cuda/consumed_records.h"
 #include "core/cuda/cuda_backend.h"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/kernel_scope.h"
@@ -92,6 +93,7 @@ struct RnnState {
   std::mutex mu;
   std::map<int, cudnnHandle_t> handles;
   std::map<std::vector<int64_t>, std::unique_ptr<RnnPlan>> plans;
+  ConsumedRecords consumed;  // records whose reserve space a backward rewrote
 };
 
 RnnState& state() {
@@ -319,6 +321,7 @@ void rnn_backward(Backend& be, Cell cell, cudaStream_t stream, const LayerIo& io
     CHECK(record.defined() && record.dtype() == DType::u8 &&
           size_t(record.numel()) == p.record_bytes())
         << op << ": the record is not from a CUDA training forward of this shape";
+    s.consumed.take(record, op);
     char* space = static_cast<char*>(record.data_ptr());
     char* reserve = space + align_up(p.weight_bytes);
     Tensor work = empty({int64_t(p.train_work)}, DType::u8, device);
