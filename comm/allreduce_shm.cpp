@@ -102,8 +102,9 @@ void allreduce_pipelined(ShmChannel::Turn& turn, int n, int rank, char* data, si
     const Range sub = part_of({0, block.count}, n, rank);
     const size_t offset = sub.begin * element_bytes, sub_bytes = sub.count * element_bytes;
     char* out = data + (block.begin + sub.begin) * element_bytes;
-    std::memcpy(out, turn.area(0, index) + offset, sub_bytes);
-    for (int p = 1; p < n; ++p)
+    reduce_pair(out, turn.area(0, index) + offset, turn.area(1, index) + offset, sub.count, dtype,
+                op);
+    for (int p = 2; p < n; ++p)
       reduce_into(out, turn.area(p, index) + offset, sub.count, dtype, op);
     if (op == ReduceOp::avg) scale(out, sub.count, dtype, 1.0 / n);
     std::memcpy(mine + offset, out, sub_bytes);

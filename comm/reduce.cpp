@@ -30,6 +30,20 @@ void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp
   });
 }
 
+void reduce_pair(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op) {
+  dispatch_floating(dtype, "reduce", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* __restrict d = static_cast<T*>(dst);
+    const T* x = static_cast<const T*>(a);
+    const T* y = static_cast<const T*>(b);
+    if (op == ReduceOp::max) {
+      for (size_t i = 0; i < count; ++i) d[i] = store_as<T>(std::max(load(x[i]), load(y[i])));
+    } else {
+      for (size_t i = 0; i < count; ++i) d[i] = store_as<T>(load(x[i]) + load(y[i]));
+    }
+  });
+}
+
 void scale(void* data, size_t count, DType dtype, double factor) {
   dispatch_floating(dtype, "scale", [&](auto tag) {
     using T = typename decltype(tag)::type;

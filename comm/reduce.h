@@ -19,6 +19,8 @@ std::string_view reduce_op_name(ReduceOp op);
 
 // dst[i] = dst[i] (op) src[i] for i < count; dst and src do not overlap.
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
+// dst[i] = a[i] (op) b[i] for i < count; dst overlaps neither.
+void reduce_pair(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
 // data[i] *= factor.
 void scale(void* data, size_t count, DType dtype, double factor);
 

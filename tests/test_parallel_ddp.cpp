@@ -361,7 +361,10 @@ TEST_CASE("ddp: dp=2 evaluates each validation image once, with rank 0's batch-n
 TEST_CASE("ddp: resuming under dp=2 reproduces the uninterrupted run bit for bit",
           "[parallel][mp]") {
   fs::path straight = fresh("straight"), resumed = fresh("resumed");
-  std::vector<std::string> extra = {"training.steps=40"};
+  // Enough steps that the SIGTERM sent at step 5 lands mid-run on a fast
+  // machine too (the MLP runs up to ~1700 steps/s here).
+  const int steps = 400;
+  std::vector<std::string> extra = {cat("training.steps=", steps)};
   std::vector<std::string> traced = trainer_args(straight, extra);
   traced.push_back("--trace");
   Outcome a = finish(start(launched(traced)), 120);
@@ -382,7 +385,7 @@ TEST_CASE("ddp: resuming under dp=2 reproduces the uninterrupted run bit for bit
   // SIGTERM to the launcher reaches both ranks (at different steps); they
   // agree on one step, checkpoint it and exit 0 (the launcher: 128 + 15).
   Child b1 = start(launched(trainer_args(resumed, extra)));
-  REQUIRE(wait_for_output(b1, "step 10/40", 60));
+  REQUIRE(wait_for_output(b1, cat("step 5/", steps), 60));
   ::kill(b1.pid, SIGTERM);
   Outcome b1_out = finish(b1, 60);
   INFO(b1_out.output);
@@ -391,7 +394,7 @@ TEST_CASE("ddp: resuming under dp=2 reproduces the uninterrupted run bit for bit
   std::optional<std::string> mid =
       CheckpointDir((resumed / "checkpoints").string(), 100).latest_complete();
   REQUIRE(mid);
-  REQUIRE(fs::path(*mid).filename().string() < CheckpointDir::step_name(40));
+  REQUIRE(fs::path(*mid).filename().string() < CheckpointDir::step_name(steps));
 
   std::vector<std::string> resume = trainer_args(resumed, extra);
   resume.insert(resume.end(), {"--resume", "auto"});
@@ -399,7 +402,7 @@ TEST_CASE("ddp: resuming under dp=2 reproduces the uninterrupted run bit for bit
   INFO(b2.output);
   REQUIRE(b2.code == 0);
   REQUIRE(b2.output.find("resumed from") != std::string::npos);
-  const std::string last = CheckpointDir::step_name(40);
+  const std::string last = CheckpointDir::step_name(steps);
   CHECK(read_file((straight / "checkpoints" / last / "model.safetensors").string()) ==
         read_file((resumed / "checkpoints" / last / "model.safetensors").string()));
   CHECK(read_file((straight / "checkpoints" / last / "optimizer.safetensors").string()) ==

@@ -68,8 +68,10 @@ void check_resume_equivalence(const std::string& recipe, std::vector<std::string
 }  // namespace
 
 TEST_CASE("train: SIGTERM checkpoints, and resuming the MLP is bit-identical", "[train]") {
+  // 400 steps: the SIGTERM sent at step 5 must land mid-run on a fast machine
+  // too (the MLP runs ~1000 steps/s at one thread).
   check_resume_equivalence("fmnist_mlp.yaml", {"training.global_batch=32", "training.log_every=5"},
-                           40, "step 10/40");
+                           400, "step 5/400");
 }
 
 TEST_CASE("train: resuming the CNN (batch norm, dropout, grad accumulation) is bit-identical",
@@ -77,7 +79,7 @@ TEST_CASE("train: resuming the CNN (batch norm, dropout, grad accumulation) is b
   check_resume_equivalence(
       "fmnist_cnn.yaml",
       {"training.global_batch=32", "training.grad_accum=2", "training.log_every=5"}, 30,
-      "step 10/30");
+      "step 5/30");
 }
 
 TEST_CASE("train: bad recipes and arguments fail with a message, not a crash", "[train]") {
