@@ -19,6 +19,7 @@
 //   bench_dp                                  # both models, overlap on
 //   bench_dp --case resnet18_64 --steps 10 --no-overlap --trace /tmp/dp.json
 //   bench_dp --low-priority-progress   # DataParallelOptions::low_priority_progress
+//   bench_dp --cross-memory            # large allreduces by process_vm_readv
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -52,6 +53,7 @@ struct Settings {
   int warmup = 3;
   bool overlap = true;
   bool low_priority_progress = false;
+  bool cross_memory = false;  // AllreduceOptions::cross_memory (shm direct path)
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -79,6 +81,8 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
         DataParallelOptions{.bucket_bytes = s.bucket_mb << 20,
                             .overlap = s.overlap,
                             .low_priority_progress = s.low_priority_progress,
+                            .allreduce = {.op = comm::ReduceOp::avg,
+                                          .cross_memory = s.cross_memory},
                             .timeline = &timeline});
   }
   Generator gen(uint64_t(rank) + 1);
@@ -212,12 +216,15 @@ int main(int argc, char** argv) {
       s.overlap = false;
     else if (a == "--low-priority-progress")
       s.low_priority_progress = true;
+    else if (a == "--cross-memory")
+      s.cross_memory = true;
     else if (a == "--no-torch")
       torch = false;
     else {
       std::fprintf(stderr,
                    "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--bucket-mb N] "
-                   "[--no-overlap] [--low-priority-progress] [--trace FILE] [--no-torch]\n");
+                   "[--no-overlap] [--low-priority-progress] [--cross-memory] [--trace FILE] "
+                   "[--no-torch]\n");
       return 2;
     }
   }
