@@ -44,7 +44,7 @@ namespace trainer::comm {
 class ShmChannel {
  public:
   // Bytes of each of a rank's two staging areas.
-  static constexpr size_t kStagingBytes = size_t(256) << 10;
+  static constexpr size_t kStagingBytes = size_t(1) << 20;
   // Phases of one operation: 1 .. kMaxPhase.
   static constexpr uint32_t kMaxPhase = 65535;
 

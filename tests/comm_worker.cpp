@@ -21,9 +21,11 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "comm/collectives.h"
+#include "comm/shm_channel.h"
 
 using namespace trainer;
 using namespace trainer::comm;
@@ -120,8 +122,13 @@ void check_all_allreduces(Communicator& comm) {
     }
   for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
     std::vector<AllreduceOptions> large = shm_variants(op);
-    for (size_t v = 1; v < large.size(); ++v) check_allreduce<T>(comm, 600011, large[v]);
+    // At least three staging blocks for every dtype (the areas are reused).
+    const size_t count = ShmChannel::kStagingBytes * 5 / 4 + 11;
+    for (size_t v = 1; v < large.size(); ++v) check_allreduce<T>(comm, count, large[v]);
   }
+  // Above 16 MiB the pipelined way moves quarter-area blocks.
+  if constexpr (std::is_same_v<T, float>)
+    check_allreduce<T>(comm, (size_t(16) << 20) / sizeof(float) + 12345, shm_variants(ReduceOp::avg)[1]);
 }
 
 void check_reduce_scatter(Communicator& comm, size_t count) {
