@@ -78,12 +78,12 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   if (world) {
     dp = std::make_unique<DataParallel>(
         model, world,
-        DataParallelOptions{.bucket_bytes = s.bucket_mb << 20,
-                            .overlap = s.overlap,
-                            .low_priority_progress = s.low_priority_progress,
-                            .allreduce = {.op = comm::ReduceOp::avg,
-                                          .cross_memory = s.cross_memory},
-                            .timeline = &timeline});
+        DataParallelOptions{
+            .bucket_bytes = s.bucket_mb << 20,
+            .overlap = s.overlap,
+            .low_priority_progress = s.low_priority_progress,
+            .allreduce = {.op = comm::ReduceOp::avg, .cross_memory = s.cross_memory},
+            .timeline = &timeline});
   }
   Generator gen(uint64_t(rank) + 1);
   Tensor images = normal({c.batch, c.size, c.size, c.channels}, 0, 1, gen).permute({0, 3, 1, 2});

@@ -128,7 +128,8 @@ void check_all_allreduces(Communicator& comm) {
   }
   // Above 16 MiB the pipelined way moves quarter-area blocks.
   if constexpr (std::is_same_v<T, float>)
-    check_allreduce<T>(comm, (size_t(16) << 20) / sizeof(float) + 12345, shm_variants(ReduceOp::avg)[1]);
+    check_allreduce<T>(comm, (size_t(16) << 20) / sizeof(float) + 12345,
+                       shm_variants(ReduceOp::avg)[1]);
 }
 
 void check_reduce_scatter(Communicator& comm, size_t count) {
