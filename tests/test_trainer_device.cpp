@@ -31,15 +31,6 @@ Recipe device_recipe(const std::string& device) {
   return parse_recipe("model:\n  name: small_cnn\ndevice: " + device + "\n", "dev.yaml");
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }

@@ -24,15 +24,6 @@ using namespace trainer::testing;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 Recipe parallel_recipe(const std::string& parallel) {
   return parse_recipe("model:\n  name: small_cnn\ndevice: cuda\nparallel:\n" + parallel,
                       "gpu.yaml");

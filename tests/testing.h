@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <sstream>
+#include <string>
 
 #include "core/ops.h"
 // Catch2 has its own CHECK: project headers come first (their inline code is
@@ -20,6 +21,16 @@
 namespace trainer::testing {
 
 using Fn = std::function<Tensor(const TensorList&)>;
+
+// The message of the trainer::Error that f throws; empty when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 inline Tensor rand_tensor(const Shape& shape, Generator& gen, double lo = -1.0, double hi = 1.0,
                           DType dtype = DType::f32) {
