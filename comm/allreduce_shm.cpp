@@ -7,7 +7,7 @@
 //   synchronisation; a rank reuses its area two operations later, after every
 //   peer has moved past the operation that read it (wait_previous).
 // pipelined (large, the default): the buffer moves in blocks (block_bytes:
-//   a whole 1 MiB staging area up to 16 MiB, fewer steps; a quarter above,
+//   a whole 1 MiB staging area up to 64 MiB, fewer steps; a quarter above,
 //   so a block, its area and the peer's stay in L2 while a large buffer
 //   streams through), alternating between a rank's two areas. Per block: every rank
 //   copies its block into its area (phase "copied"); rank r folds sub-block r
@@ -83,11 +83,15 @@ void allreduce_direct(ShmChannel::Turn& turn, int n, int rank, char* data, size_
   turn.wait_all(3);
 }
 
-// Measured with bench_allreduce on 2 ranks (1 MiB against 256 KiB blocks,
-// alternated): 1.3-2x faster from 1 to 8 MiB, even at 16-32 MiB, 10-15%
-// slower at 256 MiB.
+// Every block costs two waits for all peers. Measured on 2 ranks, 1 MiB
+// against 256 KiB blocks: alone (bench_allreduce, alternated) 1.3-2x faster
+// from 1 to 8 MiB, even at 16-32 MiB, 10-15% slower at 256 MiB; overlapped
+// with backward on busy cores (bench_dp --trace), where each wait costs a
+// scheduling delay, ResNet-18's 28 MB bucket took 104-110 ms against
+// 160-179, and the wait after backward fell from ~9 ms to ~2 ms.
 size_t block_bytes(size_t bytes) {
-  return bytes <= (size_t(16) << 20) ? ShmChannel::kStagingBytes : ShmChannel::kStagingBytes / 4;
+  return bytes <= ShmChannel::kWholeAreaMaxBytes ? ShmChannel::kStagingBytes
+                                                 : ShmChannel::kStagingBytes / 4;
 }
 
 // Phases: 1 posted; block k: 2 + 2k copied, 3 + 2k reduced; 2 + 2 * blocks done.

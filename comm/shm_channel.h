@@ -45,6 +45,9 @@ class ShmChannel {
  public:
   // Bytes of each of a rank's two staging areas.
   static constexpr size_t kStagingBytes = size_t(1) << 20;
+  // The pipelined allreduce moves whole areas up to this many bytes, quarter
+  // areas above (comm/allreduce_shm.cpp).
+  static constexpr size_t kWholeAreaMaxBytes = size_t(64) << 20;
   // Phases of one operation: 1 .. kMaxPhase.
   static constexpr uint32_t kMaxPhase = 65535;
 

@@ -97,7 +97,8 @@ struct DataParallel::Impl {
 namespace {
 
 // Reverse registration order, a bucket closing once it holds its cap (the
-// first one smaller) or before a parameter of another dtype.
+// first one smaller), before a parameter of another dtype, or where the
+// last bucket (the leading parameters up to last_bucket_bytes) begins.
 std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions& options) {
   std::vector<NamedTensor> params;
   for (const NamedTensor& p : module.named_parameters()) {
@@ -111,13 +112,20 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
         << "; gradients off the CPU need DataParallelOptions::reduce (staged_reduce)";
     params.push_back(p);
   }
+  // params[0, tail) form the last bucket, if that leaves some for the others.
+  size_t tail = 0, tail_bytes = 0;
+  while (tail < params.size() &&
+         (tail == 0 || tail_bytes + params[tail].tensor.nbytes() <= options.last_bucket_bytes))
+    tail_bytes += params[tail++].tensor.nbytes();
+  if (options.last_bucket_bytes == 0 || tail == params.size()) tail = 0;
   std::vector<std::vector<NamedTensor>> groups;
   size_t bytes = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     const size_t cap = groups.size() <= 1 ? options.first_bucket_bytes : options.bucket_bytes;
     const bool new_dtype =
         !groups.empty() && groups.back().back().tensor.dtype() != it->tensor.dtype();
-    if (groups.empty() || bytes >= cap || new_dtype) {
+    const bool tail_starts = size_t(params.rend() - it) == tail;
+    if (groups.empty() || bytes >= cap || new_dtype || tail_starts) {
       groups.emplace_back();
       bytes = 0;
     }

@@ -6,7 +6,9 @@
 // grouped into buckets in reverse registration order (the order backward
 // produces their gradients), each bucket a flat buffer of at most
 // bucket_bytes (the first one smaller, first_bucket_bytes, so communication
-// starts early). Each parameter's grad() is a view into its bucket's buffer,
+// starts early; and the last one, the first-registered parameters up to
+// last_bucket_bytes, whose gradients come at the very end of backward, on
+// its own, so the reduction nothing can hide is small). Each parameter's grad() is a view into its bucket's buffer,
 // so the reduction needs no copies. A gradient hook on every parameter
 // counts the gradients of the step; once all of a bucket's have arrived its
 // reduction (allreduce, averaged over the ranks) starts on the
@@ -68,6 +70,9 @@ using BucketReduceFn = std::function<comm::Work(comm::Communicator&, const Bucke
 struct DataParallelOptions {
   size_t bucket_bytes = size_t(25) << 20;
   size_t first_bucket_bytes = size_t(1) << 20;  // the last layers' bucket, reduced first
+  // The first layers' bucket, reduced last: the leading parameters up to this
+  // size (at least one) when the rest are left for other buckets; 0: none.
+  size_t last_bucket_bytes = size_t(1) << 20;
   bool overlap = true;             // false: reduce every bucket in finish(), after backward
   bool broadcast_at_start = true;  // parameters and buffers from rank 0
   // The communicator's progress thread polls (spins) while it waits for

@@ -94,6 +94,7 @@ int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, in
   DataParallel dp(model, world,
                   {.bucket_bytes = bucket_bytes,
                    .first_bucket_bytes = bucket_bytes,
+                   .last_bucket_bytes = bucket_bytes,
                    .overlap = overlap,
                    .timeline = &timeline});
   for (const NamedTensor& p : model->named_parameters()) {
@@ -120,6 +121,18 @@ int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, in
   }
   expect(next == 0 && bucket_sum == model->num_parameters(),
          "the buckets do not cover every parameter exactly once");
+  // The last bucket holds just the leading parameters up to last_bucket_bytes
+  // (at least one), unless they are all of them.
+  size_t lead = 0, lead_bytes = 0;
+  while (lead < params.size() &&
+         (lead == 0 || lead_bytes + params[lead].tensor.nbytes() <= bucket_bytes))
+    lead_bytes += params[lead++].tensor.nbytes();
+  if (lead < params.size())
+    expect(dp.buckets().back().params.size() == lead,
+           cat("the last bucket holds ", dp.buckets().back().params.size(), " parameters, not the ",
+               lead, " leading ones within ", bucket_bytes, " bytes"));
+  else
+    expect(dp.buckets().size() == 1, "a model within one bucket is not split");
 
   const optim::SGDOptions sgd{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3};
   optim::SGD opt({{model->named_parameters()}}, sgd);
