@@ -10,12 +10,14 @@
 //
 //   trainer launch --nproc-per-node 2 --program build/bench_allreduce -- [--min-bytes B]
 //   [--max-bytes B] [--no-failure-detection] [--algorithm ring|recursive-doubling|shm]
-//   [--cross-memory] [--no-shared-memory]
+//   [--cross-memory] [--no-shared-memory] [--shared-buffer]
 //
 // Ranks on one host reduce through the communicator's shared-memory channel
 // (comm/shm_channel.h: small messages staged, large ones pipelined through the
 // segment, or with --cross-memory read from the peers' buffers by
-// process_vm_readv); --no-shared-memory (CommOptions::shared_memory) keeps
+// process_vm_readv; with --shared-buffer the buffer lies in a shared region,
+// comm/shm_region.h, as data parallelism's buckets do, and large messages are
+// reduced in place in the peers' buffers); --no-shared-memory (CommOptions::shared_memory) keeps
 // them on UCX shared memory (posix fifos, cma), and --algorithm forces one.
 // Local peers' processes are watched through pidfds (see comm/transport.h);
 // --no-failure-detection turns the watching off (CommOptions::detect_peer_failure)
@@ -58,15 +60,15 @@ struct Timing {
   double cpu_seconds;  // mean CPU time per allreduce, the busiest rank's
 };
 
-Timing time_allreduce(Communicator& world, std::vector<float>& data, size_t bytes,
+Timing time_allreduce(Communicator& world, float* data, size_t bytes,
                       const AllreduceOptions& options) {
   const size_t count = bytes / sizeof(float);
-  allreduce(world, data.data(), count, DType::f32, options);  // warm-up: connections, pages
+  allreduce(world, data, count, DType::f32, options);  // warm-up: connections, pages
   barrier(world);
   const int iters = iterations(bytes);
   auto start = std::chrono::steady_clock::now();
   double cpu_start = cpu_seconds();
-  for (int i = 0; i < iters; ++i) allreduce(world, data.data(), count, DType::f32, options);
+  for (int i = 0; i < iters; ++i) allreduce(world, data, count, DType::f32, options);
   double mean[2] = {Seconds(std::chrono::steady_clock::now() - start).count() / iters,
                     (cpu_seconds() - cpu_start) / iters};
   allreduce(world, mean, 2, DType::f64, {.op = ReduceOp::max});
@@ -124,6 +126,7 @@ int main(int argc, char** argv) {
     size_t min_bytes = 1024, max_bytes = size_t(256) << 20;
     CommOptions options;
     AllreduceOptions allreduce_options;
+    bool shared_buffer = false;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       if (a == "--min-bytes")
@@ -136,19 +139,27 @@ int main(int argc, char** argv) {
         options.shared_memory = false;
       else if (a == "--cross-memory")
         allreduce_options.cross_memory = true;
+      else if (a == "--shared-buffer")
+        shared_buffer = true;
       else if (a == "--algorithm" && i + 1 < argc)
         allreduce_options.algorithm = parse_algorithm(argv[++i]);
       else
-        throw Error(cat("unknown argument ", a,
-                        "; use --min-bytes B --max-bytes B --no-failure-detection --algorithm "
-                        "ring|recursive-doubling|shm --cross-memory --no-shared-memory"));
+        throw Error(
+            cat("unknown argument ", a,
+                "; use --min-bytes B --max-bytes B --no-failure-detection --algorithm "
+                "ring|recursive-doubling|shm --cross-memory --no-shared-memory --shared-buffer"));
     }
     Bootstrap boot = detect_bootstrap();
     const int n = boot.world_size;
     std::vector<std::pair<size_t, Timing>> ours;
     {
       auto world = init_world(boot, options);
-      std::vector<float> data(max_bytes / sizeof(float), 1.0f);
+      std::vector<float> private_data(shared_buffer ? 0 : max_bytes / sizeof(float), 1.0f);
+      std::shared_ptr<ShmRegion> region = shared_buffer ? world->share_memory(max_bytes) : nullptr;
+      if (shared_buffer && !region)
+        throw Error("--shared-buffer: no shared region (ranks on several hosts, or no channel)");
+      float* data = region ? reinterpret_cast<float*>(region->local()) : private_data.data();
+      std::fill(data, data + max_bytes / sizeof(float), 1.0f);
       for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2)
         ours.emplace_back(bytes, time_allreduce(*world, data, bytes, allreduce_options));
       barrier(*world);
@@ -163,9 +174,10 @@ int main(int argc, char** argv) {
                     ? "peer failure detection on (local peers: shared memory + pidfd)"
                     : "peer failure detection off (--no-failure-detection)");
     std::printf(
-        "# algorithm %s%s%s\n", std::string(algorithm_name(allreduce_options.algorithm)).c_str(),
+        "# algorithm %s%s%s%s\n", std::string(algorithm_name(allreduce_options.algorithm)).c_str(),
         options.shared_memory ? "" : ", no shared-memory channel",
-        allreduce_options.cross_memory ? ", shm large messages by cross-memory attach" : "");
+        allreduce_options.cross_memory ? ", shm large messages by cross-memory attach" : "",
+        shared_buffer ? ", buffer in a shared region (large messages reduced in place)" : "");
     std::printf("# copy bound: single-thread memcpy %.2f GB/s\n", copy);
     std::printf("# %12s %11s | %10s %9s %9s %10s | %10s %9s %9s | %7s\n", "bytes", "count",
                 "time(us)", "algbw", "busbw", "cpu(us)", "mpi(us)", "algbw", "busbw", "speedup");

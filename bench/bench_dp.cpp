@@ -6,6 +6,9 @@
 //   scaling efficiency = throughput(dp=2) / (2 x throughput(dp=1))
 //   hidden fraction    = allreduce time overlapping backward / allreduce time
 //   exposed            = time waiting in DataParallel::finish() / dp=2 step time
+//   pair efficiency    = throughput of two independent dp=1 processes run at
+//                        once / (2 x throughput(dp=1) alone): the limit that
+//                        sharing the machine sets, whatever the communication
 // (all from rank 0; the last two from the timeline's spans, parallel/trace.h).
 // On a machine whose cores are all busy, efficiency also drops because the
 // second rank's compute has no core of its own; "exposed" isolates what
@@ -20,6 +23,7 @@
 //   bench_dp --case resnet18_64 --steps 10 --no-overlap --trace /tmp/dp.json
 //   bench_dp --low-priority-progress   # DataParallelOptions::low_priority_progress
 //   bench_dp --cross-memory            # large allreduces by process_vm_readv
+//   bench_dp --no-shared-buckets       # buckets in private memory, copied through staging
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,7 +57,8 @@ struct Settings {
   int warmup = 3;
   bool overlap = true;
   bool low_priority_progress = false;
-  bool cross_memory = false;  // AllreduceOptions::cross_memory (shm direct path)
+  bool cross_memory = false;   // AllreduceOptions::cross_memory (shm direct path)
+  bool shared_buckets = true;  // DataParallelOptions::shared_buckets (in-place allreduce)
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -81,6 +86,7 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
         DataParallelOptions{
             .bucket_bytes = s.bucket_mb << 20,
             .overlap = s.overlap,
+            .shared_buckets = s.shared_buckets,
             .low_priority_progress = s.low_priority_progress,
             .allreduce = {.op = comm::ReduceOp::avg, .cross_memory = s.cross_memory},
             .timeline = &timeline});
@@ -137,38 +143,47 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   return r;
 }
 
-// Runs `world` ranks of case c as child processes; rank 0's result.
-bool run_world(const ImageCase& c, const Settings& s, int world_size, RankResult& out) {
+// Runs `processes` copies of case c as child processes, joined as the ranks
+// of one data-parallel world or (joined false) as independent dp=1 runs at
+// the same time; every process's result, in rank order.
+bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined,
+               std::vector<RankResult>& out) {
   int fd[2];
   if (pipe(fd) != 0) return false;
   const int port = 21000 + int(::getpid() % 20000);
   std::vector<pid_t> pids;
-  for (int r = 0; r < world_size; ++r) {
+  for (int r = 0; r < processes; ++r) {
     pid_t pid = fork();
     if (pid == 0) {
       close(fd[0]);
       set_num_threads(1);
       std::shared_ptr<comm::Communicator> world;
-      if (world_size > 1) {
+      if (joined && processes > 1) {
         comm::Bootstrap boot;
         boot.launcher = comm::Launcher::torchrun;
         boot.rank = r;
-        boot.world_size = world_size;
+        boot.world_size = processes;
         boot.local_rank = r;
-        boot.local_world_size = world_size;
+        boot.local_world_size = processes;
         boot.master_port = port;
         boot.job_token = "bench_dp";
         boot.log_level = comm::LogLevel::warn;
         world = comm::init_world(boot);
       }
-      RankResult res = run_rank(c, s, world);
-      if (r == 0 && write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
+      const std::pair<int, RankResult> res{r, run_rank(c, s, world)};
+      if (write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
       _exit(0);
     }
     pids.push_back(pid);
   }
   close(fd[1]);
-  bool ok = read(fd[0], &out, sizeof out) == sizeof out;
+  out.assign(size_t(processes), RankResult{});
+  bool ok = true;
+  for (int i = 0; i < processes && ok; ++i) {
+    std::pair<int, RankResult> res;
+    ok = read(fd[0], &res, sizeof res) == sizeof res && res.first >= 0 && res.first < processes;
+    if (ok) out[size_t(res.first)] = res.second;
+  }
   close(fd[0]);
   for (pid_t pid : pids) {
     int status = 0;
@@ -218,42 +233,57 @@ int main(int argc, char** argv) {
       s.low_priority_progress = true;
     else if (a == "--cross-memory")
       s.cross_memory = true;
+    else if (a == "--no-shared-buckets")
+      s.shared_buckets = false;
     else if (a == "--no-torch")
       torch = false;
     else {
       std::fprintf(stderr,
                    "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--bucket-mb N] "
-                   "[--no-overlap] [--low-priority-progress] [--cross-memory] [--trace FILE] "
-                   "[--no-torch]\n");
+                   "[--no-overlap] [--low-priority-progress] [--cross-memory] "
+                   "[--no-shared-buckets] [--trace FILE] [--no-torch]\n");
       return 2;
     }
   }
   std::printf(
       "dp=1 vs dp=2, 1 thread per rank, same per-rank batch, median of %d steps; "
-      "overlap %s, buckets of %zu MB\n",
-      s.steps, s.overlap ? "on" : "off", s.bucket_mb);
+      "overlap %s, buckets of %zu MB%s\n",
+      s.steps, s.overlap ? "on" : "off", s.bucket_mb,
+      s.shared_buckets ? " (shared, reduced in place)" : " (private, copied through staging)");
   // exposed = the step's wait in finish() (communication not hidden) over the dp=2 step time.
-  std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %10s %7s\n", "case", "batch",
+  // pair eff = two independent dp=1 processes at once over 2 x dp=1 alone: the
+  // machine's own limit for two ranks; of pair = efficiency / pair eff.
+  std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s | %10s %7s\n", "case", "batch",
               "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms", "hidden", "exposed",
-              "torch eff", "hidden");
+              "pair eff", "of pair", "torch eff", "hidden");
   for (const ImageCase& c : kCases) {
     if (!only.empty() && only != c.name) continue;
-    RankResult one, two;
-    if (!run_world(c, s, 1, one) || !run_world(c, s, 2, two)) {
+    std::vector<RankResult> ones, twos, pair;
+    if (!run_world(c, s, 1, true, ones) || !run_world(c, s, 2, true, twos) ||
+        !run_world(c, s, 2, false, pair)) {
       std::printf("%-13s: a rank failed\n", c.name);
       return 1;
     }
+    const RankResult &one = ones[0], &two = twos[0];
     const double sps1 = double(c.batch) / one.step_seconds;
     const double sps2 = 2.0 * double(c.batch) / two.step_seconds;
+    // Two independent dp=1 processes at once: what sharing the machine alone allows.
+    const double pair_eff =
+        (double(c.batch) / pair[0].step_seconds + double(c.batch) / pair[1].step_seconds) /
+        (2.0 * sps1);
     char torch_cols[48] = "         -       -";
     double teff = 0, thidden = 0;
     if (torch && measure_torch(c, s, teff, thidden))
       std::snprintf(torch_cols, sizeof torch_cols, "%9.1f%% %6.1f%%", 100 * teff, 100 * thidden);
-    std::printf("%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %s\n", c.name,
-                (long long)c.batch, sps1, sps2, 100.0 * sps2 / (2.0 * sps1), 1e3 * two.comm_seconds,
-                1e3 * two.backward_seconds,
-                two.comm_seconds > 0 ? 100.0 * two.hidden_seconds / two.comm_seconds : 0.0,
-                100.0 * two.finish_seconds / two.step_seconds, torch_cols);
+    const double eff = sps2 / (2.0 * sps1);
+    std::printf(
+        "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% | "
+        "%s\n",
+        c.name, (long long)c.batch, sps1, sps2, 100.0 * eff, 1e3 * two.comm_seconds,
+        1e3 * two.backward_seconds,
+        two.comm_seconds > 0 ? 100.0 * two.hidden_seconds / two.comm_seconds : 0.0,
+        100.0 * two.finish_seconds / two.step_seconds, 100.0 * pair_eff, 100.0 * eff / pair_eff,
+        torch_cols);
     std::fflush(stdout);
   }
   return 0;

@@ -121,6 +121,27 @@ ShmChannel* Communicator::shm() {
   return shm_.get();
 }
 
+std::shared_ptr<ShmRegion> Communicator::share_memory(size_t bytes) {
+  ShmChannel* channel = shm();
+  if (!channel) return nullptr;
+  const uint64_t id = ++regions_created_;  // alike on every rank: creation is collective
+  std::vector<long> pids;
+  for (int r = 0; r < size(); ++r) pids.push_back(channel->pid(r));
+  // Disjoint communicators may share an id: the members make the key unique.
+  std::string key = cat("shm-region/", id_, "/", id, "/");
+  for (int world : members_) key += cat(world, ",");
+  std::string why;
+  std::shared_ptr<ShmRegion> region =
+      ShmRegion::create(*world_->store, pids, rank_, key + "/", id, bytes, &why);
+  if (!region) {
+    COMM_LOG(LogLevel::info, "communicator ", id_, ": no shared region of ", bytes, " bytes (", why,
+             "); collectives copy through the staging areas");
+    return nullptr;
+  }
+  channel->add_region(region);
+  return region;
+}
+
 Request Communicator::isend(int peer, uint32_t tag, const void* data, size_t bytes) {
   CHECK(peer >= 0 && peer < size() && peer != rank_) << "send to rank " << peer << " of " << size();
   CHECK(tag < (1u << kTagSeqBits)) << "point-to-point tag " << tag;

@@ -76,6 +76,11 @@ class Communicator {
   // options().shared_memory), else null. Created on the first call, which is
   // collective: every rank makes it at the same point of its issue order.
   ShmChannel* shm();
+  // Collective: a shared region (comm/shm_region.h) of bytes per rank that
+  // every member maps, registered with the shared-memory channel so that
+  // collectives on buffers inside it run in place. Null (on every rank)
+  // without a channel or when a rank cannot map it: use ordinary memory then.
+  std::shared_ptr<ShmRegion> share_memory(size_t bytes);
 
  private:
   friend std::shared_ptr<Communicator> init_world(const Bootstrap& boot,
@@ -91,6 +96,7 @@ class Communicator {
   std::atomic<uint32_t> seq_{0};
   std::mutex shm_mutex_;
   bool shm_created_ = false;
+  uint64_t regions_created_ = 0;
   std::unique_ptr<ShmChannel> shm_;  // before progress_: outlives the thread that may use it
   std::unique_ptr<ProgressThread> progress_;
 };

@@ -76,6 +76,9 @@ struct alignas(64) ShmChannel::Slot {
   // rank may post the next one while a peer still checks this one's size.
   std::atomic<uint64_t> address[2];
   std::atomic<uint64_t> bytes[2];
+  // Where the buffer lies in a shared region: the region's id (0: none) and the offset.
+  std::atomic<uint64_t> region[2];
+  std::atomic<uint64_t> region_offset[2];
   uint64_t probe;          // kProbeValue, read by the peers' probe
   uint64_t probe_address;  // where probe lives in the rank's address space
 };
@@ -179,10 +182,28 @@ ShmChannel::Turn::~Turn() {
   channel_.turn_cv_.notify_all();
 }
 
-void ShmChannel::Turn::post(const void* data, size_t bytes) {
+void ShmChannel::add_region(const std::shared_ptr<ShmRegion>& region) {
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  std::erase_if(regions_, [](const std::weak_ptr<ShmRegion>& r) { return r.expired(); });
+  regions_.push_back(region);
+}
+
+std::shared_ptr<ShmRegion> ShmChannel::find_region(const void* data, size_t bytes) {
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  for (const std::weak_ptr<ShmRegion>& weak : regions_)
+    if (std::shared_ptr<ShmRegion> region = weak.lock(); region && region->contains(data, bytes))
+      return region;
+  return nullptr;
+}
+
+void ShmChannel::Turn::post(const void* data, size_t bytes, uint64_t region,
+                            uint64_t region_offset) {
   Slot& mine = channel_.slot(channel_.rank_);
-  mine.address[ticket_ % 2].store(reinterpret_cast<uint64_t>(data), std::memory_order_relaxed);
-  mine.bytes[ticket_ % 2].store(bytes, std::memory_order_relaxed);
+  const int parity = int(ticket_ % 2);
+  mine.address[parity].store(reinterpret_cast<uint64_t>(data), std::memory_order_relaxed);
+  mine.bytes[parity].store(bytes, std::memory_order_relaxed);
+  mine.region[parity].store(region, std::memory_order_relaxed);
+  mine.region_offset[parity].store(region_offset, std::memory_order_relaxed);
 }
 
 void ShmChannel::Turn::publish(uint32_t phase) {
@@ -197,11 +218,21 @@ void ShmChannel::Turn::wait_all(uint32_t phase) {
     if (p == channel_.rank_) continue;
     wait_stage(p, stage_of(ticket_, phase), "to reach the same step of the operation");
     if (phase != 1) continue;
-    const uint64_t theirs = channel_.slot(p).bytes[ticket_ % 2].load(std::memory_order_relaxed),
-                   ours = mine.bytes[ticket_ % 2].load(std::memory_order_relaxed);
+    const Slot& peer = channel_.slot(p);
+    const int parity = int(ticket_ % 2);
+    const uint64_t theirs = peer.bytes[parity].load(std::memory_order_relaxed),
+                   ours = mine.bytes[parity].load(std::memory_order_relaxed);
     if (theirs != ours)
       fail(p, cat("it passed ", theirs, " bytes, this rank ", ours,
                   "; do all ranks pass the same count?"));
+    const uint64_t their_region = peer.region[parity].load(std::memory_order_relaxed),
+                   our_region = mine.region[parity].load(std::memory_order_relaxed),
+                   their_offset = peer.region_offset[parity].load(std::memory_order_relaxed),
+                   our_offset = mine.region_offset[parity].load(std::memory_order_relaxed);
+    if (their_region != our_region || their_offset != our_offset)
+      fail(p, cat("its buffer lies in shared region ", their_region, " at offset ", their_offset,
+                  ", this rank's in region ", our_region, " at offset ", our_offset,
+                  " (0: none); every rank must place the buffer alike"));
   }
 }
 

@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/shm_region.h"
 #include "comm/store.h"
 #include "comm/transport.h"
 
@@ -64,6 +65,15 @@ class ShmChannel {
   int size() const { return int(members_.size()); }
   // Taken when an operation is issued; operations run in ticket order.
   uint64_t take_ticket() { return next_ticket_.fetch_add(1) + 1; }
+  // The process of rank r.
+  long pid(int r) const { return pids_[size_t(r)]; }
+
+  // Shared regions (comm/shm_region.h) of this communicator: an operation on
+  // a buffer inside one reads the peers' buffers where they lie. The channel
+  // holds them weakly: a region lives as long as its users keep it.
+  void add_region(const std::shared_ptr<ShmRegion>& region);
+  // The live region whose local part holds [data, data + bytes), or null.
+  std::shared_ptr<ShmRegion> find_region(const void* data, size_t bytes);
 
   // One operation's hold on the channel, from waiting for its turn to the end.
   class Turn {
@@ -75,12 +85,13 @@ class ShmChannel {
 
     uint64_t ticket() const { return ticket_; }
     // Announces this rank's buffer for the operation (read by peers through
-    // read_peer once they see phase >= 1) and the operation's byte count.
-    void post(const void* data, size_t bytes);
+    // read_peer once they see phase >= 1), the operation's byte count and
+    // where the buffer lies in a shared region (region id 0: in none).
+    void post(const void* data, size_t bytes, uint64_t region = 0, uint64_t region_offset = 0);
     // Sets this rank's stage to (ticket, phase), phase <= kMaxPhase, and wakes sleeping peers.
     void publish(uint32_t phase);
     // Waits until every peer's stage reaches (ticket, phase); for phase 1 also
-    // checks that every peer posted the same byte count.
+    // checks that every peer posted the same byte count and region placement.
     void wait_all(uint32_t phase);
     // Waits until every peer has finished the operation before this one
     // (reached phase 1 of this ticket - 1), so this rank's staging area of
@@ -120,6 +131,8 @@ class ShmChannel {
   std::mutex turn_mutex_;
   std::condition_variable turn_cv_;
   uint64_t turn_ = 1;
+  std::mutex regions_mutex_;
+  std::vector<std::weak_ptr<ShmRegion>> regions_;
 };
 
 }  // namespace trainer::comm

@@ -11,7 +11,7 @@
 namespace trainer {
 
 void BlockDeleter::operator()(void* p) const {
-  if (p) allocator->release(p, bytes);
+  if (p && allocator) allocator->release(p, bytes);  // no allocator: external memory
 }
 
 namespace {

@@ -75,12 +75,17 @@ void* Tensor::data_ptr() const {
 
 // ---- factories ----
 
-Tensor empty(const Shape& shape, DType dtype, Device device) {
+namespace {
+
+// A contiguous tensor over a new storage of shape's bytes, whose memory
+// attach(storage) provides.
+template <class Attach>
+Tensor contiguous_tensor(const Shape& shape, DType dtype, Device device, Attach&& attach) {
   for (int64_t d : shape) CHECK_GE(d, 0) << "negative size in shape " << shape_str(shape);
   auto storage = std::make_shared<Storage>();
   storage->bytes = size_t(shape_numel(shape)) * dtype_size(dtype);
   storage->device = device;
-  storage->data = allocator(device).allocate(storage->bytes);
+  attach(*storage);
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::move(storage);
   impl->shape = shape;
@@ -88,6 +93,22 @@ Tensor empty(const Shape& shape, DType dtype, Device device) {
   impl->dtype = dtype;
   impl->device = device;
   return Tensor(std::move(impl));
+}
+
+}  // namespace
+
+Tensor empty(const Shape& shape, DType dtype, Device device) {
+  return contiguous_tensor(shape, dtype, device, [&](Storage& storage) {
+    storage.data = allocator(device).allocate(storage.bytes);
+  });
+}
+
+Tensor from_external(void* data, const Shape& shape, DType dtype, Device device,
+                     std::shared_ptr<void> owner) {
+  return contiguous_tensor(shape, dtype, device, [&](Storage& storage) {
+    storage.data = DataPtr(data, BlockDeleter{nullptr, storage.bytes});
+    storage.owner = std::move(owner);
+  });
 }
 
 Tensor full(const Shape& shape, double value, DType dtype, Device device) {

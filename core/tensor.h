@@ -42,9 +42,10 @@ using TensorList = std::vector<Tensor>;
 using GradHook = std::function<void(const Tensor&)>;
 
 struct Storage {
-  DataPtr data;
+  DataPtr data;  // null allocator: external memory, not freed here
   size_t bytes = 0;
   Device device;
+  std::shared_ptr<void> owner;  // keeps external memory alive (from_external)
 };
 
 struct TensorImpl;
@@ -188,6 +189,12 @@ Tensor arange(int64_t n, DType dtype = DType::i64, Device device = {});
 // pass a shape of {} explicitly via reshape({}) for a scalar).
 template <class T>
 Tensor from_vector(const std::vector<T>& values, Shape shape = {});
+// A contiguous tensor over memory this library did not allocate (a mapping
+// shared with other processes, a caller's device buffer): owner keeps it
+// alive for as long as any tensor or view uses it (null: the caller does);
+// nothing is freed through the allocator.
+Tensor from_external(void* data, const Shape& shape, DType dtype, Device device,
+                     std::shared_ptr<void> owner);
 // A tensor that shares a storage with new shape/strides/offset (no autograd).
 Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset);
 

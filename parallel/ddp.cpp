@@ -96,10 +96,42 @@ struct DataParallel::Impl {
 
 namespace {
 
+// Allocates the flat buffer of each bucket: zeros on the parameters' device,
+// or slices of one shared region when the options and the communicator allow.
+std::vector<Tensor> allocate_flats(comm::Communicator& comm, const DataParallelOptions& options,
+                                   const std::vector<std::vector<NamedTensor>>& groups) {
+  std::vector<int64_t> numels;
+  std::vector<size_t> offsets;  // bytes into the region, each bucket 64-byte aligned
+  size_t total = 0;
+  bool all_cpu = true;
+  for (const auto& group : groups) {
+    int64_t numel = 0;
+    for (const NamedTensor& p : group) numel += p.tensor.numel();
+    numels.push_back(numel);
+    offsets.push_back(total);
+    total += (size_t(numel) * dtype_size(group.front().tensor.dtype()) + 63) / 64 * 64;
+    all_cpu = all_cpu && group.front().tensor.device().is_cpu();
+  }
+  std::shared_ptr<comm::ShmRegion> region;
+  if (options.shared_buckets && !options.reduce && all_cpu && comm.size() > 1 && total > 0)
+    region = comm.share_memory(total);  // zero-filled; null: ordinary memory
+  std::vector<Tensor> flats;
+  for (size_t b = 0; b < groups.size(); ++b) {
+    const NamedTensor& first = groups[b].front();
+    // On the parameters' device: backward writes the gradients there (a
+    // GPU's buckets are staged through host memory by the reduce hook).
+    flats.push_back(region ? from_external(region->local() + offsets[b], {numels[b]},
+                                           first.tensor.dtype(), Device{}, region)
+                           : zeros({numels[b]}, first.tensor.dtype(), first.tensor.device()));
+  }
+  return flats;
+}
+
 // Reverse registration order, a bucket closing once it holds its cap (the
 // first one smaller), before a parameter of another dtype, or where the
 // last bucket (the leading parameters up to last_bucket_bytes) begins.
-std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions& options) {
+std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
+                                 const DataParallelOptions& options) {
   std::vector<NamedTensor> params;
   for (const NamedTensor& p : module.named_parameters()) {
     if (!p.tensor.requires_grad()) continue;
@@ -132,6 +164,7 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
     groups.back().push_back(*it);
     bytes += it->tensor.nbytes();
   }
+  std::vector<Tensor> flats = allocate_flats(comm, options, groups);
   std::vector<Bucket> buckets;
   for (auto& group : groups) {
     Bucket bucket;
@@ -141,9 +174,7 @@ std::vector<Bucket> make_buckets(const Module& module, const DataParallelOptions
       bucket.offsets.push_back(numel);
       numel += p.tensor.numel();
     }
-    // On the parameters' device: backward writes the gradients there (a
-    // GPU's buckets are staged through host memory by the reduce hook).
-    bucket.flat = zeros({numel}, group.front().tensor.dtype(), group.front().tensor.device());
+    bucket.flat = flats[size_t(bucket.index)];
     for (size_t i = 0; i < group.size(); ++i) {
       const Shape& shape = group[i].tensor.shape();
       bucket.grads.push_back(
@@ -221,7 +252,7 @@ DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm:
       return comm::allreduce_async(c, bucket.flat, allreduce);
     };
   }
-  impl_->buckets = make_buckets(*module_, options_);
+  impl_->buckets = make_buckets(*module_, *comm_, options_);
   const size_t n = impl_->buckets.size();
   impl_->arrived.resize(n);
   impl_->pending.resize(n);
@@ -309,11 +340,8 @@ void DataParallel::finish() {
 }
 
 void DataParallel::zero_grad() {
-  for (Bucket& bucket : impl_->buckets) {
-    bucket.flat.zero_();
-    for (size_t i = 0; i < bucket.params.size(); ++i)
-      bucket.params[i].tensor.set_grad(bucket.grads[i]);
-  }
+  for (Bucket& bucket : impl_->buckets)
+    for (const NamedTensor& p : bucket.params) p.tensor.set_grad(Tensor());
 }
 
 int DataParallel::buckets_started_in_backward() const { return impl_->last_started_in_backward; }

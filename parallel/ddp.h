@@ -8,15 +8,13 @@
 // bucket_bytes (the first one smaller, first_bucket_bytes, so communication
 // starts early; and the last one, the first-registered parameters up to
 // last_bucket_bytes, whose gradients come at the very end of backward, on
-// its own, so the reduction nothing can hide is small). Each parameter's grad() is a view into its bucket's buffer,
-// so the reduction needs no copies. A gradient hook on every parameter
-// counts the gradients of the step; once all of a bucket's have arrived its
-// reduction (allreduce, averaged over the ranks) starts on the
-// communicator's progress thread while backward goes on with the layers
-// below. Buckets start strictly in index order on every rank, so the ranks
-// issue the same collectives in the same order. finish() starts whatever did
-// not start (parameters that got no gradient contribute zeros) and waits for
-// all; the optimizer steps after it.
+// its own, so the reduction nothing can hide is small). Each parameter's grad() is a view into its
+// bucket's buffer, so the reduction needs no copies. A gradient hook on every parameter counts the
+// gradients of the step; once all of a bucket's have arrived its reduction (allreduce, averaged
+// over the ranks) starts on the communicator's progress thread while backward goes on with the
+// layers below. Buckets start strictly in index order on every rank, so the ranks issue the same
+// collectives in the same order. finish() starts whatever did not start (parameters that got no
+// gradient contribute zeros) and waits for all; the optimizer steps after it.
 //
 //   DataParallel dp(model, dp_comm, {.bucket_bytes = 25 << 20});
 //   for (int micro = 0; micro < accum; ++micro) {
@@ -25,13 +23,16 @@
 //   }
 //   dp.finish();          // gradients are now the average over the ranks
 //   opt.step();
-//   dp.zero_grad();       // zeros the bucket buffers (keeps the views)
+//   dp.zero_grad();       // releases the gradients (set_to_none); the buckets stay
 //
 // Gradient accumulation: inside a NoSync scope (or with set_sync(false)) the
 // hooks only accumulate; the next synchronised backward reduces the sum.
 // With overlap off every bucket is reduced in finish(), after backward (for
-// comparison). optimizer.zero_grad() (set_to_none) also works: the next
-// hooks copy the fresh gradients into the buckets, which costs a copy.
+// comparison). After zero_grad() (or optimizer.zero_grad(), set_to_none)
+// each parameter's first gradient of the next step is copied into its bucket
+// view as it arrives, and later ones of the step accumulate there: one copy,
+// where zeroing the buckets and adding into them would cost a fill and a
+// read more of every gradient byte.
 //
 // Glossary: rank/world = index and size of the data-parallel communicator;
 // bucket = a group of parameters whose gradients are reduced as one message;
@@ -73,7 +74,12 @@ struct DataParallelOptions {
   // The first layers' bucket, reduced last: the leading parameters up to this
   // size (at least one) when the rest are left for other buckets; 0: none.
   size_t last_bucket_bytes = size_t(1) << 20;
-  bool overlap = true;             // false: reduce every bucket in finish(), after backward
+  bool overlap = true;  // false: reduce every bucket in finish(), after backward
+  // CPU buckets live in a shared region (comm/shm_region.h) when every rank
+  // runs on this host, so the default reduction reads and writes the peers'
+  // buckets in place instead of copying through staging areas. Ignored with
+  // a custom reduce. Every rank must pass the same value (creation is collective).
+  bool shared_buckets = true;
   bool broadcast_at_start = true;  // parameters and buffers from rank 0
   // The communicator's progress thread polls (spins) while it waits for
   // peers, taking compute time from backward where every core runs a rank.
@@ -142,7 +148,8 @@ class DataParallel {
   // a NoSync backward.
   void finish();
 
-  // Fills the bucket buffers with zeros and makes every grad() its view.
+  // Releases every parameter's gradient, as optimizer.zero_grad(set_to_none)
+  // does; the next backward's gradients are copied into the bucket views.
   void zero_grad();
 
   // Buckets whose reduction started in backward, before finish(), in the

@@ -14,11 +14,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -134,6 +136,56 @@ void check_all_allreduces(Communicator& comm) {
                          shm_variants(ReduceOp::avg)[1]);
 }
 
+// The in-place allreduce: buffers at the same (odd) offset of a shared
+// region on every rank, sizes around the piece size and the chunk split, and
+// after it an ordinary buffer (the region must not leak into other
+// operations). Then one rank places its buffer elsewhere: every rank must get
+// an Error naming the placements, and the channel must go on working.
+template <class T>
+void check_in_place_allreduces(Communicator& comm) {
+  const int n = comm.size();
+  const size_t max_count = (size_t(1) << 20) / sizeof(T) * 3 + 7;
+  std::shared_ptr<ShmRegion> region = comm.share_memory((max_count + 64) * sizeof(T));
+  ++g_checks;
+  if ((region != nullptr) != (n > 1)) {
+    std::printf("rank %d: share_memory on %d ranks returned %s\n", g_rank, n,
+                region ? "a region" : "null");
+    ++g_failures;
+  }
+  if (!region) return;
+  T* buffer = reinterpret_cast<T*>(region->local()) + 3;
+  for (size_t count : {size_t(n * 3 + 1), size_t(70001), max_count})
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+      const std::vector<T> input = make_input<T>(comm.rank(), count);
+      std::copy(input.begin(), input.end(), buffer);
+      allreduce(comm, buffer, count, dtype_of<T>(), {.op = op, .staged_bytes = 0});
+      expect(
+          cat("in-place allreduce ", dtype_of<T>(), " ", reduce_op_name(op), " count ", count, " (",
+              n, " ranks)"),
+          std::vector<T>(buffer, buffer + count),
+          [&](size_t i) { return expected_reduction(op, n, i); }, dtype_of<T>());
+      check_allreduce<T>(comm, count, {.op = op, .staged_bytes = 0});
+    }
+  if constexpr (std::is_same_v<T, float>) {
+    std::vector<T> elsewhere = make_input<T>(comm.rank(), 5000);
+    T* data = comm.rank() == n - 1 ? elsewhere.data() : buffer;
+    ++g_checks;
+    try {
+      allreduce(comm, data, 5000, DType::f32, {.staged_bytes = 0});
+      std::printf("rank %d: no error when rank %d's buffer lies outside the region\n", g_rank,
+                  n - 1);
+      ++g_failures;
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("every rank must place the buffer alike") ==
+          std::string::npos) {
+        std::printf("rank %d: unexpected error: %s\n", g_rank, e.what());
+        ++g_failures;
+      }
+    }
+    check_allreduce<T>(comm, 5000, {.op = ReduceOp::sum, .staged_bytes = 0});
+  }
+}
+
 void check_reduce_scatter(Communicator& comm, size_t count) {
   const int n = comm.size();
   std::vector<float> input = make_input<float>(comm.rank(), count * size_t(n)), output(count);
@@ -224,6 +276,8 @@ int run_collectives(Communicator& world) {
   check_all_allreduces<float>(world);
   check_all_allreduces<bf16>(world);
   check_all_allreduces<f16>(world);
+  check_in_place_allreduces<float>(world);
+  check_in_place_allreduces<bf16>(world);
   for (size_t count : {size_t(1), size_t(13), size_t(300)}) {
     check_reduce_scatter(world, count);
     check_allgather(world, count);

@@ -3,14 +3,16 @@
 // variables. Prints "rank R: N checks, F failed" (and every mismatch with
 // rank, step, parameter, index, expected and actual); exit 0 when all pass.
 //
-//   dp_worker equiv OVERLAP ACCUM BUCKET_BYTES
-//       Every rank builds an MLP from a different seed (the start-up broadcast
-//       must make them equal) and trains it with DataParallel at per-rank
-//       batch b, ACCUM micro-steps per step (NoSync on all but the last); each
-//       rank also trains a reference copy alone on the whole global batch
-//       (world x b x ACCUM samples). After every step the two must agree.
-//       Also checks the bucket layout, that overlap starts buckets during
-//       backward (or none with OVERLAP 0), and that only the final micro-step
+//   dp_worker equiv OVERLAP ACCUM BUCKET_BYTES [PATH]
+//       PATH (default "default") picks how buckets are reduced: "default" as
+//       DataParallel chooses (small buckets staged), "in-place" buckets in a
+//       shared region reduced where they lie, "pipelined" ordinary buckets
+//       through the staging areas (both with staged_bytes 0). Every rank builds an MLP from a
+//       different seed (the start-up broadcast must make them equal) and trains it with
+//       DataParallel at per-rank batch b, ACCUM micro-steps per step (NoSync on all but the last);
+//       each rank also trains a reference copy alone on the whole global batch (world x b x ACCUM
+//       samples). After every step the two must agree. Also checks the bucket layout, that overlap
+//       starts buckets during backward (or none with OVERLAP 0), and that only the final micro-step
 //       communicates (the timeline's allreduce spans).
 //   dp_worker reducer
 //       The ring allreduce with a caller's comm::Reducer (host arithmetic that
@@ -86,17 +88,28 @@ void expect_close(const std::string& what, const Tensor& actual, const Tensor& e
 }
 
 int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, int64_t accum,
-              size_t bucket_bytes) {
+              size_t bucket_bytes, const std::string& path) {
   const int n = world->size(), rank = world->rank();
   auto model = make_mlp(uint64_t(rank) + 1);
   auto reference = make_mlp(1);  // rank 0's initialisation
   Timeline timeline(rank);
-  DataParallel dp(model, world,
-                  {.bucket_bytes = bucket_bytes,
-                   .first_bucket_bytes = bucket_bytes,
-                   .last_bucket_bytes = bucket_bytes,
-                   .overlap = overlap,
-                   .timeline = &timeline});
+  DataParallelOptions options{.bucket_bytes = bucket_bytes,
+                              .first_bucket_bytes = bucket_bytes,
+                              .last_bucket_bytes = bucket_bytes,
+                              .overlap = overlap,
+                              .timeline = &timeline};
+  if (path != "default") {
+    options.shared_buckets = path == "in-place";
+    options.allreduce.staged_bytes = 0;
+  }
+  DataParallel dp(model, world, options);
+  // Shared buckets are memory of a region (external storage with an owner).
+  for (const Bucket& b : dp.buckets()) {
+    const bool shared = b.flat.impl()->storage->owner != nullptr;
+    expect(shared == (n > 1 && path != "pipelined"),
+           cat("bucket ", b.index, (shared ? " is" : " is not"), " in a shared region (", n,
+               " ranks, path ", path, ")"));
+  }
   for (const NamedTensor& p : model->named_parameters()) {
     Tensor ref = p.tensor;
     for (const NamedTensor& q : reference->named_parameters())
@@ -287,16 +300,16 @@ int main(int argc, char** argv) {
   try {
     auto world = comm::init_world(comm::detect_bootstrap(), {.timeout = comm::Millis(20000)});
     g_rank = world->rank();
-    if (mode == "equiv" && argc == 5)
+    if (mode == "equiv" && (argc == 5 || argc == 6))
       return run_equiv(world, std::atoi(argv[2]) != 0, std::atoll(argv[3]),
-                       size_t(std::atoll(argv[4])));
+                       size_t(std::atoll(argv[4])), argc == 6 ? argv[5] : "default");
     if (mode == "kill" && argc == 3) return run_kill(world, std::atoi(argv[2]));
     if (mode == "reducer" && argc == 2) return run_reducer(world);
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());
     return 2;
   }
-  std::fprintf(stderr,
-               "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES | kill VICTIM | reducer\n");
+  std::fprintf(
+      stderr, "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES [PATH] | kill VICTIM | reducer\n");
   return 64;
 }

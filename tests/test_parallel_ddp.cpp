@@ -112,10 +112,10 @@ Outcome launch_worker(int nproc, const std::vector<std::string>& args, double ti
 }
 
 void check_equivalence(int nproc, const std::string& overlap, const std::string& accum,
-                       const std::string& bucket_bytes) {
+                       const std::string& bucket_bytes, const std::string& path = "default") {
   INFO(nproc << " ranks, overlap " << overlap << ", grad_accum " << accum << ", buckets of "
-             << bucket_bytes << " bytes");
-  Outcome o = launch_worker(nproc, {"equiv", overlap, accum, bucket_bytes});
+             << bucket_bytes << " bytes, path " << path);
+  Outcome o = launch_worker(nproc, {"equiv", overlap, accum, bucket_bytes, path});
   INFO(o.output);
   REQUIRE(o.code == 0);
   for (int r = 0; r < nproc; ++r) CHECK(o.output.find(cat("rank ", r, ": ")) != std::string::npos);
@@ -242,6 +242,14 @@ TEST_CASE("ddp: dp=2 at batch b matches one process at batch 2b, with and withou
   check_equivalence(2, "1", "1", "512");       // several buckets, overlapped
   check_equivalence(2, "0", "1", "512");       // reduced after backward
   check_equivalence(2, "1", "1", "26214400");  // the default 25 MB: one bucket
+}
+
+TEST_CASE("ddp: buckets in a shared region reduced in place, or copied through staging, match",
+          "[parallel][mp]") {
+  check_equivalence(2, "1", "1", "512", "in-place");
+  check_equivalence(3, "1", "2", "1024", "in-place");
+  check_equivalence(2, "0", "1", "26214400", "in-place");
+  check_equivalence(2, "1", "1", "512", "pipelined");
 }
 
 TEST_CASE("ddp: gradient accumulation communicates once per step and matches", "[parallel][mp]") {

@@ -182,27 +182,6 @@ std::shared_ptr<parallel::BucketCopier> cuda_bucket_copier(Device device) {
   return std::make_shared<CudaBucketCopier>(device.index);
 }
 
-namespace {
-
-// A tensor over count elements at p on device, not owning them.
-Tensor wrap_memory(void* p, size_t count, DType dtype, Device device) {
-  const size_t bytes = count * dtype_size(dtype);
-  std::shared_ptr<Storage> storage(new Storage{DataPtr(p, BlockDeleter{}), bytes, device},
-                                   [](Storage* s) {
-                                     (void)s->data.release();  // the caller's memory
-                                     delete s;
-                                   });
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::move(storage);
-  impl->shape = {int64_t(count)};
-  impl->strides = {1};
-  impl->dtype = dtype;
-  impl->device = device;
-  return Tensor(impl);
-}
-
-}  // namespace
-
 std::shared_ptr<const comm::Reducer> cuda_reducer(Device device) {
   CHECK(device.is_cuda()) << "cuda_reducer for " << device;
   auto r = std::make_shared<comm::Reducer>();
@@ -210,8 +189,8 @@ std::shared_ptr<const comm::Reducer> cuda_reducer(Device device) {
   r->reduce = [device](void* dst, const void* src, size_t count, DType dtype, comm::ReduceOp op) {
     cuda::DeviceGuard guard(device.index);
     autograd::NoGradGuard no_grad;
-    Tensor d = wrap_memory(dst, count, dtype, device);
-    Tensor s = wrap_memory(const_cast<void*>(src), count, dtype, device);
+    Tensor d = from_external(dst, {int64_t(count)}, dtype, device, nullptr);
+    Tensor s = from_external(const_cast<void*>(src), {int64_t(count)}, dtype, device, nullptr);
     if (op == comm::ReduceOp::max)
       d.copy_(maximum(d, s));
     else
@@ -221,7 +200,7 @@ std::shared_ptr<const comm::Reducer> cuda_reducer(Device device) {
   r->scale = [device](void* data, size_t count, DType dtype, double factor) {
     cuda::DeviceGuard guard(device.index);
     autograd::NoGradGuard no_grad;
-    mul_(wrap_memory(data, count, dtype, device), factor);
+    mul_(from_external(data, {int64_t(count)}, dtype, device, nullptr), factor);
     CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(device.index)));
   };
   r->scratch = [device](size_t bytes) -> std::shared_ptr<void> {

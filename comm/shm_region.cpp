@@ -1,0 +1,78 @@
+#include "comm/shm_region.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/check.h"
+
+namespace trainer::comm {
+
+ShmRegion::ShmRegion(uint64_t id, size_t bytes, int rank, int size)
+    : id_(id), bytes_(bytes), rank_(rank), parts_(size_t(size), nullptr) {}
+
+ShmRegion::~ShmRegion() {
+  for (char* part : parts_)
+    if (part) ::munmap(part, bytes_);
+}
+
+bool ShmRegion::contains(const void* data, size_t bytes) const {
+  const char* p = static_cast<const char*>(data);
+  return p >= local() && bytes <= bytes_ && size_t(p - local()) <= bytes_ - bytes;
+}
+
+std::shared_ptr<ShmRegion> ShmRegion::create(Store& store, const std::vector<long>& pids, int rank,
+                                             const std::string& key, uint64_t id, size_t bytes,
+                                             std::string* why) {
+  const int n = int(pids.size());
+  CHECK(bytes > 0 && rank >= 0 && rank < n)
+      << "shared region of " << bytes << " bytes, rank " << rank << " of " << n;
+  std::shared_ptr<ShmRegion> region(new ShmRegion(id, bytes, rank, n));
+  // This rank's part: a memfd the peers open through /proc.
+  int fd = ::memfd_create("trainer-shared-region", MFD_CLOEXEC);
+  if (fd >= 0 && ::ftruncate(fd, off_t(bytes)) != 0) {
+    *why = cat("cannot size a memfd to ", bytes, " bytes: ", std::strerror(errno));
+    ::close(fd);
+    fd = -1;
+  } else if (fd < 0) {
+    *why = cat("memfd_create: ", std::strerror(errno));
+  }
+  store.set(cat(key, "fd/", rank), fd >= 0 ? cat(fd) : std::string());
+  store.barrier(key + "created", n);
+  for (int r = 0; r < n && why->empty(); ++r) {
+    const std::string theirs = r == rank ? cat(fd) : store.get(cat(key, "fd/", r));
+    if (theirs.empty()) {
+      *why = cat("rank ", r, " could not create its part");
+      break;
+    }
+    const int part_fd = r == rank ? fd
+                                  : ::open(cat("/proc/", pids[size_t(r)], "/fd/", theirs).c_str(),
+                                           O_RDWR | O_CLOEXEC);
+    if (part_fd < 0) {
+      *why = cat("cannot open rank ", r, "'s part (/proc/", pids[size_t(r)], "/fd/", theirs,
+                 "): ", std::strerror(errno));
+      break;
+    }
+    void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, part_fd, 0);
+    if (base == MAP_FAILED)
+      *why = cat("cannot map rank ", r, "'s part: ", std::strerror(errno));
+    else
+      region->parts_[size_t(r)] = static_cast<char*>(base);
+    if (r != rank) ::close(part_fd);
+  }
+  // Every peer has opened this rank's memfd (or given up): the mappings keep it.
+  store.barrier(key + "mapped", n);
+  if (fd >= 0) ::close(fd);
+  if (!why->empty()) store.add(key + "failed", 1);
+  store.barrier(key + "checked", n);
+  if (store.add(key + "failed", 0) > 0) {
+    if (why->empty()) *why = "another rank could not map every part";
+    return nullptr;
+  }
+  return region;
+}
+
+}  // namespace trainer::comm

@@ -1,0 +1,64 @@
+// Shared regions: memory that every rank of a communicator on one host maps
+// for every other rank, so a collective on a buffer inside one reads and
+// writes the peers' copies where they lie, with no staging copies
+// (comm/allreduce_shm.cpp, "in place"). Data parallelism keeps its gradient
+// buckets in one (parallel/ddp.h): an allreduce of a bucket then moves each
+// byte once in and once out of every rank's memory instead of five times.
+//
+// Each rank's part is a memfd of its own; the peers open it through
+// /proc/<pid>/fd/<fd> (the same permission as the channel's cross-memory
+// probe), map it and close the descriptor, so nothing outlives the processes.
+// Creation is collective and all-or-nothing: when any rank cannot map every
+// part, every rank gets null and the caller keeps ordinary memory.
+//
+//   std::shared_ptr<ShmRegion> region = comm.share_memory(bytes);  // collective; may be null
+//   float* grads = reinterpret_cast<float*>(region->local());
+//   allreduce(comm, grads, count, DType::f32, {.op = ReduceOp::avg});  // reads peers in place
+//
+// Glossary: part = one rank's `bytes` of the region; local() = this rank's
+// part; of(r) = rank r's part as mapped here; id = the region's number on its
+// communicator (1, 2, ...), equal on every rank because creation is collective.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/store.h"
+
+namespace trainer::comm {
+
+class ShmRegion {
+ public:
+  // Collective over members (pids[i] the process of members[i], this rank at
+  // index rank); key is a store prefix unique to this creation. Returns null
+  // on every rank when any rank failed, with this rank's reason in *why.
+  static std::shared_ptr<ShmRegion> create(Store& store, const std::vector<long>& pids, int rank,
+                                           const std::string& key, uint64_t id, size_t bytes,
+                                           std::string* why);
+  ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  uint64_t id() const { return id_; }
+  size_t bytes() const { return bytes_; }
+  char* local() const { return parts_[size_t(rank_)]; }
+  char* of(int rank) const { return parts_[size_t(rank)]; }
+  // Whether [data, data + bytes) lies inside local().
+  bool contains(const void* data, size_t bytes) const;
+  size_t offset_of(const void* data) const {
+    return size_t(static_cast<const char*>(data) - local());
+  }
+
+ private:
+  ShmRegion(uint64_t id, size_t bytes, int rank, int size);
+
+  uint64_t id_;
+  size_t bytes_;
+  int rank_;
+  std::vector<char*> parts_;  // every rank's part, mapped here (null where mapping failed)
+};
+
+}  // namespace trainer::comm
