@@ -284,6 +284,13 @@ int main(int argc, char** argv) {
         two.comm_seconds > 0 ? 100.0 * two.hidden_seconds / two.comm_seconds : 0.0,
         100.0 * two.finish_seconds / two.step_seconds, 100.0 * pair_eff, 100.0 * eff / pair_eff,
         torch_cols);
+    // Where a dp=2 step's time goes, against the same code without communication.
+    std::printf(
+        "  step ms (backward ms): dp=1 %.1f (%.1f), dp=2 %.1f (%.1f), pair %.1f (%.1f) / %.1f "
+        "(%.1f)\n",
+        1e3 * one.step_seconds, 1e3 * one.backward_seconds, 1e3 * two.step_seconds,
+        1e3 * two.backward_seconds, 1e3 * pair[0].step_seconds, 1e3 * pair[0].backward_seconds,
+        1e3 * pair[1].step_seconds, 1e3 * pair[1].backward_seconds);
     std::fflush(stdout);
   }
   return 0;
