@@ -46,6 +46,16 @@ namespace {
 // between the read and the reduction.
 constexpr size_t kPieceBytes = size_t(256) << 10;
 
+// Calls fn(begin, count) over range in pieces of at most kPieceBytes, with a
+// scratch buffer of one piece.
+template <class Fn>
+void for_each_piece(Range range, size_t element_bytes, Fn&& fn) {
+  const size_t piece_count = std::max<size_t>(1, kPieceBytes / element_bytes);
+  char* scratch = thread_scratch(piece_count * element_bytes);
+  for (size_t begin = range.begin; begin < range.begin + range.count; begin += piece_count)
+    fn(begin, std::min(piece_count, range.begin + range.count - begin), scratch);
+}
+
 void allreduce_staged(ShmChannel::Turn& turn, int n, int rank, char* data, size_t count,
                       DType dtype, ReduceOp op) {
   const size_t bytes = count * dtype_size(dtype);
@@ -67,16 +77,13 @@ void allreduce_direct(ShmChannel::Turn& turn, int n, int rank, char* data, size_
   turn.wait_all(1);
 
   const Range mine = part_of({0, count}, n, rank);
-  const size_t piece_count = std::max<size_t>(1, kPieceBytes / element_bytes);
-  char* scratch = thread_scratch(piece_count * element_bytes);
-  for (size_t begin = mine.begin; begin < mine.begin + mine.count; begin += piece_count) {
-    const size_t pc = std::min(piece_count, mine.begin + mine.count - begin);
+  for_each_piece(mine, element_bytes, [&](size_t begin, size_t pc, char* scratch) {
     for (int p = 0; p < n; ++p) {
       if (p == rank) continue;
       turn.read_peer(p, begin * element_bytes, scratch, pc * element_bytes);
       reduce_into(data + begin * element_bytes, scratch, pc, dtype, op);
     }
-  }
+  });
   if (op == ReduceOp::avg) scale(data + mine.begin * element_bytes, mine.count, dtype, 1.0 / n);
   turn.publish(2);
   turn.wait_all(2);
@@ -99,16 +106,13 @@ void allreduce_in_place(ShmChannel::Turn& turn, const ShmRegion& region, int n, 
   turn.wait_all(1);
 
   const Range mine = part_of({0, count}, n, rank);
-  const size_t piece_count = std::max<size_t>(1, kPieceBytes / element_bytes);
-  char* piece = thread_scratch(piece_count * element_bytes);
-  for (size_t begin = mine.begin; begin < mine.begin + mine.count; begin += piece_count) {
-    const size_t pc = std::min(piece_count, mine.begin + mine.count - begin);
+  for_each_piece(mine, element_bytes, [&](size_t begin, size_t pc, char* piece) {
     const size_t at = offset + begin * element_bytes, piece_bytes = pc * element_bytes;
     reduce_pair(piece, region.of(0) + at, region.of(1) + at, pc, dtype, op);  // n >= 2
     for (int p = 2; p < n; ++p) reduce_into(piece, region.of(p) + at, pc, dtype, op);
     if (op == ReduceOp::avg) scale(piece, pc, dtype, 1.0 / n);
     for (int p = 0; p < n; ++p) std::memcpy(region.of(p) + at, piece, piece_bytes);
-  }
+  });
   turn.publish(2);
   turn.wait_all(2);
 }
