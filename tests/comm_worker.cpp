@@ -7,7 +7,8 @@
 //   comm_worker kill VICTIM TIMEOUT_MS [ALGORITHM]
 //                                      the victim SIGKILLs itself mid-run; the others must
 //                                      get an Error within the timeout and exit 3; ALGORITHM:
-//                                      ring (default), shm-staged, shm-pipelined, shm-direct
+//                                      ring (default), shm-staged, shm-pipelined, shm-direct,
+//                                      shm-in-place
 //   comm_worker hang VICTIM TIMEOUT_MS [ALGORITHM]
 //                                      the victim stops taking part (exit 5 later); likewise
 //   comm_worker fail RANK CODE         RANK exits with CODE at once, the others idle for a minute
@@ -294,18 +295,24 @@ int run_collectives(Communicator& world) {
 
 // The victim dies (SIGKILL) or hangs (sleeps through three timeouts) after a
 // first allreduce; the others keep reducing and must get an Error. algorithm:
-// ring, shm-staged, shm-pipelined or shm-direct.
+// ring, shm-staged, shm-pipelined, shm-direct or shm-in-place.
 int run_victim(Communicator& world, int victim, int timeout_ms, bool hang,
                const std::string& algorithm) {
-  std::vector<float> data(4096, 1.0f);
+  const size_t count = 4096;
+  std::vector<float> private_data(count, 1.0f);
+  // shm-in-place: the buffer lies in a shared region, reduced where it lies.
+  std::shared_ptr<ShmRegion> region =
+      algorithm == "shm-in-place" ? world.share_memory(count * sizeof(float)) : nullptr;
+  float* data = region ? reinterpret_cast<float*>(region->local()) : private_data.data();
+  std::fill(data, data + count, 1.0f);
   AllreduceOptions o{
       .algorithm = AllreduceAlgorithm::ring, .segment_bytes = 1024, .timeout = Millis(timeout_ms)};
   if (algorithm != "ring") {
     o.algorithm = AllreduceAlgorithm::shm;
-    o.staged_bytes = algorithm == "shm-staged" ? data.size() * sizeof(float) : 0;
+    o.staged_bytes = algorithm == "shm-staged" ? count * sizeof(float) : 0;
     o.cross_memory = algorithm == "shm-direct";
   }
-  allreduce(world, data.data(), data.size(), DType::f32, o);
+  allreduce(world, data, count, DType::f32, o);
   if (world.rank() == victim && !hang) ::raise(SIGKILL);
   if (world.rank() == victim) {
     std::this_thread::sleep_for(Millis(3 * timeout_ms));
@@ -313,7 +320,7 @@ int run_victim(Communicator& world, int victim, int timeout_ms, bool hang,
   }
   auto start = std::chrono::steady_clock::now();
   try {
-    for (int i = 0; i < 1000; ++i) allreduce(world, data.data(), data.size(), DType::f32, o);
+    for (int i = 0; i < 1000; ++i) allreduce(world, data, count, DType::f32, o);
   } catch (const Error& e) {
     double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

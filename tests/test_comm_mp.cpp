@@ -168,9 +168,11 @@ TEST_CASE("comm: a peer killed during a shared-memory allreduce is named by ever
   check_killed_peer(3, 1, "shm-pipelined", "allreduce(shm)");
   check_killed_peer(4, 2, "shm-staged", "allreduce(shm)");
   check_killed_peer(2, 0, "shm-direct", "allreduce(shm)");
+  check_killed_peer(3, 2, "shm-in-place", "allreduce(shm)");
 }
 
 TEST_CASE("comm: a hung peer becomes a timeout error on every survivor", "[comm][mp]") {
   check_hung_peer(3, 2, "ring", "allreduce(ring)");
   check_hung_peer(3, 2, "shm-pipelined", "allreduce(shm)");
+  check_hung_peer(2, 1, "shm-in-place", "allreduce(shm)");
 }
