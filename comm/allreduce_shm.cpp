@@ -60,11 +60,12 @@ void allreduce_staged(ShmChannel::Turn& turn, int n, int rank, char* data, size_
                       DType dtype, ReduceOp op) {
   const size_t bytes = count * dtype_size(dtype);
   turn.wait_previous();
-  std::memcpy(turn.staging(rank), data, bytes);
+  // An empty buffer still takes part: the stages keep every rank in step.
+  if (bytes > 0) std::memcpy(turn.staging(rank), data, bytes);
   turn.post(data, bytes);
   turn.publish(1);
   turn.wait_all(1);
-  if (rank != 0) std::memcpy(data, turn.staging(0), bytes);
+  if (rank != 0 && bytes > 0) std::memcpy(data, turn.staging(0), bytes);
   for (int p = 1; p < n; ++p) reduce_into(data, turn.staging(p), count, dtype, op);
   if (op == ReduceOp::avg) scale(data, count, dtype, 1.0 / n);
 }
