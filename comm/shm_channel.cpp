@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstddef>
 #include <cstring>
 #include <thread>
 
@@ -76,9 +77,10 @@ struct alignas(64) ShmChannel::Slot {
   // rank may post the next one while a peer still checks this one's size.
   std::atomic<uint64_t> address[2];
   std::atomic<uint64_t> bytes[2];
-  // Where the buffer lies in a shared region: the region's id (0: none) and the offset.
-  std::atomic<uint64_t> region[2];
+  // Where the buffer lies in a shared region: the offset and the region's id (0: none).
   std::atomic<uint64_t> region_offset[2];
+  std::atomic<uint32_t> region[2];
+  // Read once, at setup, so they may spill into a second cache line.
   uint64_t probe;          // kProbeValue, read by the peers' probe
   uint64_t probe_address;  // where probe lives in the rank's address space
 };
@@ -92,7 +94,12 @@ ShmChannel::~ShmChannel() {
   if (base_) ::munmap(base_, bytes_);
 }
 
-ShmChannel::Slot& ShmChannel::slot(int r) const { return static_cast<Slot*>(base_)[r]; }
+ShmChannel::Slot& ShmChannel::slot(int r) const {
+  // Everything a peer reads in every operation (stage, bytes, region) shares
+  // one cache line: a line more per operation costs a transfer between cores.
+  static_assert(offsetof(Slot, probe) == 64, "the per-operation fields fill one cache line");
+  return static_cast<Slot*>(base_)[r];
+}
 
 std::unique_ptr<ShmChannel> ShmChannel::create(Store& store, Transport& transport,
                                                const std::vector<int>& members, int rank,
@@ -202,7 +209,8 @@ void ShmChannel::Turn::post(const void* data, size_t bytes, uint64_t region,
   const int parity = int(ticket_ % 2);
   mine.address[parity].store(reinterpret_cast<uint64_t>(data), std::memory_order_relaxed);
   mine.bytes[parity].store(bytes, std::memory_order_relaxed);
-  mine.region[parity].store(region, std::memory_order_relaxed);
+  CHECK(region <= UINT32_MAX) << "shared region id " << region;
+  mine.region[parity].store(uint32_t(region), std::memory_order_relaxed);
   mine.region_offset[parity].store(region_offset, std::memory_order_relaxed);
 }
 
