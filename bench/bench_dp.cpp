@@ -24,6 +24,7 @@
 //   bench_dp --low-priority-progress   # DataParallelOptions::low_priority_progress
 //   bench_dp --cross-memory            # large allreduces by process_vm_readv
 //   bench_dp --no-shared-buckets       # buckets in private memory, copied through staging
+//   bench_dp --zero1 --no-torch        # ZeRO-1 (optimizer state sharded) instead of replicated SGD
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -40,6 +41,7 @@
 #include "core/ops.h"
 #include "parallel/ddp.h"
 #include "parallel/trace.h"
+#include "parallel/zero.h"
 
 using namespace trainer;
 using namespace trainer::parallel;
@@ -58,7 +60,8 @@ struct Settings {
   bool overlap = true;
   bool low_priority_progress = false;
   bool cross_memory = false;   // AllreduceOptions::cross_memory (shm direct path)
-  bool shared_buckets = true;  // DataParallelOptions::shared_buckets (in-place allreduce)
+  bool shared_buckets = true;  // DataParallelOptions::shared_buckets, ZeroOptions::shared_buffers
+  bool zero1 = false;          // ZeRO-1 over DataParallel's buckets (parallel/zero.h)
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -80,16 +83,27 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   const int rank = world ? world->rank() : 0;
   Timeline timeline(rank);
   std::unique_ptr<DataParallel> dp;
+  // --zero1: the same SGD sharded over the ranks, each bucket reduce-scattered in backward.
+  std::shared_ptr<ZeroOptimizer> zero;
   if (world) {
-    dp = std::make_unique<DataParallel>(
-        model, world,
-        DataParallelOptions{
-            .bucket_bytes = s.bucket_mb << 20,
-            .overlap = s.overlap,
-            .shared_buckets = s.shared_buckets,
-            .low_priority_progress = s.low_priority_progress,
-            .allreduce = {.op = comm::ReduceOp::avg, .cross_memory = s.cross_memory},
-            .timeline = &timeline});
+    DataParallelOptions options{
+        .bucket_bytes = s.bucket_mb << 20,
+        .overlap = s.overlap,
+        .shared_buckets = s.shared_buckets,
+        .low_priority_progress = s.low_priority_progress,
+        .allreduce = {.op = comm::ReduceOp::avg, .cross_memory = s.cross_memory},
+        .timeline = &timeline};
+    if (s.zero1) options.reduce = zero_bucket_reduce(&zero);
+    dp = std::make_unique<DataParallel>(model, world, options);
+    if (s.zero1) {
+      zero = std::make_shared<ZeroOptimizer>(
+          world, std::vector<optim::ParamGroup>{optim::ParamGroup{model->named_parameters()}},
+          [](std::vector<optim::ParamGroup> groups) {
+            return std::make_unique<optim::SGD>(std::move(groups),
+                                                optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+          },
+          ZeroOptions{.buckets = &dp->buckets(), .shared_buffers = s.shared_buckets});
+    }
   }
   Generator gen(uint64_t(rank) + 1);
   Tensor images = normal({c.batch, c.size, c.size, c.channels}, 0, 1, gen).permute({0, 3, 1, 2});
@@ -117,8 +131,9 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
     if (dp) dp->finish();
     {
       TraceScope span(&timeline, "optimizer");
-      sgd.step();
+      zero ? zero->step() : sgd.step();
     }
+    if (zero) zero->zero_grad();
     if (dp)
       dp->zero_grad();
     else
@@ -233,6 +248,8 @@ int main(int argc, char** argv) {
       s.low_priority_progress = true;
     else if (a == "--cross-memory")
       s.cross_memory = true;
+    else if (a == "--zero1")
+      s.zero1 = true;
     else if (a == "--no-shared-buckets")
       s.shared_buckets = false;
     else if (a == "--no-torch")
@@ -241,15 +258,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--bucket-mb N] "
                    "[--no-overlap] [--low-priority-progress] [--cross-memory] "
-                   "[--no-shared-buckets] [--trace FILE] [--no-torch]\n");
+                   "[--no-shared-buckets] [--zero1] [--trace FILE] [--no-torch]\n");
       return 2;
     }
   }
   std::printf(
       "dp=1 vs dp=2, 1 thread per rank, same per-rank batch, median of %d steps; "
-      "overlap %s, buckets of %zu MB%s\n",
+      "overlap %s, buckets of %zu MB%s%s\n",
       s.steps, s.overlap ? "on" : "off", s.bucket_mb,
-      s.shared_buckets ? " (shared, reduced in place)" : " (private, copied through staging)");
+      s.shared_buckets ? " (shared, reduced in place)" : " (private, copied through staging)",
+      s.zero1 ? ", ZeRO-1" : "");
   // exposed = the step's wait in finish() (communication not hidden) over the dp=2 step time.
   // pair eff = two independent dp=1 processes at once over 2 x dp=1 alone: the
   // machine's own limit for two ranks; of pair = efficiency / pair eff.

@@ -84,6 +84,21 @@ inline char* thread_scratch(size_t bytes) {
   return buffer.get();
 }
 
+// The shared-memory ways that read peers' buffers where they lie work in
+// pieces small enough that a piece and the matching part of this rank's
+// buffer stay in L2 between the read and the reduction.
+inline constexpr size_t kShmPieceBytes = size_t(256) << 10;
+
+// Calls fn(begin, count, scratch) over range in pieces of at most
+// kShmPieceBytes, scratch being one piece of this thread's scratch.
+template <class Fn>
+void for_each_piece(Range range, size_t element_bytes, Fn&& fn) {
+  const size_t piece_count = std::max<size_t>(1, kShmPieceBytes / element_bytes);
+  char* scratch = thread_scratch(piece_count * element_bytes);
+  for (size_t begin = range.begin; begin < range.begin + range.count; begin += piece_count)
+    fn(begin, std::min(piece_count, range.begin + range.count - begin), scratch);
+}
+
 struct Reducer;  // comm/collectives.h
 
 // In place on count elements of dtype at data; every rank ends with the reduction.
@@ -106,6 +121,16 @@ void reduce_scatter_ring(OpChannel& ch, void* data, size_t chunk_count, DType dt
                          size_t segment_bytes);
 // ...and, given chunk r on rank r, every rank holds every chunk (chunks of chunk_bytes bytes).
 void all_gather_ring(OpChannel& ch, void* data, size_t chunk_bytes, size_t segment_bytes);
+
+// reduce_scatter and all-gather over the shared-memory channel, in place
+// (comm/shm_region_collectives.cpp): the input of the one and the output of
+// the other lie at the same offset of a shared region on every rank, so rank
+// r reads block r of every rank's input where it lies, or writes its block
+// into every rank's output. Throws Error when the buffer lies in no region.
+void reduce_scatter_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,
+                        void* output, size_t count, DType dtype, ReduceOp op);
+void all_gather_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,
+                    void* output, size_t bytes);
 
 // Segments of at most segment_bytes are forwarded down the tree as they arrive.
 void broadcast_binomial(OpChannel& ch, void* data, size_t bytes, int root, size_t segment_bytes);

@@ -20,7 +20,7 @@
 // direct (large, with cross_memory): the buffer is cut into n chunks, chunk r
 //   owned by rank r. Phase 1: every rank posts its buffer's address; rank r
 //   reads chunk r of each peer's buffer by cross-memory attach
-//   (process_vm_readv), kPieceBytes at a time, and adds it into its own chunk;
+//   (process_vm_readv), kShmPieceBytes at a time, and adds it into its own chunk;
 //   phase 2: rank r copies chunk p of rank p straight into place; phase 3:
 //   nobody returns (and lets its caller change the buffer) while a peer may
 //   still read it. Fewer copies, but the kernel's copy runs at about half the
@@ -28,7 +28,7 @@
 // in place (large, every rank's buffer at the same offset of a shared region,
 //   comm/shm_region.h): the buffer is cut into n chunks, chunk r owned by
 //   rank r. Phase 1: every rank's buffer is final; rank r folds chunk r of
-//   every rank's buffer in rank order, kPieceBytes at a time into a scratch
+//   every rank's buffer in rank order, kShmPieceBytes at a time into a scratch
 //   piece, and copies the piece into every rank's buffer; phase 2: every
 //   chunk is written everywhere. Each byte moves once in and once out of each
 //   rank's memory, against five times through the staging areas, and there
@@ -41,20 +41,6 @@
 namespace trainer::comm {
 
 namespace {
-
-// Small enough that a piece and the matching part of our chunk stay in L2
-// between the read and the reduction.
-constexpr size_t kPieceBytes = size_t(256) << 10;
-
-// Calls fn(begin, count) over range in pieces of at most kPieceBytes, with a
-// scratch buffer of one piece.
-template <class Fn>
-void for_each_piece(Range range, size_t element_bytes, Fn&& fn) {
-  const size_t piece_count = std::max<size_t>(1, kPieceBytes / element_bytes);
-  char* scratch = thread_scratch(piece_count * element_bytes);
-  for (size_t begin = range.begin; begin < range.begin + range.count; begin += piece_count)
-    fn(begin, std::min(piece_count, range.begin + range.count - begin), scratch);
-}
 
 void allreduce_staged(ShmChannel::Turn& turn, int n, int rank, char* data, size_t count,
                       DType dtype, ReduceOp op) {

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <utility>
 
 #include "comm/algorithms.h"
 #include "comm/log.h"
@@ -65,13 +66,26 @@ Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
   };
 }
 
+// The shared-memory channel and a ticket on it when o asks for the in-place
+// way and the channel exists (the same on every rank); else null.
+std::pair<ShmChannel*, uint64_t> shared_region_channel(Communicator& comm,
+                                                       const CollectiveOptions& o) {
+  ShmChannel* shm = o.shared_region && comm.size() > 1 ? comm.shm() : nullptr;
+  return {shm, shm ? shm->take_ticket() : 0};
+}
+
 Task reduce_scatter_task(Communicator& comm, const void* input, void* output, size_t count,
                          DType dtype, const CollectiveOptions& o) {
   check_reducible(dtype, o.segment_bytes);
   const uint32_t seq = comm.next_seq();
+  const auto [shm, ticket] = shared_region_channel(comm, o);
   COMM_LOG(LogLevel::debug, "reduce_scatter #", seq, " on communicator ", comm.id(), ": ", count,
-           " x ", dtype, " per rank, ", reduce_op_name(o.op), ", ring");
+           " x ", dtype, " per rank, ", reduce_op_name(o.op), shm ? ", shm in place" : ", ring");
   Millis timeout = timeout_of(comm, o.timeout);
+  if (shm)
+    return [shm, ticket, input, output, count, dtype, o, timeout] {
+      reduce_scatter_shm(*shm, ticket, timeout, input, output, count, dtype, o.op);
+    };
   return [&comm, input, output, count, dtype, o, seq, timeout] {
     const size_t bytes = count * dtype_size(dtype);
     // Uninitialised: the copy of the input fills it (the ring's own scratch is thread_scratch).
@@ -87,9 +101,14 @@ Task allgather_task(Communicator& comm, const void* input, void* output, size_t 
                     const CollectiveOptions& o) {
   CHECK(o.segment_bytes > 0) << "segment_bytes must be positive";
   const uint32_t seq = comm.next_seq();
+  const auto [shm, ticket] = shared_region_channel(comm, o);
   COMM_LOG(LogLevel::debug, "allgather #", seq, " on communicator ", comm.id(), ": ", bytes,
-           " bytes per rank, ring");
+           " bytes per rank", shm ? ", shm in place" : ", ring");
   Millis timeout = timeout_of(comm, o.timeout);
+  if (shm)
+    return [shm, ticket, input, output, bytes, timeout] {
+      all_gather_shm(*shm, ticket, timeout, input, output, bytes);
+    };
   return [&comm, input, output, bytes, o, seq, timeout] {
     std::memmove(static_cast<char*>(output) + bytes * size_t(comm.rank()), input, bytes);
     OpChannel ch(comm, seq, "allgather(ring)", timeout);

@@ -114,10 +114,25 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
     segments_ = zero_segments({all}, world_size());
   }
   staged_ = !device_.is_cpu() || options_.stage_through_host;
+  // One shared region for every segment's flat buffer (each 64-byte aligned),
+  // when the ranks share a host; null: ordinary memory and the ring.
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (const ZeroSegment& seg : segments_) {
+    offsets.push_back(total);
+    total += (byte_count(dtype_, seg.shard_numel * world_size()) + 63) / 64 * 64;
+  }
+  std::shared_ptr<comm::ShmRegion> region;
+  if (options_.shared_buffers && !staged_ && world_size() > 1 && total > 0)
+    region = comm_->share_memory(total);  // zero-filled
+  shared_ = region != nullptr;
   buffers_.resize(segments_.size());
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
-    buffers_[s].flat = zeros({seg.shard_numel * world_size()}, dtype_);
+    buffers_[s].flat =
+        region ? from_external(region->local() + offsets[s], {seg.shard_numel * world_size()},
+                               dtype_, Device{}, region)
+               : zeros({seg.shard_numel * world_size()}, dtype_);
     buffers_[s].master = zeros({seg.shard_numel}, dtype_, device_);
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
@@ -193,6 +208,7 @@ void ZeroOptimizer::reduce_standalone() {
                     {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
+  rs.shared_region = shared_;
   size_t k = 0;
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
@@ -238,6 +254,7 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   std::memset(bytes_at(buf.flat, seg.numel), 0, byte_count(dtype_, buf.flat.numel() - seg.numel));
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
+  rs.shared_region = shared_;
   comm::Work w = comm::reduce_scatter_async(*comm_, buf.flat.data_ptr(),
                                             bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel),
                                             size_t(seg.shard_numel), dtype_, rs);
@@ -309,6 +326,7 @@ void ZeroOptimizer::step() {
   }
   optimizer_->step();
   comm::CollectiveOptions ag = options_.collective;
+  ag.shared_region = shared_;
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
     SegmentBuffers& buf = buffers_[s];

@@ -102,6 +102,11 @@ struct ZeroOptions {
   // block, and the updated block back through the host for the all-gather.
   // True stages CPU parameters the same way (tests of the GPU's data flow).
   bool stage_through_host = false;
+  // Unstaged segments live in a shared region (comm/shm_region.h) when every
+  // rank runs on this host, so the reduce-scatter and all-gather run in place
+  // over the shared-memory channel instead of the ring. Every rank must pass
+  // the same value (creation is collective).
+  bool shared_buffers = true;
 };
 
 class ZeroOptimizer {
@@ -138,6 +143,8 @@ class ZeroOptimizer {
   const optim::Optimizer& shard_optimizer() const { return *optimizer_; }
   int rank() const { return comm_->rank(); }
   int world_size() const { return comm_->size(); }
+  // Whether the flat buffers lie in a shared region (collectives in place).
+  bool shared_buffers() const { return shared_; }
 
   // This rank's shard of the state (names as in the header comment), aliasing
   // the live buffers.
@@ -167,6 +174,7 @@ class ZeroOptimizer {
   DType dtype_ = DType::f32;
   Device device_;        // the parameters'
   bool staged_ = false;  // the collectives' buffers are host copies of device ones
+  bool shared_ = false;  // the flat buffers lie in a shared region: collectives in place
   std::vector<ZeroSegment> segments_;
   std::vector<SegmentBuffers> buffers_;  // per segment
   std::vector<Piece> pieces_;            // this rank's, in the wrapped optimizer's order

@@ -187,6 +187,62 @@ void check_in_place_allreduces(Communicator& comm) {
   }
 }
 
+void check_reduce_scatter(Communicator& comm, size_t count);
+
+// reduce_scatter and allgather in place in a shared region
+// (CollectiveOptions::shared_region): the input, resp. output, at an odd
+// offset of the region, the output of reduce_scatter elsewhere and inside the
+// input, the input of allgather elsewhere and inside the output; then buffers
+// in no region must be an Error on every rank, after which the channel works.
+void check_shared_region_scatter_gather(Communicator& comm) {
+  const int n = comm.size();
+  const size_t count = 70001, offset = 5;
+  std::shared_ptr<ShmRegion> region = comm.share_memory((count * size_t(n) + offset) * 4);
+  if (!region) return;  // one rank: the ring's own tests cover it
+  float* flat = reinterpret_cast<float*>(region->local()) + offset;
+  const CollectiveOptions shared{.op = ReduceOp::avg, .shared_region = true};
+  auto average = [&](size_t first) {
+    return [&, first](size_t i) { return expected_reduction(ReduceOp::avg, n, first + i); };
+  };
+  for (bool output_inside : {false, true}) {
+    const std::vector<float> input = make_input<float>(comm.rank(), count * size_t(n));
+    std::copy(input.begin(), input.end(), flat);
+    std::vector<float> elsewhere(count);
+    float* out = output_inside ? flat + size_t(comm.rank()) * count : elsewhere.data();
+    reduce_scatter(comm, flat, out, count, DType::f32, shared);
+    expect(cat("reduce_scatter in place, output ", output_inside ? "inside" : "outside",
+               " the input (", n, " ranks)"),
+           std::vector<float>(out, out + count), average(size_t(comm.rank()) * count), DType::f32);
+  }
+  for (bool input_inside : {false, true}) {
+    std::fill(flat, flat + count * size_t(n), -1.0f);
+    std::vector<float> mine(count);
+    for (size_t i = 0; i < count; ++i) mine[i] = float(comm.rank() * 1000 + int(i % 997));
+    float* in = input_inside ? flat + size_t(comm.rank()) * count : mine.data();
+    if (input_inside) std::copy(mine.begin(), mine.end(), in);
+    allgather(comm, in, flat, count * sizeof(float), shared);
+    expect(
+        cat("allgather in place, input ", input_inside ? "inside" : "outside", " the output (", n,
+            " ranks)"),
+        std::vector<float>(flat, flat + count * size_t(n)),
+        [&](size_t i) { return double(i / count * 1000 + (i % count) % 997); }, DType::f32);
+  }
+  std::vector<float> ordinary = make_input<float>(comm.rank(), 3 * size_t(n)), out(3);
+  ++g_checks;
+  try {
+    reduce_scatter(comm, ordinary.data(), out.data(), 3, DType::f32, shared);
+    std::printf("rank %d: no error for a shared_region reduce_scatter outside any region\n",
+                g_rank);
+    ++g_failures;
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("lies in no shared region") == std::string::npos) {
+      std::printf("rank %d: unexpected error: %s\n", g_rank, e.what());
+      ++g_failures;
+    }
+  }
+  check_reduce_scatter(comm, 13);
+}
+
 void check_reduce_scatter(Communicator& comm, size_t count) {
   const int n = comm.size();
   std::vector<float> input = make_input<float>(comm.rank(), count * size_t(n)), output(count);
@@ -279,6 +335,7 @@ int run_collectives(Communicator& world) {
   check_all_allreduces<f16>(world);
   check_in_place_allreduces<float>(world);
   check_in_place_allreduces<bf16>(world);
+  check_shared_region_scatter_gather(world);
   for (size_t count : {size_t(1), size_t(13), size_t(300)}) {
     check_reduce_scatter(world, count);
     check_allgather(world, count);

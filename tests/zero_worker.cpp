@@ -205,6 +205,13 @@ void check_zero_equivalence(comm::Communicator& world, std::shared_ptr<comm::Com
   const int n = comm->size(), r = comm->rank();
   Replica mine = make_replica(), ref = make_replica();
   ZeroOptimizer zero(comm, mine.groups, factory, zero_options());
+  // One host: unstaged segments share a region and reduce in place; staged ones use the ring.
+  ++g_checks;
+  if (zero.shared_buffers() != (!g_staged && n > 1)) {
+    std::printf("rank %d: %s: shared buffers %d with %d ranks, staged %d\n", g_rank, kind.c_str(),
+                int(zero.shared_buffers()), n, int(g_staged));
+    ++g_failures;
+  }
   std::unique_ptr<optim::Optimizer> plain = factory(ref.groups);
   const int steps = 4;
   for (int64_t t = 0; t < steps; ++t) {
