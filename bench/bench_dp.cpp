@@ -99,8 +99,7 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
       zero = std::make_shared<ZeroOptimizer>(
           world, std::vector<optim::ParamGroup>{optim::ParamGroup{model->named_parameters()}},
           [](std::vector<optim::ParamGroup> groups) {
-            return std::make_unique<optim::SGD>(std::move(groups),
-                                                optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+            return std::make_unique<optim::SGD>(std::move(groups), kBenchSgd);
           },
           ZeroOptions{.buckets = &dp->buckets(), .shared_buffers = s.shared_buckets});
     }

@@ -29,10 +29,12 @@ inline std::shared_ptr<Module> make_case_model(const ImageCase& c, ModelOptions 
   return make_model(c.model, o);
 }
 
-// SGD, lr 0.01, momentum 0.9, weight decay 1e-4, over every parameter of model.
+// The benchmarks' optimizer: SGD, lr 0.01, momentum 0.9, weight decay 1e-4.
+inline const optim::SGDOptions kBenchSgd{0.01, 0.9, 0, false, 1e-4};
+
+// kBenchSgd over every parameter of model.
 inline optim::SGD make_sgd(const Module& model) {
-  return optim::SGD({optim::ParamGroup{model.named_parameters()}},
-                    optim::SGDOptions{0.01, 0.9, 0, false, 1e-4});
+  return optim::SGD({optim::ParamGroup{model.named_parameters()}}, kBenchSgd);
 }
 
 inline double median(std::vector<double> v) {

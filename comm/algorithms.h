@@ -99,6 +99,15 @@ void for_each_piece(Range range, size_t element_bytes, Fn&& fn) {
     fn(begin, std::min(piece_count, range.begin + range.count - begin), scratch);
 }
 
+// piece = the count elements at byte `at` of every rank's part of region,
+// folded in rank order (the same bits on every rank), avg scaled by 1/n.
+inline void fold_region_piece(char* piece, const ShmRegion& region, int n, size_t at, size_t count,
+                              DType dtype, ReduceOp op) {
+  reduce_pair(piece, region.of(0) + at, region.of(1) + at, count, dtype, op);  // n >= 2
+  for (int p = 2; p < n; ++p) reduce_into(piece, region.of(p) + at, count, dtype, op);
+  if (op == ReduceOp::avg) scale(piece, count, dtype, 1.0 / n);
+}
+
 struct Reducer;  // comm/collectives.h
 
 // In place on count elements of dtype at data; every rank ends with the reduction.

@@ -95,9 +95,7 @@ void allreduce_in_place(ShmChannel::Turn& turn, const ShmRegion& region, int n, 
   const Range mine = part_of({0, count}, n, rank);
   for_each_piece(mine, element_bytes, [&](size_t begin, size_t pc, char* piece) {
     const size_t at = offset + begin * element_bytes, piece_bytes = pc * element_bytes;
-    reduce_pair(piece, region.of(0) + at, region.of(1) + at, pc, dtype, op);  // n >= 2
-    for (int p = 2; p < n; ++p) reduce_into(piece, region.of(p) + at, pc, dtype, op);
-    if (op == ReduceOp::avg) scale(piece, pc, dtype, 1.0 / n);
+    fold_region_piece(piece, region, n, at, pc, dtype, op);
     for (int p = 0; p < n; ++p) std::memcpy(region.of(p) + at, piece, piece_bytes);
   });
   turn.publish(2);

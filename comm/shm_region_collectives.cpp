@@ -56,9 +56,7 @@ void reduce_scatter_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const v
   char* out = static_cast<char*>(output);
   for_each_piece({0, count}, element_bytes, [&](size_t begin, size_t pc, char* piece) {
     const size_t at = block + begin * element_bytes;
-    reduce_pair(piece, region->of(0) + at, region->of(1) + at, pc, dtype, op);  // n >= 2
-    for (int p = 2; p < n; ++p) reduce_into(piece, region->of(p) + at, pc, dtype, op);
-    if (op == ReduceOp::avg) scale(piece, pc, dtype, 1.0 / n);
+    fold_region_piece(piece, *region, n, at, pc, dtype, op);
     std::memcpy(out + begin * element_bytes, piece, pc * element_bytes);
   });
   turn.publish(2);

@@ -96,34 +96,25 @@ struct DataParallel::Impl {
 
 namespace {
 
-// Allocates the flat buffer of each bucket: zeros on the parameters' device,
-// or slices of one shared region when the options and the communicator allow.
+// The flat buffer of each bucket: slices of one shared region when the
+// options and the communicator allow, else zeros on the parameters' device
+// (backward writes the gradients there; a GPU's buckets are staged through
+// host memory by the reduce hook).
 std::vector<Tensor> allocate_flats(comm::Communicator& comm, const DataParallelOptions& options,
                                    const std::vector<std::vector<NamedTensor>>& groups) {
-  std::vector<int64_t> numels;
-  std::vector<size_t> offsets;  // bytes into the region, each bucket 64-byte aligned
-  size_t total = 0;
+  std::vector<std::pair<int64_t, DType>> sizes;
   bool all_cpu = true;
   for (const auto& group : groups) {
     int64_t numel = 0;
     for (const NamedTensor& p : group) numel += p.tensor.numel();
-    numels.push_back(numel);
-    offsets.push_back(total);
-    total += (size_t(numel) * dtype_size(group.front().tensor.dtype()) + 63) / 64 * 64;
+    sizes.emplace_back(numel, group.front().tensor.dtype());
     all_cpu = all_cpu && group.front().tensor.device().is_cpu();
   }
-  std::shared_ptr<comm::ShmRegion> region;
-  if (options.shared_buckets && !options.reduce && all_cpu && comm.size() > 1 && total > 0)
-    region = comm.share_memory(total);  // zero-filled; null: ordinary memory
+  if (options.shared_buckets && !options.reduce && all_cpu)
+    if (std::vector<Tensor> flats = shared_flat_buffers(comm, sizes); !flats.empty()) return flats;
   std::vector<Tensor> flats;
-  for (size_t b = 0; b < groups.size(); ++b) {
-    const NamedTensor& first = groups[b].front();
-    // On the parameters' device: backward writes the gradients there (a
-    // GPU's buckets are staged through host memory by the reduce hook).
-    flats.push_back(region ? from_external(region->local() + offsets[b], {numels[b]},
-                                           first.tensor.dtype(), Device{}, region)
-                           : zeros({numels[b]}, first.tensor.dtype(), first.tensor.device()));
-  }
+  for (size_t b = 0; b < groups.size(); ++b)
+    flats.push_back(zeros({sizes[b].first}, sizes[b].second, groups[b].front().tensor.device()));
   return flats;
 }
 
@@ -227,6 +218,23 @@ void broadcast_tensors(comm::Communicator& comm, const std::vector<NamedTensor>&
 }
 
 }  // namespace
+
+std::vector<Tensor> shared_flat_buffers(comm::Communicator& comm,
+                                        const std::vector<std::pair<int64_t, DType>>& sizes) {
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (const auto& [numel, dtype] : sizes) {
+    offsets.push_back(total);
+    total += (size_t(numel) * dtype_size(dtype) + 63) / 64 * 64;
+  }
+  std::shared_ptr<comm::ShmRegion> region =
+      comm.size() > 1 && total > 0 ? comm.share_memory(total) : nullptr;  // zero-filled
+  std::vector<Tensor> flats;
+  for (size_t b = 0; region && b < sizes.size(); ++b)
+    flats.push_back(from_external(region->local() + offsets[b], {sizes[b].first}, sizes[b].second,
+                                  Device{}, region));
+  return flats;
+}
 
 DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm::Communicator> comm,
                            DataParallelOptions options)

@@ -42,6 +42,7 @@
 
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/collectives.h"
@@ -93,6 +94,13 @@ struct DataParallelOptions {
   BucketReduceFn reduce = nullptr;  // empty: allreduce(avg) with the options above
   Timeline* timeline = nullptr;     // records each bucket's reduction as a comm span
 };
+
+// Flat CPU buffers of the given element counts and dtypes in one shared
+// region of comm (comm/shm_region.h), each 64-byte aligned and zero-filled,
+// so collectives on them run in place; empty when there is no region (one
+// rank, ranks on several hosts). Collective: every rank passes the same list.
+std::vector<Tensor> shared_flat_buffers(comm::Communicator& comm,
+                                        const std::vector<std::pair<int64_t, DType>>& sizes);
 
 class DataParallel {
  public:

@@ -114,25 +114,20 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
     segments_ = zero_segments({all}, world_size());
   }
   staged_ = !device_.is_cpu() || options_.stage_through_host;
-  // One shared region for every segment's flat buffer (each 64-byte aligned),
-  // when the ranks share a host; null: ordinary memory and the ring.
-  std::vector<size_t> offsets;
-  size_t total = 0;
-  for (const ZeroSegment& seg : segments_) {
-    offsets.push_back(total);
-    total += (byte_count(dtype_, seg.shard_numel * world_size()) + 63) / 64 * 64;
+  // Unstaged segments in one shared region when the ranks share a host (the
+  // collectives then run in place); else ordinary memory and the ring.
+  std::vector<Tensor> shared;
+  if (options_.shared_buffers && !staged_) {
+    std::vector<std::pair<int64_t, DType>> sizes;
+    for (const ZeroSegment& seg : segments_)
+      sizes.emplace_back(seg.shard_numel * world_size(), dtype_);
+    shared = shared_flat_buffers(*comm_, sizes);
   }
-  std::shared_ptr<comm::ShmRegion> region;
-  if (options_.shared_buffers && !staged_ && world_size() > 1 && total > 0)
-    region = comm_->share_memory(total);  // zero-filled
-  shared_ = region != nullptr;
+  shared_ = !shared.empty();
   buffers_.resize(segments_.size());
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
-    buffers_[s].flat =
-        region ? from_external(region->local() + offsets[s], {seg.shard_numel * world_size()},
-                               dtype_, Device{}, region)
-               : zeros({seg.shard_numel * world_size()}, dtype_);
+    buffers_[s].flat = shared_ ? shared[s] : zeros({seg.shard_numel * world_size()}, dtype_);
     buffers_[s].master = zeros({seg.shard_numel}, dtype_, device_);
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);

@@ -88,6 +88,22 @@ void expect(const std::string& what, const std::vector<T>& actual, Expected&& ex
   }
 }
 
+// run() must throw an Error whose message contains `needle` on this rank.
+template <class Fn>
+void expect_error(const std::string& what, const std::string& needle, Fn&& run) {
+  ++g_checks;
+  try {
+    run();
+    std::printf("rank %d: %s: no error\n", g_rank, what.c_str());
+    ++g_failures;
+  } catch (const Error& e) {
+    if (std::string(e.what()).find(needle) == std::string::npos) {
+      std::printf("rank %d: %s: unexpected error: %s\n", g_rank, what.c_str(), e.what());
+      ++g_failures;
+    }
+  }
+}
+
 template <class T>
 void check_allreduce(Communicator& comm, size_t count, const AllreduceOptions& o) {
   std::vector<T> data = make_input<T>(comm.rank(), count);
@@ -170,19 +186,9 @@ void check_in_place_allreduces(Communicator& comm) {
   if constexpr (std::is_same_v<T, float>) {
     std::vector<T> elsewhere = make_input<T>(comm.rank(), 5000);
     T* data = comm.rank() == n - 1 ? elsewhere.data() : buffer;
-    ++g_checks;
-    try {
-      allreduce(comm, data, 5000, DType::f32, {.staged_bytes = 0});
-      std::printf("rank %d: no error when rank %d's buffer lies outside the region\n", g_rank,
-                  n - 1);
-      ++g_failures;
-    } catch (const Error& e) {
-      if (std::string(e.what()).find("every rank must place the buffer alike") ==
-          std::string::npos) {
-        std::printf("rank %d: unexpected error: %s\n", g_rank, e.what());
-        ++g_failures;
-      }
-    }
+    expect_error(cat("allreduce with rank ", n - 1, "'s buffer outside the region"),
+                 "every rank must place the buffer alike",
+                 [&] { allreduce(comm, data, 5000, DType::f32, {.staged_bytes = 0}); });
     check_allreduce<T>(comm, 5000, {.op = ReduceOp::sum, .staged_bytes = 0});
   }
 }
@@ -228,18 +234,8 @@ void check_shared_region_scatter_gather(Communicator& comm) {
         [&](size_t i) { return double(i / count * 1000 + (i % count) % 997); }, DType::f32);
   }
   std::vector<float> ordinary = make_input<float>(comm.rank(), 3 * size_t(n)), out(3);
-  ++g_checks;
-  try {
-    reduce_scatter(comm, ordinary.data(), out.data(), 3, DType::f32, shared);
-    std::printf("rank %d: no error for a shared_region reduce_scatter outside any region\n",
-                g_rank);
-    ++g_failures;
-  } catch (const Error& e) {
-    if (std::string(e.what()).find("lies in no shared region") == std::string::npos) {
-      std::printf("rank %d: unexpected error: %s\n", g_rank, e.what());
-      ++g_failures;
-    }
-  }
+  expect_error("a shared_region reduce_scatter outside any region", "lies in no shared region",
+               [&] { reduce_scatter(comm, ordinary.data(), out.data(), 3, DType::f32, shared); });
   check_reduce_scatter(comm, 13);
 }
 
