@@ -25,14 +25,19 @@
 //   bench_dp --cross-memory            # large allreduces by process_vm_readv
 //   bench_dp --no-shared-buckets       # buckets in private memory, copied through staging
 //   bench_dp --zero1 --no-torch        # ZeRO-1 (optimizer state sharded) instead of replicated SGD
+//   bench_dp --rounds 5                # five alternated rounds, medians (default 3)
+//   bench_dp --bind                    # rank r (ours and torch's) bound to core r
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -62,6 +67,7 @@ struct Settings {
   bool cross_memory = false;   // AllreduceOptions::cross_memory (shm direct path)
   bool shared_buckets = true;  // DataParallelOptions::shared_buckets, ZeroOptions::shared_buffers
   bool zero1 = false;          // ZeRO-1 over DataParallel's buckets (parallel/zero.h)
+  bool bind = false;           // child r runs on core r only (sched_setaffinity)
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -170,6 +176,12 @@ bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined
     pid_t pid = fork();
     if (pid == 0) {
       close(fd[0]);
+      if (s.bind) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r % int(std::thread::hardware_concurrency()), &set);
+        sched_setaffinity(0, sizeof set, &set);
+      }
       set_num_threads(1);
       std::shared_ptr<comm::Communicator> world;
       if (joined && processes > 1) {
@@ -209,12 +221,12 @@ bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined
 
 // bench_dp_torch.py's "efficiency hidden_fraction" for case c; false without torch.
 bool measure_torch(const ImageCase& c, const Settings& s, double& efficiency, double& hidden) {
-  std::string cmd = std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_dp_torch.py" +
-                    " --model " + c.model + " --batch " + std::to_string(c.batch) + " --size " +
-                    std::to_string(c.size) + " --channels " + std::to_string(c.channels) +
-                    " --classes " + std::to_string(c.classes) + " --steps " +
-                    std::to_string(s.steps) + " --warmup " + std::to_string(s.warmup) +
-                    " --bucket-mb " + std::to_string(s.bucket_mb) + " 2>/dev/null";
+  std::string cmd =
+      std::string("python3 ") + TRAINER_SOURCE_DIR + "/bench/bench_dp_torch.py" + " --model " +
+      c.model + " --batch " + std::to_string(c.batch) + " --size " + std::to_string(c.size) +
+      " --channels " + std::to_string(c.channels) + " --classes " + std::to_string(c.classes) +
+      " --steps " + std::to_string(s.steps) + " --warmup " + std::to_string(s.warmup) +
+      " --bucket-mb " + std::to_string(s.bucket_mb) + (s.bind ? " --bind" : "") + " 2>/dev/null";
   bool ok = false;
   if (FILE* p = popen(cmd.c_str(), "r")) {
     ok = std::fscanf(p, "%lf %lf", &efficiency, &hidden) == 2;
@@ -223,18 +235,91 @@ bool measure_torch(const ImageCase& c, const Settings& s, double& efficiency, do
   return ok;
 }
 
+// One round's figures for a case: dp=1 alone, dp=2, the independent pair and
+// (when measured) PyTorch DDP, all within a minute of each other.
+struct Round {
+  double eff = 0, pair_eff = 0, comm_ms = 0, bwd_ms = 0, hidden = 0, exposed = 0;
+  double sps1 = 0, sps2 = 0, torch_eff = -1, torch_hidden = 0;
+  double step_ms[4] = {}, bwd_step_ms[4] = {};  // dp=1, dp=2, pair rank 0, pair rank 1
+};
+
+bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
+  std::vector<RankResult> ones, twos, pair;
+  if (!run_world(c, s, 1, true, ones) || !run_world(c, s, 2, true, twos) ||
+      !run_world(c, s, 2, false, pair))
+    return false;
+  const RankResult &one = ones[0], &two = twos[0];
+  r.sps1 = double(c.batch) / one.step_seconds;
+  r.sps2 = 2.0 * double(c.batch) / two.step_seconds;
+  r.eff = r.sps2 / (2.0 * r.sps1);
+  r.pair_eff = (double(c.batch) / pair[0].step_seconds + double(c.batch) / pair[1].step_seconds) /
+               (2.0 * r.sps1);
+  r.comm_ms = 1e3 * two.comm_seconds;
+  r.bwd_ms = 1e3 * two.backward_seconds;
+  r.hidden = two.comm_seconds > 0 ? two.hidden_seconds / two.comm_seconds : 0.0;
+  r.exposed = two.finish_seconds / two.step_seconds;
+  const RankResult* all[4] = {&one, &two, &pair[0], &pair[1]};
+  for (int i = 0; i < 4; ++i) {
+    r.step_ms[i] = 1e3 * all[i]->step_seconds;
+    r.bwd_step_ms[i] = 1e3 * all[i]->backward_seconds;
+  }
+  if (torch && !measure_torch(c, s, r.torch_eff, r.torch_hidden)) r.torch_eff = -1;
+  return true;
+}
+
+void print_row(const char* label, long long batch, const Round& r) {
+  char torch_cols[48] = "         -       -";
+  if (r.torch_eff >= 0)
+    std::snprintf(torch_cols, sizeof torch_cols, "%9.1f%% %6.1f%%", 100 * r.torch_eff,
+                  100 * r.torch_hidden);
+  std::printf(
+      "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% | "
+      "%s\n",
+      label, batch, r.sps1, r.sps2, 100.0 * r.eff, r.comm_ms, r.bwd_ms, 100.0 * r.hidden,
+      100.0 * r.exposed, 100.0 * r.pair_eff, 100.0 * r.eff / r.pair_eff, torch_cols);
+}
+
+// Each field's median over the rounds (torch's over the rounds that measured it).
+Round median_round(const std::vector<Round>& rounds) {
+  auto med = [&](auto field) {
+    std::vector<double> v;
+    for (const Round& r : rounds)
+      if (double x = field(r); x >= 0) v.push_back(x);
+    return v.empty() ? -1.0 : median(v);
+  };
+  Round m;
+  m.eff = med([](const Round& r) { return r.eff; });
+  m.pair_eff = med([](const Round& r) { return r.pair_eff; });
+  m.comm_ms = med([](const Round& r) { return r.comm_ms; });
+  m.bwd_ms = med([](const Round& r) { return r.bwd_ms; });
+  m.hidden = med([](const Round& r) { return r.hidden; });
+  m.exposed = med([](const Round& r) { return r.exposed; });
+  m.sps1 = med([](const Round& r) { return r.sps1; });
+  m.sps2 = med([](const Round& r) { return r.sps2; });
+  m.torch_eff = med([](const Round& r) { return r.torch_eff; });
+  m.torch_hidden = med([](const Round& r) { return r.torch_eff >= 0 ? r.torch_hidden : -1.0; });
+  for (int i = 0; i < 4; ++i) {
+    m.step_ms[i] = med([i](const Round& r) { return r.step_ms[i]; });
+    m.bwd_step_ms[i] = med([i](const Round& r) { return r.bwd_step_ms[i]; });
+  }
+  return m;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Settings s;
   std::string only;
   bool torch = true;
+  int rounds = 3;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--steps" && i + 1 < argc)
       s.steps = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc)
       s.warmup = std::atoi(argv[++i]);
+    else if (a == "--rounds" && i + 1 < argc)
+      rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
     else if (a == "--bucket-mb" && i + 1 < argc)
@@ -247,6 +332,8 @@ int main(int argc, char** argv) {
       s.low_priority_progress = true;
     else if (a == "--cross-memory")
       s.cross_memory = true;
+    else if (a == "--bind")
+      s.bind = true;
     else if (a == "--zero1")
       s.zero1 = true;
     else if (a == "--no-shared-buckets")
@@ -255,16 +342,18 @@ int main(int argc, char** argv) {
       torch = false;
     else {
       std::fprintf(stderr,
-                   "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--bucket-mb N] "
-                   "[--no-overlap] [--low-priority-progress] [--cross-memory] "
-                   "[--no-shared-buckets] [--zero1] [--trace FILE] [--no-torch]\n");
+                   "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--rounds N] "
+                   "[--bucket-mb N] [--bind] [--no-overlap] [--low-priority-progress] "
+                   "[--cross-memory] [--no-shared-buckets] [--zero1] [--trace FILE] "
+                   "[--no-torch]\n");
       return 2;
     }
   }
   std::printf(
-      "dp=1 vs dp=2, 1 thread per rank, same per-rank batch, median of %d steps; "
+      "dp=1 vs dp=2, 1 thread per rank%s, same per-rank batch, median of %d steps, %d round%s; "
       "overlap %s, buckets of %zu MB%s%s\n",
-      s.steps, s.overlap ? "on" : "off", s.bucket_mb,
+      s.bind ? " (rank r bound to core r)" : "", s.steps, rounds, rounds == 1 ? "" : "s",
+      s.overlap ? "on" : "off", s.bucket_mb,
       s.shared_buckets ? " (shared, reduced in place)" : " (private, copied through staging)",
       s.zero1 ? ", ZeRO-1" : "");
   // exposed = the step's wait in finish() (communication not hidden) over the dp=2 step time.
@@ -275,39 +364,27 @@ int main(int argc, char** argv) {
               "pair eff", "of pair", "torch eff", "hidden");
   for (const ImageCase& c : kCases) {
     if (!only.empty() && only != c.name) continue;
-    std::vector<RankResult> ones, twos, pair;
-    if (!run_world(c, s, 1, true, ones) || !run_world(c, s, 2, true, twos) ||
-        !run_world(c, s, 2, false, pair)) {
-      std::printf("%-13s: a rank failed\n", c.name);
-      return 1;
+    // Rounds alternate the measurements, so a slow spell of the machine
+    // touches each of them instead of one; the medians are the figures.
+    std::vector<Round> all;
+    for (int k = 0; k < rounds; ++k) {
+      Round r;
+      if (!run_round(c, s, torch, r)) {
+        std::printf("%-13s: a rank failed\n", c.name);
+        return 1;
+      }
+      all.push_back(r);
+      if (rounds > 1) print_row(cat("  round ", k + 1).c_str(), (long long)c.batch, r);
+      std::fflush(stdout);
     }
-    const RankResult &one = ones[0], &two = twos[0];
-    const double sps1 = double(c.batch) / one.step_seconds;
-    const double sps2 = 2.0 * double(c.batch) / two.step_seconds;
-    // Two independent dp=1 processes at once: what sharing the machine alone allows.
-    const double pair_eff =
-        (double(c.batch) / pair[0].step_seconds + double(c.batch) / pair[1].step_seconds) /
-        (2.0 * sps1);
-    char torch_cols[48] = "         -       -";
-    double teff = 0, thidden = 0;
-    if (torch && measure_torch(c, s, teff, thidden))
-      std::snprintf(torch_cols, sizeof torch_cols, "%9.1f%% %6.1f%%", 100 * teff, 100 * thidden);
-    const double eff = sps2 / (2.0 * sps1);
-    std::printf(
-        "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% | "
-        "%s\n",
-        c.name, (long long)c.batch, sps1, sps2, 100.0 * eff, 1e3 * two.comm_seconds,
-        1e3 * two.backward_seconds,
-        two.comm_seconds > 0 ? 100.0 * two.hidden_seconds / two.comm_seconds : 0.0,
-        100.0 * two.finish_seconds / two.step_seconds, 100.0 * pair_eff, 100.0 * eff / pair_eff,
-        torch_cols);
+    const Round m = rounds > 1 ? median_round(all) : all[0];
+    print_row(c.name, (long long)c.batch, m);
     // Where a dp=2 step's time goes, against the same code without communication.
     std::printf(
-        "  step ms (backward ms): dp=1 %.1f (%.1f), dp=2 %.1f (%.1f), pair %.1f (%.1f) / %.1f "
+        "  step ms (backward ms)%s: dp=1 %.1f (%.1f), dp=2 %.1f (%.1f), pair %.1f (%.1f) / %.1f "
         "(%.1f)\n",
-        1e3 * one.step_seconds, 1e3 * one.backward_seconds, 1e3 * two.step_seconds,
-        1e3 * two.backward_seconds, 1e3 * pair[0].step_seconds, 1e3 * pair[0].backward_seconds,
-        1e3 * pair[1].step_seconds, 1e3 * pair[1].backward_seconds);
+        rounds > 1 ? ", medians" : "", m.step_ms[0], m.bwd_step_ms[0], m.step_ms[1],
+        m.bwd_step_ms[1], m.step_ms[2], m.bwd_step_ms[2], m.step_ms[3], m.bwd_step_ms[3]);
     std::fflush(stdout);
   }
   return 0;

@@ -59,6 +59,9 @@ def overlap(a, b):
 
 
 def run(rank, world, args, port, results):
+    if args.bind:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     torch.manual_seed(rank + 1)
     model = build(args).to(memory_format=torch.channels_last)
@@ -128,6 +131,7 @@ def main():
     p = case_arguments(steps=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25)
+    p.add_argument("--bind", action="store_true", help="rank r on core r, as bench_dp --bind")
     args = p.parse_args()
     t1, _ = measure(1, args)
     t2, hidden = measure(2, args)

@@ -13,6 +13,8 @@ namespace trainer::autograd {
 namespace {
 thread_local bool t_grad_enabled = true;
 std::atomic<uint64_t> g_next_sequence_nr{0};
+// The grad destinations offered to the backward running on this thread, by input.
+thread_local const TensorList* t_destinations = nullptr;
 }  // namespace
 
 bool grad_enabled() { return t_grad_enabled; }
@@ -43,7 +45,11 @@ TensorList AccumulateGrad::apply(const TensorList& grad_outputs) {
   if (g.defined()) {
     CHECK(g.shape() == leaf_.shape())
         << "gradient of shape " << g.shape_str() << " for a leaf of shape " << leaf_.shape_str();
-    if (!m.grad.defined()) {
+    if (!m.grad.defined() && m.grad_destination.defined()) {
+      // Written there by grad_buffer, or copied.
+      if (g.data_ptr() != m.grad_destination.data_ptr()) m.grad_destination.copy_(g);
+      m.grad = m.grad_destination;
+    } else if (!m.grad.defined()) {
       // Take the gradient when nothing else refers to it; otherwise copy, so
       // later in-place accumulation never writes into another tensor.
       bool sole_owner = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 &&
@@ -55,6 +61,14 @@ TensorList AccumulateGrad::apply(const TensorList& grad_outputs) {
   }
   for (const GradHook& hook : m.hooks) hook(leaf_);
   return {};
+}
+
+Tensor grad_buffer(size_t input, const Shape& shape, DType dtype, Device device) {
+  if (t_destinations && input < t_destinations->size()) {
+    const Tensor& d = (*t_destinations)[input];
+    if (d.defined() && d.shape() == shape && d.dtype() == dtype && d.device() == device) return d;
+  }
+  return empty(shape, dtype, device);
 }
 
 Edge gradient_edge(const Tensor& t) {
@@ -107,6 +121,25 @@ struct InputBuffer {
   }
 };
 
+// For each input of node: its leaf's grad destination, where the input is a
+// leaf that has no gradient and whose only gradient in this pass comes from
+// node (one edge into its accumulator, none arrived yet); else undefined.
+void offer_destinations(const Node& node, const std::unordered_map<Node*, int>& dependencies,
+                        const std::unordered_map<Node*, InputBuffer>& buffers,
+                        TensorList& destinations) {
+  destinations.clear();
+  const std::vector<Edge>& edges = node.next_edges();
+  for (size_t i = 0; i < edges.size(); ++i) {
+    const auto* acc = dynamic_cast<const AccumulateGrad*>(edges[i].node.get());
+    if (!acc) continue;
+    const AutogradMeta* m = acc->leaf().impl()->autograd.get();
+    if (!m || !m->grad_destination.defined() || m->grad.defined()) continue;
+    if (dependencies.at(edges[i].node.get()) != 1 || buffers.count(edges[i].node.get())) continue;
+    destinations.resize(edges.size());
+    destinations[i] = m->grad_destination;
+  }
+}
+
 struct ReadyOrder {
   // Latest-created node first: reverse of the forward, as PyTorch does, so
   // parameter hooks fire from the last layer to the first.
@@ -147,6 +180,7 @@ void run_backward(const TensorList& roots, const TensorList& grads, bool retain_
   }
 
   std::unordered_map<Node*, InputBuffer> buffers;
+  TensorList destinations;
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, ReadyOrder> ready;
   for (size_t i = 0; i < roots.size(); ++i) {
     buffers[root_edges[i].node.get()].add(root_edges[i].input_nr, grads[i]);
@@ -166,7 +200,18 @@ void run_backward(const TensorList& roots, const TensorList& grads, bool retain_
     in.resize(node->num_outputs());
     // A node no gradient reached contributes nothing (and fires no hooks).
     bool reached = std::any_of(in.begin(), in.end(), [](const Tensor& g) { return g.defined(); });
-    TensorList out = reached ? node->apply(in) : TensorList{};
+    TensorList out;
+    if (reached) {
+      offer_destinations(*node, dependencies, buffers, destinations);
+      t_destinations = &destinations;
+      try {
+        out = node->apply(in);
+      } catch (...) {
+        t_destinations = nullptr;
+        throw;
+      }
+      t_destinations = nullptr;
+    }
     if (!retain_graph) node->release_saved();
 
     const std::vector<Edge>& edges = node->next_edges();

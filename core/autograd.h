@@ -117,6 +117,15 @@ class AccumulateGrad final : public Node {
   Tensor leaf_;
 };
 
+// A buffer for the gradient of input i of the node whose backward is
+// running, which backward then fills whole: the leaf's grad destination
+// (Tensor::set_grad_destination) when the engine offers it for that input
+// and it has this shape, dtype and device, else a new empty tensor. The
+// engine offers a destination only where the input is a leaf with no
+// gradient yet and this node is the only one sending it one, so nothing
+// else writes there during the pass.
+Tensor grad_buffer(size_t input, const Shape& shape, DType dtype, Device device);
+
 // The edge that carries a gradient into t: its grad_fn, or its leaf's accumulator.
 Edge gradient_edge(const Tensor& t);
 

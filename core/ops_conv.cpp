@@ -117,8 +117,9 @@ struct Conv2dFn {
       be.conv2d_backward_data(go, s.weight, s.attrs, gx);
     }
     if (needs[1] || (needs[2] && s.has_bias)) {
-      gw = empty(s.weight.shape(), s.weight.dtype(), s.weight.device());
-      if (s.has_bias) gb = empty({s.weight.size(0)}, s.weight.dtype(), s.weight.device());
+      gw = autograd::grad_buffer(1, s.weight.shape(), s.weight.dtype(), s.weight.device());
+      if (s.has_bias)
+        gb = autograd::grad_buffer(2, {s.weight.size(0)}, s.weight.dtype(), s.weight.device());
       be.conv2d_backward_weights(go, s.x, s.attrs, gw, gb);
     }
     return {gx, gw, gb};

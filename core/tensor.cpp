@@ -523,6 +523,19 @@ Tensor Tensor::grad() const { return impl_->autograd ? impl_->autograd->grad : T
 
 void Tensor::set_grad(const Tensor& g) const { impl_->meta().grad = g; }
 
+void Tensor::set_grad_destination(const Tensor& dest) const {
+  CHECK(is_leaf() && requires_grad()) << "set_grad_destination() is for leaves that require grad";
+  CHECK(!dest.defined() || (dest.shape() == shape() && dest.dtype() == dtype() &&
+                            dest.device() == device() && dest.is_contiguous()))
+      << "set_grad_destination: " << dest.str() << " for a leaf " << str()
+      << "; the destination must be contiguous, of the leaf's shape, dtype and device";
+  impl_->meta().grad_destination = dest.defined() ? dest.detach() : Tensor();
+}
+
+Tensor Tensor::grad_destination() const {
+  return impl_->autograd ? impl_->autograd->grad_destination : Tensor();
+}
+
 const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
   static const std::shared_ptr<autograd::Node> none;
   return impl_->autograd ? impl_->autograd->grad_fn : none;

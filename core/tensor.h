@@ -133,6 +133,15 @@ class Tensor {
   // Fired when this leaf's gradient is final for a backward pass (after
   // accumulation into grad()); data parallelism starts its allreduce here.
   void register_hook(GradHook hook) const;
+  // Where this leaf's gradient lands when backward finds it without one:
+  // grad() becomes dest (a contiguous tensor of the leaf's shape, dtype and
+  // device), which the ops that make parameter gradients (conv2d, linear)
+  // write straight into (autograd::grad_buffer) and any other gradient is
+  // copied into. Later passes before zero_grad accumulate there as usual.
+  // Data parallelism points each parameter at its slice of a bucket, so the
+  // gradient is in the bucket with no copy. An undefined dest clears it.
+  void set_grad_destination(const Tensor& dest) const;
+  Tensor grad_destination() const;
 
   std::string str() const;
   std::string shape_str() const { return trainer::shape_str(shape()); }
@@ -157,6 +166,7 @@ struct AutogradMeta {
   uint32_t output_nr = 0;
   std::weak_ptr<autograd::Node> grad_accumulator;  // leaves only
   std::vector<GradHook> hooks;
+  Tensor grad_destination;  // leaves only: see Tensor::set_grad_destination
 };
 
 struct TensorImpl {

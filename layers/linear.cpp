@@ -49,7 +49,7 @@ struct LinearFn {
       be.matmul(g[0], s.weight, gx);
     }
     if (needs[1]) {
-      gw = empty(s.weight.shape(), s.weight.dtype(), s.weight.device());
+      gw = autograd::grad_buffer(1, s.weight.shape(), s.weight.dtype(), s.weight.device());
       be.matmul(g[0].t(), s.x, gw);
     }
     if (s.has_bias && needs[2]) gb = sum(g[0], {0});

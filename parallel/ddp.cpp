@@ -43,7 +43,8 @@ struct DataParallel::Impl {
   }
 
   // Makes params[i]'s gradient the bucket view, copying a gradient that
-  // autograd allocated afresh (after zero_grad(set_to_none)).
+  // lies elsewhere (accumulated before wrapping, or set by hand). Backward
+  // puts gradients there itself (the views are the grad destinations).
   void adopt_grad(Bucket& bucket, size_t i, bool zero_if_missing) {
     const Tensor& param = bucket.params[i].tensor;
     Tensor view = bucket.grads[i];  // a handle: the in-place fill writes the bucket
@@ -272,6 +273,7 @@ DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm:
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       // Gradients accumulated before wrapping carry over into the buckets.
       impl_->adopt_grad(bucket, i, /*zero_if_missing=*/false);
+      bucket.params[i].tensor.set_grad_destination(bucket.grads[i]);
       std::weak_ptr<Impl> weak = impl_;
       bucket.params[i].tensor.register_hook([weak, b, i](const Tensor&) {
         if (std::shared_ptr<Impl> impl = weak.lock()) impl->on_grad_ready(int(b), i);
@@ -282,6 +284,8 @@ DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm:
 }
 
 DataParallel::~DataParallel() {
+  for (Bucket& bucket : impl_->buckets)
+    for (const NamedTensor& p : bucket.params) p.tensor.set_grad_destination(Tensor());
   // Outstanding reductions write into the buckets (and spans into the
   // timeline): let them finish first.
   for (const auto* list : {&impl_->works, &impl_->markers}) {

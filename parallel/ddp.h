@@ -28,10 +28,12 @@
 // Gradient accumulation: inside a NoSync scope (or with set_sync(false)) the
 // hooks only accumulate; the next synchronised backward reduces the sum.
 // With overlap off every bucket is reduced in finish(), after backward (for
-// comparison). After zero_grad() (or optimizer.zero_grad(), set_to_none)
-// each parameter's first gradient of the next step is copied into its bucket
-// view as it arrives, and later ones of the step accumulate there: one copy,
-// where zeroing the buckets and adding into them would cost a fill and a
+// comparison). Each parameter's bucket view is its grad destination
+// (Tensor::set_grad_destination): after zero_grad() (or
+// optimizer.zero_grad(), set_to_none) the first gradient of the next step is
+// written there by the op that makes it (conv2d and linear write in place;
+// other gradients are copied in), and later ones of the step accumulate
+// there. Zeroing the buckets and adding into them would cost a fill and a
 // read more of every gradient byte.
 //
 // Glossary: rank/world = index and size of the data-parallel communicator;
@@ -157,7 +159,7 @@ class DataParallel {
   void finish();
 
   // Releases every parameter's gradient, as optimizer.zero_grad(set_to_none)
-  // does; the next backward's gradients are copied into the bucket views.
+  // does; the next backward's gradients land in the bucket views.
   void zero_grad();
 
   // Buckets whose reduction started in backward, before finish(), in the

@@ -129,6 +129,10 @@ int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, in
                  " was expected"));
       expect(b.grads[i].data_ptr() == static_cast<char*>(b.flat.data_ptr()) + 4 * b.offsets[i],
              cat("bucket ", b.index, ": the gradient of ", b.params[i].name, " is not a view"));
+      // Backward writes there itself (conv2d and linear in place, others by a copy).
+      expect(
+          b.params[i].tensor.grad_destination().data_ptr() == b.grads[i].data_ptr(),
+          cat("bucket ", b.index, ": ", b.params[i].name, "'s grad destination is not its view"));
     }
     bucket_sum += b.numel();
   }
@@ -161,6 +165,10 @@ int run_equiv(const std::shared_ptr<comm::Communicator>& world, bool overlap, in
       (cross_entropy(dp(xr), yr) * (1.0 / double(accum))).backward();
     }
     dp.finish();
+    for (const Bucket& b : dp.buckets())
+      for (size_t i = 0; i < b.params.size(); ++i)
+        expect(b.params[i].tensor.grad().data_ptr() == b.grads[i].data_ptr(),
+               cat("step ", step, ": the gradient of ", b.params[i].name, " is not in its bucket"));
     if (overlap && dp.buckets().size() > 1)
       expect(dp.buckets_started_in_backward() == int(dp.buckets().size()),
              cat("step ", step, ": ", dp.buckets_started_in_backward(), " of ", dp.buckets().size(),

@@ -187,3 +187,82 @@ TEST_CASE("autograd: views are differentiable", "[autograd]") {
       },
       {rand_f64({3, 4}, gen)});
 }
+
+namespace {
+// y = x * w (elementwise) whose backward asks for grad_buffer on both inputs
+// and records which it got.
+struct ProbeDestinationOp {
+  struct Saved {
+    Tensor x, w;
+  };
+  static constexpr const char* name = "probe_destination";
+  static inline std::vector<const void*> handed;  // grad_buffer's result per input, last backward
+  static Tensor forward(Saved& s, const Tensor& x, const Tensor& w) {
+    s = Saved{x, w};
+    return x * w;
+  }
+  static TensorList backward(Saved& s, const TensorList& g, const autograd::GradMask&) {
+    Tensor gx = autograd::grad_buffer(0, s.x.shape(), s.x.dtype(), s.x.device());
+    Tensor gw = autograd::grad_buffer(1, s.w.shape(), s.w.dtype(), s.w.device());
+    handed = {gx.data_ptr(), gw.data_ptr()};
+    gx.copy_(g[0] * s.w);
+    gw.copy_(g[0] * s.x);
+    return {gx, gw};
+  }
+};
+}  // namespace
+
+TEST_CASE("autograd: grad destinations receive a leaf's gradient in place", "[autograd]") {
+  Tensor x = from_vector<double>({1.0, 2.0, 3.0}).requires_grad_();
+  Tensor w = from_vector<double>({4.0, 5.0, 6.0}).requires_grad_();
+  Tensor dest = zeros({3}, DType::f64);
+  w.set_grad_destination(dest);
+
+  // The only producer of w's gradient is offered the destination; x has none.
+  sum(autograd::apply<ProbeDestinationOp>(x, w)).backward();
+  REQUIRE(ProbeDestinationOp::handed[1] == dest.data_ptr());
+  REQUIRE(ProbeDestinationOp::handed[0] != dest.data_ptr());
+  REQUIRE(w.grad().data_ptr() == dest.data_ptr());
+  REQUIRE(dest.to_vector<double>() == std::vector<double>{1, 2, 3});
+  REQUIRE(x.grad().to_vector<double>() == std::vector<double>{4, 5, 6});
+
+  // A second pass accumulates there; nobody is offered the destination then.
+  sum(autograd::apply<ProbeDestinationOp>(x, w)).backward();
+  REQUIRE(ProbeDestinationOp::handed[1] != dest.data_ptr());
+  REQUIRE(w.grad().data_ptr() == dest.data_ptr());
+  REQUIRE(dest.to_vector<double>() == std::vector<double>{2, 4, 6});
+
+  // Two producers: neither writes the destination; the sum is copied in.
+  w.set_grad(Tensor());
+  dest.fill_(-7.0);
+  Tensor y = autograd::apply<ProbeDestinationOp>(x, w) + w * w;  // d/dw = x + 2w
+  sum(y).backward();
+  REQUIRE(ProbeDestinationOp::handed[1] != dest.data_ptr());
+  REQUIRE(w.grad().data_ptr() == dest.data_ptr());
+  REQUIRE(dest.to_vector<double>() == std::vector<double>{9, 12, 15});
+
+  // An op that does not ask (here mul) has its gradient copied in.
+  w.set_grad(Tensor());
+  sum(w * 3.0).backward();
+  REQUIRE(w.grad().data_ptr() == dest.data_ptr());
+  REQUIRE(dest.to_vector<double>() == std::vector<double>{3, 3, 3});
+
+  // Cleared: gradients are the engine's own again.
+  w.set_grad_destination(Tensor());
+  w.set_grad(Tensor());
+  sum(autograd::apply<ProbeDestinationOp>(x, w)).backward();
+  REQUIRE(w.grad().data_ptr() != dest.data_ptr());
+  REQUIRE(w.grad().to_vector<double>() == std::vector<double>{1, 2, 3});
+
+  // A destination of another shape or dtype, or strided, is a programming error.
+  REQUIRE_THAT(check_failure_of([&] { w.set_grad_destination(zeros({4}, DType::f64)); }),
+               Catch::Contains("set_grad_destination") && Catch::Contains("leaf's shape"));
+  REQUIRE_THAT(check_failure_of([&] { w.set_grad_destination(zeros({3}, DType::f32)); }),
+               Catch::Contains("dtype"));
+  REQUIRE_THAT(check_failure_of([&] {
+                 w.set_grad_destination(zeros({3, 2}, DType::f64).select(1, 0));
+               }),
+               Catch::Contains("contiguous"));
+  REQUIRE_THAT(check_failure_of([&] { (x * 2.0).set_grad_destination(zeros({3}, DType::f64)); }),
+               Catch::Contains("leaves"));
+}

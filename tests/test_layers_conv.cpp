@@ -7,6 +7,7 @@
 #include <random>
 
 #include "core/ops_conv.h"
+#include "layers/linear.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -362,4 +363,37 @@ TEST_CASE("conv2d_bn_eval: folded conv + bn + relu equals the unfused sequence",
                               true);
       },
       {x64, w64, b64, g64, be64});
+}
+
+TEST_CASE("conv2d and linear write parameter gradients into their grad destinations",
+          "[conv][autograd]") {
+  Generator gen(11);
+  Tensor x = rand_tensor({2, 3, 6, 6}, gen);
+  Tensor w = rand_tensor({4, 3, 3, 3}, gen).requires_grad_();
+  Tensor b = rand_tensor({4}, gen).requires_grad_();
+  Tensor fw = rand_tensor({5, 4 * 4 * 4}, gen).requires_grad_();
+  auto loss = [&] {
+    Tensor h = relu(conv2d(x, w, b, {}));
+    return sum(linear(h.reshape({2, -1}), fw, Tensor()) * 0.5);
+  };
+  loss().backward();
+  const TensorList reference = {w.grad().clone(), b.grad().clone(), fw.grad().clone()};
+
+  // One flat buffer, as a data-parallel bucket holds them (odd offsets).
+  Tensor flat = full({1 + w.numel() + b.numel() + fw.numel()}, 99.0);
+  const TensorList params = {w, b, fw};
+  int64_t at = 1;
+  TensorList views;
+  for (const Tensor& p : params) {
+    views.push_back(make_view(flat, p.shape(), contiguous_strides(p.shape()), at));
+    at += p.numel();
+    p.set_grad(Tensor());
+    p.set_grad_destination(views.back());
+  }
+  loss().backward();
+  for (size_t i = 0; i < params.size(); ++i) {
+    REQUIRE(params[i].grad().data_ptr() == views[i].data_ptr());
+    require_close(params[i].grad(), reference[i], 1e-6, 1e-6);
+  }
+  REQUIRE(flat.to_vector<float>()[0] == 99.0f);  // nothing written outside the views
 }

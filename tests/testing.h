@@ -7,7 +7,11 @@
 //                           {rand_f32({5, 7}, gen)});
 #pragma once
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <csignal>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -21,6 +25,29 @@
 namespace trainer::testing {
 
 using Fn = std::function<Tensor(const TensorList&)>;
+
+// What a CHECK failure inside f prints (it aborts, so f runs in a forked
+// child); empty when f returns normally.
+inline std::string check_failure_of(const std::function<void()>& f) {
+  int fd[2];
+  if (::pipe(fd) != 0) return "pipe failed";
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fd[1], 2);
+    ::close(fd[0]);
+    f();
+    ::_exit(0);
+  }
+  ::close(fd[1]);
+  std::string printed;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fd[0], buf, sizeof buf)) > 0;) printed.append(buf, size_t(n));
+  ::close(fd[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT ? printed : "";
+}
 
 // The message of the trainer::Error that f throws; empty when it throws none.
 inline std::string error_of(const std::function<void()>& f) {
