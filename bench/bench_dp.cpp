@@ -27,6 +27,7 @@
 //   bench_dp --zero1 --no-torch        # ZeRO-1 (optimizer state sharded) instead of replicated SGD
 //   bench_dp --rounds 5                # five alternated rounds, medians (default 3)
 //   bench_dp --bind                    # rank r (ours and torch's) bound to core r
+//   bench_dp --no-grad-destinations    # gradients copied into the buckets, not written there
 #include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -67,7 +68,8 @@ struct Settings {
   bool cross_memory = false;   // AllreduceOptions::cross_memory (shm direct path)
   bool shared_buckets = true;  // DataParallelOptions::shared_buckets, ZeroOptions::shared_buffers
   bool zero1 = false;          // ZeRO-1 over DataParallel's buckets (parallel/zero.h)
-  bool bind = false;           // child r runs on core r only (sched_setaffinity)
+  bool grad_destinations = true;  // false: gradients are copied into the buckets, as before
+  bool bind = false;              // child r runs on core r only (sched_setaffinity)
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -101,6 +103,9 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
         .timeline = &timeline};
     if (s.zero1) options.reduce = zero_bucket_reduce(&zero);
     dp = std::make_unique<DataParallel>(model, world, options);
+    if (!s.grad_destinations)
+      for (const Bucket& b : dp->buckets())
+        for (const NamedTensor& p : b.params) p.tensor.set_grad_destination(Tensor());
     if (s.zero1) {
       zero = std::make_shared<ZeroOptimizer>(
           world, std::vector<optim::ParamGroup>{optim::ParamGroup{model->named_parameters()}},
@@ -332,6 +337,8 @@ int main(int argc, char** argv) {
       s.low_priority_progress = true;
     else if (a == "--cross-memory")
       s.cross_memory = true;
+    else if (a == "--no-grad-destinations")
+      s.grad_destinations = false;
     else if (a == "--bind")
       s.bind = true;
     else if (a == "--zero1")
@@ -344,7 +351,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--rounds N] "
                    "[--bucket-mb N] [--bind] [--no-overlap] [--low-priority-progress] "
-                   "[--cross-memory] [--no-shared-buckets] [--zero1] [--trace FILE] "
+                   "[--cross-memory] [--no-shared-buckets] [--no-grad-destinations] [--zero1] "
+                   "[--trace FILE] "
                    "[--no-torch]\n");
       return 2;
     }
