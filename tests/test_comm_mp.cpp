@@ -3,6 +3,7 @@
 // interfere), running tests/comm_worker.cpp. World sizes 1, 2, 3, 4 and 8;
 // the worker checks closed forms and prints any mismatch with rank, index,
 // expected and actual, which the failure message here includes.
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -78,7 +79,9 @@ TEST_CASE("comm: launch gives each rank its share of the cores unless OMP_NUM_TH
   Outcome o = run(unset, {}, 30);
   INFO(o.output);
   REQUIRE(o.code == 0);
-  const long share = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN) / 2);
+  cpu_set_t allowed;
+  REQUIRE(::sched_getaffinity(0, sizeof allowed, &allowed) == 0);
+  const long share = std::max(1L, long(CPU_COUNT(&allowed)) / 2);
   CHECK(o.output.find(trainer::cat("rank 0 threads ", share, "\n")) != std::string::npos);
   CHECK(o.output.find(trainer::cat("rank 1 threads ", share, "\n")) != std::string::npos);
 
@@ -86,6 +89,52 @@ TEST_CASE("comm: launch gives each rank its share of the cores unless OMP_NUM_TH
   INFO(chosen.output);
   REQUIRE(chosen.code == 0);
   CHECK(chosen.output.find("rank 1 threads 3\n") != std::string::npos);
+}
+
+TEST_CASE("comm: launch --bind-to core gives each rank its own cores", "[comm][mp]") {
+  cpu_set_t allowed;
+  REQUIRE(::sched_getaffinity(0, sizeof allowed, &allowed) == 0);
+  std::vector<int> cores;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cores.push_back(c);
+  // Each rank prints the cores it may run on, one per line.
+  const std::string script =
+      "for c in $(grep Cpus_allowed_list /proc/self/status | cut -f2 | tr , ' '); do "
+      "case $c in *-*) seq ${c%-*} ${c#*-};; *) echo $c;; esac; done | sed \"s/^/rank $RANK core "
+      "/\"";
+  for (const char* bind : {"core", "none"}) {
+    INFO("--bind-to " << bind);
+    Outcome o = run({TRAINER_BINARY, "launch", "--nproc-per-node", "2", "--bind-to", bind,
+                     "--program", "/bin/sh", "--", "-c", script},
+                    {}, 30);
+    INFO(o.output);
+    REQUIRE(o.code == 0);
+    std::vector<int> of[2];
+    for (int r = 0; r < 2; ++r)
+      for (int c : cores)
+        if (o.output.find(trainer::cat("rank ", r, " core ", c, "\n")) != std::string::npos)
+          of[r].push_back(c);
+    if (std::string(bind) == "none") {  // every rank may run anywhere
+      CHECK(of[0] == cores);
+      CHECK(of[1] == cores);
+      continue;
+    }
+    CHECK(o.output.find("local rank 1 bound to cores") != std::string::npos);
+    // Each rank gets half the cores (one, on a single core: they share it).
+    const size_t share = std::max<size_t>(1, cores.size() / 2);
+    CHECK(of[0].size() == share);
+    CHECK(of[1].size() == share);
+    if (cores.size() >= 2) {
+      CHECK(of[0].front() == cores.front());
+      CHECK(of[0].back() < of[1].front());
+    }
+  }
+  Outcome bad = run({TRAINER_BINARY, "launch", "--nproc-per-node", "2", "--bind-to", "socket",
+                     "--program", "/bin/true"},
+                    {}, 30);
+  INFO(bad.output);
+  CHECK(bad.code != 0);
+  CHECK(bad.output.find("--bind-to") != std::string::npos);
 }
 
 namespace {

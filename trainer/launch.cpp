@@ -1,6 +1,7 @@
 #include "trainer/launch.h"
 
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -95,7 +96,37 @@ void signal_all(std::vector<Child>& children, int sig) {
     if (c.running) ::kill(-c.pid, sig);  // each child leads its own process group
 }
 
+// The cores this process may run on, in increasing order.
+std::vector<int> allowed_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cores;
+  if (::sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cores.push_back(c);
+  return cores;
+}
+
+std::string core_list(const std::vector<int>& cores) {
+  std::string out;
+  for (size_t i = 0; i < cores.size();) {
+    size_t j = i;
+    while (j + 1 < cores.size() && cores[j + 1] == cores[j] + 1) ++j;
+    out += cat(out.empty() ? "" : ",", cores[i], j > i ? cat("-", cores[j]) : "");
+    i = j + 1;
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc) {
+  if (cores.empty() || nproc <= 0) return {};
+  const size_t n = cores.size(), share = std::max<size_t>(1, n / size_t(nproc));
+  const size_t first = (size_t(local) * share) % n;
+  return std::vector<int>(cores.begin() + long(first),
+                          cores.begin() + long(std::min(n, first + share)));
+}
 
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   CLI::App* cmd = app.add_subcommand(
@@ -112,6 +143,10 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   cmd->add_option("--program", o.program, "run this program instead of the trainer binary");
   cmd->add_option("--grace-seconds", o.grace_seconds,
                   "SIGTERM to SIGKILL delay when stopping ranks");
+  cmd->add_option("--bind-to", o.bind_to,
+                  "core: each local rank runs on its own share of the cores; none: the "
+                  "scheduler places them (default)")
+      ->check(CLI::IsMember({"none", "core"}));
   cmd->add_option("args", o.args, "arguments of every rank, after --");
   return cmd;
 }
@@ -138,14 +173,27 @@ int run_launch(const LaunchOptions& o) {
   // Ranks share the node's cores: unless the user chose, each rank's OpenMP
   // gets cores / nproc_per_node threads (torchrun sets 1), so ranks don't
   // oversubscribe the cores and spin against each other.
+  const std::vector<int> cores = allowed_cores();
   std::vector<std::pair<std::string, std::string>> threads;
   if (!std::getenv("OMP_NUM_THREADS")) {
-    const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
-    threads.push_back({"OMP_NUM_THREADS", std::to_string(std::max(1L, cores / o.nproc_per_node))});
+    const long n = std::max(1L, long(cores.size()));
+    threads.push_back({"OMP_NUM_THREADS", std::to_string(std::max(1L, n / o.nproc_per_node))});
   }
+
+  const std::vector<int> bind_cores = o.bind_to == "core" ? cores : std::vector<int>();
+  if (o.bind_to == "core" && o.nproc_per_node > int(cores.size()))
+    std::fprintf(stderr, "trainer launch: %d ranks on %zu cores: ranks will share cores\n",
+                 o.nproc_per_node, cores.size());
 
   std::vector<Child> children;
   for (int local = 0; local < o.nproc_per_node; ++local) {
+    const std::vector<int> mine = rank_cores(bind_cores, local, o.nproc_per_node);
+    if (!mine.empty())
+      std::fprintf(stderr, "trainer launch: local rank %d bound to cores %s\n", local,
+                   core_list(mine).c_str());
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : mine) CPU_SET(c, &set);
     int rank = o.node_rank * o.nproc_per_node + local;
     std::vector<std::pair<std::string, std::string>> vars{
         {"RANK", std::to_string(rank)},
@@ -162,6 +210,11 @@ int run_launch(const LaunchOptions& o) {
     CHECK(pid >= 0) << "fork: " << std::strerror(errno);
     if (pid == 0) {
       ::setpgid(0, 0);
+      if (!mine.empty() && ::sched_setaffinity(0, sizeof set, &set) != 0) {
+        std::fprintf(stderr, "trainer launch: cannot bind local rank %d to cores %s: %s\n", local,
+                     core_list(mine).c_str(), std::strerror(errno));
+        ::_exit(127);
+      }
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
       ::execve(program.c_str(), argv.data(), envp.data());

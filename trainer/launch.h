@@ -10,7 +10,11 @@
 // set; else a fresh random one on a single node, or one derived from the
 // master address and port across nodes, where every launcher must agree),
 // and OMP_NUM_THREADS = cores / nproc-per-node unless the launcher's
-// environment sets it (torchrun sets 1).
+// environment sets it (torchrun sets 1). With --bind-to core, local rank l
+// runs on its own share of the launcher's cores (the l-th contiguous group of
+// cores / nproc-per-node of them; ranks wrap around when there are more ranks
+// than cores), as mpirun --bind-to core does: a rank's threads stay on its
+// cores, and ranks do not migrate onto each other's.
 // SIGINT and SIGTERM are forwarded to the children. When a child fails, the
 // others get SIGTERM, then SIGKILL after the grace period, and the launcher
 // returns the failed child's exit code (128 + signal for a killed one).
@@ -34,7 +38,12 @@ struct LaunchOptions {
   std::string program;            // empty: this trainer binary
   std::vector<std::string> args;  // passed to every rank
   double grace_seconds = 10.0;    // between SIGTERM and SIGKILL when stopping ranks
+  std::string bind_to = "none";   // "none" or "core"
 };
+
+// The cores local rank `local` of nproc runs on under --bind-to core, from
+// the cores the launcher may use (in increasing order).
+std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc);
 
 // Registers the subcommand; its options fill `options`.
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& options);
