@@ -22,16 +22,20 @@
 // The VM's two vCPUs move between host cores over time, and how fast a cache
 // line travels between them changes with it (1 KiB: 0.3 to 1.1 us, the same
 // binary minutes apart), so the two sides run alternately: --rounds R (default
-// 3) runs ours, then OpenMPI's, R times, and each side's figure per size is
-// its best round; "won" counts the rounds where ours was faster. OpenMPI's
+// 3) sweeps the sizes R times, each size timed by ours and then at once by
+// OpenMPI's (bench/mpi/mpi_allreduce --serve, started once), so both see the
+// same machine; each side's figure per size is its best round, and "won"
+// counts the rounds where ours was faster. OpenMPI's
 // ranks are bound the way ours are: mpirun --bind-to core when this rank runs
 // on fewer cores than the machine has (trainer launch --bind-to core;
 // mpirun's own default for 2 ranks), --bind-to none otherwise.
 // Local peers' processes are watched through pidfds (see comm/transport.h);
 // --no-failure-detection turns the watching off (CommOptions::detect_peer_failure)
 // to show what it costs.
+#include <fcntl.h>
 #include <sched.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,7 +44,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/collectives.h"
@@ -106,24 +112,73 @@ bool bound_to_cores() {
          CPU_COUNT(&set) < ::sysconf(_SC_NPROCESSORS_ONLN);
 }
 
-// "bytes microseconds" lines of the MPI program, by size; empty without MPI.
-std::map<size_t, double> run_mpi(int ranks, size_t min_bytes, size_t max_bytes, bool bind) {
-  std::map<size_t, double> times;
+// OpenMPI's side: bench/mpi/mpi_allreduce under mpirun in --serve mode, which
+// times one size per request, so each size is measured by both sides within
+// a second of each other. Without MPI (or when it fails to start) time()
+// returns a negative number.
+class MpiServer {
+ public:
+  MpiServer(int ranks, size_t max_bytes, bool bind) {
 #if defined(TRAINER_MPIEXEC) && defined(TRAINER_MPI_ALLREDUCE)
-  std::string command = cat(TRAINER_MPIEXEC, " --allow-run-as-root --oversubscribe --bind-to ",
-                            bind ? "core:overload-allowed" : "none", " -np ", ranks, " ",
-                            TRAINER_MPI_ALLREDUCE, " ", min_bytes, " ", max_bytes, " 2>/dev/null");
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (!pipe) return times;
-  size_t bytes;
-  double us;
-  while (std::fscanf(pipe, "%zu %lf", &bytes, &us) == 2) times[bytes] = us;
-  ::pclose(pipe);
+    char dir[] = "/tmp/bench_allreduce.XXXXXX";
+    if (!::mkdtemp(dir)) return;
+    dir_ = dir;
+    for (int r = 0; r < ranks; ++r)
+      if (::mkfifo(cat(dir_, "/size.", r).c_str(), 0600) != 0) return;
+    const std::string command =
+        cat(TRAINER_MPIEXEC, " --allow-run-as-root --oversubscribe --bind-to ",
+            bind ? "core:overload-allowed" : "none", " -np ", ranks, " ", TRAINER_MPI_ALLREDUCE,
+            " --serve ", dir_, " ", max_bytes, " 2>/dev/null");
+    out_ = ::popen(command.c_str(), "r");
+    if (!out_) return;
+    // Each rank opens its FIFO after MPI_Init: wait for every reader (up to
+    // a minute; opening without a reader fails with ENXIO).
+    for (int r = 0; r < ranks; ++r) {
+      const std::string fifo = cat(dir_, "/size.", r);
+      int fd = -1;
+      for (int tries = 0; fd < 0 && tries < 6000; ++tries) {
+        fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+        if (fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (fd < 0) return;
+      ::fcntl(fd, F_SETFL, 0);  // blocking writes from here on
+      fifos_.push_back(fd);
+    }
+    ok_ = true;
 #else
-  (void)ranks, (void)min_bytes, (void)max_bytes, (void)bind;
+    (void)ranks, (void)max_bytes, (void)bind;
 #endif
-  return times;
-}
+  }
+  ~MpiServer() {
+    for (int fd : fifos_) {
+      if (ok_) (void)!::write(fd, "0\n", 2);
+      ::close(fd);
+    }
+    if (out_) ::pclose(out_);
+    for (size_t r = 0; !dir_.empty() && r < 64; ++r) ::unlink(cat(dir_, "/size.", r).c_str());
+    if (!dir_.empty()) ::rmdir(dir_.c_str());
+  }
+  MpiServer(const MpiServer&) = delete;
+  MpiServer& operator=(const MpiServer&) = delete;
+
+  // OpenMPI's time for one allreduce of bytes (the slowest rank's mean), in us.
+  double time(size_t bytes) {
+    if (!ok_) return -1;
+    const std::string request = cat(bytes, "\n");
+    for (int fd : fifos_)
+      if (::write(fd, request.data(), request.size()) != ssize_t(request.size())) ok_ = false;
+    size_t got = 0;
+    double us = -1;
+    if (!ok_ || std::fscanf(out_, "%zu %lf", &got, &us) != 2 || got != bytes) ok_ = false;
+    return ok_ ? us : -1;
+  }
+
+ private:
+  std::string dir_;
+  FILE* out_ = nullptr;
+  std::vector<int> fifos_;
+  bool ok_ = false;
+};
 
 AllreduceAlgorithm parse_algorithm(const std::string& name) {
   if (name == "ring") return AllreduceAlgorithm::ring;
@@ -186,28 +241,28 @@ int main(int argc, char** argv) {
         throw Error("--shared-buffer: no shared region (ranks on several hosts, or no channel)");
       float* data = region ? reinterpret_cast<float*>(region->local()) : private_data.data();
       std::fill(data, data + max_bytes / sizeof(float), 1.0f);
+      // Both sides measure each size in turn (ours, then OpenMPI's while our
+      // ranks sleep in a barrier); the sweep repeats `rounds` times.
+      std::unique_ptr<MpiServer> server;
+      if (boot.rank == 0) server = std::make_unique<MpiServer>(n, max_bytes, bound);
+      barrier(*world);
       for (int round = 0; round < rounds; ++round) {
-        std::vector<std::pair<size_t, Timing>> sweep;
-        for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2)
-          sweep.emplace_back(bytes, time_allreduce(*world, data, bytes, allreduce_options));
-        barrier(*world);
-        // OpenMPI runs while the other ranks sleep in the barrier below.
-        std::map<size_t, double> theirs;
-        if (boot.rank == 0) theirs = run_mpi(n, min_bytes, max_bytes, bound);
-        barrier(*world);
-        for (size_t k = 0; k < sweep.size(); ++k) {
-          const auto& [bytes, timing] = sweep[k];
-          if (round == 0 || timing.seconds < ours[k].second.seconds) {
-            if (round == 0) ours.push_back(sweep[k]);
-            ours[k].second = timing;
+        size_t k = 0;
+        for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2, ++k) {
+          const Timing timing = time_allreduce(*world, data, bytes, allreduce_options);
+          if (round == 0) ours.emplace_back(bytes, timing);
+          if (timing.seconds < ours[k].second.seconds) ours[k].second = timing;
+          barrier(*world);
+          if (boot.rank == 0) {
+            if (const double us = server->time(bytes); us >= 0) {
+              won[bytes] += timing.seconds * 1e6 < us;
+              if (!mpi.count(bytes) || us < mpi[bytes]) mpi[bytes] = us;
+            }
           }
-          if (auto it = theirs.find(bytes); it != theirs.end()) {
-            won[bytes] += timing.seconds * 1e6 < it->second;
-            auto best = mpi.find(bytes);
-            if (best == mpi.end() || it->second < best->second) mpi[bytes] = it->second;
-          }
+          barrier(*world);
         }
       }
+      server.reset();
     }
     if (boot.rank != 0) return 0;
     double copy = memcpy_bandwidth();
@@ -226,8 +281,8 @@ int main(int argc, char** argv) {
                                 : "ranks not bound to cores; OpenMPI's neither (mpirun --bind-to "
                                   "none); trainer launch --bind-to core binds them");
     std::printf(
-        "# best of %d alternated rounds (ours, then OpenMPI's); won = rounds ours was "
-        "faster\n",
+        "# best of %d rounds, each size timed by ours and then by OpenMPI's; won = rounds "
+        "ours was faster\n",
         rounds);
     std::printf("# copy bound: single-thread memcpy %.2f GB/s\n", copy);
     std::printf("# %12s %11s | %10s %9s %9s %10s | %10s %9s %9s | %7s %5s\n", "bytes", "count",
