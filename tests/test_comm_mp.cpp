@@ -91,7 +91,9 @@ TEST_CASE("comm: launch gives each rank its share of the cores unless OMP_NUM_TH
   CHECK(chosen.output.find("rank 1 threads 3\n") != std::string::npos);
 }
 
-TEST_CASE("comm: launch --bind-to core gives each rank its own cores", "[comm][mp]") {
+TEST_CASE(
+    "comm: launch binds each rank to its own cores (--bind-to core, or auto with enough cores)",
+    "[comm][mp]") {
   cpu_set_t allowed;
   REQUIRE(::sched_getaffinity(0, sizeof allowed, &allowed) == 0);
   std::vector<int> cores;
@@ -102,11 +104,14 @@ TEST_CASE("comm: launch --bind-to core gives each rank its own cores", "[comm][m
       "for c in $(grep Cpus_allowed_list /proc/self/status | cut -f2 | tr , ' '); do "
       "case $c in *-*) seq ${c%-*} ${c#*-};; *) echo $c;; esac; done | sed \"s/^/rank $RANK core "
       "/\"";
-  for (const char* bind : {"core", "none"}) {
+  for (std::string bind : {"core", "none", "auto", ""}) {
     INFO("--bind-to " << bind);
-    Outcome o = run({TRAINER_BINARY, "launch", "--nproc-per-node", "2", "--bind-to", bind,
-                     "--program", "/bin/sh", "--", "-c", script},
-                    {}, 30);
+    std::vector<std::string> argv{TRAINER_BINARY, "launch", "--nproc-per-node", "2"};
+    if (!bind.empty()) argv.insert(argv.end(), {"--bind-to", bind});
+    argv.insert(argv.end(), {"--program", "/bin/sh", "--", "-c", script});
+    Outcome o = run(argv, {}, 30);
+    // auto, the default, binds when there are at least as many cores as ranks.
+    if (bind.empty() || bind == "auto") bind = cores.size() >= 2 ? "core" : "none";
     INFO(o.output);
     REQUIRE(o.code == 0);
     std::vector<int> of[2];
@@ -114,7 +119,7 @@ TEST_CASE("comm: launch --bind-to core gives each rank its own cores", "[comm][m
       for (int c : cores)
         if (o.output.find(trainer::cat("rank ", r, " core ", c, "\n")) != std::string::npos)
           of[r].push_back(c);
-    if (std::string(bind) == "none") {  // every rank may run anywhere
+    if (bind == "none") {  // every rank may run anywhere
       CHECK(of[0] == cores);
       CHECK(of[1] == cores);
       continue;

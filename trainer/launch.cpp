@@ -145,8 +145,9 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
                   "SIGTERM to SIGKILL delay when stopping ranks");
   cmd->add_option("--bind-to", o.bind_to,
                   "core: each local rank runs on its own share of the cores; none: the "
-                  "scheduler places them (default)")
-      ->check(CLI::IsMember({"none", "core"}));
+                  "scheduler places them; auto (default): core when there are at least as many "
+                  "cores as local ranks, else none")
+      ->check(CLI::IsMember({"auto", "none", "core"}));
   cmd->add_option("args", o.args, "arguments of every rank, after --");
   return cmd;
 }
@@ -180,7 +181,9 @@ int run_launch(const LaunchOptions& o) {
     threads.push_back({"OMP_NUM_THREADS", std::to_string(std::max(1L, n / o.nproc_per_node))});
   }
 
-  const std::vector<int> bind_cores = o.bind_to == "core" ? cores : std::vector<int>();
+  const bool bind =
+      o.bind_to == "core" || (o.bind_to == "auto" && o.nproc_per_node <= int(cores.size()));
+  const std::vector<int> bind_cores = bind ? cores : std::vector<int>();
   if (o.bind_to == "core" && o.nproc_per_node > int(cores.size()))
     std::fprintf(stderr, "trainer launch: %d ranks on %zu cores: ranks will share cores\n",
                  o.nproc_per_node, cores.size());

@@ -10,11 +10,14 @@
 // set; else a fresh random one on a single node, or one derived from the
 // master address and port across nodes, where every launcher must agree),
 // and OMP_NUM_THREADS = cores / nproc-per-node unless the launcher's
-// environment sets it (torchrun sets 1). With --bind-to core, local rank l
+// environment sets it (torchrun sets 1). With --bind-to core (the default
+// when there are at least as many cores as local ranks: --bind-to auto), local rank l
 // runs on its own share of the launcher's cores (the l-th contiguous group of
 // cores / nproc-per-node of them; ranks wrap around when there are more ranks
 // than cores), as mpirun --bind-to core does: a rank's threads stay on its
-// cores, and ranks do not migrate onto each other's.
+// cores, and ranks do not migrate onto each other's (unbound, two ranks
+// started together were seen sharing one core of two for seconds).
+// --bind-to none leaves placement to the scheduler, as torchrun does.
 // SIGINT and SIGTERM are forwarded to the children. When a child fails, the
 // others get SIGTERM, then SIGKILL after the grace period, and the launcher
 // returns the failed child's exit code (128 + signal for a killed one).
@@ -38,7 +41,7 @@ struct LaunchOptions {
   std::string program;            // empty: this trainer binary
   std::vector<std::string> args;  // passed to every rank
   double grace_seconds = 10.0;    // between SIGTERM and SIGKILL when stopping ranks
-  std::string bind_to = "none";   // "none" or "core"
+  std::string bind_to = "auto";   // "core", "none", or "auto": core if cores >= ranks
 };
 
 // The cores local rank `local` of nproc runs on under --bind-to core, from
