@@ -16,6 +16,7 @@
 // avg_pool2d), run the reference kernels.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -200,16 +201,30 @@ bool backward_data_as_forward(const Tensor& weight, const Conv2dAttrs& a) {
   return true;
 }
 
-// w' of the formula above as a plain [I, O, kH, kW] buffer.
+// w' of the formula above as a plain [I, O, kH, kW] buffer. Tiles of
+// kTile x kTile (o, i) pairs: a tile reads kTile runs of kTile * K
+// contiguous floats of w and writes kTile such runs of w', where the plain
+// loop nest strided through one side (2% of a ResNet-18 training step in a
+// profile).
 void transpose_flip_weights(const Tensor& w, Tensor& out) {
-  int64_t O = w.size(0), I = w.size(1), KH = w.size(2), KW = w.size(3), K = KH * KW;
-  out = empty({I, O, KH, KW});
+  constexpr int64_t kTile = 16;
+  const int64_t O = w.size(0), I = w.size(1), K = w.size(2) * w.size(3);
+  out = empty({I, O, w.size(2), w.size(3)});
   const float* src = w.data<float>();
   float* dst = out.data<float>();
-#pragma omp parallel for
-  for (int64_t i = 0; i < I; ++i)
-    for (int64_t o = 0; o < O; ++o)
-      for (int64_t k = 0; k < K; ++k) dst[(i * O + o) * K + k] = src[(o * I + i) * K + (K - 1 - k)];
+  const int64_t tiles_i = (I + kTile - 1) / kTile;
+#pragma omp parallel for collapse(2)
+  for (int64_t o0 = 0; o0 < O; o0 += kTile)
+    for (int64_t t = 0; t < tiles_i; ++t) {
+      const int64_t i0 = t * kTile, o_end = std::min(O, o0 + kTile),
+                    i_end = std::min(I, i0 + kTile);
+      for (int64_t o = o0; o < o_end; ++o)
+        for (int64_t i = i0; i < i_end; ++i) {
+          const float* from = src + (o * I + i) * K;
+          float* to = dst + (i * O + o) * K;
+          for (int64_t k = 0; k < K; ++k) to[k] = from[K - 1 - k];
+        }
+    }
 }
 
 struct ConvBackwardDataAsForward {
