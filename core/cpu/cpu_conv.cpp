@@ -1,4 +1,4 @@
-// CPU convolution, pooling and batch norm on oneDNN.
+// CPU convolution on oneDNN (pooling: cpu_pool.cpp, batch norm: cpu_batch_norm.cpp).
 //
 // Images arrive channels-last (core/ops_conv.h) and are described to oneDNN
 // as nhwc, which its AVX-512 convolutions run natively; weights stay in
@@ -8,12 +8,9 @@
 // and cached; each call binds pointers and runs (STYLE.md "Set up once, run
 // many"). Stride-1 data gradients run as forward convolutions of the flipped
 // weights, and 1x1 gradients as sgemm (core/cpu/conv_pointwise.h; both faster
-// than oneDNN 2.6's backward kernels). Max pooling's argmax record, and batch
-// norm's relu mask when the relu is fused, are oneDNN's workspaces.
-// bf16 convolutions run cpu_conv_bf16.cpp, f16 ones the f32 kernels on
-// converted copies (core/cpu/lowp.h). Other types than f32, and adaptive
-// pooling whose windows do not tile the input (the op sends tiling ones to
-// avg_pool2d), run the reference kernels.
+// than oneDNN 2.6's backward kernels). bf16 convolutions run
+// cpu_conv_bf16.cpp, f16 ones the f32 kernels on converted copies
+// (core/cpu/lowp.h); other types run the reference kernels.
 #include <omp.h>
 
 #include <algorithm>
@@ -24,7 +21,6 @@
 #include <string_view>
 #include <unordered_map>
 
-#include "core/cpu/bn_stats.h"
 #include "core/cpu/conv_pointwise.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/lowp.h"
@@ -41,19 +37,10 @@ using tag = memory::format_tag;
 constexpr memory::data_type kF32 = memory::data_type::f32;
 
 bool fast_dtype(std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->defined() && t->dtype() != DType::f32) return false;
-  return true;
+  return cpu::all_of_dtype(ts, DType::f32);
 }
 
-memory::dims dims_of(const Tensor& t) { return memory::dims(t.shape().begin(), t.shape().end()); }
-
-// An image operand: plain nhwc when channels-last, else its own strides.
-memory::desc image_md(const Tensor& t) {
-  if (is_channels_last(t)) return DNNL_CHECK(memory::desc(dims_of(t), kF32, tag::nhwc));
-  return DNNL_CHECK(
-      memory::desc(dims_of(t), kF32, memory::dims(t.strides().begin(), t.strides().end())));
-}
+using cpu::image_md;
 
 // Conv weights [O, I/g, kH, kW] as oneDNN sees them: oihw, or goihw with groups.
 memory::dims weight_dims(const Shape& w, int64_t groups) {
@@ -67,21 +54,11 @@ memory::desc user_weights_md(const Shape& w, int64_t groups) {
 memory::desc any_weights_md(const Shape& w, int64_t groups) {
   return DNNL_CHECK(memory::desc(weight_dims(w, groups), kF32, tag::any));
 }
-memory::desc vector_md(int64_t n) { return DNNL_CHECK(memory::desc({n}, kF32, tag::x)); }
+using cpu::vector_md;
 
-memory bind(const memory::desc& md, const Tensor& t) {
-  return DNNL_CHECK(memory(md, cpu::dnnl_engine(), t.data_ptr()));
-}
-// A scratch buffer of md's size from the caching allocator, bound to md.
-memory scratch(const memory::desc& md, Tensor& holder) {
-  holder = empty({int64_t(md.get_size())}, DType::u8);
-  return bind(md, holder);
-}
-
-void run(const dnnl::primitive& p, const std::unordered_map<int, memory>& args) {
-  DNNL_CHECK(p.execute(cpu::dnnl_stream(), args));
-  DNNL_CHECK(cpu::dnnl_stream().wait());
-}
+using cpu::bind;
+using cpu::run;
+using cpu::scratch;
 
 // The primitive cache (core/cpu/primitive_cache.h).
 using cpu::Cache;
@@ -100,15 +77,7 @@ std::optional<dnnl::reorder> maybe_reorder(const memory::desc& from, const memor
 memory::dims conv_dilation(const Conv2dAttrs& a) {  // oneDNN counts extra gaps: 0 = dense
   return {a.dilation[0] - 1, a.dilation[1] - 1};
 }
-memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int64_t out_w, int64_t kh,
-                           int64_t kw, const Pair& stride, const Pair& pad, const Pair& dilation) {
-  // The padding the last window actually reaches (floor mode may leave input unread).
-  auto one = [](int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, int64_t d) {
-    return std::max<int64_t>(0, (out - 1) * s + (k - 1) * d + 1 - in - p);
-  };
-  return {one(in_h, out_h, kh, stride[0], pad[0], dilation[0]),
-          one(in_w, out_w, kw, stride[1], pad[1], dilation[1])};
-}
+using cpu::right_padding;
 
 dnnl::convolution_forward::desc conv_forward_desc(const Tensor& x, const Tensor& w, bool bias,
                                                   const Tensor& out, const Conv2dAttrs& a) {
@@ -356,263 +325,6 @@ void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x
   if (grad_bias.defined()) args[DNNL_ARG_DIFF_BIAS] = bind(e.pd.diff_bias_desc(), grad_bias);
   run(e.prim, args);
   if (e.weights_out) run(*e.weights_out, {{DNNL_ARG_FROM, gw}, {DNNL_ARG_TO, user}});
-}
-
-namespace {
-
-// ---- pooling ----
-
-dnnl::algorithm pool_algorithm(bool max, const Pool2dAttrs& a) {
-  if (max) return dnnl::algorithm::pooling_max;
-  return a.count_include_pad ? dnnl::algorithm::pooling_avg_include_padding
-                             : dnnl::algorithm::pooling_avg_exclude_padding;
-}
-
-dnnl::pooling_forward::primitive_desc pool_forward_pd(bool max, const Tensor& x, const Tensor& out,
-                                                      const Pool2dAttrs& a) {
-  memory::dims pad_r = right_padding(x.size(2), x.size(3), out.size(2), out.size(3), a.kernel[0],
-                                     a.kernel[1], a.stride, a.padding, {1, 1});
-  auto desc = DNNL_CHECK(dnnl::pooling_forward::desc(
-      dnnl::prop_kind::forward_training, pool_algorithm(max, a), image_md(x), image_md(out),
-      {a.stride[0], a.stride[1]}, {a.kernel[0], a.kernel[1]}, {a.padding[0], a.padding[1]}, pad_r));
-  return DNNL_CHECK(dnnl::pooling_forward::primitive_desc(desc, cpu::dnnl_engine()));
-}
-
-struct PoolForward {
-  dnnl::pooling_forward::primitive_desc pd;
-  dnnl::pooling_forward prim;
-};
-struct PoolBackward {
-  dnnl::pooling_backward::primitive_desc pd;
-  dnnl::pooling_backward prim;
-};
-
-const PoolForward& pool_forward(bool max, const Tensor& x, const Tensor& out,
-                                const Pool2dAttrs& a) {
-  static Cache<PoolForward> cache;
-  Key key = make_key("pool_fwd").add({max}).add(x).add(out).add(a);
-  return cache.get(key, [&] {
-    auto pd = pool_forward_pd(max, x, out, a);
-    return PoolForward{pd, dnnl::pooling_forward(pd)};
-  });
-}
-
-const PoolBackward& pool_backward(bool max, const Tensor& grad_out, const Tensor& grad_x,
-                                  const Pool2dAttrs& a) {
-  static Cache<PoolBackward> cache;
-  Key key = make_key("pool_bwd").add({max}).add(grad_out).add(grad_x).add(a);
-  return cache.get(key, [&] {
-    auto hint = pool_forward_pd(max, grad_x, grad_out, a);
-    memory::dims pad_r =
-        right_padding(grad_x.size(2), grad_x.size(3), grad_out.size(2), grad_out.size(3),
-                      a.kernel[0], a.kernel[1], a.stride, a.padding, {1, 1});
-    auto desc = DNNL_CHECK(dnnl::pooling_backward::desc(
-        pool_algorithm(max, a), image_md(grad_x), image_md(grad_out), {a.stride[0], a.stride[1]},
-        {a.kernel[0], a.kernel[1]}, {a.padding[0], a.padding[1]}, pad_r));
-    auto pd = DNNL_CHECK(dnnl::pooling_backward::primitive_desc(desc, cpu::dnnl_engine(), hint));
-    return PoolBackward{pd, dnnl::pooling_backward(pd)};
-  });
-}
-
-}  // namespace
-
-Tensor CpuBackend::max_pool2d(const Tensor& x, const Pool2dAttrs& a, const Tensor& out) {
-  if (!fast_dtype({&x, &out})) return RefBackend::max_pool2d(x, a, out);
-  const PoolForward& e = pool_forward(true, x, out, a);
-  Tensor workspace;
-  memory ws = scratch(e.pd.workspace_desc(), workspace);
-  run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
-               {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
-               {DNNL_ARG_WORKSPACE, ws}});
-  return workspace;
-}
-
-// Forward: out = x[argmax of the window]. Backward: grad_x[argmax] += grad_out.
-void CpuBackend::max_pool2d_backward(const Tensor& grad_out, const Tensor& argmax,
-                                     const Pool2dAttrs& a, const Tensor& grad_x) {
-  if (argmax.dtype() == DType::i64)  // the reference forward ran (non-f32 types)
-    return RefBackend::max_pool2d_backward(grad_out, argmax, a, grad_x);
-  const PoolBackward& e = pool_backward(true, grad_out, grad_x, a);
-  run(e.prim, {{DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
-               {DNNL_ARG_WORKSPACE, bind(e.pd.workspace_desc(), argmax)},
-               {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)}});
-}
-
-void CpuBackend::avg_pool2d(const Tensor& x, const Pool2dAttrs& a, const Tensor& out) {
-  if (!fast_dtype({&x, &out})) return RefBackend::avg_pool2d(x, a, out);
-  const PoolForward& e = pool_forward(false, x, out, a);
-  run(e.prim,
-      {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)}, {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)}});
-}
-
-// Forward: out = window sum / divisor. Backward: window inputs += grad_out / divisor.
-void CpuBackend::avg_pool2d_backward(const Tensor& grad_out, const Pool2dAttrs& a,
-                                     const Tensor& grad_x) {
-  if (!fast_dtype({&grad_out, &grad_x}))
-    return RefBackend::avg_pool2d_backward(grad_out, a, grad_x);
-  const PoolBackward& e = pool_backward(false, grad_out, grad_x, a);
-  run(e.prim, {{DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
-               {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)}});
-}
-
-namespace {
-
-// ---- batch norm ----
-
-// Batch norm with gamma (scale) and beta (shift).
-dnnl::normalization_flags affine() {
-  return dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
-}
-
-// Training computes the batch statistics, or takes them when given
-// (cpu::channel_mean_var computed them: one read of x instead of two).
-enum class BnMode { inference, training, training_given_stats };
-
-// relu (training only) fuses it into the normalisation; oneDNN then writes a
-// relu mask to a workspace, the record its fused backward masks the gradient by.
-dnnl::batch_normalization_forward::primitive_desc bn_forward_pd(const Tensor& x, double eps,
-                                                                BnMode mode, bool relu) {
-  auto flags =
-      mode == BnMode::training ? affine() : affine() | dnnl::normalization_flags::use_global_stats;
-  if (relu) flags = flags | dnnl::normalization_flags::fuse_norm_relu;
-  auto kind = mode == BnMode::inference ? dnnl::prop_kind::forward_inference
-                                        : dnnl::prop_kind::forward_training;
-  auto desc =
-      DNNL_CHECK(dnnl::batch_normalization_forward::desc(kind, image_md(x), float(eps), flags));
-  return DNNL_CHECK(dnnl::batch_normalization_forward::primitive_desc(desc, cpu::dnnl_engine()));
-}
-
-struct BnForward {
-  dnnl::batch_normalization_forward::primitive_desc pd;
-  dnnl::batch_normalization_forward prim;
-};
-struct BnBackward {
-  dnnl::batch_normalization_backward::primitive_desc pd;
-  dnnl::batch_normalization_backward prim;
-};
-
-Key bn_key(const char* kind, const Tensor& x, double eps) {
-  int64_t eps_bits;
-  std::memcpy(&eps_bits, &eps, sizeof eps);
-  return make_key(kind).add(x).add({eps_bits});
-}
-
-const BnForward& bn_forward(const Tensor& x, double eps, BnMode mode, bool relu) {
-  static Cache<BnForward> cache;
-  return cache.get(bn_key("bn_fwd", x, eps).add({int64_t(mode), relu}), [&] {
-    auto pd = bn_forward_pd(x, eps, mode, relu);
-    return BnForward{pd, dnnl::batch_normalization_forward(pd)};
-  });
-}
-
-// Per-channel [C] operands: gamma, beta, mean, var and their gradients.
-memory channel_mem(const Tensor& t) { return bind(vector_md(t.numel()), t); }
-
-// The training forward; returns the relu workspace (u8) when relu is fused.
-Tensor bn_train_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
-                        bool relu, const Tensor& out, const Tensor& mean, const Tensor& var) {
-  bool given = is_channels_last(x);
-  if (given) cpu::channel_mean_var(x, mean, var);
-  const BnForward& e =
-      bn_forward(x, eps, given ? BnMode::training_given_stats : BnMode::training, relu);
-  std::unordered_map<int, memory> args = {
-      {DNNL_ARG_SRC, bind(e.pd.src_desc(), x)}, {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
-      {DNNL_ARG_SCALE, channel_mem(gamma)},     {DNNL_ARG_SHIFT, channel_mem(beta)},
-      {DNNL_ARG_MEAN, channel_mem(mean)},       {DNNL_ARG_VARIANCE, channel_mem(var)}};
-  Tensor workspace;
-  if (relu) args[DNNL_ARG_WORKSPACE] = scratch(e.pd.workspace_desc(), workspace);
-  run(e.prim, args);
-  return workspace;
-}
-
-// The backward; with a relu workspace, of the relu-fused forward (oneDNN
-// masks grad_out by it).
-void bn_backward(const Tensor& grad_out, const Tensor& relu_workspace, const Tensor& x,
-                 const Tensor& gamma, const Tensor& mean, const Tensor& var, double eps,
-                 const Tensor& grad_x, const Tensor& grad_gamma, const Tensor& grad_beta) {
-  static Cache<BnBackward> cache;
-  bool relu = relu_workspace.defined();
-  Key key = bn_key(relu ? "bn_bwd_relu" : "bn_bwd", x, eps).add(grad_out).add(grad_x);
-  const BnBackward& e = cache.get(key, [&] {
-    auto hint = bn_forward_pd(x, eps, BnMode::training, relu);
-    auto flags = relu ? affine() | dnnl::normalization_flags::fuse_norm_relu : affine();
-    auto desc = DNNL_CHECK(dnnl::batch_normalization_backward::desc(
-        dnnl::prop_kind::backward, image_md(grad_out), image_md(x), float(eps), flags));
-    auto pd = DNNL_CHECK(
-        dnnl::batch_normalization_backward::primitive_desc(desc, cpu::dnnl_engine(), hint));
-    return BnBackward{pd, dnnl::batch_normalization_backward(pd)};
-  });
-  // oneDNN 2.6 asks for a shift operand whenever use_shift is set, though
-  // its backward never reads it: gamma's buffer stands in.
-  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
-                                          {DNNL_ARG_DIFF_DST, bind(e.pd.diff_dst_desc(), grad_out)},
-                                          {DNNL_ARG_SCALE, channel_mem(gamma)},
-                                          {DNNL_ARG_SHIFT, channel_mem(gamma)},
-                                          {DNNL_ARG_MEAN, channel_mem(mean)},
-                                          {DNNL_ARG_VARIANCE, channel_mem(var)},
-                                          {DNNL_ARG_DIFF_SRC, bind(e.pd.diff_src_desc(), grad_x)},
-                                          {DNNL_ARG_DIFF_SCALE, channel_mem(grad_gamma)},
-                                          {DNNL_ARG_DIFF_SHIFT, channel_mem(grad_beta)}};
-  if (relu) args[DNNL_ARG_WORKSPACE] = bind(e.pd.workspace_desc(), relu_workspace);
-  run(e.prim, args);
-}
-
-}  // namespace
-
-void CpuBackend::batch_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                                    double eps, bool fuse_relu, const Tensor& out,
-                                    const Tensor& mean, const Tensor& var) {
-  if (!fast_dtype({&x, &gamma, &beta, &out, &mean, &var}))
-    return RefBackend::batch_norm_forward(x, gamma, beta, eps, fuse_relu, out, mean, var);
-  bn_train_forward(x, gamma, beta, eps, fuse_relu, out, mean, var);
-}
-
-// The record is oneDNN's relu workspace (u8); the reference forward's is out.
-Tensor CpuBackend::batch_norm_relu_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                                           double eps, const Tensor& out, const Tensor& mean,
-                                           const Tensor& var) {
-  if (!fast_dtype({&x, &gamma, &beta, &out, &mean, &var}))
-    return RefBackend::batch_norm_relu_forward(x, gamma, beta, eps, out, mean, var);
-  return bn_train_forward(x, gamma, beta, eps, true, out, mean, var);
-}
-
-void CpuBackend::batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                                      const Tensor& running_mean, const Tensor& running_var,
-                                      double eps, const Tensor& out) {
-  if (!fast_dtype({&x, &gamma, &beta, &running_mean, &running_var, &out}))
-    return RefBackend::batch_norm_inference(x, gamma, beta, running_mean, running_var, eps, out);
-  const BnForward& e = bn_forward(x, eps, BnMode::inference, false);
-  run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), x)},
-               {DNNL_ARG_DST, bind(e.pd.dst_desc(), out)},
-               {DNNL_ARG_SCALE, channel_mem(gamma)},
-               {DNNL_ARG_SHIFT, channel_mem(beta)},
-               {DNNL_ARG_MEAN, channel_mem(running_mean)},
-               {DNNL_ARG_VARIANCE, channel_mem(running_var)}});
-}
-
-// Forward: out = (x - mean) / sqrt(var + eps) * gamma + beta with batch statistics.
-// Backward: grad_x, grad_gamma, grad_beta as in RefBackend::batch_norm_backward.
-void CpuBackend::batch_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& gamma,
-                                     const Tensor& mean, const Tensor& var, double eps,
-                                     const Tensor& grad_x, const Tensor& grad_gamma,
-                                     const Tensor& grad_beta) {
-  if (!fast_dtype({&grad_out, &x, &gamma, &mean, &var, &grad_x, &grad_gamma, &grad_beta}))
-    return RefBackend::batch_norm_backward(grad_out, x, gamma, mean, var, eps, grad_x, grad_gamma,
-                                           grad_beta);
-  bn_backward(grad_out, Tensor(), x, gamma, mean, var, eps, grad_x, grad_gamma, grad_beta);
-}
-
-// Backward of batch_norm_relu_forward: oneDNN masks by its workspace; a
-// record from the reference forward (out itself) takes the reference path.
-void CpuBackend::batch_norm_relu_backward(const Tensor& grad_out, const Tensor& record,
-                                          const Tensor& x, const Tensor& gamma, const Tensor& mean,
-                                          const Tensor& var, double eps, const Tensor& grad_x,
-                                          const Tensor& grad_gamma, const Tensor& grad_beta) {
-  if (record.dtype() != DType::u8 ||
-      !fast_dtype({&grad_out, &x, &gamma, &mean, &var, &grad_x, &grad_gamma, &grad_beta}))
-    return RefBackend::batch_norm_relu_backward(grad_out, record, x, gamma, mean, var, eps, grad_x,
-                                                grad_gamma, grad_beta);
-  bn_backward(grad_out, record, x, gamma, mean, var, eps, grad_x, grad_gamma, grad_beta);
 }
 
 }  // namespace trainer

@@ -27,12 +27,6 @@ using tag = memory::format_tag;
 constexpr memory::data_type kBF16 = memory::data_type::bf16;
 constexpr memory::data_type kF32 = memory::data_type::f32;
 
-memory::desc image_md(const Tensor& t) {
-  memory::dims d(t.shape().begin(), t.shape().end());
-  if (is_channels_last(t)) return DNNL_CHECK(memory::desc(d, kBF16, tag::nhwc));
-  return DNNL_CHECK(memory::desc(d, kBF16, memory::dims(t.strides().begin(), t.strides().end())));
-}
-
 // [O, I/g, kH, kW] as oneDNN's oihw, or goihw with groups (format any: the primitive's choice).
 memory::desc weights_md(const Shape& w, int64_t groups, bool any, memory::data_type dt = kBF16) {
   memory::dims d = groups == 1 ? memory::dims{w[0], w[1], w[2], w[3]}
@@ -41,36 +35,19 @@ memory::desc weights_md(const Shape& w, int64_t groups, bool any, memory::data_t
   return DNNL_CHECK(memory::desc(d, dt, t));
 }
 
-memory::desc vector_md(int64_t n, memory::data_type dt = kBF16) {
-  return DNNL_CHECK(memory::desc({n}, dt, tag::x));
-}
-
-memory bind(const memory::desc& md, const Tensor& t) {
-  return DNNL_CHECK(memory(md, dnnl_engine(), t.data_ptr()));
-}
-
-void run(const dnnl::primitive& p, const std::unordered_map<int, memory>& args) {
-  DNNL_CHECK(p.execute(dnnl_stream(), args));
-  DNNL_CHECK(dnnl_stream().wait());
-}
-
 // The padding the last window reaches on the bottom/right (floor mode may leave input unread).
 memory::dims right_padding(const Tensor& x, const Tensor& out, const Shape& w,
                            const Conv2dAttrs& a) {
-  memory::dims r(2);
-  for (int d = 0; d < 2; ++d)
-    r[size_t(d)] = std::max<int64_t>(0, (out.size(2 + d) - 1) * a.stride[d] +
-                                            (w[size_t(2 + d)] - 1) * a.dilation[d] + 1 -
-                                            x.size(2 + d) - a.padding[d]);
-  return r;
+  return cpu::right_padding(x.size(2), x.size(3), out.size(2), out.size(3), w[2], w[3], a.stride,
+                            a.padding, a.dilation);
 }
 
 dnnl::convolution_forward::desc forward_desc(const Tensor& x, const Shape& w, bool bias,
                                              const Tensor& out, const Conv2dAttrs& a) {
   return DNNL_CHECK(dnnl::convolution_forward::desc(
-      dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, image_md(x),
-      weights_md(w, a.groups, true), bias ? vector_md(out.size(1)) : memory::desc(), image_md(out),
-      {a.stride[0], a.stride[1]}, {a.dilation[0] - 1, a.dilation[1] - 1},
+      dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, image_md(x, kBF16),
+      weights_md(w, a.groups, true), bias ? vector_md(out.size(1), kBF16) : memory::desc(),
+      image_md(out, kBF16), {a.stride[0], a.stride[1]}, {a.dilation[0] - 1, a.dilation[1] - 1},
       {a.padding[0], a.padding[1]}, right_padding(x, out, w, a)));
 }
 
@@ -145,8 +122,8 @@ void conv2d_backward_data_bf16(const Tensor& grad_out, const Tensor& weight, con
         auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
             forward_desc(grad_x, weight.shape(), false, grad_out, a), dnnl_engine()));
         auto desc = DNNL_CHECK(dnnl::convolution_backward_data::desc(
-            dnnl::algorithm::convolution_direct, image_md(grad_x),
-            weights_md(weight.shape(), a.groups, true), image_md(grad_out),
+            dnnl::algorithm::convolution_direct, image_md(grad_x, kBF16),
+            weights_md(weight.shape(), a.groups, true), image_md(grad_out, kBF16),
             {a.stride[0], a.stride[1]}, {a.dilation[0] - 1, a.dilation[1] - 1},
             {a.padding[0], a.padding[1]}, right_padding(grad_x, grad_out, weight.shape(), a)));
         auto pd =
@@ -170,29 +147,30 @@ void conv2d_backward_weights_bf16(const Tensor& grad_out, const Tensor& x, const
   static Cache<BackwardWeights> cache;
   const Shape& ws = grad_weight.shape();
   const bool bias = grad_bias.defined();
-  const BackwardWeights& e = cache.get(
-      make_key("bf16_conv_bwd_weights")
-          .add(grad_out)
-          .add(x)
-          .add(grad_weight)
-          .add(grad_bias)
-          .add(a)
-          .add({bias}),
-      [&] {
-        auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
-            forward_desc(x, ws, bias, grad_out, a), dnnl_engine()));
-        auto desc = DNNL_CHECK(dnnl::convolution_backward_weights::desc(
-            dnnl::algorithm::convolution_direct, image_md(x), weights_md(ws, a.groups, true, kF32),
-            bias ? vector_md(ws[0], kF32) : memory::desc(), image_md(grad_out),
-            {a.stride[0], a.stride[1]}, {a.dilation[0] - 1, a.dilation[1] - 1},
-            {a.padding[0], a.padding[1]}, right_padding(x, grad_out, ws, a)));
-        auto pd = DNNL_CHECK(
-            dnnl::convolution_backward_weights::primitive_desc(desc, dnnl_engine(), hint));
-        return BackwardWeights{pd, dnnl::convolution_backward_weights(pd),
-                               DNNL_CHECK(dnnl::reorder(dnnl::reorder::primitive_desc(
-                                   dnnl_engine(), pd.diff_weights_desc(), dnnl_engine(),
-                                   weights_md(ws, a.groups, false))))};
-      });
+  const BackwardWeights& e =
+      cache.get(make_key("bf16_conv_bwd_weights")
+                    .add(grad_out)
+                    .add(x)
+                    .add(grad_weight)
+                    .add(grad_bias)
+                    .add(a)
+                    .add({bias}),
+                [&] {
+                  auto hint = DNNL_CHECK(dnnl::convolution_forward::primitive_desc(
+                      forward_desc(x, ws, bias, grad_out, a), dnnl_engine()));
+                  auto desc = DNNL_CHECK(dnnl::convolution_backward_weights::desc(
+                      dnnl::algorithm::convolution_direct, image_md(x, kBF16),
+                      weights_md(ws, a.groups, true, kF32),
+                      bias ? vector_md(ws[0], kF32) : memory::desc(), image_md(grad_out, kBF16),
+                      {a.stride[0], a.stride[1]}, {a.dilation[0] - 1, a.dilation[1] - 1},
+                      {a.padding[0], a.padding[1]}, right_padding(x, grad_out, ws, a)));
+                  auto pd = DNNL_CHECK(dnnl::convolution_backward_weights::primitive_desc(
+                      desc, dnnl_engine(), hint));
+                  return BackwardWeights{pd, dnnl::convolution_backward_weights(pd),
+                                         DNNL_CHECK(dnnl::reorder(dnnl::reorder::primitive_desc(
+                                             dnnl_engine(), pd.diff_weights_desc(), dnnl_engine(),
+                                             weights_md(ws, a.groups, false))))};
+                });
   Tensor w_buf = empty({int64_t(e.pd.diff_weights_desc().get_size())}, DType::u8);
   memory gw = bind(e.pd.diff_weights_desc(), w_buf);
   Tensor b_buf = bias ? empty({ws[0]}, DType::f32) : Tensor();

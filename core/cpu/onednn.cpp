@@ -2,6 +2,10 @@
 
 #include <oneapi/dnnl/dnnl_debug.h>
 
+#include <algorithm>
+
+#include "core/ops_conv.h"
+
 namespace trainer::cpu {
 
 dnnl::engine& dnnl_engine() {
@@ -24,6 +28,42 @@ std::optional<dnnl::memory::data_type> dnnl_dtype(DType t) {
     default:
       return std::nullopt;
   }
+}
+
+dnnl::memory bind(const dnnl::memory::desc& md, const Tensor& t) {
+  return DNNL_CHECK(dnnl::memory(md, dnnl_engine(), t.data_ptr()));
+}
+
+dnnl::memory scratch(const dnnl::memory::desc& md, Tensor& holder) {
+  holder = empty({int64_t(md.get_size())}, DType::u8);
+  return bind(md, holder);
+}
+
+dnnl::memory::desc image_md(const Tensor& t, dnnl::memory::data_type dt) {
+  const dnnl::memory::dims d(t.shape().begin(), t.shape().end());
+  if (is_channels_last(t))
+    return DNNL_CHECK(dnnl::memory::desc(d, dt, dnnl::memory::format_tag::nhwc));
+  return DNNL_CHECK(
+      dnnl::memory::desc(d, dt, dnnl::memory::dims(t.strides().begin(), t.strides().end())));
+}
+
+dnnl::memory::desc vector_md(int64_t n, dnnl::memory::data_type dt) {
+  return DNNL_CHECK(dnnl::memory::desc({n}, dt, dnnl::memory::format_tag::x));
+}
+
+dnnl::memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int64_t out_w,
+                                 int64_t kh, int64_t kw, const Pair& stride, const Pair& pad,
+                                 const Pair& dilation) {
+  auto one = [](int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, int64_t d) {
+    return std::max<int64_t>(0, (out - 1) * s + (k - 1) * d + 1 - in - p);
+  };
+  return {one(in_h, out_h, kh, stride[0], pad[0], dilation[0]),
+          one(in_w, out_w, kw, stride[1], pad[1], dilation[1])};
+}
+
+void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args) {
+  DNNL_CHECK(p.execute(dnnl_stream(), args));
+  DNNL_CHECK(dnnl_stream().wait());
 }
 
 void dnnl_fail(const char* file, int line, const char* expr, const dnnl::error& e) {

@@ -12,9 +12,12 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 #include <optional>
+#include <unordered_map>
 
 #include "core/check.h"
+#include "core/conv_attrs.h"
 #include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace trainer::cpu {
 
@@ -24,6 +27,23 @@ dnnl::stream& dnnl_stream();
 
 // The oneDNN data type of a dtype, or nullopt when oneDNN has none we use.
 std::optional<dnnl::memory::data_type> dnnl_dtype(DType t);
+
+// oneDNN memory over a tensor's data (no copy).
+dnnl::memory bind(const dnnl::memory::desc& md, const Tensor& t);
+// A scratch buffer of md's size from the caching allocator (holder keeps it), bound to md.
+dnnl::memory scratch(const dnnl::memory::desc& md, Tensor& holder);
+// An image operand of type dt (default f32): plain nhwc when channels-last, else its own strides.
+dnnl::memory::desc image_md(const Tensor& t,
+                            dnnl::memory::data_type dt = dnnl::memory::data_type::f32);
+// n elements of type dt (default f32).
+dnnl::memory::desc vector_md(int64_t n, dnnl::memory::data_type dt = dnnl::memory::data_type::f32);
+// The right/bottom padding the last window of a convolution or pooling
+// actually reaches (floor mode may leave input unread), for oneDNN's padding_r.
+dnnl::memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int64_t out_w,
+                                 int64_t kh, int64_t kw, const Pair& stride, const Pair& pad,
+                                 const Pair& dilation);
+// Runs p on the process's stream and waits for it.
+void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args);
 
 [[noreturn]] void dnnl_fail(const char* file, int line, const char* expr, const dnnl::error& e);
 
