@@ -34,6 +34,7 @@ inline std::string check_failure_of(const std::function<void()>& f) {
   std::fflush(nullptr);
   const pid_t pid = ::fork();
   if (pid == 0) {
+    ::alarm(60);  // a child stuck after fork (a lock held by another thread) dies, never hangs
     ::dup2(fd[1], 2);
     ::close(fd[0]);
     f();
