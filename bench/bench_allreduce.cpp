@@ -123,8 +123,10 @@ class MpiServer {
     char dir[] = "/tmp/bench_allreduce.XXXXXX";
     if (!::mkdtemp(dir)) return;
     dir_ = dir;
-    for (int r = 0; r < ranks; ++r)
-      if (::mkfifo(cat(dir_, "/size.", r).c_str(), 0600) != 0) return;
+    for (int r = 0; r < ranks; ++r) {
+      paths_.push_back(cat(dir_, "/size.", r));
+      if (::mkfifo(paths_.back().c_str(), 0600) != 0) return;
+    }
     const std::string command =
         cat(TRAINER_MPIEXEC, " --allow-run-as-root --oversubscribe --bind-to ",
             bind ? "core:overload-allowed" : "none", " -np ", ranks, " ", TRAINER_MPI_ALLREDUCE,
@@ -133,8 +135,7 @@ class MpiServer {
     if (!out_) return;
     // Each rank opens its FIFO after MPI_Init: wait for every reader (up to
     // a minute; opening without a reader fails with ENXIO).
-    for (int r = 0; r < ranks; ++r) {
-      const std::string fifo = cat(dir_, "/size.", r);
+    for (const std::string& fifo : paths_) {
       int fd = -1;
       for (int tries = 0; fd < 0 && tries < 6000; ++tries) {
         fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
@@ -155,7 +156,7 @@ class MpiServer {
       ::close(fd);
     }
     if (out_) ::pclose(out_);
-    for (size_t r = 0; !dir_.empty() && r < 64; ++r) ::unlink(cat(dir_, "/size.", r).c_str());
+    for (const std::string& fifo : paths_) ::unlink(fifo.c_str());
     if (!dir_.empty()) ::rmdir(dir_.c_str());
   }
   MpiServer(const MpiServer&) = delete;
@@ -175,6 +176,7 @@ class MpiServer {
 
  private:
   std::string dir_;
+  std::vector<std::string> paths_;  // the FIFO of each rank, in dir_
   FILE* out_ = nullptr;
   std::vector<int> fifos_;
   bool ok_ = false;
@@ -187,7 +189,7 @@ AllreduceAlgorithm parse_algorithm(const std::string& name) {
   throw Error(cat("--algorithm ", name, ": use ring, recursive-doubling or shm"));
 }
 
-size_t parse_bytes(int& i, int argc, char** argv) {
+size_t parse_number(int& i, int argc, char** argv) {
   if (i + 1 >= argc) throw Error(cat(argv[i], " needs a value"));
   return std::strtoull(argv[++i], nullptr, 10);
 }
@@ -204,9 +206,9 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       if (a == "--min-bytes")
-        min_bytes = parse_bytes(i, argc, argv);
+        min_bytes = parse_number(i, argc, argv);
       else if (a == "--max-bytes")
-        max_bytes = parse_bytes(i, argc, argv);
+        max_bytes = parse_number(i, argc, argv);
       else if (a == "--no-failure-detection")
         options.detect_peer_failure = false;
       else if (a == "--no-shared-memory")
@@ -216,7 +218,7 @@ int main(int argc, char** argv) {
       else if (a == "--shared-buffer")
         shared_buffer = true;
       else if (a == "--rounds")
-        rounds = std::max(1, int(parse_bytes(i, argc, argv)));
+        rounds = std::max(1, int(parse_number(i, argc, argv)));
       else if (a == "--algorithm" && i + 1 < argc)
         allreduce_options.algorithm = parse_algorithm(argv[++i]);
       else

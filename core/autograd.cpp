@@ -140,6 +140,14 @@ void offer_destinations(const Node& node, const std::unordered_map<Node*, int>& 
   }
 }
 
+// Makes destinations what grad_buffer sees while a node's backward runs.
+struct OfferScope {
+  explicit OfferScope(const TensorList& destinations) { t_destinations = &destinations; }
+  ~OfferScope() { t_destinations = nullptr; }
+  OfferScope(const OfferScope&) = delete;
+  OfferScope& operator=(const OfferScope&) = delete;
+};
+
 struct ReadyOrder {
   // Latest-created node first: reverse of the forward, as PyTorch does, so
   // parameter hooks fire from the last layer to the first.
@@ -203,14 +211,8 @@ void run_backward(const TensorList& roots, const TensorList& grads, bool retain_
     TensorList out;
     if (reached) {
       offer_destinations(*node, dependencies, buffers, destinations);
-      t_destinations = &destinations;
-      try {
-        out = node->apply(in);
-      } catch (...) {
-        t_destinations = nullptr;
-        throw;
-      }
-      t_destinations = nullptr;
+      OfferScope offered(destinations);
+      out = node->apply(in);
     }
     if (!retain_graph) node->release_saved();
 

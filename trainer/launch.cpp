@@ -118,8 +118,9 @@ std::string core_list(const std::vector<int>& cores) {
   return out;
 }
 
-}  // namespace
-
+// The cores local rank `local` of nproc runs on under --bind-to core: the
+// local-th contiguous share of cores (the launcher's, in increasing order),
+// wrapping around when there are more ranks than cores.
 std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc) {
   if (cores.empty() || nproc <= 0) return {};
   const size_t n = cores.size(), share = std::max<size_t>(1, n / size_t(nproc));
@@ -127,6 +128,8 @@ std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc)
   return std::vector<int>(cores.begin() + long(first),
                           cores.begin() + long(std::min(n, first + share)));
 }
+
+}  // namespace
 
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   CLI::App* cmd = app.add_subcommand(

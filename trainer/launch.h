@@ -44,10 +44,6 @@ struct LaunchOptions {
   std::string bind_to = "auto";   // "core", "none", or "auto": core if cores >= ranks
 };
 
-// The cores local rank `local` of nproc runs on under --bind-to core, from
-// the cores the launcher may use (in increasing order).
-std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc);
-
 // Registers the subcommand; its options fill `options`.
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& options);
 

@@ -43,14 +43,8 @@ dnnl::batch_normalization_forward::primitive_desc bn_forward_pd(const Tensor& x,
   return DNNL_CHECK(dnnl::batch_normalization_forward::primitive_desc(desc, cpu::dnnl_engine()));
 }
 
-struct BnForward {
-  dnnl::batch_normalization_forward::primitive_desc pd;
-  dnnl::batch_normalization_forward prim;
-};
-struct BnBackward {
-  dnnl::batch_normalization_backward::primitive_desc pd;
-  dnnl::batch_normalization_backward prim;
-};
+using BnForward = Primed<dnnl::batch_normalization_forward>;
+using BnBackward = Primed<dnnl::batch_normalization_backward>;
 
 Key bn_key(const char* kind, const Tensor& x, double eps) {
   int64_t eps_bits;

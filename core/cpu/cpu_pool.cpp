@@ -36,14 +36,8 @@ dnnl::pooling_forward::primitive_desc pool_forward_pd(bool max, const Tensor& x,
   return DNNL_CHECK(dnnl::pooling_forward::primitive_desc(desc, cpu::dnnl_engine()));
 }
 
-struct PoolForward {
-  dnnl::pooling_forward::primitive_desc pd;
-  dnnl::pooling_forward prim;
-};
-struct PoolBackward {
-  dnnl::pooling_backward::primitive_desc pd;
-  dnnl::pooling_backward prim;
-};
+using PoolForward = Primed<dnnl::pooling_forward>;
+using PoolBackward = Primed<dnnl::pooling_backward>;
 
 const PoolForward& pool_forward(bool max, const Tensor& x, const Tensor& out,
                                 const Pool2dAttrs& a) {

@@ -24,6 +24,14 @@
 
 namespace trainer::cpu {
 
+// A primitive and its descriptor, for the cache entries that need nothing
+// else: Primed<dnnl::pooling_forward>{pd, dnnl::pooling_forward(pd)}.
+template <class Primitive>
+struct Primed {
+  typename Primitive::primitive_desc pd;
+  Primitive prim;
+};
+
 // Everything a primitive depends on, as a flat list of integers.
 struct Key {
   std::vector<int64_t> words;
