@@ -26,6 +26,8 @@
 //   bench_dp --no-shared-buckets       # buckets in private memory, copied through staging
 //   bench_dp --zero1 --no-torch        # ZeRO-1 (optimizer state sharded) instead of replicated SGD
 //   bench_dp --rounds 5                # five alternated rounds, medians (default 3)
+//   bench_dp --batch 64                # per-rank batch for every case (default: the case's)
+//   bench_dp --dp2-only                # one dp=2 run, its step's phases (for A/B runs)
 //   bench_dp --bind                    # rank r (ours and torch's) bound to core r
 //   bench_dp --no-grad-destinations    # gradients copied into the buckets, not written there
 #include <sched.h>
@@ -82,6 +84,7 @@ struct RankResult {
   double hidden_seconds = 0;
   double backward_seconds = 0;
   double finish_seconds = 0;  // waiting in DataParallel::finish(): communication not hidden
+  double forward_seconds = 0, optimizer_seconds = 0;
 };
 
 RankResult run_rank(const ImageCase& c, const Settings& s,
@@ -164,6 +167,11 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   r.backward_seconds = double(covered_us(spans, is_backward)) * 1e-6 / n;
   auto is_finish = [](const TraceSpan& sp) { return sp.name == std::string("dp finish"); };
   r.finish_seconds = double(covered_us(spans, is_finish)) * 1e-6 / n;
+  auto named = [](const char* name) {
+    return [name](const TraceSpan& sp) { return sp.name == std::string(name); };
+  };
+  r.forward_seconds = double(covered_us(spans, named("forward"))) * 1e-6 / n;
+  r.optimizer_seconds = double(covered_us(spans, named("optimizer"))) * 1e-6 / n;
   if (world && !s.trace.empty()) timeline.write_merged(*world, s.trace);
   return r;
 }
@@ -245,7 +253,8 @@ bool measure_torch(const ImageCase& c, const Settings& s, double& efficiency, do
 struct Round {
   double eff = 0, pair_eff = 0, comm_ms = 0, bwd_ms = 0, hidden = 0, exposed = 0;
   double sps1 = 0, sps2 = 0, torch_eff = -1, torch_hidden = 0;
-  double step_ms[4] = {}, bwd_step_ms[4] = {};  // dp=1, dp=2, pair rank 0, pair rank 1
+  // dp=1, dp=2, pair rank 0, pair rank 1: step and its phases (means over the timed steps)
+  double step_ms[4] = {}, bwd_step_ms[4] = {}, fwd_ms[4] = {}, finish_ms[4] = {}, opt_ms[4] = {};
 };
 
 bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
@@ -267,6 +276,9 @@ bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
   for (int i = 0; i < 4; ++i) {
     r.step_ms[i] = 1e3 * all[i]->step_seconds;
     r.bwd_step_ms[i] = 1e3 * all[i]->backward_seconds;
+    r.fwd_ms[i] = 1e3 * all[i]->forward_seconds;
+    r.finish_ms[i] = 1e3 * all[i]->finish_seconds;
+    r.opt_ms[i] = 1e3 * all[i]->optimizer_seconds;
   }
   if (torch && !measure_torch(c, s, r.torch_eff, r.torch_hidden)) r.torch_eff = -1;
   return true;
@@ -306,6 +318,9 @@ Round median_round(const std::vector<Round>& rounds) {
   for (int i = 0; i < 4; ++i) {
     m.step_ms[i] = med([i](const Round& r) { return r.step_ms[i]; });
     m.bwd_step_ms[i] = med([i](const Round& r) { return r.bwd_step_ms[i]; });
+    m.fwd_ms[i] = med([i](const Round& r) { return r.fwd_ms[i]; });
+    m.finish_ms[i] = med([i](const Round& r) { return r.finish_ms[i]; });
+    m.opt_ms[i] = med([i](const Round& r) { return r.opt_ms[i]; });
   }
   return m;
 }
@@ -317,6 +332,8 @@ int main(int argc, char** argv) {
   std::string only;
   bool torch = true;
   int rounds = 3;
+  int batch = 0;  // 0: each case's own
+  bool dp2_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--steps" && i + 1 < argc)
@@ -327,6 +344,8 @@ int main(int argc, char** argv) {
       rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
+    else if (a == "--batch" && i + 1 < argc)
+      batch = std::atoi(argv[++i]);
     else if (a == "--bucket-mb" && i + 1 < argc)
       s.bucket_mb = size_t(std::atoi(argv[++i]));
     else if (a == "--trace" && i + 1 < argc)
@@ -347,13 +366,15 @@ int main(int argc, char** argv) {
       s.shared_buckets = false;
     else if (a == "--no-torch")
       torch = false;
+    else if (a == "--dp2-only")
+      dp2_only = true;
     else {
       std::fprintf(stderr,
                    "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--rounds N] "
-                   "[--bucket-mb N] [--bind] [--no-overlap] [--low-priority-progress] "
+                   "[--batch N] [--bucket-mb N] [--bind] [--no-overlap] [--low-priority-progress] "
                    "[--cross-memory] [--no-shared-buckets] [--no-grad-destinations] [--zero1] "
                    "[--trace FILE] "
-                   "[--no-torch]\n");
+                   "[--no-torch] [--dp2-only]\n");
       return 2;
     }
   }
@@ -367,11 +388,30 @@ int main(int argc, char** argv) {
   // exposed = the step's wait in finish() (communication not hidden) over the dp=2 step time.
   // pair eff = two independent dp=1 processes at once over 2 x dp=1 alone: the
   // machine's own limit for two ranks; of pair = efficiency / pair eff.
-  std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s | %10s %7s\n", "case", "batch",
-              "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms", "hidden", "exposed",
-              "pair eff", "of pair", "torch eff", "hidden");
-  for (const ImageCase& c : kCases) {
+  if (!dp2_only)
+    std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s | %10s %7s\n", "case",
+                "batch", "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms", "hidden",
+                "exposed", "pair eff", "of pair", "torch eff", "hidden");
+  for (ImageCase c : kCases) {
     if (!only.empty() && only != c.name) continue;
+    if (batch > 0) c.batch = batch;
+    if (dp2_only) {
+      // Only the dp=2 world, its rank 0's phases: for A/B runs of one setting
+      // against another, alternated by the caller.
+      std::vector<RankResult> twos;
+      if (!run_world(c, s, 2, true, twos)) {
+        std::printf("%-13s: a rank failed\n", c.name);
+        return 1;
+      }
+      const RankResult& t = twos[0];
+      std::printf(
+          "%-13s %5lld | dp=2 step %.1f ms: forward %.1f + backward %.1f + finish %.1f + "
+          "optimizer %.1f; comm %.1f ms\n",
+          c.name, (long long)c.batch, 1e3 * t.step_seconds, 1e3 * t.forward_seconds,
+          1e3 * t.backward_seconds, 1e3 * t.finish_seconds, 1e3 * t.optimizer_seconds,
+          1e3 * t.comm_seconds);
+      continue;
+    }
     // Rounds alternate the measurements, so a slow spell of the machine
     // touches each of them instead of one; the medians are the figures.
     std::vector<Round> all;
@@ -388,11 +428,12 @@ int main(int argc, char** argv) {
     const Round m = rounds > 1 ? median_round(all) : all[0];
     print_row(c.name, (long long)c.batch, m);
     // Where a dp=2 step's time goes, against the same code without communication.
-    std::printf(
-        "  step ms (backward ms)%s: dp=1 %.1f (%.1f), dp=2 %.1f (%.1f), pair %.1f (%.1f) / %.1f "
-        "(%.1f)\n",
-        rounds > 1 ? ", medians" : "", m.step_ms[0], m.bwd_step_ms[0], m.step_ms[1],
-        m.bwd_step_ms[1], m.step_ms[2], m.bwd_step_ms[2], m.step_ms[3], m.bwd_step_ms[3]);
+    std::printf("  step ms%s: forward + backward + finish + optimizer (step: median step)\n",
+                rounds > 1 ? ", medians" : "");
+    const char* labels[4] = {"dp=1", "dp=2", "pair 0", "pair 1"};
+    for (int i = 0; i < 4; ++i)
+      std::printf("    %-7s %6.1f + %6.1f + %5.1f + %5.1f (%6.1f)\n", labels[i], m.fwd_ms[i],
+                  m.bwd_step_ms[i], m.finish_ms[i], m.opt_ms[i], m.step_ms[i]);
     std::fflush(stdout);
   }
   return 0;
