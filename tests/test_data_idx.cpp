@@ -17,11 +17,7 @@ using namespace trainer::data;
 namespace {
 
 std::filesystem::path temp_dir(const std::string& name) {
-  auto dir =
-      std::filesystem::temp_directory_path() / cat("trainer_test_idx_", name, "_", ::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
+  return testing::fresh_temp_dir("test_idx_" + name);
 }
 
 std::vector<uint8_t> idx_header(uint8_t type, const std::vector<uint32_t>& dims) {

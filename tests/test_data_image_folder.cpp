@@ -17,10 +17,7 @@ namespace fs = std::filesystem;
 namespace {
 
 fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / cat("trainer_test_folder_", name, "_", ::getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
+  return testing::fresh_temp_dir("test_folder_" + name);
 }
 
 std::vector<uint8_t> encode(const cv::Mat& image, const std::string& ext) {

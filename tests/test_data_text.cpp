@@ -218,8 +218,7 @@ TEST_CASE("text: contiguous streams continue row by row across batches", "[data]
 }
 
 TEST_CASE("text: missing, empty and too-short corpora are clear errors", "[data][text]") {
-  fs::path dir = fs::temp_directory_path() / "trainer_text_test";
-  fs::create_directories(dir);
+  fs::path dir = testing::fresh_temp_dir("text_test");
   REQUIRE_THROWS_WITH(
       TextCorpus::load((dir / "missing.txt").string()),
       Catch::Contains("cannot open the text corpus") && Catch::Contains("missing.txt"));

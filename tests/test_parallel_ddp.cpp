@@ -169,11 +169,7 @@ std::vector<std::string> launched(const std::vector<std::string>& trainer,
   return argv;
 }
 
-fs::path fresh(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("trainer_dp_" + name);
-  fs::remove_all(d);
-  return d;
-}
+fs::path fresh(const std::string& name) { return testing::fresh_temp_dir("dp_" + name, false); }
 
 std::map<std::string, Tensor> model_at(const fs::path& run, int64_t step) {
   return read_safetensors(
@@ -217,7 +213,7 @@ TEST_CASE("timeline: the trace file is Chrome-trace JSON with one process per ra
   { TraceScope s(&timeline, "backward"); }
   { TraceScope off(nullptr, "not recorded"); }
   timeline.add("allreduce bucket 0 (4 KiB)", Track::comm, 1200, 1700);
-  fs::path path = fs::temp_directory_path() / "trainer_dp_trace.json";
+  fs::path path = testing::temp_path("dp_trace.json");
   timeline.write(path.string());
   nlohmann::json j = nlohmann::json::parse(read_file(path.string()));
   int spans = 0;

@@ -118,7 +118,7 @@ TEST_CASE("device: rebinding storages keeps identity, views and values", "[devic
 
 TEST_CASE("device: train --dry-run refuses device: cuda without a GPU", "[device]") {
   if (device_availability().cuda_devices > 0) return;
-  fs::path out = fs::temp_directory_path() / "trainer_device_dry";
+  fs::path out = temp_path("device_dry");
   ProcessResult r =
       run_trainer({"train", std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_cnn.yaml",
                    "output_dir=" + out.string(), "device=cuda", "--dry-run"});
@@ -211,7 +211,7 @@ TEST_CASE("device staging: buckets go to the host, through the allreduce and bac
 #if TRAINER_HAVE_CUDA
 TEST_CASE("device: the small CNN trains on cuda and its checkpoint round-trips", "[cuda]") {
   require_gpu_or_skip();
-  fs::path out = fs::temp_directory_path() / "trainer_device_cuda";
+  fs::path out = temp_path("device_cuda");
   fs::remove_all(out);
   Recipe r = load_recipe(
       std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_cnn.yaml",

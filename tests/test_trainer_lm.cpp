@@ -3,6 +3,7 @@
 // equivalence for a tiny GPT and LSTM LM on a generated corpus, `trainer
 // sample` determinism, bits per character in the metrics, recipe errors.
 #include "tests/process.h"
+#include "tests/testing.h"
 
 #include <cmath>
 #include <filesystem>
@@ -27,7 +28,7 @@ namespace {
 // A corpus of ~24 KB: sentences of a small vocabulary picked by a fixed
 // linear congruential sequence (some structure to learn, no file needed).
 fs::path generated_corpus() {
-  fs::path path = fs::temp_directory_path() / "trainer_lm_corpus.txt";
+  fs::path path = temp_path("lm_corpus.txt");
   const char* words[] = {"the", "lord", "said", "unto", "moses",  "and",   "behold", "light",
                          "day", "of",   "was",  "good", "waters", "earth", "heaven"};
   std::string text;
@@ -43,12 +44,7 @@ fs::path generated_corpus() {
   return path;
 }
 
-fs::path fresh(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("trainer_lm_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path fresh(const std::string& name) { return fresh_temp_dir("lm_" + name); }
 
 // A tiny recipe of the given model (gpt or lstm_lm) on the generated corpus.
 fs::path tiny_recipe(const fs::path& dir, const std::string& model) {
@@ -213,8 +209,8 @@ TEST_CASE("train: an LSTM LM carrying its state over contiguous streams resumes 
           "[train][lm]") {
   check_lm_resume("lstm_lm", "contiguous");
   // The carried state is saved with each checkpoint, and it is not zeros.
-  fs::path mid = fs::temp_directory_path() / "trainer_lm_lstm_lm_contiguous_resumed" / "run" /
-                 "checkpoints" / CheckpointDir::step_name(4) / "stream_state.rank0.safetensors";
+  fs::path mid = temp_path("lm_lstm_lm_contiguous_resumed") / "run" / "checkpoints" /
+                 CheckpointDir::step_name(4) / "stream_state.rank0.safetensors";
   SafetensorsFile f = read_safetensors(mid.string());
   REQUIRE(f.tensors.count("h") == 1);
   REQUIRE(f.tensors.at("h").shape() == Shape{2, 4, 16});  // layers, micro-batch, hidden

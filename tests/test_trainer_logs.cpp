@@ -11,12 +11,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path fresh_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("trainer_test_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path fresh_dir(const std::string& name) { return testing::fresh_temp_dir("test_" + name); }
 
 uint64_t read_varint(const std::string& s, size_t& i) {
   uint64_t v = 0;

@@ -20,11 +20,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path fresh(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("trainer_precision_" + name);
-  fs::remove_all(d);
-  return d;
-}
+fs::path fresh(const std::string& name) { return fresh_temp_dir("precision_" + name, false); }
 
 Recipe fp16_recipe(int64_t growth_interval) {
   Recipe r;

@@ -5,6 +5,7 @@
 #include <regex>
 
 #include "tests/process.h"
+#include "tests/testing.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
@@ -18,11 +19,7 @@ std::string model_bytes(const std::string& checkpoint_dir) {
   return read_file(checkpoint_dir + "/model.safetensors");
 }
 
-fs::path fresh(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("trainer_run_" + name);
-  fs::remove_all(d);
-  return d;
-}
+fs::path fresh(const std::string& name) { return fresh_temp_dir("run_" + name, false); }
 
 std::vector<std::string> recipe_args(const std::string& recipe, const fs::path& out,
                                      std::vector<std::string> extra) {

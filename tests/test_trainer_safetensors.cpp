@@ -8,8 +8,9 @@ using namespace trainer;
 using namespace trainer::testing;
 
 namespace {
-std::string temp_path(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / "trainer_test_safetensors";
+// name inside this process's own directory (created on first use).
+std::string file_path(const std::string& name) {
+  const std::filesystem::path dir = temp_path("test_safetensors");
   std::filesystem::create_directories(dir);
   return (dir / name).string();
 }
@@ -25,7 +26,7 @@ std::vector<NamedTensor> sample_tensors() {
 
 TEST_CASE("safetensors: round trip keeps names, dtypes, shapes, bytes and metadata",
           "[checkpoint]") {
-  std::string path = temp_path("round.safetensors");
+  std::string path = file_path("round.safetensors");
   std::vector<NamedTensor> in = sample_tensors();
   write_safetensors(path, in, {{"step", "42"}});
   SafetensorsFile f = read_safetensors(path);
@@ -47,7 +48,7 @@ TEST_CASE("safetensors: round trip keeps names, dtypes, shapes, bytes and metada
 
 TEST_CASE("safetensors: every truncation is rejected with a message naming the file",
           "[checkpoint]") {
-  std::string path = temp_path("trunc.safetensors");
+  std::string path = file_path("trunc.safetensors");
   write_safetensors(path, sample_tensors());
   std::string bytes = read_file(path);
   for (size_t len = 0; len < bytes.size(); ++len) {
@@ -62,7 +63,7 @@ TEST_CASE("safetensors: every truncation is rejected with a message naming the f
 }
 
 TEST_CASE("safetensors: corrupted bytes never crash", "[checkpoint]") {
-  std::string path = temp_path("corrupt.safetensors");
+  std::string path = file_path("corrupt.safetensors");
   write_safetensors(path, sample_tensors());
   const std::string bytes = read_file(path);
   uint64_t header_len = 0;

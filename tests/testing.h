@@ -10,11 +10,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
+#include <filesystem>
 #include <functional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "core/ops.h"
 // Catch2 has its own CHECK: project headers come first (their inline code is
@@ -25,6 +28,37 @@
 namespace trainer::testing {
 
 using Fn = std::function<Tensor(const TensorList&)>;
+
+// A path under the temporary directory that belongs to this test process
+// ("trainer_<name>_<pid>"): two checkouts testing at once, or ctest -j,
+// never share one. Calling it again gives the same path. Whatever is there
+// is removed when the process exits (not by forked children).
+inline std::filesystem::path temp_path(const std::string& name) {
+  struct Cleanup {
+    const pid_t owner = ::getpid();
+    std::vector<std::filesystem::path> paths;
+    ~Cleanup() {
+      std::error_code ignored;
+      if (::getpid() == owner)
+        for (const std::filesystem::path& p : paths) std::filesystem::remove_all(p, ignored);
+    }
+  };
+  static Cleanup cleanup;
+  std::filesystem::path p = std::filesystem::temp_directory_path() /
+                            ("trainer_" + name + "_" + std::to_string(::getpid()));
+  if (std::find(cleanup.paths.begin(), cleanup.paths.end(), p) == cleanup.paths.end())
+    cleanup.paths.push_back(p);
+  return p;
+}
+
+// temp_path(name), emptied: removed with its contents, then created unless
+// create is false (for a run's output_dir, which the trainer makes).
+inline std::filesystem::path fresh_temp_dir(const std::string& name, bool create = true) {
+  const std::filesystem::path d = temp_path(name);
+  std::filesystem::remove_all(d);
+  if (create) std::filesystem::create_directories(d);
+  return d;
+}
 
 // What a CHECK failure inside f prints (it aborts, so f runs in a forked
 // child); empty when f returns normally.
