@@ -140,6 +140,16 @@ TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[
         1e-4, 1e-4);
     ++iter;
   }
+  // ResNet-like channel counts, where oneDNN's forward kernel takes w' in
+  // blocked layouts (Acdb32a, Acdb64a) rather than the small cases' ones.
+  const int64_t channels[][2] = {{64, 64}, {32, 48}, {128, 96}, {48, 40}};
+  for (const auto& [I, O] : channels) {
+    INFO("I " << I << " O " << O);
+    Conv2dAttrs a{.padding = {1, 1}};
+    TensorList in = {image_cl({2, I, 5, 6}, gen), rand_tensor({O, I, 3, 3}, gen)};
+    check_fast_vs_reference([&](const TensorList& t) { return conv2d(t[0], t[1], Tensor(), a); },
+                            in, 1e-4, 1e-4);
+  }
 }
 
 TEST_CASE("conv2d: strided 1x1 sgemm backward paths match the reference", "[layers][conv]") {
