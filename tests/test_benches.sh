@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The benchmarks still run and print their figures: each at its smallest
+# (one round, a step or two, the small CNN, allreduces up to 64 KiB), without
+# PyTorch. What they measure is not checked here, only that every figure is
+# there and is a number.
+#
+#   tests/test_benches.sh BUILD_DIR
+set -euo pipefail
+build=$1
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+fail() { echo "FAIL: $*" >&2; cat "$out" >&2; exit 1; }
+num='[0-9]+(\.[0-9]+)?'
+
+"$build/bench_dp" --case small_cnn_28 --steps 2 --warmup 1 --rounds 1 --no-torch > "$out"
+grep -Eq "^small_cnn_28 +128 \| +$num +$num \| +$num% +$num +$num +$num% +$num% \| +$num% +$num%" "$out" ||
+  fail "bench_dp: no figures row"
+grep -Eq "^ +dp=2 +$num \+ +$num \+ +$num \+ +$num \( *$num\)" "$out" || fail "bench_dp: no phase row"
+
+"$build/bench_dp" --case small_cnn_28 --steps 2 --warmup 1 --batch 16 --dp2-only > "$out"
+grep -Eq "^small_cnn_28 +16 \| dp=2 step $num ms: forward $num \+ backward $num" "$out" ||
+  fail "bench_dp --dp2-only --batch 16"
+if "$build/bench_dp" --bogus > "$out" 2>&1; then fail "bench_dp accepted --bogus"; fi
+grep -q "usage: bench_dp" "$out" || fail "bench_dp --bogus: no usage"
+
+"$build/bench_train" --threads 1 --steps 1 --case small_cnn_28 --skip-torch > "$out"
+grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: no figures row"
+
+"$build/trainer" launch --nproc-per-node 2 --program "$build/bench_allreduce" -- \
+  --max-bytes 65536 --rounds 1 > "$out"
+grep -Eq "^ +65536 +16384 \| +$num +$num +$num +$num \|" "$out" || fail "bench_allreduce: no 64 KiB row"
+grep -Eq "^# largest size: busbw $num GB/s" "$out" || fail "bench_allreduce: no summary"
+echo "benches ok"
