@@ -9,6 +9,11 @@
 //   pair efficiency    = throughput of two independent dp=1 processes run at
 //                        once / (2 x throughput(dp=1) alone): the limit that
 //                        sharing the machine sets, whatever the communication
+//   sync efficiency    = the same two processes joined by a barrier after
+//                        every step and nothing else: what running in lock
+//                        step costs (each step waits for the slower rank, and
+//                        both hit memory-heavy phases at once); dp=2 against
+//                        it is what the gradient communication itself costs
 // (all from rank 0; the last two from the timeline's spans, parallel/trace.h).
 // On a machine whose cores are all busy, efficiency also drops because the
 // second rank's compute has no core of its own; "exposed" isolates what
@@ -72,6 +77,7 @@ struct Settings {
   bool zero1 = false;          // ZeRO-1 over DataParallel's buckets (parallel/zero.h)
   bool grad_destinations = true;  // false: gradients are copied into the buckets, as before
   bool bind = false;              // child r runs on core r only (sched_setaffinity)
+  bool barrier_only = false;      // joined ranks without DataParallel: a barrier per step
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -96,7 +102,7 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   std::unique_ptr<DataParallel> dp;
   // --zero1: the same SGD sharded over the ranks, each bucket reduce-scattered in backward.
   std::shared_ptr<ZeroOptimizer> zero;
-  if (world) {
+  if (world && !s.barrier_only) {
     DataParallelOptions options{
         .bucket_bytes = s.bucket_mb << 20,
         .overlap = s.overlap,
@@ -142,6 +148,7 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
       loss.backward();
     }
     if (dp) dp->finish();
+    if (world && s.barrier_only) comm::barrier(*world);
     {
       TraceScope span(&timeline, "optimizer");
       zero ? zero->step() : sgd.step();
@@ -251,16 +258,22 @@ bool measure_torch(const ImageCase& c, const Settings& s, double& efficiency, do
 // One round's figures for a case: dp=1 alone, dp=2, the independent pair and
 // (when measured) PyTorch DDP, all within a minute of each other.
 struct Round {
-  double eff = 0, pair_eff = 0, comm_ms = 0, bwd_ms = 0, hidden = 0, exposed = 0;
+  double eff = 0, pair_eff = 0, sync_eff = 0, comm_ms = 0, bwd_ms = 0, hidden = 0, exposed = 0;
   double sps1 = 0, sps2 = 0, torch_eff = -1, torch_hidden = 0;
-  // dp=1, dp=2, pair rank 0, pair rank 1: step and its phases (means over the timed steps)
-  double step_ms[4] = {}, bwd_step_ms[4] = {}, fwd_ms[4] = {}, finish_ms[4] = {}, opt_ms[4] = {};
+  // dp=1, dp=2, pair rank 0, pair rank 1, synchronised pair rank 0: step and
+  // its phases (means over the timed steps)
+  static constexpr int kRows = 5;
+  double step_ms[kRows] = {}, bwd_step_ms[kRows] = {}, fwd_ms[kRows] = {}, finish_ms[kRows] = {},
+         opt_ms[kRows] = {};
 };
 
 bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
-  std::vector<RankResult> ones, twos, pair;
+  std::vector<RankResult> ones, twos, pair, synced;
+  Settings barrier = s;
+  barrier.barrier_only = true;
+  barrier.trace.clear();
   if (!run_world(c, s, 1, true, ones) || !run_world(c, s, 2, true, twos) ||
-      !run_world(c, s, 2, false, pair))
+      !run_world(c, s, 2, false, pair) || !run_world(c, barrier, 2, true, synced))
     return false;
   const RankResult &one = ones[0], &two = twos[0];
   r.sps1 = double(c.batch) / one.step_seconds;
@@ -268,12 +281,13 @@ bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
   r.eff = r.sps2 / (2.0 * r.sps1);
   r.pair_eff = (double(c.batch) / pair[0].step_seconds + double(c.batch) / pair[1].step_seconds) /
                (2.0 * r.sps1);
+  r.sync_eff = 2.0 * double(c.batch) / synced[0].step_seconds / (2.0 * r.sps1);
   r.comm_ms = 1e3 * two.comm_seconds;
   r.bwd_ms = 1e3 * two.backward_seconds;
   r.hidden = two.comm_seconds > 0 ? two.hidden_seconds / two.comm_seconds : 0.0;
   r.exposed = two.finish_seconds / two.step_seconds;
-  const RankResult* all[4] = {&one, &two, &pair[0], &pair[1]};
-  for (int i = 0; i < 4; ++i) {
+  const RankResult* all[Round::kRows] = {&one, &two, &pair[0], &pair[1], &synced[0]};
+  for (int i = 0; i < Round::kRows; ++i) {
     r.step_ms[i] = 1e3 * all[i]->step_seconds;
     r.bwd_step_ms[i] = 1e3 * all[i]->backward_seconds;
     r.fwd_ms[i] = 1e3 * all[i]->forward_seconds;
@@ -290,10 +304,11 @@ void print_row(const char* label, long long batch, const Round& r) {
     std::snprintf(torch_cols, sizeof torch_cols, "%9.1f%% %6.1f%%", 100 * r.torch_eff,
                   100 * r.torch_hidden);
   std::printf(
-      "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% | "
-      "%s\n",
+      "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% "
+      "%8.1f%% %7.1f%% | %s\n",
       label, batch, r.sps1, r.sps2, 100.0 * r.eff, r.comm_ms, r.bwd_ms, 100.0 * r.hidden,
-      100.0 * r.exposed, 100.0 * r.pair_eff, 100.0 * r.eff / r.pair_eff, torch_cols);
+      100.0 * r.exposed, 100.0 * r.pair_eff, 100.0 * r.eff / r.pair_eff, 100.0 * r.sync_eff,
+      100.0 * r.eff / r.sync_eff, torch_cols);
 }
 
 // Each field's median over the rounds (torch's over the rounds that measured it).
@@ -307,6 +322,7 @@ Round median_round(const std::vector<Round>& rounds) {
   Round m;
   m.eff = med([](const Round& r) { return r.eff; });
   m.pair_eff = med([](const Round& r) { return r.pair_eff; });
+  m.sync_eff = med([](const Round& r) { return r.sync_eff; });
   m.comm_ms = med([](const Round& r) { return r.comm_ms; });
   m.bwd_ms = med([](const Round& r) { return r.bwd_ms; });
   m.hidden = med([](const Round& r) { return r.hidden; });
@@ -315,7 +331,7 @@ Round median_round(const std::vector<Round>& rounds) {
   m.sps2 = med([](const Round& r) { return r.sps2; });
   m.torch_eff = med([](const Round& r) { return r.torch_eff; });
   m.torch_hidden = med([](const Round& r) { return r.torch_eff >= 0 ? r.torch_hidden : -1.0; });
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < Round::kRows; ++i) {
     m.step_ms[i] = med([i](const Round& r) { return r.step_ms[i]; });
     m.bwd_step_ms[i] = med([i](const Round& r) { return r.bwd_step_ms[i]; });
     m.fwd_ms[i] = med([i](const Round& r) { return r.fwd_ms[i]; });
@@ -387,11 +403,13 @@ int main(int argc, char** argv) {
       s.zero1 ? ", ZeRO-1" : "");
   // exposed = the step's wait in finish() (communication not hidden) over the dp=2 step time.
   // pair eff = two independent dp=1 processes at once over 2 x dp=1 alone: the
-  // machine's own limit for two ranks; of pair = efficiency / pair eff.
+  // machine's own limit for two ranks; of pair = efficiency / pair eff. sync eff =
+  // the pair joined by a barrier per step over 2 x dp=1 alone; of sync = efficiency / sync eff.
   if (!dp2_only)
-    std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s | %10s %7s\n", "case",
-                "batch", "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms", "hidden",
-                "exposed", "pair eff", "of pair", "torch eff", "hidden");
+    std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s %9s %8s | %10s %7s\n",
+                "case", "batch", "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms",
+                "hidden", "exposed", "pair eff", "of pair", "sync eff", "of sync", "torch eff",
+                "hidden");
   for (ImageCase c : kCases) {
     if (!only.empty() && only != c.name) continue;
     if (batch > 0) c.batch = batch;
@@ -430,8 +448,8 @@ int main(int argc, char** argv) {
     // Where a dp=2 step's time goes, against the same code without communication.
     std::printf("  step ms%s: forward + backward + finish + optimizer (step: median step)\n",
                 rounds > 1 ? ", medians" : "");
-    const char* labels[4] = {"dp=1", "dp=2", "pair 0", "pair 1"};
-    for (int i = 0; i < 4; ++i)
+    const char* labels[Round::kRows] = {"dp=1", "dp=2", "pair 0", "pair 1", "sync 0"};
+    for (int i = 0; i < Round::kRows; ++i)
       std::printf("    %-7s %6.1f + %6.1f + %5.1f + %5.1f (%6.1f)\n", labels[i], m.fwd_ms[i],
                   m.bwd_step_ms[i], m.finish_ms[i], m.opt_ms[i], m.step_ms[i]);
     std::fflush(stdout);

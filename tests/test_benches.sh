@@ -13,9 +13,11 @@ fail() { echo "FAIL: $*" >&2; cat "$out" >&2; exit 1; }
 num='[0-9]+(\.[0-9]+)?'
 
 "$build/bench_dp" --case small_cnn_28 --steps 2 --warmup 1 --rounds 1 --no-torch > "$out"
-grep -Eq "^small_cnn_28 +128 \| +$num +$num \| +$num% +$num +$num +$num% +$num% \| +$num% +$num%" "$out" ||
+grep -Eq "^small_cnn_28 +128 \| +$num +$num \| +$num% +$num +$num +$num% +$num% \| +$num% +$num% +$num% +$num% \|" "$out" ||
   fail "bench_dp: no figures row"
-grep -Eq "^ +dp=2 +$num \+ +$num \+ +$num \+ +$num \( *$num\)" "$out" || fail "bench_dp: no phase row"
+for row in dp=1 dp=2 "pair 0" "pair 1" "sync 0"; do
+  grep -Eq "^ +$row +$num \+ +$num \+ +$num \+ +$num \( *$num\)" "$out" || fail "bench_dp: no $row phases"
+done
 
 "$build/bench_dp" --case small_cnn_28 --steps 2 --warmup 1 --batch 16 --dp2-only > "$out"
 grep -Eq "^small_cnn_28 +16 \| dp=2 step $num ms: forward $num \+ backward $num" "$out" ||
