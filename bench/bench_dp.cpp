@@ -14,7 +14,7 @@
 //                        step costs (each step waits for the slower rank, and
 //                        both hit memory-heavy phases at once); dp=2 against
 //                        it is what the gradient communication itself costs
-// (all from rank 0; the last two from the timeline's spans, parallel/trace.h).
+// (all from rank 0; hidden and exposed from the timeline's spans, parallel/trace.h).
 // On a machine whose cores are all busy, efficiency also drops because the
 // second rank's compute has no core of its own; "exposed" isolates what
 // communication costs.
