@@ -33,7 +33,11 @@
 //   bench_dp --rounds 5                # five alternated rounds, medians (default 3)
 //   bench_dp --batch 64                # per-rank batch for every case (default: the case's)
 //   bench_dp --dp2-only                # one dp=2 run, its step's phases (for A/B runs)
-//   bench_dp --bind                    # rank r (ours and torch's) bound to core r
+//   bench_dp --no-bind                 # ranks free to run on any core
+//
+// Rank r (ours and PyTorch's alike) runs on the r-th core this process may
+// use when there is one per rank, as `trainer launch` binds by default (--bind-to auto);
+// --bind forces it, --no-bind leaves the ranks to the scheduler.
 //   bench_dp --no-grad-destinations    # gradients copied into the buckets, not written there
 #include <sched.h>
 #include <sys/wait.h>
@@ -67,6 +71,17 @@ const ImageCase kCases[] = {
     {"resnet18_64", "resnet18", 32, 64, 3, 1000},
 };
 
+// The cores this process may run on, in order.
+std::vector<int> allowed_cores() {
+  cpu_set_t set;
+  std::vector<int> cores;
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cores.push_back(c);
+  if (cores.empty()) cores.push_back(0);
+  return cores;
+}
+
 struct Settings {
   int steps = 10;
   int warmup = 3;
@@ -76,8 +91,8 @@ struct Settings {
   bool shared_buckets = true;  // DataParallelOptions::shared_buckets, ZeroOptions::shared_buffers
   bool zero1 = false;          // ZeRO-1 over DataParallel's buckets (parallel/zero.h)
   bool grad_destinations = true;  // false: gradients are copied into the buckets, as before
-  bool bind = false;              // child r runs on core r only (sched_setaffinity)
-  bool barrier_only = false;      // joined ranks without DataParallel: a barrier per step
+  bool bind = allowed_cores().size() >= 2;  // child r on allowed core r (sched_setaffinity)
+  bool barrier_only = false;                // joined ranks without DataParallel: a barrier per step
   size_t bucket_mb = 25;
   std::string trace;  // rank 0 of dp=2 writes the merged timeline here
 };
@@ -197,9 +212,10 @@ bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined
     if (pid == 0) {
       close(fd[0]);
       if (s.bind) {
+        const std::vector<int> cores = allowed_cores();
         cpu_set_t set;
         CPU_ZERO(&set);
-        CPU_SET(r % int(std::thread::hardware_concurrency()), &set);
+        CPU_SET(cores[size_t(r) % cores.size()], &set);
         sched_setaffinity(0, sizeof set, &set);
       }
       set_num_threads(1);
@@ -376,6 +392,8 @@ int main(int argc, char** argv) {
       s.grad_destinations = false;
     else if (a == "--bind")
       s.bind = true;
+    else if (a == "--no-bind")
+      s.bind = false;
     else if (a == "--zero1")
       s.zero1 = true;
     else if (a == "--no-shared-buckets")
@@ -385,19 +403,20 @@ int main(int argc, char** argv) {
     else if (a == "--dp2-only")
       dp2_only = true;
     else {
-      std::fprintf(stderr,
-                   "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--rounds N] "
-                   "[--batch N] [--bucket-mb N] [--bind] [--no-overlap] [--low-priority-progress] "
-                   "[--cross-memory] [--no-shared-buckets] [--no-grad-destinations] [--zero1] "
-                   "[--trace FILE] "
-                   "[--no-torch] [--dp2-only]\n");
+      std::fprintf(
+          stderr,
+          "usage: bench_dp [--case NAME] [--steps N] [--warmup N] [--rounds N] "
+          "[--batch N] [--bucket-mb N] [--bind|--no-bind] [--no-overlap] [--low-priority-progress] "
+          "[--cross-memory] [--no-shared-buckets] [--no-grad-destinations] [--zero1] "
+          "[--trace FILE] "
+          "[--no-torch] [--dp2-only]\n");
       return 2;
     }
   }
   std::printf(
       "dp=1 vs dp=2, 1 thread per rank%s, same per-rank batch, median of %d steps, %d round%s; "
       "overlap %s, buckets of %zu MB%s%s\n",
-      s.bind ? " (rank r bound to core r)" : "", s.steps, rounds, rounds == 1 ? "" : "s",
+      s.bind ? " (rank r bound to core r)" : " (unbound)", s.steps, rounds, rounds == 1 ? "" : "s",
       s.overlap ? "on" : "off", s.bucket_mb,
       s.shared_buckets ? " (shared, reduced in place)" : " (private, copied through staging)",
       s.zero1 ? ", ZeRO-1" : "");
