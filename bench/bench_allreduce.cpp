@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "comm/collectives.h"
+#include "core/cpu/cpu_backend.h"
 
 using namespace trainer;
 using namespace trainer::comm;
@@ -87,7 +88,7 @@ Timing time_allreduce(Communicator& world, float* data, size_t bytes,
   for (int i = 0; i < iters; ++i) allreduce(world, data, count, DType::f32, options);
   double mean[2] = {Seconds(std::chrono::steady_clock::now() - start).count() / iters,
                     (cpu_seconds() - cpu_start) / iters};
-  allreduce(world, mean, 2, DType::f64, {.op = ReduceOp::max});
+  allreduce(world, mean, 2, DType::f64, {.op = comm::ReduceOp::max});
   return {mean[0], mean[1]};
 }
 
@@ -106,10 +107,8 @@ double memcpy_bandwidth() {
 
 // Whether this process may run on fewer cores than are online.
 bool bound_to_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  return ::sched_getaffinity(0, sizeof set, &set) == 0 &&
-         CPU_COUNT(&set) < ::sysconf(_SC_NPROCESSORS_ONLN);
+  const size_t allowed = allowed_cores().size();
+  return allowed > 0 && long(allowed) < ::sysconf(_SC_NPROCESSORS_ONLN);
 }
 
 // OpenMPI's side: bench/mpi/mpi_allreduce under mpirun in --serve mode, which

@@ -71,17 +71,6 @@ const ImageCase kCases[] = {
     {"resnet18_64", "resnet18", 32, 64, 3, 1000},
 };
 
-// The cores this process may run on, in order.
-std::vector<int> allowed_cores() {
-  cpu_set_t set;
-  std::vector<int> cores;
-  if (sched_getaffinity(0, sizeof set, &set) == 0)
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cores.push_back(c);
-  if (cores.empty()) cores.push_back(0);
-  return cores;
-}
-
 struct Settings {
   int steps = 10;
   int warmup = 3;
@@ -182,18 +171,19 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   for (const TraceSpan& sp : timeline.spans())
     if (sp.begin_us >= timed_from_us) spans.push_back(sp);
   auto is_comm = [](const TraceSpan& sp) { return sp.track == Track::comm; };
-  auto is_backward = [](const TraceSpan& sp) { return sp.name == std::string("backward"); };
-  const double n = double(s.steps);
-  r.comm_seconds = double(covered_us(spans, is_comm)) * 1e-6 / n;
-  r.hidden_seconds = double(overlap_us(spans, is_comm, is_backward)) * 1e-6 / n;
-  r.backward_seconds = double(covered_us(spans, is_backward)) * 1e-6 / n;
-  auto is_finish = [](const TraceSpan& sp) { return sp.name == std::string("dp finish"); };
-  r.finish_seconds = double(covered_us(spans, is_finish)) * 1e-6 / n;
   auto named = [](const char* name) {
     return [name](const TraceSpan& sp) { return sp.name == std::string(name); };
   };
-  r.forward_seconds = double(covered_us(spans, named("forward"))) * 1e-6 / n;
-  r.optimizer_seconds = double(covered_us(spans, named("optimizer"))) * 1e-6 / n;
+  // Seconds per timed step covered by the spans that pass `which`.
+  const auto per_step = [&](const auto& which) {
+    return double(covered_us(spans, which)) * 1e-6 / double(s.steps);
+  };
+  r.comm_seconds = per_step(is_comm);
+  r.hidden_seconds = double(overlap_us(spans, is_comm, named("backward"))) * 1e-6 / double(s.steps);
+  r.forward_seconds = per_step(named("forward"));
+  r.backward_seconds = per_step(named("backward"));
+  r.finish_seconds = per_step(named("dp finish"));
+  r.optimizer_seconds = per_step(named("optimizer"));
   if (world && !s.trace.empty()) timeline.write_merged(*world, s.trace);
   return r;
 }
@@ -211,8 +201,7 @@ bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined
     pid_t pid = fork();
     if (pid == 0) {
       close(fd[0]);
-      if (s.bind) {
-        const std::vector<int> cores = allowed_cores();
+      if (const std::vector<int> cores = allowed_cores(); s.bind && !cores.empty()) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(cores[size_t(r) % cores.size()], &set);
@@ -274,12 +263,12 @@ bool measure_torch(const ImageCase& c, const Settings& s, double& efficiency, do
 // One round's figures for a case: dp=1 alone, dp=2, the independent pair and
 // (when measured) PyTorch DDP, all within a minute of each other.
 struct Round {
-  double eff = 0, pair_eff = 0, sync_eff = 0, comm_ms = 0, bwd_ms = 0, hidden = 0, exposed = 0;
+  double eff = 0, pair_eff = 0, sync_eff = 0, comm_ms = 0, hidden = 0, exposed = 0;
   double sps1 = 0, sps2 = 0, torch_eff = -1, torch_hidden = 0;
   // dp=1, dp=2, pair rank 0, pair rank 1, synchronised pair rank 0: step and
   // its phases (means over the timed steps)
   static constexpr int kRows = 5;
-  double step_ms[kRows] = {}, bwd_step_ms[kRows] = {}, fwd_ms[kRows] = {}, finish_ms[kRows] = {},
+  double step_ms[kRows] = {}, bwd_ms[kRows] = {}, fwd_ms[kRows] = {}, finish_ms[kRows] = {},
          opt_ms[kRows] = {};
 };
 
@@ -299,13 +288,12 @@ bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
                (2.0 * r.sps1);
   r.sync_eff = 2.0 * double(c.batch) / synced[0].step_seconds / (2.0 * r.sps1);
   r.comm_ms = 1e3 * two.comm_seconds;
-  r.bwd_ms = 1e3 * two.backward_seconds;
   r.hidden = two.comm_seconds > 0 ? two.hidden_seconds / two.comm_seconds : 0.0;
   r.exposed = two.finish_seconds / two.step_seconds;
   const RankResult* all[Round::kRows] = {&one, &two, &pair[0], &pair[1], &synced[0]};
   for (int i = 0; i < Round::kRows; ++i) {
     r.step_ms[i] = 1e3 * all[i]->step_seconds;
-    r.bwd_step_ms[i] = 1e3 * all[i]->backward_seconds;
+    r.bwd_ms[i] = 1e3 * all[i]->backward_seconds;
     r.fwd_ms[i] = 1e3 * all[i]->forward_seconds;
     r.finish_ms[i] = 1e3 * all[i]->finish_seconds;
     r.opt_ms[i] = 1e3 * all[i]->optimizer_seconds;
@@ -322,7 +310,7 @@ void print_row(const char* label, long long batch, const Round& r) {
   std::printf(
       "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% "
       "%8.1f%% %7.1f%% | %s\n",
-      label, batch, r.sps1, r.sps2, 100.0 * r.eff, r.comm_ms, r.bwd_ms, 100.0 * r.hidden,
+      label, batch, r.sps1, r.sps2, 100.0 * r.eff, r.comm_ms, r.bwd_ms[1], 100.0 * r.hidden,
       100.0 * r.exposed, 100.0 * r.pair_eff, 100.0 * r.eff / r.pair_eff, 100.0 * r.sync_eff,
       100.0 * r.eff / r.sync_eff, torch_cols);
 }
@@ -340,7 +328,6 @@ Round median_round(const std::vector<Round>& rounds) {
   m.pair_eff = med([](const Round& r) { return r.pair_eff; });
   m.sync_eff = med([](const Round& r) { return r.sync_eff; });
   m.comm_ms = med([](const Round& r) { return r.comm_ms; });
-  m.bwd_ms = med([](const Round& r) { return r.bwd_ms; });
   m.hidden = med([](const Round& r) { return r.hidden; });
   m.exposed = med([](const Round& r) { return r.exposed; });
   m.sps1 = med([](const Round& r) { return r.sps1; });
@@ -349,7 +336,7 @@ Round median_round(const std::vector<Round>& rounds) {
   m.torch_hidden = med([](const Round& r) { return r.torch_eff >= 0 ? r.torch_hidden : -1.0; });
   for (int i = 0; i < Round::kRows; ++i) {
     m.step_ms[i] = med([i](const Round& r) { return r.step_ms[i]; });
-    m.bwd_step_ms[i] = med([i](const Round& r) { return r.bwd_step_ms[i]; });
+    m.bwd_ms[i] = med([i](const Round& r) { return r.bwd_ms[i]; });
     m.fwd_ms[i] = med([i](const Round& r) { return r.fwd_ms[i]; });
     m.finish_ms[i] = med([i](const Round& r) { return r.finish_ms[i]; });
     m.opt_ms[i] = med([i](const Round& r) { return r.opt_ms[i]; });
@@ -470,7 +457,7 @@ int main(int argc, char** argv) {
     const char* labels[Round::kRows] = {"dp=1", "dp=2", "pair 0", "pair 1", "sync 0"};
     for (int i = 0; i < Round::kRows; ++i)
       std::printf("    %-7s %6.1f + %6.1f + %5.1f + %5.1f (%6.1f)\n", labels[i], m.fwd_ms[i],
-                  m.bwd_step_ms[i], m.finish_ms[i], m.opt_ms[i], m.step_ms[i]);
+                  m.bwd_ms[i], m.finish_ms[i], m.opt_ms[i], m.step_ms[i]);
     std::fflush(stdout);
   }
   return 0;

@@ -18,6 +18,7 @@
 
 #include "comm/bootstrap.h"
 #include "core/check.h"
+#include "core/cpu/cpu_backend.h"
 
 extern char** environ;
 
@@ -94,17 +95,6 @@ struct Child {
 void signal_all(std::vector<Child>& children, int sig) {
   for (Child& c : children)
     if (c.running) ::kill(-c.pid, sig);  // each child leads its own process group
-}
-
-// The cores this process may run on, in increasing order.
-std::vector<int> allowed_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cores;
-  if (::sched_getaffinity(0, sizeof set, &set) == 0)
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cores.push_back(c);
-  return cores;
 }
 
 std::string core_list(const std::vector<int>& cores) {

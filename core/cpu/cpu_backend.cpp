@@ -1,6 +1,7 @@
 #include "core/cpu/cpu_backend.h"
 
 #include <omp.h>
+#include <sched.h>
 
 namespace trainer {
 
@@ -15,5 +16,15 @@ void set_num_threads(int n) {
 }
 
 int num_threads() { return omp_get_max_threads(); }
+
+std::vector<int> allowed_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cores;
+  if (::sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cores.push_back(c);
+  return cores;
+}
 
 }  // namespace trainer

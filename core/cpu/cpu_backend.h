@@ -7,10 +7,14 @@
 //   cpu_nn.cpp           softmax / log_softmax (vectorised rows), fused cross-entropy
 //   cpu_index.cpp        concat, index_select/add, gather/scatter_add
 //   cpu_random.cpp       Philox draws, parallel over counter blocks
-//   cpu_conv.cpp         oneDNN convolution, pooling, batch norm, primitives cached per shape
+//   cpu_conv.cpp         oneDNN convolution, primitives cached per shape (onednn.h helpers)
+//   cpu_pool.cpp         oneDNN max / average pooling
+//   cpu_batch_norm.cpp   oneDNN batch norm, fused relu
 //   cpu_layernorm.cpp    layer norm, vectorised rows with OpenMP over rows
 //   cpu_attention.cpp    fused causal attention, OpenMP over (batch, head), sgemm tiles
 #pragma once
+
+#include <vector>
 
 #include "core/ref/ref_backend.h"
 
@@ -135,5 +139,8 @@ Backend& cpu_backend();
 // Threads used by CPU kernels (OpenMP and oneDNN).
 void set_num_threads(int n);
 int num_threads();
+
+// The cores this process may run on (its affinity mask), in increasing order.
+std::vector<int> allowed_cores();
 
 }  // namespace trainer
