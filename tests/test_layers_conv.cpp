@@ -14,6 +14,25 @@ using namespace trainer::testing;
 
 namespace {
 
+// tests/testing.h's rule for a convolution of x [N, C, H, W] with w [O, C/g,
+// kH, kW], operands in [-1, 1]: the longest sum is the weight gradient's (at
+// most N H W pixels) or the forward's and data gradient's (C/g kH kW, O kH kW).
+Reduction conv_reduction(const Tensor& x, const Tensor& w) {
+  const int64_t n = std::max({x.size(0) * x.size(2) * x.size(3), w.size(1) * w.size(2) * w.size(3),
+                              w.size(0) * w.size(2) * w.size(3)});
+  return {.length = n, .scale = 1.5 * std::sqrt(double(n))};
+}
+
+// Batch norm over x [N, C, H, W]: sums of N H W values per channel (x of size ~3).
+Reduction bn_reduction(const Shape& x) {
+  const int64_t n = x[0] * x[2] * x[3];
+  return {.length = n, .scale = 4 * std::sqrt(double(n))};
+}
+
+}  // namespace
+
+namespace {
+
 Tensor image_f64(const Shape& s, Generator& gen) { return rand_f64(s, gen); }
 
 // f32 image in channels-last layout (what the layers pass), values in [-1, 1).
@@ -107,12 +126,13 @@ TEST_CASE("conv2d: oneDNN matches the reference on odd shapes", "[layers][conv]"
           REQUIRE(is_channels_last(y));
           return y;
         },
-        in, 1e-4, 1e-4);
+        in, conv_reduction(in[0], in[1]));
   }
   // A row-major input and a non-contiguous one go through the same path.
   Tensor x = non_contiguous(rand_tensor({2, 5, 9, 7}, gen));
+  Tensor w = rand_tensor({3, 5, 3, 3}, gen);
   check_fast_vs_reference([](const TensorList& t) { return conv2d(t[0], t[1], t[2]); },
-                          {x, rand_tensor({3, 5, 3, 3}, gen), rand_tensor({3}, gen)}, 1e-4, 1e-4);
+                          {x, w, rand_tensor({3}, gen)}, conv_reduction(x, w));
 }
 
 TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[layers][conv]") {
@@ -137,7 +157,7 @@ TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[
     if (c.bias) in.push_back(rand_tensor({O}, gen));
     check_fast_vs_reference(
         [&](const TensorList& t) { return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a); }, in,
-        1e-4, 1e-4);
+        conv_reduction(in[0], in[1]));
     ++iter;
   }
   // ResNet-like channel counts, where oneDNN's forward kernel takes w' in
@@ -148,7 +168,7 @@ TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[
     Conv2dAttrs a{.padding = {1, 1}};
     TensorList in = {image_cl({2, I, 5, 6}, gen), rand_tensor({O, I, 3, 3}, gen)};
     check_fast_vs_reference([&](const TensorList& t) { return conv2d(t[0], t[1], Tensor(), a); },
-                            in, 1e-4, 1e-4);
+                            in, conv_reduction(in[0], in[1]));
   }
 }
 
@@ -169,7 +189,7 @@ TEST_CASE("conv2d: strided 1x1 sgemm backward paths match the reference", "[laye
     if (bias) in.push_back(rand_tensor({O}, gen));
     check_fast_vs_reference(
         [&](const TensorList& t) { return conv2d(t[0], t[1], bias ? t[2] : Tensor(), a); }, in,
-        1e-4, 1e-4);
+        conv_reduction(in[0], in[1]));
     ++iter;
   }
 }
@@ -246,9 +266,10 @@ TEST_CASE("pooling: oneDNN matches the reference on odd shapes", "[layers][pool]
                  << a.padding[0] << "x" << a.padding[1]);
     Tensor x = image_cl(xs, gen);
     check_fast_vs_reference([&](const TensorList& t) { return max_pool2d(t[0], a); }, {x});
-    check_fast_vs_reference([&](const TensorList& t) { return avg_pool2d(t[0], a); }, {x});
+    check_fast_vs_reference([&](const TensorList& t) { return avg_pool2d(t[0], a); }, {x},
+                            {.length = a.kernel[0] * a.kernel[1], .scale = 3});
     check_fast_vs_reference([&](const TensorList& t) { return adaptive_avg_pool2d(t[0], 1, 1); },
-                            {x});
+                            {x}, {.length = xs[2] * xs[3], .scale = 12});
   }
 }
 
@@ -287,14 +308,14 @@ TEST_CASE("batch_norm: oneDNN matches the reference on odd shapes", "[layers][bn
     Tensor gamma = rand_tensor({xs[1]}, gen, 0.5, 1.5), beta = rand_tensor({xs[1]}, gen);
     check_fast_vs_reference(
         [](const TensorList& t) { return batch_norm_train(t[0], t[1], t[2], 1e-5).out; },
-        {x, gamma, beta}, 1e-4, 1e-4);
+        {x, gamma, beta}, bn_reduction(xs));
     check_fast_vs_reference(
         [](const TensorList& t) { return batch_norm_train(t[0], t[1], t[2], 1e-5, true).out; },
-        {x, gamma, beta}, 1e-4, 1e-4);
+        {x, gamma, beta}, bn_reduction(xs));
     Tensor rm = rand_tensor({xs[1]}, gen), rv = rand_tensor({xs[1]}, gen, 0.5, 2.0);
     check_fast_vs_reference(
         [&](const TensorList& t) { return batch_norm_eval(t[0], t[1], t[2], rm, rv, 1e-5); },
-        {x, gamma, beta}, 1e-4, 1e-4);
+        {x, gamma, beta}, bn_reduction(xs));
     BatchNormResult fast = batch_norm_train(x, gamma, beta, 1e-5);
     ReferenceKernelsGuard guard;
     BatchNormResult ref = batch_norm_train(x, gamma, beta, 1e-5);

@@ -173,10 +173,75 @@ inline void gradcheck(const Fn& f, TensorList inputs, double eps = 1e-6, double 
   }
 }
 
+// ---- Tolerances of fast kernels against the reference ----
+//
+// Every fast-versus-reference comparison derives its tolerance from the
+// dtypes and the length of the reductions involved, never from what one CPU
+// happened to produce: AVX2, AVX-512 and AMX kernels each sum in their own
+// order and vector width, and oneDNN picks different algorithms per ISA.
+//
+// The rule. A fast kernel accumulates in f32 (or wider). Each addition of a
+// sum of n terms rounds by up to u32 = 2^-24 of the partial sum, and those
+// errors have random signs, so an element that reduces n terms whose partial
+// sums reach `scale` in magnitude carries an error of about
+// u32 * sqrt(n) * scale (the worst case, n, is not reached by data with
+// random rounding; blocked and vector sums, as oneDNN and our loops do, are
+// shorter chains still); we allow 8 times that. Its own rounding to the result's dtype adds one
+// unit roundoff u (f32 2^-24, bf16 2^-8, f16 2^-11) on each side, fast and reference, and an
+// approximated transcendental (core/cpu/vec_math.h) adds its stated error in units of u32. A result
+// computed in a low dtype through a chain of k rounded intermediates (a backward built from several
+// bf16 ops) is rounded k times on its way. So, with both terms relative to |expected| and, for
+// cancellation, to scale:
+//
+//   acc  = 8 * u32 * sqrt(n) + approx_ulps * u32
+//   rtol = acc + (roundings + 1) u(dtype)       atol = rtol * scale
+//
+// Reductions name the longest one any output or gradient element goes
+// through (matmul [M,K]x[K,N]: max(K, M, N) counting both gradients; a
+// convolution: C_in * kH * kW forward, N * H_out * W_out for the weight
+// gradient; softmax over a row of n: n), and scale the size its partial sums
+// reach (n random terms of size s: about s * sqrt(n)).
+struct Reduction {
+  int64_t length = 1;       // terms summed into one element (longest of forward and backward)
+  double scale = 1.0;       // magnitude the partial sums reach, for the absolute part
+  double approx_ulps = 64;  // error of vectorised transcendentals, in f32 units (vec_math.h: <= 64)
+  int roundings = 1;        // times a result is rounded to its dtype on the longest path
+  bool exact = false;       // copies and gathers: bit for bit
+};
+inline constexpr Reduction kExact{.exact = true};
+
+struct Tolerance {
+  double rtol, atol;
+};
+
+inline double unit_roundoff(DType t) {
+  switch (t) {
+    case DType::bf16:
+      return 0x1p-8;
+    case DType::f16:
+      return 0x1p-11;
+    case DType::f64:
+      return 0x1p-53;
+    default:
+      return 0x1p-24;
+  }
+}
+
+inline Tolerance tolerance(DType dtype, const Reduction& r) {
+  if (r.exact) return {0, 0};
+  // Fast kernels accumulate f64 in f64 and everything else in f32.
+  const double ua = dtype == DType::f64 ? 0x1p-53 : 0x1p-24;
+  const double acc =
+      8 * ua * std::sqrt(double(std::max<int64_t>(r.length, 1))) + r.approx_ulps * ua;
+  const double rtol = acc + (r.roundings + 1) * unit_roundoff(dtype);
+  return {rtol, rtol * r.scale};
+}
+
 // Runs f (forward and backward) with the CPU fast kernels and with the
-// reference kernels on the same inputs and compares outputs and gradients.
-inline void check_fast_vs_reference(const Fn& f, const TensorList& inputs, double rtol = 1e-5,
-                                    double atol = 1e-5) {
+// reference kernels on the same inputs and compares outputs and gradients,
+// each with tolerance(its dtype, r).
+inline void check_fast_vs_reference(const Fn& f, const TensorList& inputs,
+                                    const Reduction& r = {}) {
   auto run = [&](TensorList& grads) {
     TensorList in;
     for (const Tensor& t : inputs)
@@ -196,10 +261,12 @@ inline void check_fast_vs_reference(const Fn& f, const TensorList& inputs, doubl
     ReferenceKernelsGuard guard;
     ref = run(ref_grads);
   }
-  require_close(fast, ref, rtol, atol, "forward");
+  const Tolerance out_tol = tolerance(fast.dtype(), r);
+  require_close(fast, ref, out_tol.rtol, out_tol.atol, "forward");
   for (size_t k = 0; k < inputs.size(); ++k) {
     if (!ref_grads[k].defined()) continue;
-    require_close(fast_grads[k], ref_grads[k], rtol, atol,
+    const Tolerance tol = tolerance(fast_grads[k].dtype(), r);
+    require_close(fast_grads[k], ref_grads[k], tol.rtol, tol.atol,
                   "gradient of input " + std::to_string(k));
   }
 }

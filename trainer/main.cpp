@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/isa.h"
 #include "core/ops.h"
 #include "parallel/device_staging.h"
 #include "trainer/device.h"
@@ -28,6 +29,11 @@ int run_info() {
 #else
   std::printf("CUDA backend: not compiled\n");
 #endif
+  const cpu::CpuFeatures& cpu = cpu::cpu_features();
+  std::printf("CPU: %s\n", cpu.model.empty() ? "unknown" : cpu.model.c_str());
+  std::printf("CPU features: %s\n", cpu::feature_summary(cpu).c_str());
+  std::printf("kernels: %s\n", cpu::describe_kernel_isas().c_str());
+  std::printf("bf16: %s\n", cpu::describe_low_precision(false).c_str());
   std::printf("CPU threads: %d\n", num_threads());
   Generator gen(0);
   Tensor w = normal({4, 3}, 0.0, 1.0, gen).requires_grad_();

@@ -10,6 +10,7 @@
 
 #include "core/autocast.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/isa.h"
 #include "core/ops.h"
 #include "models/sample.h"
 #include "parallel/trace.h"
@@ -328,7 +329,16 @@ int train_command(const TrainArgs& args) {
                 (long long)s.total_steps(), (long long)s.steps_per_epoch(),
                 (long long)s.micro_batch(), (long long)r.training.grad_accum);
   }
-  if (main_rank) std::printf("device %s\n", cat(module_device(s.model())).c_str());
+  if (main_rank) {
+    std::printf("device %s\n", cat(module_device(s.model())).c_str());
+    if (module_device(s.model()).is_cpu()) {
+      std::printf("cpu %s: %s\n", cpu::cpu_features().model.c_str(),
+                  cpu::describe_kernel_isas().c_str());
+      if (r.precision != "fp32")
+        std::printf("precision %s: %s\n", r.precision.c_str(),
+                    cpu::describe_low_precision(r.precision == "fp16").c_str());
+    }
+  }
   if (args.dry_run) {
     if (main_rank) std::printf("%s", s.summary().c_str());
     return 0;

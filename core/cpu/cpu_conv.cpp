@@ -122,9 +122,10 @@ memory weights_for(const std::optional<dnnl::reorder>& reorder, const memory::de
 
 void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         const Conv2dAttrs& a, bool fuse_relu, const Tensor& out) {
-  if (cpu::all_of_dtype({&x, &weight, &bias, &out}, DType::bf16))
+  if (cpu::all_of_dtype({&x, &weight, &bias, &out}, DType::bf16) && cpu::has_bf16_kernels())
     return cpu::conv2d_bf16(x, weight, bias, a, fuse_relu, out);
-  if (cpu::any_half({&x, &weight, &bias, &out}))  // f16: on the f32 kernels (core/cpu/lowp.h)
+  // f16, and bf16 where oneDNN has no bf16 kernels: on the f32 kernels (core/cpu/lowp.h).
+  if (cpu::any_half({&x, &weight, &bias, &out}))
     return cpu::run_in_f32({x, weight, bias}, {out}, [&](const TensorList& i, const TensorList& o) {
       conv2d(i[0], i[1], i[2], a, fuse_relu, o[0]);
     });
@@ -240,7 +241,7 @@ void conv2d_backward_data_as_forward(const Tensor& grad_out, const Tensor& weigh
 // Forward: out = conv(x, w) + b. Backward data: grad_x = conv_transpose(grad_out, w).
 void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weight,
                                       const Conv2dAttrs& a, const Tensor& grad_x) {
-  if (cpu::all_of_dtype({&grad_out, &weight, &grad_x}, DType::bf16))
+  if (cpu::all_of_dtype({&grad_out, &weight, &grad_x}, DType::bf16) && cpu::has_bf16_kernels())
     return cpu::conv2d_backward_data_bf16(grad_out, weight, a, grad_x);
   if (cpu::any_half({&grad_out, &weight, &grad_x}))
     return cpu::run_in_f32({grad_out, weight}, {grad_x},
@@ -284,7 +285,8 @@ void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weig
 void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x,
                                          const Conv2dAttrs& a, const Tensor& grad_weight,
                                          const Tensor& grad_bias) {
-  if (cpu::all_of_dtype({&grad_out, &x, &grad_weight, &grad_bias}, DType::bf16))
+  if (cpu::all_of_dtype({&grad_out, &x, &grad_weight, &grad_bias}, DType::bf16) &&
+      cpu::has_bf16_kernels())
     return cpu::conv2d_backward_weights_bf16(grad_out, x, a, grad_weight, grad_bias);
   if (cpu::any_half({&grad_out, &x, &grad_weight, &grad_bias}))
     return cpu::run_in_f32({grad_out, x}, {grad_weight, grad_bias},

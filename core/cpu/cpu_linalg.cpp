@@ -190,7 +190,10 @@ const MatmulPlan& plan_for(const Tensor& a, const Tensor& b, const Tensor& out,
 
 // out[..., M, N] = a[..., M, K] @ b[..., K, N]
 void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
-  if (cpu::all_of_dtype({&a, &b, &out}, DType::f16))
+  // f16, and bf16 where oneDNN has no bf16 kernels: on the f32 kernels (core/cpu/lowp.h).
+  const bool native_bf16 =
+      cpu::all_of_dtype({&a, &b, &out}, DType::bf16) && cpu::has_bf16_kernels();
+  if (cpu::any_half({&a, &b, &out}) && !native_bf16)
     return cpu::run_in_f32(
         {a, b}, {out}, [&](const TensorList& i, const TensorList& o) { matmul(i[0], i[1], o[0]); });
   std::optional<dnnl::memory::data_type> dt = cpu::dnnl_dtype(out.dtype());

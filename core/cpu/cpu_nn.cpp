@@ -132,14 +132,21 @@ void softmax_columns(const float* x, int64_t sx, float* y, int64_t sy, int64_t n
 #pragma omp simd
     for (int64_t j = 0; j < width; ++j) mx[j] = std::max(mx[j], xi[j]);
   }
+  // The branch on log stays outside the vector loops: a conditional store
+  // inside one keeps it scalar without AVX-512's masked stores.
   for (int64_t i = 0; i < n; ++i) {
     const float* xi = x + i * sx;
     float* yi = y + i * sy;
+    if (log) {
 #pragma omp simd
-    for (int64_t j = 0; j < width; ++j) {
-      float e = exp_f32(xi[j] - mx[j]);
-      z[j] += e;
-      if (!log) yi[j] = e;
+      for (int64_t j = 0; j < width; ++j) z[j] += exp_f32(xi[j] - mx[j]);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        const float e = exp_f32(xi[j] - mx[j]);
+        z[j] += e;
+        yi[j] = e;
+      }
     }
   }
   for (int64_t j = 0; j < width; ++j) z[j] = log ? std::log(z[j]) : 1.0f / z[j];
@@ -171,9 +178,13 @@ void softmax_backward_columns(const float* g, int64_t sg, const float* y, int64_
     const float* gi = g + i * sg;
     const float* yi = y + i * sy;
     float* gxi = gx + i * sgx;
+    if (log) {
 #pragma omp simd
-    for (int64_t j = 0; j < width; ++j)
-      gxi[j] = log ? gi[j] - exp_f32(yi[j]) * dot[j] : yi[j] * (gi[j] - dot[j]);
+      for (int64_t j = 0; j < width; ++j) gxi[j] = gi[j] - exp_f32(yi[j]) * dot[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) gxi[j] = yi[j] * (gi[j] - dot[j]);
+    }
   }
 }
 

@@ -2,9 +2,11 @@
 // sends matmul, convolution, attention and the recurrent layers here in bf16
 // or f16).
 //
-// bf16 has native oneDNN kernels (AMX / AVX512-BF16): matmul in
-// cpu_linalg.cpp, convolution in cpu_conv_bf16.cpp. oneDNN 2.6 has no f16
-// CPU kernels, and the attention and recurrent kernels are written for f32,
+// bf16 has oneDNN kernels from AVX-512 up (native with AVX512-BF16 or AMX):
+// matmul in cpu_linalg.cpp, convolution in cpu_conv_bf16.cpp. Below that
+// (AVX2 CPUs, or DNNL_MAX_CPU_ISA) oneDNN 2.6 has none, not even reference
+// ones (cpu::has_bf16_kernels() probes), and neither has it f16 CPU kernels;
+// the attention and recurrent kernels are written for f32,
 // so those run on f32 copies of the operands and round their results back
 // (run_in_f32): the f32 kernel's speed plus two conversion passes, instead
 // of the reference loops.

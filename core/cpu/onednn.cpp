@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "core/cpu/isa.h"
 #include "core/ops_conv.h"
 
 namespace trainer::cpu {
@@ -60,6 +61,55 @@ dnnl::memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int6
   return {one(in_h, out_h, kh, stride[0], pad[0], dilation[0]),
           one(in_w, out_w, kw, stride[1], pad[1], dilation[1])};
 }
+
+bool has_bf16_kernels() {
+  static const bool has = [] {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    const dnnl::memory::desc a({4, 8}, dt::bf16, tag::ab), b({8, 4}, dt::bf16, tag::ab),
+        c({4, 4}, dt::bf16, tag::ab);
+    const bool matmul = try_primitive_desc<dnnl::matmul::primitive_desc>(
+                            "bf16 matmul probe", dnnl::matmul::desc(a, b, c), dnnl_engine())
+                            .has_value();
+    const dnnl::memory::desc x({1, 8, 4, 4}, dt::bf16, tag::nhwc),
+        w({8, 8, 3, 3}, dt::bf16, tag::any), y({1, 8, 4, 4}, dt::bf16, tag::nhwc);
+    const bool conv =
+        try_primitive_desc<dnnl::convolution_forward::primitive_desc>(
+            "bf16 convolution probe",
+            dnnl::convolution_forward::desc(
+                dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x, w,
+                dnnl::memory::desc(), y, {1, 1}, {0, 0}, {1, 1}, {1, 1}),
+            dnnl_engine())
+            .has_value();
+    return matmul && conv;
+  }();
+  return has;
+}
+
+std::string dnnl_isa_name() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::sse41:
+      return "sse41";
+    case dnnl::cpu_isa::avx:
+      return "avx";
+    case dnnl::cpu_isa::avx2:
+      return "avx2";
+    case dnnl::cpu_isa::avx2_vnni:
+      return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_core:
+      return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx:
+      return "avx512_core_amx";
+    default:
+      return "other";
+  }
+}
+
+KernelIsas kernel_isas() { return {dnnl_isa_name(), active_isa(), has_bf16_kernels()}; }
 
 void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args) {
   DNNL_CHECK(p.execute(dnnl_stream(), args));

@@ -12,6 +12,7 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
 #include "core/check.h"
@@ -42,6 +43,17 @@ dnnl::memory::desc vector_md(int64_t n, dnnl::memory::data_type dt = dnnl::memor
 dnnl::memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int64_t out_w,
                                  int64_t kh, int64_t kw, const Pair& stride, const Pair& pad,
                                  const Pair& dilation);
+// Whether oneDNN has bf16 convolution and matmul kernels on this CPU
+// (AVX-512 core and up: emulated on AVX-512 F/BW, native with AVX512-BF16 or
+// AMX). oneDNN 2.6 has none below AVX-512, not even reference ones, so
+// without them bf16 operands run the f32 kernels on converted copies
+// (core/cpu/lowp.h). Probed once by creating small primitives, so it honours
+// DNNL_MAX_CPU_ISA.
+bool has_bf16_kernels();
+// oneDNN's instruction set in effect (its own name, e.g. "avx512_core_amx"),
+// after DNNL_MAX_CPU_ISA.
+std::string dnnl_isa_name();
+
 // Runs p on the process's stream and waits for it.
 void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args);
 
