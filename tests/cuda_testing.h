@@ -47,9 +47,6 @@ inline void check_cuda_vs_cpu(const Fn& f, const TensorList& inputs, double rtol
   }
 }
 
-struct Tolerance {
-  double rtol, atol;
-};
 // Device and host libm differ by an ulp or two; bf16/f16 then round that
 // difference to one of their (much larger) ulps.
 inline Tolerance tolerance(DType t) {
