@@ -77,15 +77,6 @@ int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
   return int64_t(std::llround(epochs * double(steps_per_epoch)));
 }
 
-std::string with_commas(int64_t v) {
-  std::string digits = std::to_string(v), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
-    out.push_back(digits[i]);
-  }
-  return out;
-}
-
 }  // namespace
 
 std::vector<optim::ParamGroup> param_groups(const Recipe& r, const Module& model) {

@@ -29,15 +29,6 @@ Tensor token_cross_entropy(const Tensor& logits, const Tensor& targets,
   return cross_entropy(logits.flatten(0, 1), targets.flatten(), options);
 }
 
-std::string with_commas(int64_t v) {
-  std::string digits = std::to_string(v), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
-    out.push_back(digits[i]);
-  }
-  return out;
-}
-
 class TextBatches final : public BatchSource {
  public:
   TextBatches(const Recipe& recipe, const RankLayout& layout, int64_t micro_batch);
