@@ -59,8 +59,7 @@ class ImageBatches final : public BatchSource {
 
   Tensor probe_loss(int64_t n) override {
     const Device device = module_device(*model_);
-    const int64_t size = recipe_.data.image_size;
-    StepBatch zero{to_device(zeros({n, size, size, recipe_.model.in_channels}), device),
+    StepBatch zero{to_device(zeros({n, image_size_, image_size_, channels_}), device),
                    to_device(zeros({n}, DType::i64), device)};
     return loss(zero);
   }
@@ -73,13 +72,13 @@ class ImageBatches final : public BatchSource {
     return (*model_)(to_device(images, module_device(*model_)).permute({0, 3, 1, 2}));
   }
 
-  const Recipe& recipe_;
+  const int64_t image_size_, channels_;  // of the model's input
   std::unique_ptr<data::Dataset> train_set_, val_set_;
   std::unique_ptr<data::Loader> train_loader_, val_loader_;
 };
 
 ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
-    : recipe_(r) {
+    : image_size_(r.data.image_size), channels_(r.model.in_channels) {
   if (r.data.name == "fashion_mnist") {
     std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
     train_set_ =
