@@ -8,6 +8,7 @@
 #include "core/autograd.h"
 #include "core/backend.h"
 #include "core/cpu/loops.h"
+#include "optim/clip.h"
 #include "optim/optim_math.h"
 
 namespace trainer::optim {
@@ -106,8 +107,8 @@ void zero_grads(const std::vector<ParamGroup>& groups, bool set_to_none) {
     }
 }
 
-Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, double weight_decay,
-                     const char* kind)
+LocalOptimizer::LocalOptimizer(std::vector<ParamGroup> groups, double lr, double weight_decay,
+                               const char* kind)
     : kind_(kind), groups_(std::move(groups)), weight_decay_(weight_decay) {
   set_lr(lr);
   require_option(weight_decay >= 0 && std::isfinite(weight_decay), kind_, "weight_decay",
@@ -138,7 +139,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, double weight_de
   }
 }
 
-void Optimizer::init_state() {
+void LocalOptimizer::init_state() {
   std::vector<std::string> slots = state_slots();
   state_.clear();
   for (const ParamGroup& g : groups_) {
@@ -152,12 +153,12 @@ void Optimizer::init_state() {
   }
 }
 
-void Optimizer::set_lr(double lr) {
+void LocalOptimizer::set_lr(double lr) {
   require_option(lr >= 0 && std::isfinite(lr), kind_, "lr", ">= 0 and finite", lr);
   lr_ = lr;
 }
 
-void Optimizer::step() {
+void LocalOptimizer::step() {
   autograd::NoGradGuard no_grad;
   // Per device and dtype, in parameter order (one multi-tensor call each).
   std::vector<std::pair<std::pair<Device, DType>, std::vector<Update>>> batches;
@@ -190,9 +191,19 @@ void Optimizer::step() {
   for (ParamState* s : stepped) s->step.data<int64_t>()[0] += 1;
 }
 
-void Optimizer::zero_grad(bool set_to_none) { zero_grads(groups_, set_to_none); }
+void LocalOptimizer::zero_grad(bool set_to_none) { zero_grads(groups_, set_to_none); }
 
-std::vector<NamedTensor> Optimizer::state() const {
+double LocalOptimizer::clip_grad_norm(double max_norm) {
+  return optim::clip_grad_norm(parameters(groups_), max_norm);
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const NamedTensor& t : state()) bytes += int64_t(t.tensor.nbytes());
+  return bytes;
+}
+
+std::vector<NamedTensor> LocalOptimizer::state() const {
   std::vector<std::string> slots = state_slots();
   std::vector<NamedTensor> out;
   for (size_t gi = 0; gi < groups_.size(); ++gi)
@@ -205,7 +216,7 @@ std::vector<NamedTensor> Optimizer::state() const {
   return out;
 }
 
-void Optimizer::load_state(const std::vector<NamedTensor>& state) {
+void LocalOptimizer::load_state(const std::vector<NamedTensor>& state) {
   std::vector<NamedTensor> live = this->state();
   std::map<std::string, const Tensor*> given;
   for (const NamedTensor& e : state)
@@ -237,7 +248,8 @@ void Optimizer::load_state(const std::vector<NamedTensor>& state) {
 // ---- SGD ----
 
 SGD::SGD(std::vector<ParamGroup> groups, const SGDOptions& options)
-    : Optimizer(std::move(groups), options.lr, options.weight_decay, "SGD"), options_(options) {
+    : LocalOptimizer(std::move(groups), options.lr, options.weight_decay, "SGD"),
+      options_(options) {
   require_option(options.momentum >= 0 && std::isfinite(options.momentum), kind_, "momentum",
                  ">= 0 and finite", options.momentum);
   require_option(std::isfinite(options.dampening), kind_, "dampening", "finite", options.dampening);
@@ -274,7 +286,8 @@ void SGD::update(Device device, const std::vector<Update>& updates) {
 // ---- AdamW ----
 
 AdamW::AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options)
-    : Optimizer(std::move(groups), options.lr, options.weight_decay, "AdamW"), options_(options) {
+    : LocalOptimizer(std::move(groups), options.lr, options.weight_decay, "AdamW"),
+      options_(options) {
   require_option(options.betas.first >= 0 && options.betas.first < 1, kind_, "betas[0]",
                  "in [0, 1)", options.betas.first);
   require_option(options.betas.second >= 0 && options.betas.second < 1, kind_, "betas[1]",

@@ -57,6 +57,9 @@ TensorList parameters(const std::vector<ParamGroup>& groups);
 // Sets the gradients of the groups' parameters to none (set_to_none) or to zero in place.
 void zero_grads(const std::vector<ParamGroup>& groups, bool set_to_none);
 
+// The interface the training loop steps and checkpoints save, whoever
+// keeps the state: LocalOptimizer below (SGD, AdamW) keeps every
+// parameter's; ZeRO-1 (parallel/zero.h) keeps this rank's shard of it.
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -64,23 +67,47 @@ class Optimizer {
   Optimizer& operator=(const Optimizer&) = delete;
 
   // One update of every parameter that has a gradient, in place, not recorded by autograd.
-  void step();
+  virtual void step() = 0;
   // Drops the gradients (set_to_none) or fills them with zeros.
-  void zero_grad(bool set_to_none = true);
+  virtual void zero_grad(bool set_to_none = true) = 0;
+  // Clips the gradients to a global 2-norm of max_norm (optim/clip.h) and
+  // returns the norm before clipping.
+  virtual double clip_grad_norm(double max_norm) = 0;
 
   // The base learning rate; the schedule sets it before each step.
-  void set_lr(double lr);
-  double lr() const { return lr_; }
+  virtual void set_lr(double lr) = 0;
+  virtual double lr() const = 0;
 
-  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  // The parameter groups it updates.
+  virtual const std::vector<ParamGroup>& param_groups() const = 0;
 
   // The state as named tensors that alias the live buffers (save them before
   // the next step, or clone).
-  std::vector<NamedTensor> state() const;
+  virtual std::vector<NamedTensor> state() const = 0;
   // Copies a state saved by state() into this optimizer's buffers. The names
   // must match exactly and each entry's shape and dtype; otherwise throws
   // Error naming the entry and changes nothing.
-  void load_state(const std::vector<NamedTensor>& state);
+  virtual void load_state(const std::vector<NamedTensor>& state) = 0;
+  // The bytes of state() in this process (memory estimates).
+  int64_t state_bytes() const;
+
+ protected:
+  Optimizer() = default;
+};
+
+// An optimizer keeping the state of every parameter in this process: the
+// groups, per-parameter state, step counters and state I/O; SGD and AdamW
+// add their slots and update math.
+class LocalOptimizer : public Optimizer {
+ public:
+  void step() override;
+  void zero_grad(bool set_to_none = true) override;
+  double clip_grad_norm(double max_norm) override;
+  void set_lr(double lr) override;
+  double lr() const override { return lr_; }
+  const std::vector<ParamGroup>& param_groups() const override { return groups_; }
+  std::vector<NamedTensor> state() const override;
+  void load_state(const std::vector<NamedTensor>& state) override;
 
  protected:
   // Per-parameter state: the step counter and the slots named by state_slots().
@@ -90,7 +117,7 @@ class Optimizer {
   };
   // Checks the groups (unique non-empty names, contiguous f32/f64 tensors)
   // and the lr; the derived constructor then calls init_state().
-  Optimizer(std::vector<ParamGroup> groups, double lr, double weight_decay, const char* kind);
+  LocalOptimizer(std::vector<ParamGroup> groups, double lr, double weight_decay, const char* kind);
   void init_state();
 
   // The names of the per-parameter state tensors, e.g. {"exp_avg", "exp_avg_sq"}.
@@ -125,7 +152,7 @@ struct SGDOptions {
   double weight_decay = 0;
 };
 
-class SGD final : public Optimizer {
+class SGD final : public LocalOptimizer {
  public:
   SGD(std::vector<ParamGroup> groups, const SGDOptions& options);
   const SGDOptions& options() const { return options_; }
@@ -145,7 +172,7 @@ struct AdamWOptions {
   bool amsgrad = false;
 };
 
-class AdamW final : public Optimizer {
+class AdamW final : public LocalOptimizer {
  public:
   AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options);
   const AdamWOptions& options() const { return options_; }

@@ -109,7 +109,9 @@ struct ZeroOptions {
   bool shared_buffers = true;
 };
 
-class ZeroOptimizer {
+// An optim::Optimizer: the loop steps, clips and checkpoints it as it does
+// the optimizer it wraps.
+class ZeroOptimizer final : public optim::Optimizer {
  public:
   // Collective over comm (all ranks pass the same groups). Throws Error for
   // parameters of mixed dtypes, or buckets holding a parameter of no group.
@@ -126,18 +128,18 @@ class ZeroOptimizer {
   // Clips the averaged gradient to a global 2-norm of max_norm (as
   // optim::clip_grad_norm on the full averaged gradient) and returns the norm
   // before clipping. Reduces first if needed. Collective.
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm(double max_norm) override;
   // Updates this rank's blocks with the wrapped optimizer and all-gathers the
   // parameters. Collective.
-  void step();
+  void step() override;
   // Drops the parameters' gradients (set_to_none) or fills them with zeros,
   // and forgets a reduction whose step was skipped. Every iteration.
-  void zero_grad(bool set_to_none = true);
+  void zero_grad(bool set_to_none = true) override;
 
-  void set_lr(double lr) { optimizer_->set_lr(lr); }
-  double lr() const { return optimizer_->lr(); }
+  void set_lr(double lr) override { optimizer_->set_lr(lr); }
+  double lr() const override { return optimizer_->lr(); }
   // The full parameter groups (as given).
-  const std::vector<optim::ParamGroup>& param_groups() const { return groups_; }
+  const std::vector<optim::ParamGroup>& param_groups() const override { return groups_; }
   const std::vector<ZeroSegment>& segments() const { return segments_; }
   // The wrapped optimizer over this rank's pieces.
   const optim::Optimizer& shard_optimizer() const { return *optimizer_; }
@@ -148,10 +150,10 @@ class ZeroOptimizer {
 
   // This rank's shard of the state (names as in the header comment), aliasing
   // the live buffers.
-  std::vector<NamedTensor> state() const;
+  std::vector<NamedTensor> state() const override;
   // Restores a state saved by state() on the same layout and rank; otherwise
   // throws Error saying what differs and changes nothing.
-  void load_state(const std::vector<NamedTensor>& state);
+  void load_state(const std::vector<NamedTensor>& state) override;
 
   // The reduction of one DataParallel bucket: its gradients reduce-scattered
   // (averaged) into this rank's block. Used through zero_bucket_reduce().

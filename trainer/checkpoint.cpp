@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/rng.h"
 #include "trainer/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -128,6 +130,163 @@ void CheckpointDir::prune() const {
     if (n.size() > 4 && n.substr(n.size() - 4) == ".tmp" && e.is_directory())
       fs::remove_all(e.path());
   }
+}
+
+// ---- the files of one checkpoint ----
+
+std::string model_file(const std::string& dir) { return dir + "/model.safetensors"; }
+
+std::string model_part_file(const std::string& dir, int part, int parts) {
+  CHECK(part >= 0 && part < parts) << "model part " << part << " of " << parts;
+  if (parts == 1) return model_file(dir);
+  char name[64];
+  // Hugging Face's names for a model split over files, numbered from 1.
+  std::snprintf(name, sizeof name, "/model-%05d-of-%05d.safetensors", part + 1, parts);
+  return dir + name;
+}
+
+std::string optimizer_file(const std::string& dir, bool sharded, int rank) {
+  return sharded ? cat(dir, "/optimizer.rank", rank, ".safetensors")
+                 : dir + "/optimizer.safetensors";
+}
+
+std::string stream_state_file(const std::string& dir, int rank) {
+  return cat(dir, "/stream_state.rank", rank, ".safetensors");
+}
+
+std::string loss_scaler_file(const std::string& dir) { return dir + "/loss_scaler.safetensors"; }
+
+std::string trainer_state_file(const std::string& dir) { return dir + "/trainer_state.json"; }
+
+// ---- trainer_state.json ----
+
+namespace {
+using json = nlohmann::json;
+}  // namespace
+
+void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
+  const TrainState& s = file.state;
+  json j;
+  j["step"] = s.step;
+  j["epoch"] = s.epoch;
+  j["position"] = s.position;
+  j["best_metric"] = s.best_metric;
+  j["nonfinite_skipped"] = s.nonfinite_skipped;
+  j["lr"] = file.lr;
+  j["rng"] = {{"seed", file.seed},
+              {"init_stream", uint64_t(kStreamInit)},
+              {"dropout", "re-keyed per micro-step from (seed, layer, micro-step, rank)"},
+              {"augment", "keyed by (seed, epoch, sample index)"}};
+  const ParallelLayout& l = s.layout;
+  j["parallel"] = {{"world_size", l.world_size()},
+                   {"dp", l.mesh.dp},
+                   {"pp", l.mesh.pp},
+                   {"tp", l.mesh.tp},
+                   {"zero1", l.zero1}};
+  if (!file.vocab.empty()) j["vocab"] = file.vocab;
+  j["recipe"] = file.recipe_yaml;
+  write_file_atomic(trainer_state_file(dir), j.dump(2) + "\n");
+}
+
+TrainerStateFile read_trainer_state(const std::string& dir) {
+  const std::string path = trainer_state_file(dir);
+  json j;
+  try {
+    j = json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw Error(cat(path, ": not valid JSON (", e.what(), "); use an earlier checkpoint"));
+  }
+  TrainerStateFile file;
+  TrainState& s = file.state;
+  try {
+    s.step = j.at("step").get<int64_t>();
+    s.epoch = j.at("epoch").get<int64_t>();
+    s.position = j.at("position").get<int64_t>();
+    s.best_metric = j.at("best_metric").get<double>();
+    s.nonfinite_skipped = j.at("nonfinite_skipped").get<int64_t>();
+    file.lr = j.value("lr", 0.0);
+    if (j.contains("parallel")) {
+      const json& p = j["parallel"];
+      const int world = p.value("world_size", 1);
+      // Written before pipeline and tensor parallelism had keys: all data-parallel.
+      s.layout.mesh = {.dp = p.value("dp", world), .pp = p.value("pp", 1), .tp = p.value("tp", 1)};
+      s.layout.zero1 = p.value("zero1", false);
+      if (s.layout.world_size() != world)
+        throw Error(cat(path, ": parallel.world_size ", world, " is not dp x pp x tp (",
+                        parallel::to_string(s.layout.mesh), "); use an earlier checkpoint"));
+    }
+    if (j.contains("vocab")) file.vocab = j.at("vocab").get<std::vector<int64_t>>();
+    file.recipe_yaml = j.value("recipe", std::string());
+  } catch (const json::exception& e) {
+    throw Error(cat(path, ": missing or wrong field (", e.what(), ")"));
+  }
+  if (s.step < 0 || s.epoch < 0 || s.position < 0)
+    throw Error(cat(path, ": negative step, epoch or position"));
+  return file;
+}
+
+void check_resume_layout(const std::string& dir, const ParallelLayout& saved,
+                         const ParallelLayout& current) {
+  const parallel::MeshShape& was = saved.mesh;
+  const parallel::MeshShape& now = current.mesh;
+  if (was.pp != now.pp || was.tp != now.tp)
+    throw Error(cat(dir, " was written on the layout ", parallel::to_string(was),
+                    "; resume it on the same (parallel.pp=", was.pp, " parallel.tp=", was.tp,
+                    "), not ", parallel::to_string(now)));
+  if (was.dp != now.dp)
+    throw Error(cat(dir, " was written by ", was.dp, " data-parallel ranks; resume it on as many ",
+                    "(parallel.dp=", was.dp, "), not ", now.dp));
+  if (saved.zero1 != current.zero1) {
+    const char* flag = saved.zero1 ? "true" : "false";
+    throw Error(cat(dir, " was written with parallel.zero1=", flag, " (the optimizer state ",
+                    saved.zero1 ? "sharded over the ranks" : "whole on every rank",
+                    "); resume it with parallel.zero1=", flag));
+  }
+}
+
+// ---- tensors ----
+
+void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPart& part) {
+  if (!part.model.empty())
+    write_safetensors(model_part_file(dir, part.model_part, part.model_parts), part.model,
+                      {{"format", "pt"}});
+  if (part.optimizer)
+    write_safetensors(optimizer_file(dir, part.optimizer_sharded, rank), *part.optimizer);
+  if (part.stream_state) write_safetensors(stream_state_file(dir, rank), *part.stream_state);
+}
+
+std::map<std::string, Tensor> read_model(const std::string& dir) {
+  if (fs::exists(model_file(dir))) return read_safetensors(model_file(dir)).tensors;
+  // The parts: model-00001-of-0000n.safetensors .. n.
+  int parts = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    int k = 0, n = 0;
+    if (std::sscanf(e.path().filename().c_str(), "model-%5d-of-%5d.safetensors", &k, &n) == 2)
+      parts = std::max(parts, n);
+  }
+  if (parts == 0)
+    throw Error(cat(model_file(dir), ": no model file in the checkpoint; use an earlier one"));
+  std::map<std::string, Tensor> model;
+  for (int part = 0; part < parts; ++part) {
+    const std::string path = model_part_file(dir, part, parts);
+    if (!fs::exists(path))
+      throw Error(cat(path, ": missing part of the model; use an earlier checkpoint"));
+    for (auto& [name, tensor] : read_safetensors(path).tensors)
+      if (!model.emplace(name, tensor).second)
+        throw Error(cat(path, ": tensor '", name, "' is also in another part of the model"));
+  }
+  return model;
+}
+
+std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank) {
+  std::vector<NamedTensor> state;
+  for (auto& [name, tensor] : read_safetensors(optimizer_file(dir, sharded, rank)).tensors)
+    state.push_back({name, tensor});
+  return state;
+}
+
+std::map<std::string, Tensor> read_stream_state(const std::string& dir, int rank) {
+  return read_safetensors(stream_state_file(dir, rank)).tensors;
 }
 
 }  // namespace trainer

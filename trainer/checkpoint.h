@@ -1,9 +1,16 @@
-// Checkpoint directories (DESIGN.md "Checkpoints").
+// Checkpoints (DESIGN.md "Checkpoints"): the files of one checkpoint, who
+// writes each, the trainer state's JSON, and the directories they live in.
 //
 // Layout under the run's checkpoint dir:
 //   step_00001200/            one complete checkpoint
-//     model.safetensors       parameters and buffers by their global names
-//     optimizer.safetensors   optimizer state (shards: optimizer.rank<r>.safetensors)
+//     model.safetensors       parameters and buffers by their global names; with
+//                             several writers (pipeline stages, later) each writes
+//                             model-0000<k>-of-0000<n>.safetensors with its tensors
+//                             and readers merge them into one logical model
+//     optimizer.safetensors   optimizer state whole (written by rank 0)
+//     optimizer.rank<r>.safetensors   rank r's shard of it (parallel.zero1)
+//     stream_state.rank<r>.safetensors  rank r's carried LSTM state (contiguous text)
+//     loss_scaler.safetensors the fp16 loss scaler's state (trainer/precision.h)
 //     trainer_state.json      step, epoch, sample position, RNG, recipe, parallel layout
 //   step_00001200.tmp/        being written; never read
 //   latest                    the name of the newest complete checkpoint
@@ -17,14 +24,90 @@
 //   std::string tmp = ckpt.begin(step);     // write files into tmp
 //   ckpt.commit(step, /*is_best=*/false);   // rename, update latest, prune
 //   std::optional<std::string> dir = ckpt.latest_complete();
+//
+// Each rank contributes its part of a checkpoint (write_checkpoint_part):
+// the tensors of the logical model it writes, its optimizer state, its
+// stream state; the main rank adds trainer_state.json (write_trainer_state).
+// With pp = tp = 1, rank 0 writes the whole replicated model.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/tensor.h"
+#include "parallel/mesh.h"
+
 namespace trainer {
+
+// ---- the files of one checkpoint directory ----
+std::string model_file(const std::string& dir);  // the single writer's
+std::string model_part_file(const std::string& dir, int part, int parts);
+std::string optimizer_file(const std::string& dir, bool sharded, int rank);
+std::string stream_state_file(const std::string& dir, int rank);
+std::string loss_scaler_file(const std::string& dir);
+std::string trainer_state_file(const std::string& dir);
+
+// The job's parallel layout, recorded with every checkpoint: resuming needs
+// the same (a sample position counts one dp rank's samples, a shard holds
+// one rank's part of the optimizer state).
+struct ParallelLayout {
+  parallel::MeshShape mesh;  // dp x pp x tp = world size
+  bool zero1 = false;        // the optimizer state sharded over the dp ranks
+  int world_size() const { return mesh.size(); }
+  bool operator==(const ParallelLayout&) const = default;
+};
+
+// What moves during training; saved in trainer_state.json.
+struct TrainState {
+  int64_t step = 0;      // optimizer steps taken
+  int64_t epoch = 0;     // the epoch in progress
+  int64_t position = 0;  // this dp rank's samples consumed in that epoch
+  double best_metric = -1;
+  int64_t nonfinite_skipped = 0;
+  ParallelLayout layout;  // of the run that wrote it
+};
+
+// trainer_state.json: the state and what a reader checks it against.
+struct TrainerStateFile {
+  TrainState state;
+  double lr = 0;               // of the last step
+  int64_t seed = 0;            // the recipe's (the RNG keys)
+  std::vector<int64_t> vocab;  // a language model's vocabulary symbols; empty: none
+  std::string recipe_yaml;     // the resolved recipe
+};
+// Written atomically (the main rank's part, last of the files).
+void write_trainer_state(const std::string& dir, const TrainerStateFile& file);
+// Throws Error naming the file on bad JSON or a missing or negative field.
+// A checkpoint without a "parallel" record was written by one process.
+TrainerStateFile read_trainer_state(const std::string& dir);
+// Throws Error saying which recipe keys to set when a checkpoint of saved
+// cannot resume on current (another mesh or zero1).
+void check_resume_layout(const std::string& dir, const ParallelLayout& saved,
+                         const ParallelLayout& current);
+
+// One rank's tensors of a checkpoint.
+struct CheckpointPart {
+  // Tensors of the logical model this rank writes (none: it writes no model
+  // file), as part model_part of model_parts writers.
+  std::vector<NamedTensor> model;
+  int model_part = 0, model_parts = 1;
+  // Its optimizer state: whole (rank 0 writes it) or its shard.
+  std::optional<std::vector<NamedTensor>> optimizer;
+  bool optimizer_sharded = false;
+  // The carried stream state, when training carries one.
+  std::optional<std::vector<NamedTensor>> stream_state;
+};
+// Writes part into dir (which exists) as rank `rank`.
+void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPart& part);
+// The logical model of a checkpoint: model.safetensors, or every part file
+// merged (Error naming the file for a missing part or a tensor in two).
+std::map<std::string, Tensor> read_model(const std::string& dir);
+// A rank's optimizer state or stream state (Error naming a missing file).
+std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank);
+std::map<std::string, Tensor> read_stream_state(const std::string& dir, int rank);
 
 class CheckpointDir {
  public:

@@ -66,4 +66,13 @@ std::string progress_line(const Progress& p) {
   return buf;
 }
 
+std::string with_commas(int64_t value) {
+  std::string digits = std::to_string(value), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return out;
+}
+
 }  // namespace trainer

@@ -52,5 +52,7 @@ struct Progress {
 std::string progress_line(const Progress& p);
 // 3725 s -> "1h02m05s"
 std::string format_duration(double seconds);
+// 421834 -> "421,834"
+std::string with_commas(int64_t value);
 
 }  // namespace trainer

@@ -2,13 +2,12 @@
 
 #include <filesystem>
 
+#include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
 namespace trainer {
 
 namespace {
-
-const char* kScalerFile = "/loss_scaler.safetensors";
 
 optim::LossScalerOptions scaler_options(const Recipe& r) {
   optim::LossScalerOptions o;
@@ -62,12 +61,12 @@ Scalars Precision::scalars() const {
 }
 
 void Precision::save(const std::string& dir) const {
-  if (scales_loss_) write_safetensors(dir + kScalerFile, scaler_.state());
+  if (scales_loss_) write_safetensors(loss_scaler_file(dir), scaler_.state());
 }
 
 void Precision::load(const std::string& dir) {
   if (!scales_loss_) return;
-  const std::string path = dir + kScalerFile;
+  const std::string path = loss_scaler_file(dir);
   if (!std::filesystem::exists(path))
     throw Error(cat(path,
                     ": missing; the checkpoint was not written by a precision: fp16 run "

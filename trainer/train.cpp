@@ -21,6 +21,7 @@
 #include "trainer/precision.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
+#include "trainer/step_executor.h"
 
 namespace trainer {
 
@@ -87,6 +88,7 @@ class TrainLoop {
         state_(state),
         run_(run),
         precision_(precision),
+        executor_(s, run, precision, training_schedule(s.recipe(), s.layout())),
         print_(run.dist().is_main()),
         ckpt_(checkpoint_root(r_), r_.training.keep_last),
         log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {}
@@ -132,40 +134,14 @@ class TrainLoop {
   }
 
  private:
-  // One optimizer step; false if the epoch's data ran out.
+  // One optimizer step by the executor; false if the epoch's data ran out.
   bool train_step() {
-    const int64_t accum = r_.training.grad_accum;
-    double loss_sum = 0;
-    bool finite = true;
-    StepBatch batch;
-    parallel::Timeline* timeline = run_.timeline();
-    for (int64_t m = 0; m < accum; ++m) {
-      if (!s_.next_batch(batch)) return false;
-      s_.rekey_dropout(state_.step * accum + m);
-      Tensor loss;
-      {
-        parallel::TraceScope span(timeline, "forward");
-        AutocastGuard autocast(precision_.autocast_dtype());
-        loss = s_.loss(batch);
-      }
-      double v = loss.item<double>();
-      finite = finite && std::isfinite(v);
-      loss_sum += v;
-      // Data-parallel ranks always run backward: its collectives must match.
-      if (finite || run_.dist().active()) {
-        auto no_sync = run_.no_sync(m + 1 < accum);
-        parallel::TraceScope span(timeline, "backward");
-        precision_.scale_loss(accum == 1 ? loss : loss * (1.0 / double(accum))).backward();
-      }
-      state_.position = batch.position;
-      samples_ += batch.items;
-    }
-    if (finite || run_.dist().active()) run_.finish_gradients();
-    StepVerdict verdict = run_.agree(loss_sum / double(accum), finite, signals_.received() != 0);
-    finite = verdict.finite;
-    stop_ = verdict.stop;
-    double lr = s_.schedule().lr(state_.step);
-    if (!finite) {
+    StepResult result = executor_.run(state_.step, signals_.received() != 0);
+    if (result.ran_out) return false;
+    state_.position = result.position;
+    samples_ += result.items;
+    stop_ = result.stop;
+    if (!result.finite) {
       ++state_.nonfinite_skipped;
       if (++nonfinite_in_a_row_ > r_.training.max_nonfinite)
         throw Error(cat("the loss was not finite for ", nonfinite_in_a_row_,
@@ -174,44 +150,29 @@ class TrainLoop {
       say(cat("step ", state_.step, ": non-finite loss, step skipped"));
     } else {
       nonfinite_in_a_row_ = 0;
-      TrainOptimizer& opt = s_.optimizer();
-      parallel::TraceScope span(timeline, "optimizer");
-      // fp16: the gradients are unscaled first, and the step is skipped when
-      // one holds an inf/nan (the same on every rank: they are averaged).
-      precision_.step(s_.model().parameters(), [&] {
-        // Sharded: the gradients are averaged into each rank's shard only, so
-        // the optimizer computes the norm.
-        if (r_.optimizer.clip_grad_norm > 0)
-          last_grad_norm_ = opt.clip_grad_norm(r_.optimizer.clip_grad_norm);
-        opt.set_lr(lr);
-        opt.step();
-      });
-      precision_.update();
+      last_grad_norm_ = result.grad_norm;
     }
-    run_.zero_grad(s_.optimizer());
     ++state_.step;
-    last_loss_ = verdict.loss;
-    last_lr_ = lr;
+    last_loss_ = result.loss;
+    last_lr_ = result.lr;
     return true;
   }
 
   void log_train() {
     double elapsed = seconds_since(t0_);
-    // Every rank reads as many samples as this one.
-    double rate = elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0;
+    // Every dp rank reads as many samples as this one.
+    double rate = elapsed > 0 ? double(samples_) * run_.dist().layout.dp_size() / elapsed : 0;
     // The ETA extrapolates from the steps of this run (not those before a resume).
     int64_t done = state_.step - step_at_start_;
     double eta = done > 0 ? elapsed / double(done) * double(s_.total_steps() - state_.step) : -1;
-    const bool lm = s_.is_language_model();
-    std::string line = progress_line({state_.epoch, state_.step, s_.total_steps(), last_loss_,
-                                      last_lr_, rate, eta, lm ? "tokens" : "samples"});
+    const char* items = s_.data().item_name();
+    std::string line = progress_line(
+        {state_.epoch, state_.step, s_.total_steps(), last_loss_, last_lr_, rate, eta, items});
     if (precision_.scales_loss())
       line += cat(" | loss scale ", precision_.scale(), " (", precision_.skipped_steps(),
                   " steps skipped)");
     say(line);
-    Scalars sc{{"loss", last_loss_},
-               {"lr", last_lr_},
-               {lm ? "tokens_per_second" : "samples_per_second", rate}};
+    Scalars sc{{"loss", last_loss_}, {"lr", last_lr_}, {cat(items, "_per_second"), rate}};
     if (r_.optimizer.clip_grad_norm > 0) sc.push_back({"grad_norm", last_grad_norm_});
     for (const auto& kv : precision_.scalars()) sc.push_back(kv);
     write_log("train", sc);
@@ -225,23 +186,12 @@ class TrainLoop {
       m = run_.evaluate(s_);
     }
     last_eval_ = m;
-    // The best metric: top-1 accuracy for classifiers, the lowest loss for
-    // language models (-1: none yet).
-    const bool lm = s_.is_language_model();
-    bool best =
-        lm ? state_.best_metric < 0 || m.loss < state_.best_metric : m.top1 > state_.best_metric;
-    if (best) state_.best_metric = lm ? m.loss : m.top1;
+    const bool best = m.improves_on(state_.best_metric);
+    if (best) state_.best_metric = m.best_metric();
     pending_best_ = pending_best_ || best;
-    std::string took = format_duration(seconds_since(t));
-    if (lm) {
-      say(cat("eval step ", state_.step, ": loss ", m.loss, " | ", m.bits_per_char, " bits/char | ",
-              m.samples, " tokens in ", took, best ? " (best)" : ""));
-      write_log("val", {{"loss", m.loss}, {"bits_per_char", m.bits_per_char}});
-      return;
-    }
-    say(cat("eval step ", state_.step, ": loss ", m.loss, " | top1 ", m.top1, "% | top5 ", m.top5,
-            "% | ", m.samples, " samples in ", took, best ? " (best)" : ""));
-    write_log("val", {{"loss", m.loss}, {"top1", m.top1}, {"top5", m.top5}});
+    say(cat("eval step ", state_.step, ": ", m.text(), " | ", m.samples, " ", s_.data().item_name(),
+            " in ", format_duration(seconds_since(t)), best ? " (best)" : ""));
+    write_log("val", m.scalars());
   }
 
   // Rank 0 creates the directory and writes the replicated state, every
@@ -273,18 +223,14 @@ class TrainLoop {
 
   void summary() {
     double elapsed = seconds_since(t0_);
-    int64_t rate = int64_t(elapsed > 0 ? double(samples_) * run_.dist().world_size / elapsed : 0);
-    std::string head = cat("done: ", state_.step, " steps in ", format_duration(elapsed), ", ");
+    int64_t rate =
+        int64_t(elapsed > 0 ? double(samples_) * run_.dist().layout.dp_size() / elapsed : 0);
     std::string skipped = cat(state_.nonfinite_skipped, " non-finite steps skipped");
     if (precision_.scales_loss())
       skipped += cat(", ", precision_.skipped_steps(), " fp16 overflow steps skipped");
-    if (s_.is_language_model())
-      say(cat(head, rate, " tokens/s; final eval loss ", last_eval_.loss, ", ",
-              last_eval_.bits_per_char, " bits/char, best loss ", state_.best_metric, "; ",
-              skipped));
-    else
-      say(cat(head, rate, " samples/s; final eval top1 ", last_eval_.top1, "%, best ",
-              state_.best_metric, "%; ", skipped));
+    say(cat("done: ", state_.step, " steps in ", format_duration(elapsed), ", ", rate, " ",
+            s_.data().item_name(), "/s; ", last_eval_.final_text(state_.best_metric), "; ",
+            skipped));
   }
 
   void say(const std::string& line) const {
@@ -296,6 +242,7 @@ class TrainLoop {
   TrainState state_;
   DistributedRun& run_;
   Precision& precision_;
+  StepExecutor executor_;
   bool print_;
   CheckpointDir ckpt_;
   std::unique_ptr<MetricsLog> log_;  // rank 0 only
@@ -320,11 +267,11 @@ int train_command(const TrainArgs& args) {
   const bool main_rank = dist.is_main();
   if (main_rank)
     std::printf("recipe %s (resolved):\n%s", r.source.c_str(), recipe_to_yaml(r).c_str());
-  Session s(r, {dist.rank, dist.world_size});
+  Session s(r, dist.layout);
   if (main_rank) {
-    std::printf("parallel layout: world %d (dp=%d, pp=1, tp=1%s), %d CPU threads per rank\n",
-                dist.world_size, dist.world_size, s.shards_optimizer() ? ", zero1" : "",
-                num_threads());
+    std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
+                parallel::to_string(dist.layout.job.mesh).c_str(),
+                s.shards_optimizer() ? ", zero1" : "", num_threads());
     std::printf("%lld steps (%lld per epoch), micro-batch %lld x grad_accum %lld per rank\n",
                 (long long)s.total_steps(), (long long)s.steps_per_epoch(),
                 (long long)s.micro_batch(), (long long)r.training.grad_accum);

@@ -1,11 +1,13 @@
 // The `train`, `eval` and `sample` commands: the training loop around a
 // Session, evaluation of a checkpoint, and text from a language model's.
 //
-// One optimizer step = grad_accum micro-batches, each forward + backward of
-// loss / grad_accum; then gradient clipping, the LR of this step from the
-// schedule, the update. A non-finite loss skips the step (counted); more than
-// training.max_nonfinite in a row aborts. SIGTERM/SIGINT finish the current
-// step, write a checkpoint and exit 0 (cluster preemption).
+// The loop is a thin driver: the step executor (trainer/step_executor.h)
+// runs each optimizer step (grad_accum micro-batches, each forward +
+// backward of loss / grad_accum; then gradient clipping, the LR of this step
+// from the schedule, the update), and the loop hands its result to logging,
+// evaluation and checkpointing. A non-finite loss skips the step (counted);
+// more than training.max_nonfinite in a row aborts. SIGTERM/SIGINT finish
+// the current step, write a checkpoint and exit 0 (cluster preemption).
 #pragma once
 
 #include <cstdint>

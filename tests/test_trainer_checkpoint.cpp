@@ -1,0 +1,233 @@
+// The parallel layout a recipe asks for, the checkpoint schema
+// (trainer/checkpoint.h: trainer_state.json with its layout, older files
+// without one, model parts written by several ranks), and the step
+// executor's one-stage schedule against the gradient-accumulation loop it
+// replaced, bit for bit.
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/ops.h"
+#include "tests/testing.h"
+#include "trainer/checkpoint.h"
+#include "trainer/distributed.h"
+#include "trainer/precision.h"
+#include "trainer/safetensors.h"
+#include "trainer/session.h"
+#include "trainer/step_executor.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+Recipe recipe_with(const std::vector<std::string>& overrides) {
+  return load_recipe(std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_mlp.yaml", overrides);
+}
+
+ParallelLayout layout_of(int dp, int pp, int tp, bool zero1) {
+  return ParallelLayout{.mesh = {.dp = dp, .pp = pp, .tp = tp}, .zero1 = zero1};
+}
+
+void require_same_bits(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>& b) {
+  REQUIRE(a.size() == b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    INFO(a[k].name);
+    REQUIRE(a[k].name == b[k].name);
+    require_close(b[k].tensor, a[k].tensor, 0, 0, a[k].name);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors naming keys",
+          "[checkpoint]") {
+  ParallelLayout l = parallel_layout(recipe_with({}), 4);
+  CHECK(l == layout_of(4, 1, 1, false));
+  CHECK(parallel_layout(recipe_with({"parallel.dp=2"}), 2) == layout_of(2, 1, 1, false));
+  // zero1 shards only over several dp ranks.
+  CHECK(parallel_layout(recipe_with({"parallel.zero1=true"}), 1).zero1 == false);
+  CHECK(parallel_layout(recipe_with({"parallel.zero1=true"}), 3).zero1 == true);
+
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.dp=2"}), 1); }),
+             Catch::Contains("parallel.dp = 2 but the job has 1 rank") &&
+                 Catch::Contains("set parallel.dp=1"));
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.pp=2"}), 2); }),
+             Catch::Contains("pipeline and tensor parallelism are not built yet"));
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.tp=2"}), 2); }),
+             Catch::Contains("parallel.tp = 2"));
+  // Read by pipeline schedules only: refused, not ignored, with pp = 1.
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.micro_batches=4"}), 1); }),
+             Catch::Contains("parallel.micro_batches = 4 is the number of micro-batches a "
+                             "pipeline") &&
+                 Catch::Contains("training.grad_accum"));
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.schedule=gpipe"}), 1); }),
+             Catch::Contains("parallel.schedule = 'gpipe' orders a pipeline's"));
+  // Their defaults, spelled out, are fine.
+  CHECK_NOTHROW(
+      parallel_layout(recipe_with({"parallel.micro_batches=1", "parallel.schedule=1f1b"}), 1));
+
+  RankLayout r = rank_layout(layout_of(2, 1, 1, true), 1);
+  CHECK(r.rank == 1);
+  CHECK(r.dp_rank() == 1);
+  CHECK(r.dp_size() == 2);
+  CHECK(r.world_size() == 2);
+  CHECK(r.shards_optimizer());
+}
+
+TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full layout",
+          "[checkpoint]") {
+  fs::path dir = fresh_temp_dir("ckpt_state");
+  TrainerStateFile file;
+  file.state = {.step = 12,
+                .epoch = 1,
+                .position = 96,
+                .best_metric = 81.5,
+                .nonfinite_skipped = 2,
+                .layout = layout_of(2, 1, 1, true)};
+  file.lr = 0.05;
+  file.seed = 7;
+  file.vocab = {10, 65, 66};
+  file.recipe_yaml = "seed: 7\n";
+  write_trainer_state(dir.string(), file);
+  nlohmann::json j = nlohmann::json::parse(read_file(trainer_state_file(dir.string())));
+  CHECK(j["parallel"] ==
+        nlohmann::json({{"world_size", 2}, {"dp", 2}, {"pp", 1}, {"tp", 1}, {"zero1", true}}));
+  TrainerStateFile back = read_trainer_state(dir.string());
+  CHECK(back.state.step == 12);
+  CHECK(back.state.epoch == 1);
+  CHECK(back.state.position == 96);
+  CHECK(back.state.best_metric == 81.5);
+  CHECK(back.state.nonfinite_skipped == 2);
+  CHECK(back.state.layout == file.state.layout);
+  CHECK(back.lr == 0.05);
+  CHECK(back.vocab == file.vocab);
+  CHECK(back.recipe_yaml == file.recipe_yaml);
+
+  // Older files: no dp/pp/tp (all data-parallel), or no parallel record (one process).
+  j["parallel"] = {{"world_size", 3}, {"zero1", false}};
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK(read_trainer_state(dir.string()).state.layout == layout_of(3, 1, 1, false));
+  j.erase("parallel");
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK(read_trainer_state(dir.string()).state.layout == layout_of(1, 1, 1, false));
+  // A layout that does not multiply out to its world.
+  j["parallel"] = {{"world_size", 4}, {"dp", 3}, {"pp", 1}, {"tp", 1}};
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK_THAT(error_of([&] { read_trainer_state(dir.string()); }),
+             Catch::Contains("parallel.world_size 4 is not dp x pp x tp"));
+  j.erase("step");
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK_THAT(error_of([&] { read_trainer_state(dir.string()); }),
+             Catch::Contains("trainer_state.json: missing or wrong field"));
+}
+
+TEST_CASE("checkpoint: resuming needs the same mesh and zero1, and says which keys to set",
+          "[checkpoint]") {
+  const ParallelLayout dp2 = layout_of(2, 1, 1, false);
+  CHECK_NOTHROW(check_resume_layout("ck", dp2, dp2));
+  CHECK_THAT(error_of([&] { check_resume_layout("ck", dp2, layout_of(1, 1, 1, false)); }),
+             Catch::Contains("ck was written by 2 data-parallel ranks; resume it on as many "
+                             "(parallel.dp=2), not 1"));
+  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(1, 2, 1, false), dp2); }),
+             Catch::Contains("written on the layout dp=1, pp=2, tp=1") &&
+                 Catch::Contains("parallel.pp=2 parallel.tp=1"));
+  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 1, true), dp2); }),
+             Catch::Contains("resume it with parallel.zero1=true"));
+}
+
+TEST_CASE("checkpoint: ranks contribute tensors of one logical model, read back merged",
+          "[checkpoint]") {
+  fs::path dir = fresh_temp_dir("ckpt_parts");
+  Generator gen(3);
+  Tensor a = rand_tensor({4, 3}, gen), b = rand_tensor({5}, gen), c = rand_tensor({2, 2}, gen);
+  // One writer: model.safetensors, the file every older checkpoint has.
+  write_checkpoint_part(dir.string(), 0, {.model = {{"a", a}, {"b", b}}});
+  CHECK(fs::exists(model_file(dir.string())));
+  std::map<std::string, Tensor> whole = read_model(dir.string());
+  REQUIRE(whole.size() == 2);
+  require_close(whole.at("a"), a, 0, 0, "a");
+  fs::remove(model_file(dir.string()));
+
+  // Two writers (pipeline stages, say), each with its tensors, plus the
+  // optimizer shard and stream state of each rank.
+  CheckpointPart first{.model = {{"a", a}, {"b", b}}, .model_part = 0, .model_parts = 2};
+  first.optimizer = std::vector<NamedTensor>{{"a.step", zeros({}, DType::i64)}};
+  first.optimizer_sharded = true;
+  CheckpointPart second{.model = {{"c", c}}, .model_part = 1, .model_parts = 2};
+  second.optimizer = std::vector<NamedTensor>{{"c.step", zeros({}, DType::i64)}};
+  second.optimizer_sharded = true;
+  second.stream_state = std::vector<NamedTensor>{};
+  write_checkpoint_part(dir.string(), 0, first);
+  write_checkpoint_part(dir.string(), 1, second);
+  CHECK(fs::exists(dir / "model-00001-of-00002.safetensors"));
+  CHECK(fs::exists(dir / "model-00002-of-00002.safetensors"));
+  CHECK(fs::exists(optimizer_file(dir.string(), true, 1)));
+  CHECK(fs::exists(stream_state_file(dir.string(), 1)));
+  CHECK(!fs::exists(stream_state_file(dir.string(), 0)));
+  std::map<std::string, Tensor> merged = read_model(dir.string());
+  REQUIRE(merged.size() == 3);
+  require_close(merged.at("c"), c, 0, 0, "c");
+  CHECK(read_optimizer(dir.string(), true, 1).at(0).name == "c.step");
+
+  // A tensor in two parts, or a part missing, is refused by name.
+  write_checkpoint_part(dir.string(), 1,
+                        {.model = {{"c", c}, {"a", a}}, .model_part = 1, .model_parts = 2});
+  CHECK_THAT(error_of([&] { read_model(dir.string()); }),
+             Catch::Contains("model-00002-of-00002.safetensors: tensor 'a' is also in another"));
+  fs::remove(dir / "model-00001-of-00002.safetensors");
+  CHECK_THAT(error_of([&] { read_model(dir.string()); }),
+             Catch::Contains("model-00001-of-00002.safetensors: missing part of the model"));
+  fs::remove(dir / "model-00002-of-00002.safetensors");
+  CHECK_THAT(error_of([&] { read_model(dir.string()); }), Catch::Contains("no model file"));
+}
+
+TEST_CASE("executor: the one-stage schedule is the gradient-accumulation loop, bit for bit",
+          "[train]") {
+  // The CNN has batch norm and dropout (re-keyed per micro-step); 3 micro-batches per step.
+  const Recipe recipe = load_recipe(
+      std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_cnn.yaml",
+      {"training.global_batch=12", "training.grad_accum=3", "training.steps=3", "data.workers=1",
+       "optimizer.clip_grad_norm=1.0", "schedule.name=cosine", "schedule.warmup_epochs=0"});
+  const int64_t M = recipe.training.grad_accum, steps = 3;
+
+  // The executor's step.
+  Session executed(recipe);
+  Distributed single;
+  DistributedRun run(single, executed, false);
+  Precision precision(recipe, false);
+  StepExecutor executor(executed, run, precision, training_schedule(recipe, executed.layout()));
+  CHECK(parallel::to_string(executor.schedule()) == "stage 0: F0 B0 F1 B1 F2 B2 sync step");
+  executed.start_epoch(0, 0);
+  std::vector<double> losses;
+  for (int64_t step = 0; step < steps; ++step) {
+    StepResult r = executor.run(step, false);
+    REQUIRE(!r.ran_out);
+    REQUIRE(r.finite);
+    CHECK(r.position == (step + 1) * M * executed.micro_batch());
+    losses.push_back(r.loss);
+  }
+
+  // The loop it replaced, written out.
+  Session looped(recipe);
+  looped.start_epoch(0, 0);
+  for (int64_t step = 0; step < steps; ++step) {
+    double loss_sum = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      StepBatch batch;
+      REQUIRE(looped.next_batch(batch));
+      looped.rekey_dropout(step * M + m);
+      Tensor loss = looped.loss(batch);
+      loss_sum += loss.item<double>();
+      (loss * (1.0 / double(M))).backward();
+    }
+    CHECK(loss_sum / double(M) == losses[size_t(step)]);
+    optim::Optimizer& opt = looped.optimizer();
+    opt.clip_grad_norm(recipe.optimizer.clip_grad_norm);
+    opt.set_lr(looped.schedule().lr(step));
+    opt.step();
+    opt.zero_grad();
+  }
+  require_same_bits(executed.model().state(), looped.model().state());
+  require_same_bits(executed.optimizer().state(), looped.optimizer().state());
+}

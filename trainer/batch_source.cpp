@@ -1,0 +1,67 @@
+#include "trainer/batch_source.h"
+
+#include <cmath>
+
+namespace trainer {
+
+namespace {
+
+bool is_language_model_name(const std::string& model_name) {
+  return model_name == "gpt" || model_name == "lstm_lm";
+}
+
+}  // namespace
+
+EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
+  EvalMetrics m;
+  m.language_model = language_model;
+  m.samples = sums.samples;
+  if (sums.samples == 0) return m;
+  m.loss = sums.loss / double(sums.samples);
+  if (language_model) {
+    m.bits_per_char = m.loss / std::log(2.0);
+  } else {
+    m.top1 = 100.0 * double(sums.top1) / double(sums.samples);
+    m.top5 = 100.0 * double(sums.top5) / double(sums.samples);
+  }
+  return m;
+}
+
+bool EvalMetrics::improves_on(double best) const {
+  return language_model ? best < 0 || loss < best : top1 > best;
+}
+
+std::string EvalMetrics::text() const {
+  if (language_model) return cat("loss ", loss, " | ", bits_per_char, " bits/char");
+  return cat("loss ", loss, " | top1 ", top1, "% | top5 ", top5, "%");
+}
+
+std::string EvalMetrics::final_text(double best) const {
+  if (language_model)
+    return cat("final eval loss ", loss, ", ", bits_per_char, " bits/char, best loss ", best);
+  return cat("final eval top1 ", top1, "%, best ", best, "%");
+}
+
+Scalars EvalMetrics::scalars() const {
+  if (language_model) return {{"loss", loss}, {"bits_per_char", bits_per_char}};
+  return {{"loss", loss}, {"top1", top1}, {"top5", top5}};
+}
+
+const data::Vocab& BatchSource::vocab() const {
+  CHECK(false) << "vocab() of a model that is not a language model";
+  std::abort();
+}
+
+std::unique_ptr<BatchSource> make_batch_source(const Recipe& r, const RankLayout& layout,
+                                               int64_t micro_batch) {
+  if (is_language_model_name(r.model.name) != (r.data.name == "text"))
+    throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
+                    r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
+  if (r.data.sampling != "random" && r.data.name != "text")
+    throw Error(cat(r.source, ": data.sampling '", r.data.sampling,
+                    "' is for text; images are read by the shuffling sampler"));
+  if (r.data.name == "text") return make_text_batches(r, layout, micro_batch);
+  return make_image_batches(r, layout, micro_batch);
+}
+
+}  // namespace trainer

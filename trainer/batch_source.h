@@ -1,0 +1,137 @@
+// Where a session's training batches come from, what its loss is, and how
+// it evaluates: one interface over the two kinds of data, so the loop and
+// the session never ask which kind they train on.
+//
+//   ImageBatches (image_batches.cpp): classifiers reading images through the
+//     data::Loader (Fashion-MNIST IDX files or an ImageFolder); the loss is
+//     the mean cross-entropy of the labels; evaluation reports top-1/top-5.
+//   TextBatches (text_batches.cpp): language models (gpt, lstm_lm) reading
+//     token windows of a corpus (data/text.h); the loss is the mean
+//     cross-entropy over every token; evaluation reports it and bits per
+//     character (loss / ln 2) over sequential validation windows. Under
+//     data.sampling: contiguous the LSTM LM carries its recurrent state from
+//     one micro-batch to the next (the stream state, saved per rank with
+//     each checkpoint).
+//
+//   std::unique_ptr<BatchSource> source = make_batch_source(recipe, layout, micro_batch);
+//   model = build_model(recipe, source->vocab_size());
+//   source->bind(model);
+//   source->start_epoch(epoch, position);
+//   while (source->next(batch)) source->loss(batch).backward();
+//
+// Data-parallel ranks read disjoint shares (the layout's dp rank and size).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "data/text.h"
+#include "layers/module.h"
+#include "trainer/distributed.h"
+#include "trainer/metrics.h"
+#include "trainer/recipe.h"
+
+namespace trainer {
+
+// One micro-batch of training data: images [N, H, W, C] and labels [N] for
+// a classifier; token windows i64 [N, T] and their next tokens [N, T] for
+// a language model.
+struct StepBatch {
+  Tensor inputs, targets;
+  int64_t position = 0;  // this rank's samples (or windows) of the epoch consumed after it
+  int64_t items = 0;     // images or tokens, for throughput
+};
+
+// Sums over a share of the validation set. Data-parallel ranks each evaluate
+// a disjoint share and add the shares up in rank order (identical bits on
+// every rank) before eval_metrics() divides.
+struct EvalSums {
+  double loss = 0;  // summed cross-entropy
+  int64_t top1 = 0, top5 = 0;
+  int64_t samples = 0;  // images, or tokens
+};
+
+struct EvalMetrics {
+  bool language_model = false;
+  double loss = 0;
+  double top1 = 0;           // percent (classifiers)
+  double top5 = 0;           // percent (classifiers)
+  double bits_per_char = 0;  // loss / ln 2 (language models)
+  int64_t samples = 0;       // images, or tokens
+
+  // The metric the best checkpoint is chosen by: top-1 for classifiers
+  // (higher is better), the loss for language models (lower is better).
+  double best_metric() const { return language_model ? loss : top1; }
+  // Whether these metrics beat best (-1: none yet).
+  bool improves_on(double best) const;
+  // "loss 0.41 | top1 85.2% | top5 99.1%" or "loss 1.52 | 2.19 bits/char".
+  std::string text() const;
+  // "final eval top1 85.2%, best 86.0%" or "final eval loss 1.52, 2.19
+  // bits/char, best loss 1.50", for the end of training.
+  std::string final_text(double best) const;
+  // {"loss", ...} and {"top1", "top5"} or {"bits_per_char"}, for the metrics log.
+  Scalars scalars() const;
+};
+EvalMetrics eval_metrics(const EvalSums& sums, bool language_model);
+
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+
+  // The model the batches feed, once built (a language model's size comes
+  // from vocab_size()); before any other call below.
+  virtual void bind(std::shared_ptr<Module> model) { model_ = std::move(model); }
+
+  virtual bool is_language_model() const = 0;
+  // "samples" or "tokens": what items and throughput count.
+  virtual const char* item_name() const = 0;
+  // The corpus's vocabulary size (language models), else 0.
+  virtual int64_t vocab_size() const { return 0; }
+  // The vocabulary (language models only).
+  virtual const data::Vocab& vocab() const;
+  // This rank's micro-batches in one epoch, and what an epoch holds in
+  // words ("60000 training samples") for messages.
+  virtual int64_t batches_per_epoch() const = 0;
+  virtual std::string epoch_text() const = 0;
+  // The lines the summary prints about the data ("" when nothing to add).
+  virtual std::string summary() const { return ""; }
+
+  // The training batches of an epoch from a resume position: start_epoch,
+  // then next until it returns false. Batches arrive on the model's device.
+  virtual void start_epoch(int64_t epoch, int64_t position) = 0;
+  virtual bool next(StepBatch& batch) = 0;
+  // Mean cross-entropy of a micro-batch, over its images or every token.
+  virtual Tensor loss(const StepBatch& batch) = 0;
+  // The loss of n all-zero samples, changing no training state (the memory
+  // estimate's probe).
+  virtual Tensor probe_loss(int64_t n) = 0;
+  // Sums over this dp rank's share of the validation set.
+  virtual EvalSums evaluate_shard() = 0;
+
+  // Training state beside the model and optimizer (the carried LSTM state),
+  // saved per rank with checkpoints; nullopt when the source carries none.
+  virtual std::optional<std::vector<NamedTensor>> stream_state() const { return std::nullopt; }
+  // Restores it from a checkpoint at `position` of an epoch (nothing when
+  // the source carries none); Error naming the file when it does not fit.
+  virtual void load_stream_state(const std::string& /*dir*/, int64_t /*position*/) {}
+  // Checks a checkpoint's vocabulary against the data's (language models);
+  // Error naming the file when they differ.
+  virtual void check_vocab(const std::string& /*state_path*/,
+                           const std::vector<int64_t>& /*symbols*/) const {}
+
+ protected:
+  std::shared_ptr<Module> model_;
+};
+
+// The source of the recipe's data (throws Error naming the recipe key for
+// data the model cannot read).
+std::unique_ptr<BatchSource> make_batch_source(const Recipe& recipe, const RankLayout& layout,
+                                               int64_t micro_batch);
+std::unique_ptr<BatchSource> make_image_batches(const Recipe& recipe, const RankLayout& layout,
+                                                int64_t micro_batch);
+std::unique_ptr<BatchSource> make_text_batches(const Recipe& recipe, const RankLayout& layout,
+                                               int64_t micro_batch);
+
+}  // namespace trainer

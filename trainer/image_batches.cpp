@@ -1,0 +1,173 @@
+// The classifiers' batch source: Fashion-MNIST or an ImageFolder through
+// the threaded data::Loader, each dp rank its share of the shuffled epoch
+// (data::DistributedSampler), evaluated for loss, top-1 and top-5.
+#include <cmath>
+
+#include "core/ops.h"
+#include "data/idx.h"
+#include "data/image_folder.h"
+#include "data/loader.h"
+#include "trainer/batch_source.h"
+#include "trainer/device.h"
+
+namespace trainer {
+
+namespace {
+
+data::TransformOptions transform_options(const Recipe& r, bool train, int channels) {
+  data::TransformOptions t;
+  t.size = int(r.data.image_size);
+  t.seed = uint64_t(r.seed);
+  if (r.data.name == "fashion_mnist") {
+    t.mode = data::TransformMode::plain;
+    t.mean = {data::kFashionMnistMean};
+    t.std = {data::kFashionMnistStd};
+  } else {
+    t.mode = train && r.data.augment ? data::TransformMode::train : data::TransformMode::eval;
+    t.resize =
+        r.data.resize > 0 ? int(r.data.resize) : int(std::lround(r.data.image_size * 8.0 / 7.0));
+    if (channels == 1) t.mean = {0.5f}, t.std = {0.5f};
+  }
+  return t;
+}
+
+class ImageBatches final : public BatchSource {
+ public:
+  ImageBatches(const Recipe& recipe, const RankLayout& layout, int64_t micro_batch);
+
+  bool is_language_model() const override { return false; }
+  const char* item_name() const override { return "samples"; }
+  int64_t batches_per_epoch() const override { return train_loader_->batches_per_epoch(); }
+  std::string epoch_text() const override { return cat(train_set_->size(), " training samples"); }
+
+  void start_epoch(int64_t epoch, int64_t position) override {
+    train_loader_->start_epoch(epoch, position);
+  }
+
+  bool next(StepBatch& batch) override {
+    data::Batch b;
+    if (!train_loader_->next(b)) return false;
+    const Device device = module_device(*model_);
+    batch = StepBatch{to_device(b.images, device), to_device(b.labels, device), b.position,
+                      b.labels.numel()};
+    return true;
+  }
+
+  Tensor loss(const StepBatch& batch) override {
+    return cross_entropy(forward(batch.inputs), to_device(batch.targets, module_device(*model_)));
+  }
+
+  Tensor probe_loss(int64_t n) override {
+    const Device device = module_device(*model_);
+    StepBatch zero{to_device(zeros({n, image_size_, image_size_, channels_}), device),
+                   to_device(zeros({n}, DType::i64), device)};
+    return loss(zero);
+  }
+
+  EvalSums evaluate_shard() override;
+
+ private:
+  // Logits for a batch of NHWC images [N, H, W, C] (viewed as NCHW channels-last).
+  Tensor forward(const Tensor& images) {
+    return (*model_)(to_device(images, module_device(*model_)).permute({0, 3, 1, 2}));
+  }
+
+  const int64_t image_size_, channels_;  // of the model's input
+  std::unique_ptr<data::Dataset> train_set_, val_set_;
+  std::unique_ptr<data::Loader> train_loader_, val_loader_;
+};
+
+ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
+    : image_size_(r.data.image_size), channels_(r.model.in_channels) {
+  if (r.data.name == "fashion_mnist") {
+    std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
+    train_set_ =
+        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
+    val_set_ =
+        std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
+  } else if (r.data.name == "image_folder") {
+    if (r.data.root.empty())
+      throw Error(
+          cat(r.source, ": data.root must name a folder with train/ and val/ for image_folder"));
+    auto train = std::make_unique<data::ImageFolder>(r.data.root + "/train");
+    auto val = std::make_unique<data::ImageFolder>(r.data.root + "/val");
+    data::check_same_classes(*train, *val);
+    train_set_ = std::move(train);
+    val_set_ = std::move(val);
+  } else {
+    throw Error(cat(r.source, ": data.name '", r.data.name, "' has no image reader"));
+  }
+  if (train_set_->num_classes() != r.model.num_classes)
+    throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes,
+                    " but the dataset has ", train_set_->num_classes(), " classes"));
+  if (train_set_->channels() != r.model.in_channels)
+    throw Error(cat(r.source, ": model.in_channels is ", r.model.in_channels,
+                    " but the dataset's images have ", train_set_->channels(), " channels"));
+
+  data::LoaderOptions lo;
+  lo.batch_size = micro_batch;
+  lo.num_workers = int(r.data.workers);
+  lo.prefetch_batches = int(r.data.prefetch);
+  lo.bad_files =
+      r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
+  lo.report_epochs = false;
+  lo.drop_last = true;  // every step sees the same batch size
+  data::SamplerOptions so{.dataset_size = train_set_->size(),
+                          .rank = layout.dp_rank(),
+                          .world_size = layout.dp_size(),
+                          .seed = uint64_t(r.seed)};
+  train_loader_ = std::make_unique<data::Loader>(
+      *train_set_,
+      data::ImageTransform(transform_options(r, true, train_set_->channels()),
+                           train_set_->channels()),
+      data::DistributedSampler(so), lo);
+  // Each rank evaluates its share, every image exactly once.
+  data::SamplerOptions vo{.dataset_size = val_set_->size(),
+                          .rank = layout.dp_rank(),
+                          .world_size = layout.dp_size(),
+                          .shuffle = false,
+                          .exact = true};
+  lo.drop_last = false;
+  val_loader_ = std::make_unique<data::Loader>(
+      *val_set_,
+      data::ImageTransform(transform_options(r, false, val_set_->channels()), val_set_->channels()),
+      data::DistributedSampler(vo), lo);
+}
+
+EvalSums ImageBatches::evaluate_shard() {
+  autograd::NoGradGuard no_grad;
+  model_->eval();
+  EvalSums sums;
+  val_loader_->start_epoch(0);
+  data::Batch batch;
+  CrossEntropyOptions sum_loss;
+  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
+  while (val_loader_->next(batch)) {
+    Tensor logits = forward(batch.images);
+    sums.loss +=
+        cross_entropy(logits, to_device(batch.labels, logits.device()), sum_loss).item<double>();
+    std::vector<float> l = logits.to_vector<float>();
+    std::vector<int64_t> y = batch.labels.to_vector<int64_t>();
+    int64_t C = logits.size(1);
+    for (size_t n = 0; n < y.size(); ++n) {
+      // Rank of the target: how many classes score strictly higher.
+      float target = l[n * size_t(C) + size_t(y[n])];
+      int64_t higher = 0;
+      for (int64_t c = 0; c < C; ++c) higher += l[n * size_t(C) + size_t(c)] > target;
+      sums.top1 += higher < 1;
+      sums.top5 += higher < 5;
+    }
+    sums.samples += int64_t(y.size());
+  }
+  model_->train();
+  return sums;
+}
+
+}  // namespace
+
+std::unique_ptr<BatchSource> make_image_batches(const Recipe& recipe, const RankLayout& layout,
+                                                int64_t micro_batch) {
+  return std::make_unique<ImageBatches>(recipe, layout, micro_batch);
+}
+
+}  // namespace trainer
