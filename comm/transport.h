@@ -65,6 +65,11 @@ inline uint64_t make_tag(uint32_t comm_id, TagKind kind, uint32_t seq, uint32_t 
 
 class Transport;
 
+// Whether this process's UCX can move CUDA memory itself (ucp_context_query
+// lists UCS_MEMORY_TYPE_CUDA: UCX built with CUDA and its cuda transports
+// loadable). Probed once, with a context of its own.
+bool ucx_supports_cuda_memory();
+
 // A pending send or receive. Move-only. Destroying one that is still pending
 // cancels it (receives) or lets it finish unobserved (sends): only do that
 // when the operation failed, and keep the buffer alive until the transport is

@@ -59,11 +59,10 @@ struct DeviceStagingOptions {
   comm::AllreduceOptions allreduce = {.op = comm::ReduceOp::avg};
 };
 
-// Whether this process's UCX can move CUDA memory itself (ucp_context_query
-// lists UCS_MEMORY_TYPE_CUDA: UCX built with CUDA and its cuda transports
-// loadable). staged_reduce stages either way; parallel.gpu_direct (auto, on)
-// uses direct_reduce below only where this is true.
-bool ucx_supports_cuda_memory();
+// Whether UCX moves CUDA memory itself (comm/transport.h). staged_reduce
+// stages either way; parallel.gpu_direct (auto, on) uses direct_reduce below
+// only where this is true.
+using comm::ucx_supports_cuda_memory;
 
 // A BucketReduceFn without staging (recipe parallel.gpu_direct): each
 // bucket's own memory is handed to the ring allreduce, whose transport
