@@ -8,7 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "parallel/device_staging.h"
 #include "trainer/device.h"

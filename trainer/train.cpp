@@ -9,7 +9,7 @@
 #include <filesystem>
 
 #include "core/autocast.h"
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "models/sample.h"
 #include "parallel/trace.h"
