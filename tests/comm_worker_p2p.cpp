@@ -135,6 +135,29 @@ void check_mismatch(Communicator& comm) {
                  [&] { comm.recv(buffer, 0, longer).wait(); });
     comm.send(message(1, shorter, 10, DType::f32), 0, shorter).wait();
   }
+  // Large (UCX's rendezvous): the receiver fails the same way, and the
+  // sender's wait returns (done or an Error) instead of hanging.
+  const P2PTag large{.micro_batch = 902};
+  if (me == 0) {
+    Tensor big = zeros({int64_t(1) << 20});
+    auto start = std::chrono::steady_clock::now();
+    try {
+      comm.send(big, 1, large, {.timeout = Millis(5000)}).wait();
+    } catch (const Error& e) {
+      std::printf("rank 0: large mismatched send: %s\n", e.what());
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++g_checks;
+    if (seconds > 4) {
+      std::printf("rank 0: the mismatched large send took %.2f s\n", seconds);
+      ++g_failures;
+    }
+  } else {
+    Tensor half = zeros({int64_t(1) << 19});
+    expect_error("a receive of 2 MB getting 4 MB", {sender, "sent more than 2097152 bytes"},
+                 [&] { comm.recv(half, 0, large).wait(); });
+  }
 }
 
 // Nothing is ever sent with this tag: the wait times out naming the peer and the tag.
