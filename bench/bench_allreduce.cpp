@@ -50,7 +50,7 @@
 #include <vector>
 
 #include "comm/collectives.h"
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 
 using namespace trainer;
 using namespace trainer::comm;

@@ -54,7 +54,7 @@
 
 #include "bench/bench_util.h"
 #include "comm/collectives.h"
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "parallel/ddp.h"
 #include "parallel/trace.h"

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 
 using namespace trainer;

@@ -27,7 +27,7 @@
 
 #include "bench/bench_util.h"
 #include "core/autocast.h"
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "models/gpt.h"
 #include "models/lstm_lm.h"

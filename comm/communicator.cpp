@@ -21,6 +21,7 @@ struct World {
 // ---- Work and the progress thread ----
 
 bool Work::test() const {
+  if (operation_) return operation_->test();
   if (!state_) return true;
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (state_->error) std::rethrow_exception(state_->error);
@@ -28,6 +29,7 @@ bool Work::test() const {
 }
 
 void Work::wait() const {
+  if (operation_) return operation_->wait();
   if (!state_) return;
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->done_cv.wait(lock, [&] { return state_->done; });
@@ -140,23 +142,6 @@ std::shared_ptr<ShmRegion> Communicator::share_memory(size_t bytes) {
   }
   channel->add_region(region);
   return region;
-}
-
-Request Communicator::isend(int peer, uint32_t tag, const void* data, size_t bytes) {
-  CHECK(peer >= 0 && peer < size() && peer != rank_) << "send to rank " << peer << " of " << size();
-  CHECK(tag < (1u << kTagSeqBits)) << "point-to-point tag " << tag;
-  return transport().isend(world_rank(peer),
-                           make_tag(id_, TagKind::point_to_point, tag, 0, world_rank(rank_)), data,
-                           bytes, "send");
-}
-
-Request Communicator::irecv(int peer, uint32_t tag, void* data, size_t bytes) {
-  CHECK(peer >= 0 && peer < size() && peer != rank_)
-      << "receive from rank " << peer << " of " << size();
-  CHECK(tag < (1u << kTagSeqBits)) << "point-to-point tag " << tag;
-  return transport().irecv(world_rank(peer),
-                           make_tag(id_, TagKind::point_to_point, tag, 0, world_rank(peer)), data,
-                           bytes, "recv");
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {

@@ -3,11 +3,13 @@
 // world communicator; split(color, key) makes the sub-groups that carry the
 // data-, pipeline- and tensor-parallel traffic. Collectives live in
 // comm/collectives.h; this header owns membership, ids, sequence numbers,
-// point-to-point messages and the progress thread of non-blocking work.
+// point-to-point messages (tags and routing: comm/p2p.h) and the progress
+// thread of non-blocking work.
 //
 //   auto world = init_world(detect_bootstrap(), {.timeout = Millis(60000)});
 //   auto tp = world->split(world->rank() / 4, world->rank());   // groups of 4
-//   tp->isend(1, /*tag=*/7, buf, bytes).wait(...);
+//   Work w = tp->send(t, /*peer=*/1, {.micro_batch = 7});
+//   w.wait();
 //
 // Glossary: rank = index in this communicator, world rank = index in the job,
 // size = ranks in this communicator, id = the communicator's field of the tag
@@ -21,9 +23,11 @@
 #include <vector>
 
 #include "comm/bootstrap.h"
+#include "comm/p2p.h"
 #include "comm/shm_channel.h"
 #include "comm/transport.h"
 #include "comm/work.h"
+#include "core/tensor.h"
 
 namespace trainer::comm {
 
@@ -62,10 +66,16 @@ class Communicator {
   // over this communicator.
   std::shared_ptr<Communicator> split(int color, int key);
 
-  // Point-to-point inside the group: tags below 2^15; messages with the same
-  // tag between the same pair match in send order.
-  Request isend(int peer, uint32_t tag, const void* data, size_t bytes);
-  Request irecv(int peer, uint32_t tag, void* data, size_t bytes);
+  // Point-to-point (comm/p2p.h), non-blocking: the message is posted before
+  // these return; Work::wait() completes it. tensor: contiguous, on the CPU
+  // (or a GPU where UCX moves CUDA memory, ucx_supports_cuda_memory()), kept
+  // alive by the Work; recv fills it in place with the peer's send of the same
+  // tag, which must have the same byte count. Error for a peer out of range or
+  // this rank, a tag field out of range or a tensor that does not qualify;
+  // wait() throws one naming the peer (and its world rank) and the tag when
+  // the peer died, sent another size, or nothing came within the timeout.
+  Work send(const Tensor& tensor, int peer, const P2PTag& tag, const P2POptions& options = {});
+  Work recv(const Tensor& tensor, int peer, const P2PTag& tag, const P2POptions& options = {});
 
   // ---- used by the collectives ----
   // The sequence number of the next operation; taken when it is issued.

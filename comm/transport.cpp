@@ -71,6 +71,27 @@ int open_pidfd(long pid) {
 }
 }  // namespace
 
+bool ucx_supports_cuda_memory() {
+  static const bool supported = [] {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG;
+    ucp_context_h context = nullptr;
+    ucs_status_t status = ucp_init(&params, config, &context);
+    ucp_config_release(config);
+    if (status != UCS_OK) return false;
+    ucp_context_attr_t attr{};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
+                (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    ucp_cleanup(context);
+    return cuda;
+  }();
+  return supported;
+}
+
 struct Transport::Ucx {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
@@ -354,6 +375,9 @@ bool Request::test() {
     if (!failure.empty()) fail(cat("the peer failed: ", failure));
     return false;
   }
+  if (status == UCS_ERR_MESSAGE_TRUNCATED)
+    fail(cat("the peer sent more than ", bytes_,
+             " bytes (do both sides pass the same count, or one rank another order?)"));
   if (status != UCS_OK) fail(ucs_status_string(status));
   if (length != bytes_)
     fail(cat("received ", length, " bytes (do all ranks pass the same count?)"));

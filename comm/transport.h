@@ -20,7 +20,8 @@
 // Tags (64 bits) are partitioned so concurrent operations never match each
 // other; receives match the whole tag:
 //   [63..52] communicator id  [51] kind (collective / point-to-point)
-//   [50..36] operation sequence or user tag  [35..20] message index  [19..0] source world rank
+//   [50..36] operation sequence  [35..20] message index  [19..0] source world rank
+// where a point-to-point message has its P2PTag in [50..20] instead (comm/p2p.h).
 //
 //   Request r = transport.irecv(peer, make_tag(comm, TagKind::collective, seq, 0, peer), buf,
 //   bytes, "allreduce(ring)"); Request s = transport.isend(peer, make_tag(comm,
@@ -64,6 +65,11 @@ inline uint64_t make_tag(uint32_t comm_id, TagKind kind, uint32_t seq, uint32_t 
 }
 
 class Transport;
+
+// Whether this process's UCX can move CUDA memory itself (ucp_context_query
+// lists UCS_MEMORY_TYPE_CUDA: UCX built with CUDA and its cuda transports
+// loadable). Probed once, with a context of its own.
+bool ucx_supports_cuda_memory();
 
 // A pending send or receive. Move-only. Destroying one that is still pending
 // cancels it (receives) or lets it finish unobserved (sends): only do that

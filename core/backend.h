@@ -275,7 +275,7 @@ class Backend {
   // ---- optimizer (optim/optimizer.cpp, clip.cpp, loss_scaler.cpp) ----
   // Fused multi-tensor kernels: one call covers a whole list of tensors (on
   // CUDA one launch over chunks of all of them, as apex's multi_tensor_apply).
-  // Tensors contiguous; the update math is optim/optim_math.h.
+  // Tensors contiguous; the update math is core/optim_math.h.
   virtual void sgd_step(const MultiTensorSgd& /*a*/) { unsupported("sgd_step"); }
   virtual void adamw_step(const MultiTensorAdamW& /*a*/) { unsupported("adamw_step"); }
   // grads[k] *= inv_scale in place (any floating dtype); returns whether any

@@ -9,7 +9,7 @@
 #include "core/backend.h"
 #include "core/cpu/loops.h"
 #include "core/ops.h"
-#include "optim/optim_math.h"
+#include "core/optim_math.h"
 
 namespace trainer::optim {
 namespace {

@@ -7,84 +7,16 @@
 
 #include "core/autograd.h"
 #include "core/backend.h"
-#include "core/cpu/loops.h"
 #include "optim/clip.h"
-#include "optim/optim_math.h"
 
 namespace trainer::optim {
 namespace {
-
-// Elements per task of an update loop: below this a parameter updates on one thread.
-constexpr int64_t kUpdateGrain = 1 << 15;
-
-// Calls fn(TypeTag<T>{}) for the two dtypes an optimizer updates.
-template <class Fn>
-void dispatch_param_dtype(DType dtype, Fn&& fn) {
-  if (dtype == DType::f64)
-    fn(TypeTag<double>{});
-  else
-    fn(TypeTag<float>{});
-}
 
 void require_option(bool ok, const char* kind, const char* field, const char* rule, double value) {
   if (!ok) throw Error(cat(kind, ": ", field, " must be ", rule, ", got ", value));
 }
 
 int64_t read_step(const Tensor& step) { return step.data<int64_t>()[0]; }
-
-// The CPU side of the multi-tensor interface (core/backend.h): tensor by
-// tensor, each split over the threads.
-void sgd_step_cpu(const MultiTensorSgd& a) {
-  for (size_t k = 0; k < a.params.size(); ++k) {
-    const Tensor& param = a.params[k];
-    dispatch_param_dtype(param.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      SgdScalars<T> s = sgd_scalars<T>(a.lr[k], a.momentum, a.dampening, a.weight_decay[k],
-                                       a.nesterov, a.step[k] == 1);
-      T* __restrict p = param.data<T>();
-      const T* __restrict g = a.grads[k].data<T>();
-      T* __restrict buf = a.momentum_buffers.empty() ? nullptr : a.momentum_buffers[k].data<T>();
-      cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
-        const SgdScalars<T> sc = s;  // local: the element stores cannot alias it
-        if (buf) {
-          for (int64_t i = begin; i < end; ++i) sgd_update(sc, p[i], g[i], buf[i]);
-        } else {
-          for (int64_t i = begin; i < end; ++i) {
-            T unused = 0;
-            sgd_update(sc, p[i], g[i], unused);
-          }
-        }
-      });
-    });
-  }
-}
-
-void adamw_step_cpu(const MultiTensorAdamW& a) {
-  for (size_t k = 0; k < a.params.size(); ++k) {
-    const Tensor& param = a.params[k];
-    dispatch_param_dtype(param.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      AdamWScalars<T> s = adamw_scalars<T>(a.lr[k], a.beta1, a.beta2, a.eps, a.weight_decay[k],
-                                           a.amsgrad, a.step[k]);
-      T* __restrict p = param.data<T>();
-      const T* __restrict g = a.grads[k].data<T>();
-      T* __restrict m = a.exp_avg[k].data<T>();
-      T* __restrict v = a.exp_avg_sq[k].data<T>();
-      T* __restrict vmax = a.amsgrad ? a.max_exp_avg_sq[k].data<T>() : nullptr;
-      cpu::parallel_for(param.numel(), kUpdateGrain, [&](int64_t begin, int64_t end) {
-        const AdamWScalars<T> sc = s;  // local: the element stores cannot alias it
-        if (vmax) {
-          for (int64_t i = begin; i < end; ++i) adamw_update(sc, p[i], g[i], m[i], v[i], vmax[i]);
-        } else {
-          for (int64_t i = begin; i < end; ++i) {
-            T unused = 0;
-            adamw_update(sc, p[i], g[i], m[i], v[i], unused);
-          }
-        }
-      });
-    });
-  }
-}
 
 }  // namespace
 
@@ -277,10 +209,7 @@ void SGD::update(Device device, const std::vector<Update>& updates) {
     a.weight_decay.push_back(u.weight_decay);
     a.step.push_back(u.step);
   }
-  if (device.is_cpu())
-    sgd_step_cpu(a);
-  else
-    backend(device).sgd_step(a);
+  backend(device).sgd_step(a);
 }
 
 // ---- AdamW ----
@@ -318,10 +247,7 @@ void AdamW::update(Device device, const std::vector<Update>& updates) {
     a.weight_decay.push_back(u.weight_decay);
     a.step.push_back(u.step);
   }
-  if (device.is_cpu())
-    adamw_step_cpu(a);
-  else
-    backend(device).adamw_step(a);
+  backend(device).adamw_step(a);
 }
 
 }  // namespace trainer::optim

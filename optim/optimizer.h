@@ -1,7 +1,7 @@
 // Optimizers: SGD and AdamW over named parameter groups, with their state as
 // a named set of tensors (checkpoints save it, data parallelism shards it).
 //
-// The update math lives in optim_math.h, shared with the CUDA kernels; this
+// The update math lives in core/optim_math.h, shared by every backend; this
 // file owns the bookkeeping: parameter groups, per-parameter state, the step
 // counters, the learning rate the schedule sets each step, and state I/O.
 //
@@ -20,8 +20,9 @@
 // none by default. Parameters and state are contiguous f32 (the model's
 // master weights) or f64 (tests), on the CPU or a GPU. Each step updates all
 // parameters of a device at once through the multi-tensor interface of
-// core/backend.h (MultiTensorSgd, MultiTensorAdamW): on CUDA one fused
-// launch, on the CPU the same lists run through OpenMP loops here.
+// core/backend.h (MultiTensorSgd, MultiTensorAdamW), dispatched like any op:
+// on CUDA one fused launch, on the CPU OpenMP loops (core/cpu/cpu_optim.cpp),
+// under ReferenceKernelsGuard the reference loops (core/ref/ref_optim.cpp).
 // The step counters stay on the host.
 //
 // State names: "<param name>.<slot>", slots "step" (0-d i64: the number of

@@ -7,8 +7,6 @@
 #include <mutex>
 #include <thread>
 
-#include <ucp/api/ucp.h>
-
 namespace trainer::parallel {
 
 namespace {
@@ -160,27 +158,6 @@ class Stager {
 }  // namespace
 
 std::shared_ptr<BucketCopier> host_bucket_copier() { return std::make_shared<HostCopier>(); }
-
-bool ucx_supports_cuda_memory() {
-  static const bool supported = [] {
-    ucp_config_t* config = nullptr;
-    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_TAG;
-    ucp_context_h context = nullptr;
-    ucs_status_t status = ucp_init(&params, config, &context);
-    ucp_config_release(config);
-    if (status != UCS_OK) return false;
-    ucp_context_attr_t attr{};
-    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-    bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
-                (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
-    ucp_cleanup(context);
-    return cuda;
-  }();
-  return supported;
-}
 
 BucketReduceFn direct_reduce(std::shared_ptr<const comm::Reducer> reducer,
                              std::function<void(const Tensor& flat)> ready,

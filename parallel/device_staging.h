@@ -17,7 +17,7 @@
 //
 // How bytes move is a BucketCopier: on CUDA a comm stream ordered after the
 // compute stream by an event, with pinned host buffers
-// (trainer/device.h, cuda_bucket_copier); on the CPU plain memcpy
+// (parallel/cuda_staging.h, cuda_bucket_copier); on the CPU plain memcpy
 // (host_bucket_copier), which lets the pipeline be tested without a GPU.
 //
 //   DataParallelOptions o;
@@ -59,16 +59,15 @@ struct DeviceStagingOptions {
   comm::AllreduceOptions allreduce = {.op = comm::ReduceOp::avg};
 };
 
-// Whether this process's UCX can move CUDA memory itself (ucp_context_query
-// lists UCS_MEMORY_TYPE_CUDA: UCX built with CUDA and its cuda transports
-// loadable). staged_reduce stages either way; parallel.gpu_direct (auto, on)
-// uses direct_reduce below only where this is true.
-bool ucx_supports_cuda_memory();
+// Whether UCX moves CUDA memory itself (comm/transport.h). staged_reduce
+// stages either way; parallel.gpu_direct (auto, on) uses direct_reduce below
+// only where this is true.
+using comm::ucx_supports_cuda_memory;
 
 // A BucketReduceFn without staging (recipe parallel.gpu_direct): each
 // bucket's own memory is handed to the ring allreduce, whose transport
 // (UCX built with CUDA) moves device memory itself, and whose reduction
-// step is `reducer` (CUDA: a kernel on the bucket's device, trainer/device.h).
+// step is `reducer` (CUDA: a kernel on the bucket's device, parallel/cuda_staging.h).
 // ready(flat) runs first on the backward thread and returns once the
 // bucket's gradients are in memory (CUDA: the compute stream synchronised);
 // empty: nothing to wait for (CPU tensors, as in the tests).

@@ -12,6 +12,9 @@
 //   comm_worker hang VICTIM TIMEOUT_MS [ALGORITHM]
 //                                      the victim stops taking part (exit 5 later); likewise
 //   comm_worker fail RANK CODE         RANK exits with CODE at once, the others idle for a minute
+//   comm_worker p2p [no-shm] | p2p-kill VICTIM
+//                                      point-to-point messages (tests/comm_worker_p2p.cpp);
+//                                      no-shm: CommOptions::shared_memory = false
 #include <signal.h>
 #include <unistd.h>
 
@@ -29,80 +32,13 @@
 
 #include "comm/collectives.h"
 #include "comm/shm_channel.h"
+#include "tests/comm_worker.h"
 
 using namespace trainer;
 using namespace trainer::comm;
+using namespace trainer::comm_test;
 
 namespace {
-
-int g_rank = 0;
-int g_checks = 0;
-int g_failures = 0;
-
-// Rank r's element i: (r + 1) + i % 7, exact in every dtype for the sizes used.
-double input_value(int rank, size_t i) { return double(rank + 1) + double(i % 7); }
-
-double expected_reduction(ReduceOp op, int n, size_t i) {
-  switch (op) {
-    case ReduceOp::sum:
-      return n * (n + 1) / 2.0 + n * double(i % 7);
-    case ReduceOp::avg:
-      return (n * (n + 1) / 2.0 + n * double(i % 7)) / n;
-    case ReduceOp::max:
-      return double(n) + double(i % 7);
-  }
-  return 0;
-}
-
-double tolerance(DType dtype) {
-  switch (dtype) {
-    case DType::bf16:
-      return 1e-2;
-    case DType::f16:
-      return 1e-3;
-    default:
-      return 1e-6;
-  }
-}
-
-template <class T>
-std::vector<T> make_input(int rank, size_t count) {
-  std::vector<T> v(count);
-  for (size_t i = 0; i < count; ++i) v[i] = store_as<T>(float(input_value(rank, i)));
-  return v;
-}
-
-// Compares and reports the first mismatch of one check.
-template <class T, class Expected>
-void expect(const std::string& what, const std::vector<T>& actual, Expected&& expected,
-            DType dtype) {
-  ++g_checks;
-  for (size_t i = 0; i < actual.size(); ++i) {
-    double a = double(load(actual[i])), e = expected(i);
-    if (std::fabs(a - e) > tolerance(dtype) * std::fabs(e)) {
-      std::printf("rank %d: %s: mismatch at index %zu: expected %g, actual %g\n", g_rank,
-                  what.c_str(), i, e, a);
-      ++g_failures;
-      return;
-    }
-  }
-}
-
-// run() must throw an Error whose message contains `needle` on this rank.
-template <class Fn>
-void expect_error(const std::string& what, const std::string& needle, Fn&& run) {
-  ++g_checks;
-  try {
-    run();
-    std::printf("rank %d: %s: no error\n", g_rank, what.c_str());
-    ++g_failures;
-  } catch (const Error& e) {
-    if (std::string(e.what()).find(needle) == std::string::npos) {
-      std::printf("rank %d: %s: unexpected error: %s\n", g_rank, what.c_str(), e.what());
-      ++g_failures;
-    }
-  }
-}
 
 template <class T>
 void check_allreduce(Communicator& comm, size_t count, const AllreduceOptions& o) {
@@ -398,8 +334,12 @@ int main(int argc, char** argv) {
   try {
     Bootstrap boot = detect_bootstrap();
     g_rank = boot.rank;
-    auto world = init_world(boot, {.timeout = Millis(60000), .connect_timeout = Millis(30000)});
+    CommOptions options{.timeout = Millis(60000), .connect_timeout = Millis(30000)};
+    options.shared_memory = !(argc > 2 && std::string(argv[argc - 1]) == "no-shm");
+    auto world = init_world(boot, options);
     if (scenario == "collectives") return run_collectives(*world);
+    if (scenario == "p2p") return run_p2p(*world);
+    if (scenario == "p2p-kill" && argc == 3) return run_p2p_victim(*world, std::atoi(argv[2]));
     if ((scenario == "kill" || scenario == "hang") && (argc == 4 || argc == 5))
       return run_victim(*world, std::atoi(argv[2]), std::atoi(argv[3]), scenario == "hang",
                         argc == 5 ? argv[4] : "ring");
@@ -408,7 +348,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "usage: comm_worker collectives | kill|hang VICTIM TIMEOUT_MS [ALGORITHM] | fail RANK "
-        "CODE\n");
+        "CODE | p2p [no-shm] | p2p-kill VICTIM\n");
     return 2;
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "tests/testing.h"
 
 using namespace trainer;

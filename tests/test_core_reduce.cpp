@@ -9,6 +9,7 @@
 #include <random>
 
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "tests/testing.h"
 
 using namespace trainer;

@@ -1,5 +1,5 @@
 // The fused multi-tensor optimizer kernels (core/cuda/optim.cu) against the
-// CPU loops running the same optim/optim_math.h: SGD and AdamW steps over
+// CPU loops running the same core/optim_math.h: SGD and AdamW steps over
 // parameter groups with different lr, weight decay and step counts, tensors
 // larger than a chunk and of odd sizes; the global gradient norm and
 // clipping; the loss scaler's unscale and inf/nan check. [cuda-host] cases

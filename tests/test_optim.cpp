@@ -5,6 +5,7 @@
 
 #include <numbers>
 
+#include "core/backend.h"
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
@@ -206,6 +207,43 @@ TEST_CASE("optimizer: f32 updates of a large tensor track the f64 ones", "[optim
     s32.step();
   }
   require_close(p32, p64, 1e-5, 1e-6, "f32 vs f64");
+}
+
+TEST_CASE("optimizer: the CPU kernels match the reference backend's (f32 and f64)", "[optim]") {
+  // The optimizer dispatches through backend(device) like any op, so
+  // ReferenceKernelsGuard runs the same steps on core/ref/ref_optim.cpp.
+  Generator gen(11, 3);
+  const int64_t n = 70001;  // several threaded chunks
+  for (DType dtype : {DType::f32, DType::f64}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      INFO(dtype << " optimizer " << kind);
+      Tensor init = rand_f64({n}, gen).to(dtype);
+      Tensor fast = init.clone().requires_grad_(), ref = init.clone().requires_grad_();
+      auto make = [&](const Tensor& p) -> std::unique_ptr<Optimizer> {
+        if (kind == 0) return std::make_unique<SGD>(one_group("w", p), SGDOptions{.lr = 0.05});
+        if (kind == 1)
+          return std::make_unique<SGD>(
+              one_group("w", p),
+              SGDOptions{.lr = 0.05, .momentum = 0.9, .nesterov = true, .weight_decay = 0.01});
+        return std::make_unique<AdamW>(one_group("w", p),
+                                       AdamWOptions{.lr = 0.01, .amsgrad = kind == 3});
+      };
+      std::unique_ptr<Optimizer> on_fast = make(fast), on_ref = make(ref);
+      for (int k = 0; k < 3; ++k) {
+        Tensor g = rand_f64({n}, gen).to(dtype);
+        fast.set_grad(g);
+        ref.set_grad(g.clone());
+        on_fast->step();
+        ReferenceKernelsGuard reference;
+        on_ref->step();
+      }
+      const double tol = dtype == DType::f32 ? 1e-6 : 1e-13;
+      require_close(fast, ref, tol, tol, "parameters");
+      std::vector<NamedTensor> fast_state = on_fast->state(), ref_state = on_ref->state();
+      for (size_t k = 0; k < fast_state.size(); ++k)
+        require_close(fast_state[k].tensor, ref_state[k].tensor, tol, tol, fast_state[k].name);
+    }
+  }
 }
 
 TEST_CASE("optimizer: groups, lr_scale, skipped parameters and zero_grad", "[optim]") {

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <vector>
 
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 #include "core/ops_rnn.h"
 #include "layers/rnn.h"
 #include "models/lstm_lm.h"

@@ -266,7 +266,7 @@ TEST_CASE("device: the small CNN trains on cuda and its checkpoint round-trips",
 TEST_CASE("device staging: the CUDA copier stages after the compute stream's work", "[cuda]") {
   require_gpu_or_skip();
   Tensor flat = arange(1001, DType::f32, gpu()) * 2.0;  // queued on the compute stream
-  auto copier = cuda_bucket_copier(gpu());
+  auto copier = parallel::cuda_bucket_copier(gpu());
   std::shared_ptr<void> host = copier->host_buffer(flat.nbytes());
   copier->to_host(flat, copier->ready(flat), host.get());
   float* h = static_cast<float*>(host.get());

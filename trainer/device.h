@@ -14,14 +14,14 @@
 //   Device device = training_device(recipe);      // cpu, or cuda:<local rank>, made current
 //   move_module(*model, device);
 //   Tensor x = to_device(batch.images, device);
-//   dp_options.reduce = parallel::staged_reduce(cuda_bucket_copier(device));   // data parallel
+//   dp_options.reduce = parallel::staged_reduce(parallel::cuda_bucket_copier(device));
 #pragma once
 
 #include <functional>
 
 #include "core/tensor.h"
 #include "layers/module.h"
-#include "parallel/device_staging.h"
+#include "parallel/cuda_staging.h"
 #include "trainer/recipe.h"
 
 namespace trainer {
@@ -48,7 +48,7 @@ Device resolve_device(const Recipe& r, int local_rank, const DeviceAvailability&
 void check_device_parallel(const Recipe& r, Device device, int world_size, bool ucx_cuda);
 
 // Whether the gradient buckets go to the collectives as device memory
-// (parallel::direct_reduce with cuda_reducer) rather than staged: on, or
+// (parallel::gpu_direct_reduce, parallel/cuda_staging.h) rather than staged: on, or
 // auto where UCX moves CUDA memory; only on a GPU with several ranks and
 // without ZeRO-1. Assumes check_device_parallel passed.
 bool uses_gpu_direct(const Recipe& r, Device device, int world_size, bool ucx_cuda);
@@ -78,23 +78,5 @@ Device module_device(const Module& module);
 
 // t on device (t itself when it is there already).
 Tensor to_device(const Tensor& t, Device device);
-
-#if TRAINER_HAVE_CUDA
-// Data parallelism's bucket copies for gradients on a GPU (parallel/device_staging.h):
-// device -> pinned host on a comm stream of its own, after an event recorded
-// on the compute stream when the bucket became ready, and back.
-std::shared_ptr<parallel::BucketCopier> cuda_bucket_copier(Device device);
-
-// The ring allreduce's reduction on device memory of `device` (recipe
-// parallel.gpu_direct): the elementwise op of the received segment into the
-// bucket by a CUDA kernel on the calling thread's stream, synchronised before
-// it returns; receive scratch from the device's caching allocator.
-std::shared_ptr<const comm::Reducer> cuda_reducer(Device device);
-
-// DataParallelOptions::reduce for parallel.gpu_direct: each bucket's device
-// memory allreduced in place (parallel::direct_reduce) once the compute
-// stream has produced it.
-parallel::BucketReduceFn gpu_direct_reduce(Device device);
-#endif
 
 }  // namespace trainer

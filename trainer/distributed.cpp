@@ -82,13 +82,14 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
 #if TRAINER_HAVE_CUDA
   const Device device = module_device(*model);
   // parallel.gpu_direct: the buckets' device memory goes to UCX, reduced by
-  // a CUDA kernel (trainer/device.h); checked by training_device.
+  // a CUDA kernel (parallel/cuda_staging.h); checked by training_device.
   const bool direct =
       recipe.parallel.gpu_direct != "off" &&
       uses_gpu_direct(recipe, device, dist.world_size(), parallel::ucx_supports_cuda_memory());
   if (device.is_cuda() && !sharded)
     o.reduce =
-        direct ? gpu_direct_reduce(device) : parallel::staged_reduce(cuda_bucket_copier(device));
+        direct ? parallel::gpu_direct_reduce(device)
+               : parallel::staged_reduce(parallel::cuda_bucket_copier(device));
 #endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dp_comm, o);
   if (!sharded) return;

@@ -18,7 +18,7 @@
 
 #include "comm/bootstrap.h"
 #include "core/check.h"
-#include "core/cpu/cpu_backend.h"
+#include "core/cpu/threads.h"
 
 extern char** environ;
 

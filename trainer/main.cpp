@@ -8,8 +8,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
-#include "core/cpu/cpu_backend.h"
 #include "core/cpu/isa.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "parallel/device_staging.h"
 #include "trainer/device.h"

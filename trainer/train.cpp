@@ -9,8 +9,8 @@
 #include <filesystem>
 
 #include "core/autocast.h"
-#include "core/cpu/cpu_backend.h"
 #include "core/cpu/isa.h"
+#include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "models/sample.h"
 #include "parallel/trace.h"

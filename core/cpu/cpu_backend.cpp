@@ -1,30 +1,10 @@
 #include "core/cpu/cpu_backend.h"
 
-#include <omp.h>
-#include <sched.h>
-
 namespace trainer {
 
 Backend& cpu_backend() {
   static Backend* cpu = new CpuBackend();
   return *cpu;
-}
-
-void set_num_threads(int n) {
-  CHECK_GE(n, 1) << "thread count";
-  omp_set_num_threads(n);
-}
-
-int num_threads() { return omp_get_max_threads(); }
-
-std::vector<int> allowed_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cores;
-  if (::sched_getaffinity(0, sizeof set, &set) == 0)
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cores.push_back(c);
-  return cores;
 }
 
 }  // namespace trainer

@@ -1,6 +1,7 @@
 // The CPU backend: the fast paths. It derives from RefBackend, so any kernel
 // not overridden here (and any dtype a fast path does not take) runs the
-// reference loops. Each area lives in its own file:
+// reference loops (thread count and core placement: core/cpu/threads.h).
+// Each area lives in its own file:
 //   cpu_elementwise.cpp  vectorised OpenMP loops (core/cpu/loops.h)
 //   cpu_reduce.cpp       reductions
 //   cpu_linalg.cpp       oneDNN matmul, primitives cached per shape
@@ -12,9 +13,9 @@
 //   cpu_batch_norm.cpp   oneDNN batch norm, fused relu
 //   cpu_layernorm.cpp    layer norm, vectorised rows with OpenMP over rows
 //   cpu_attention.cpp    fused causal attention, OpenMP over (batch, head), sgemm tiles
+//   cpu_rnn.cpp          LSTM / GRU layers
+//   cpu_optim.cpp        fused SGD / AdamW updates, OpenMP over elements (core/optim_math.h)
 #pragma once
-
-#include <vector>
 
 #include "core/ref/ref_backend.h"
 
@@ -132,15 +133,12 @@ class CpuBackend : public RefBackend {
                     const Tensor& grad_x, const Tensor& grad_h0, const Tensor& grad_weight_ih,
                     const Tensor& grad_weight_hh, const Tensor& grad_bias_ih,
                     const Tensor& grad_bias_hh) override;
+
+  // ---- cpu_optim.cpp ----
+  void sgd_step(const MultiTensorSgd& a) override;
+  void adamw_step(const MultiTensorAdamW& a) override;
 };
 
 Backend& cpu_backend();
-
-// Threads used by CPU kernels (OpenMP and oneDNN).
-void set_num_threads(int n);
-int num_threads();
-
-// The cores this process may run on (its affinity mask), in increasing order.
-std::vector<int> allowed_cores();
 
 }  // namespace trainer

@@ -20,6 +20,7 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/loops.h"
+#include "core/cpu/threads.h"
 
 namespace trainer {
 

@@ -5,7 +5,7 @@
 // ChunkRef per chunk) are built on the host and travel to the device in a
 // single transfer on the current stream, so an optimizer step over any
 // number of parameters costs one copy and one kernel. The scalars are
-// computed in double on the host by the functions of optim/optim_math.h the
+// computed in double on the host by the functions of core/optim_math.h the
 // CPU loops use.
 #include <algorithm>
 #include <cmath>

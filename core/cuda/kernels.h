@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "core/cuda/launch.h"
-#include "optim/optim_math.h"
+#include "core/optim_math.h"
 
 namespace trainer::cuda {
 

@@ -1,7 +1,7 @@
 // Multi-tensor optimizer kernels (kernels.h, section optim.cu): SGD and
 // AdamW updates, loss-scaler unscaling and the per-chunk partial sums of the
 // gradient norm. Each block walks its chunk of one tensor; the per-element
-// math is optim/optim_math.h, the functions the CPU loops call.
+// math is core/optim_math.h, the functions the CPU loops call.
 #include "core/cuda/elementwise.cuh"
 #include "core/cuda/kernels.h"
 

@@ -5,7 +5,7 @@
 //
 // Files: ref_elementwise.cpp, ref_reduce.cpp, ref_linalg.cpp, ref_nn.cpp,
 // ref_index.cpp, ref_random.cpp, ref_conv.cpp, ref_layernorm.cpp,
-// ref_attention.cpp; helpers in ref_util.h.
+// ref_attention.cpp, ref_rnn.cpp, ref_optim.cpp; helpers in ref_util.h.
 #pragma once
 
 #include "core/backend.h"
@@ -113,6 +113,10 @@ class RefBackend : public Backend {
                     const Tensor& grad_x, const Tensor& grad_h0, const Tensor& grad_weight_ih,
                     const Tensor& grad_weight_hh, const Tensor& grad_bias_ih,
                     const Tensor& grad_bias_hh) override;
+
+  // ---- ref_optim.cpp ----
+  void sgd_step(const MultiTensorSgd& a) override;
+  void adamw_step(const MultiTensorAdamW& a) override;
 };
 
 }  // namespace trainer

@@ -1,7 +1,8 @@
 // The per-element optimizer math, written once for host and device
-// (DESIGN.md "Devices"): the CPU loops in optimizer.cpp / loss_scaler.cpp and
-// a CUDA fused multi-tensor kernel call these functions, so the CPU tests
-// check the formulas the GPU runs.
+// (DESIGN.md "Devices"): the optimizer kernels of every backend
+// (core/ref/ref_optim.cpp, core/cpu/cpu_optim.cpp, the CUDA fused multi-tensor
+// kernels of core/cuda/optim.cu) and optim/loss_scaler.cpp call these
+// functions, so the CPU tests check the formulas the GPU runs.
 //
 // Each update takes the scalars of one step (computed once on the host, in
 // double, then converted to the compute type T) and one element of the
