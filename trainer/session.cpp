@@ -10,7 +10,6 @@
 #include "data/idx.h"
 #include "data/image_folder.h"
 #include "layers/linear.h"
-#include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
 #include "trainer/device.h"
@@ -22,60 +21,30 @@ namespace {
 
 using json = nlohmann::json;
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-bool is_language_model_name(const std::string& model_name) {
-  return model_name == "gpt" || model_name == "lstm_lm";
-}
-
 // vocab: the data's vocabulary size (language models).
 std::shared_ptr<Module> build_model(const Recipe& r, int64_t vocab) {
   const ModelRecipe& m = r.model;
-  if (is_language_model_name(m.name)) {
-    if (m.vocab_size > 0 && m.vocab_size < vocab)
-      throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
-                      " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
-    const int64_t V = m.vocab_size > 0 ? m.vocab_size : vocab;
-    if (m.name == "lstm_lm") {
-      if (m.tie_weights && m.d_model != m.hidden)
-        throw Error(cat(r.source, ": model.tie_weights needs model.d_model (", m.d_model,
-                        ") == model.hidden (", m.hidden, ") for lstm_lm"));
-      return make_lstm_lm({.vocab_size = V,
-                           .embedding_dim = m.d_model,
-                           .hidden_size = m.hidden,
-                           .num_layers = m.n_layer,
-                           .dropout = m.dropout,
-                           .tie_weights = m.tie_weights,
-                           .seed = uint64_t(r.seed)});
-    }
-    if (m.d_model % m.n_head != 0)
-      throw Error(cat(r.source, ": model.d_model ", m.d_model, " is not divisible by model.n_head ",
-                      m.n_head));
-    return make_gpt({.vocab_size = V,
-                     .block_size = m.context,
-                     .n_layer = m.n_layer,
-                     .n_head = m.n_head,
-                     .n_embd = m.d_model,
-                     .dropout = m.dropout,
-                     .tie_weights = m.tie_weights,
-                     .seed = uint64_t(r.seed)});
+  if (is_language_model(m.name) && m.vocab_size > 0 && m.vocab_size < vocab)
+    throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
+                    " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
+  try {
+    return make_model(m.name, {.num_classes = m.num_classes,
+                               .in_channels = m.in_channels,
+                               .image_size = r.data.image_size,
+                               .zero_init_residual = m.zero_init_residual,
+                               .dropout = m.dropout,
+                               .vocab_size = m.vocab_size > 0 ? m.vocab_size : vocab,
+                               .context = m.context,
+                               .n_layer = m.n_layer,
+                               .n_head = m.n_head,
+                               .d_model = m.d_model,
+                               .hidden = m.hidden,
+                               .tie_weights = m.tie_weights,
+                               .gelu = m.gelu == "tanh" ? GeluApprox::tanh : GeluApprox::none,
+                               .seed = uint64_t(r.seed)});
+  } catch (const Error& e) {
+    throw Error(cat(r.source, ": ", e.what()));  // the message names the model.<key>
   }
-  ModelOptions o;
-  o.num_classes = m.num_classes;
-  o.in_channels = m.in_channels;
-  o.image_size = r.data.image_size;
-  o.zero_init_residual = m.zero_init_residual;
-  o.dropout = m.dropout;
-  o.seed = uint64_t(r.seed);
-  std::string name = m.name;
-  if (ends_with(name, "_small")) {
-    o.small_input = true;
-    name = name.substr(0, name.size() - 6);
-  }
-  return make_model(name, o);
 }
 
 data::TransformOptions transform_options(const Recipe& r, bool train, int channels) {
@@ -150,7 +119,7 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
   micro_batch_ = t.global_batch / (t.grad_accum * world);
 
   // ---- data ----
-  if (is_language_model_name(r.model.name) != (r.data.name == "text"))
+  if (trainer::is_language_model(r.model.name) != (r.data.name == "text"))
     throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
                     r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
   if (r.data.sampling != "random" && r.data.name != "text")
@@ -442,6 +411,7 @@ TrainState Session::load_model(const std::string& dir) { return load_checkpoint(
 
 TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
   SafetensorsFile model_file = read_safetensors(dir + "/model.safetensors");
+  model_->upgrade_loaded_state(model_file.tensors, dir + "/model.safetensors");
   std::vector<std::string> problems = load_named(model_->state(), model_file.tensors);
   if (!problems.empty())
     throw Error(
@@ -505,6 +475,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
 
 void Session::init_from(const std::string& path, bool strict) {
   SafetensorsFile f = read_safetensors(path);
+  model_->upgrade_loaded_state(f.tensors, path);
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);
   if (!problems.empty()) {
     if (strict)
