@@ -12,11 +12,14 @@ inputs from the same formulas, and compares. Needs torch (and torchvision
 for the ResNet); the C++ tests do not.
 
 The weights: parameter j of named_parameters() (each tensor once, so a tied
-weight counts once), element i, with v = sin(0.5 + 1.3 j + 0.37 i):
+weight counts once), element i, with v = uniform(j, i) in [-1, 1) from
+SplitMix64 of (j << 32 | i): 2 (z >> 40) / 2^24 - 1, exact in float32 (a
+formula smooth in i, such as sin(i), makes channels so alike that batch
+norm over ResNet-18's last 2x2 maps divides by near-zero variances):
   - two or more dims: v / sqrt(numel / size(0))  (fan-in scaling)
   - one dim, name ending in "weight" (norm gains): 1 + 0.1 v
   - any other one-dim tensor (biases): 0.1 v
-Inputs: images sin(0.1 i); tokens (7 i + 3) % V; targets (5 i + 1) % V;
+Inputs: images uniform(1000, i); tokens (7 i + 3) % V; targets (5 i + 1) % V;
 an LSTM state 0.5 sin(0.2 i + 1) (h) and 0.5 cos(0.3 i) (c).
 
   python3 scripts/golden_models.py                # rewrites tests/golden_models.h
@@ -27,6 +30,7 @@ import argparse
 import math
 import os
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,11 +40,21 @@ SELECTED = 16  # elements kept per gradient: flat indices k * ((numel - 1) // 16
 
 # ---- shared formulas (tests/test_models_golden.cpp computes the same) ----
 
+def uniform(j, n):
+    """SplitMix64 of (j << 32 | i) for i < n, mapped to [-1, 1) with 24 bits (exact in float32)."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(j) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(40)).astype(np.float64) * (2.0 / 2**24) - 1.0)
+
+
 def golden_weights_(model):
     with torch.no_grad():
         for j, (name, p) in enumerate(model.named_parameters()):
-            i = torch.arange(p.numel(), dtype=torch.float64)
-            v = torch.sin(0.5 + 1.3 * j + 0.37 * i)
+            v = uniform(j, p.numel())
             if p.dim() >= 2:
                 v = v / math.sqrt(p.numel() // p.shape[0])
             elif name.endswith("weight"):
@@ -51,8 +65,7 @@ def golden_weights_(model):
 
 
 def images(shape):
-    n = math.prod(shape)
-    return torch.sin(0.1 * torch.arange(n, dtype=torch.float64)).to(torch.float32).view(shape)
+    return uniform(1000, math.prod(shape)).to(torch.float32).view(shape)
 
 
 def tokens(b, t, v, mul, add):
@@ -210,10 +223,15 @@ def lstm_case():
                         "decoder.bias"], lm)
 
 
+def cpp_float(v):
+    text = "%.9g" % v
+    return text + ("f" if any(c in text for c in ".e") else ".0f")
+
+
 def cpp_case(name, entries):
     lines = [f"inline const std::vector<GoldenEntry> {name} = {{"]
     for entry, stride, values in entries:
-        body = ", ".join("%.9gf" % v for v in values)
+        body = ", ".join(cpp_float(v) for v in values)
         lines.append(f'    {{"{entry}", {stride}, {{{body}}}}},')
     lines.append("};")
     return "\n".join(lines)
