@@ -23,7 +23,8 @@ Inputs: images uniform(1000, i); tokens (7 i + 3) % V; targets (5 i + 1) % V;
 an LSTM state 0.5 sin(0.2 i + 1) (h) and 0.5 cos(0.3 i) (c).
 
   python3 scripts/golden_models.py                # rewrites tests/golden_models.h
-  python3 scripts/golden_models.py --check-gpt-checkpoint runs/gpt/step_100/model.safetensors
+  python3 scripts/golden_models.py --check-gpt-checkpoint \
+      runs/gpt_kjv/checkpoints/step_00001200/model.safetensors --n-head 4
       # loads a trainer GPT checkpoint into the nanoGPT-style module with strict=True
 """
 import argparse
@@ -261,15 +262,14 @@ def write_header(path):
     print("wrote", path)
 
 
-def check_gpt_checkpoint(path):
+def check_gpt_checkpoint(path, n_head):
     """Loads a trainer GPT checkpoint into the nanoGPT-style GPT with strict=True."""
     from safetensors.torch import load_file
     sd = load_file(path)
     V, D = sd["transformer.wte.weight"].shape
     T = sd["transformer.wpe.weight"].shape[0]
     L = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h."))
-    H = D // 64 if D % 64 == 0 else 1  # heads do not change any tensor's shape
-    gpt = GPT(V, T, L, H, D)
+    gpt = GPT(V, T, L, n_head, D)  # the head count changes no tensor's shape
     gpt.load_state_dict(sd, strict=True)
     tied = gpt.lm_head.weight.data_ptr() == gpt.transformer.wte.weight.data_ptr()
     print(f"{path}: {len(sd)} tensors loaded with strict=True into nanoGPT's GPT "
@@ -281,8 +281,9 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests",
                                                       "golden_models.h"))
     parser.add_argument("--check-gpt-checkpoint", metavar="MODEL_SAFETENSORS")
+    parser.add_argument("--n-head", type=int, default=1, help="of the checkpoint's GPT")
     args = parser.parse_args()
     if args.check_gpt_checkpoint:
-        check_gpt_checkpoint(args.check_gpt_checkpoint)
+        check_gpt_checkpoint(args.check_gpt_checkpoint, args.n_head)
     else:
         write_header(os.path.normpath(args.out))
