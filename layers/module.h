@@ -72,7 +72,9 @@ class Module {
   // Before a checkpoint's tensors (read from file) load by name: renames
   // those written under this model's older names to its current ones and
   // checks the copies of a tied tensor agree (throws Error naming the file
-  // and both names otherwise). The default keeps the tensors as they are.
+  // and both names otherwise). Optimizer files go through it too: their
+  // entries are named "<parameter>.<slot>", so a prefix rename covers them.
+  // The default keeps the tensors as they are.
   virtual void upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
                                     const std::string& file) const;
 

@@ -1,8 +1,8 @@
 // The trainer's models through the registry: GPT checkpoints carry nanoGPT's
 // names (the tied head under both), checkpoints with the older names (no
 // "transformer." prefix, no lm_head.weight when tied) still load by
-// init_from and by load_model, a tied pair that disagrees is refused, and
-// model.gelu picks the MLP's GELU.
+// init_from and resume by load (model and optimizer), a tied pair that
+// disagrees is refused, and model.gelu picks the MLP's GELU.
 #include "tests/testing.h"
 
 #include <filesystem>
@@ -86,9 +86,18 @@ TEST_CASE("GPT checkpoints: nanoGPT's names written, the older names still read"
     write_safetensors(old_file.string(), old_names(donor.model().state(), tie));
     fresh.init_from(old_file.string(), /*strict=*/true);
     require_same_state(fresh.model(), donor.model());
+    // Resuming reads the optimizer's entries (<parameter>.<slot>) under the older names too.
     Session resumed(load_recipe(recipe, {tie_key}));
     fs::rename(old_file, dir / "model.safetensors");
-    resumed.load_model(dir.string());
+    const std::string optimizer_path = (dir / "optimizer.safetensors").string();
+    std::vector<NamedTensor> optimizer_state;
+    for (const auto& [name, t] : read_safetensors(optimizer_path).tensors)
+      optimizer_state.push_back({name, t});
+    std::vector<NamedTensor> renamed = old_names(optimizer_state, false);
+    REQUIRE(renamed.size() > 10);
+    CHECK(renamed.front().name.rfind("transformer.", 0) == std::string::npos);
+    write_safetensors(optimizer_path, renamed);
+    resumed.load(dir.string());
     require_same_state(resumed.model(), donor.model());
   }
 }

@@ -462,7 +462,9 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
                       " (the optimizer state ",
                       saved_sharded ? "sharded over the ranks" : "whole on every rank",
                       "); resume it with parallel.zero1=", saved_sharded ? "true" : "false"));
-    SafetensorsFile optim_file = read_safetensors(optimizer_file(dir, sharded, layout_.rank));
+    const std::string optim_path = optimizer_file(dir, sharded, layout_.rank);
+    SafetensorsFile optim_file = read_safetensors(optim_path);
+    model_->upgrade_loaded_state(optim_file.tensors, optim_path);  // entries <parameter>.<slot>
     std::vector<NamedTensor> optim_state;
     for (const auto& [name, t] : optim_file.tensors) optim_state.push_back({name, t});
     // Everything validated: now change the optimizer (it refuses another layout) and the model.
