@@ -29,8 +29,6 @@
 #include "core/autocast.h"
 #include "core/cpu/threads.h"
 #include "core/ops.h"
-#include "models/gpt.h"
-#include "models/lstm_lm.h"
 
 using namespace trainer;
 using namespace trainer::bench;
@@ -79,16 +77,15 @@ const LMCase kLMCases[] = {
 };
 
 std::shared_ptr<Module> make_lm(const LMCase& c) {
-  if (std::strcmp(c.name, "gpt") == 0)
-    return make_gpt({.vocab_size = c.vocab,
-                     .block_size = c.seq,
-                     .n_layer = c.layers,
-                     .n_head = c.heads,
-                     .n_embd = c.width});
-  return make_lstm_lm({.vocab_size = c.vocab,
-                       .embedding_dim = c.width,
-                       .hidden_size = c.width,
-                       .num_layers = c.layers});
+  const bool gpt = std::strcmp(c.name, "gpt") == 0;
+  return make_model(c.name, {.dropout = 0.0,
+                             .vocab_size = c.vocab,
+                             .context = c.seq,
+                             .n_layer = c.layers,
+                             .n_head = gpt ? c.heads : 1,
+                             .d_model = c.width,
+                             .hidden = c.width,
+                             .tie_weights = gpt});  // the LSTM LM's decoder is its own
 }
 
 // Median seconds per training step of a language model (the LSTM from a zero state).

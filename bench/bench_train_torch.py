@@ -52,7 +52,8 @@ class LSTMLM(nn.Module):
 
 
 class Block(nn.Module):
-    """nanoGPT's pre-LN block: fused QKV, F.scaled_dot_product_attention, GELU (tanh) MLP."""
+    """nanoGPT's pre-LN block: fused QKV, F.scaled_dot_product_attention, exact GELU MLP
+    (nn.GELU(), nanoGPT's and models/gpt.h's default)."""
 
     def __init__(self, width, heads):
         super().__init__()
@@ -73,7 +74,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
 class GPT(nn.Module):

@@ -21,6 +21,14 @@ Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool w
   }
 }
 
+Linear::Linear(Tensor w, Tensor b) {
+  CHECK(w.dim() == 2 && (!b.defined() || b.shape() == Shape{w.size(0)}))
+      << "Linear over weight " << w.shape_str() << " and bias "
+      << (b.defined() ? b.shape_str() : "none");
+  weight = register_parameter("weight", std::move(w));
+  if (b.defined()) bias = register_parameter("bias", std::move(b));
+}
+
 namespace {
 
 // y = x W^T + b over rows x [N, in], W [out, in], b [out] (may be undefined):

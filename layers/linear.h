@@ -19,6 +19,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, Generator& gen, bool bias = true);
+  // A layer over existing tensors (weight tying: GPT's head over its token
+  // embedding); weight [out, in], bias [out] or undefined.
+  Linear(Tensor weight, Tensor bias);
   Tensor forward(const Tensor& x) override;
 
   Tensor weight, bias;  // [out, in], [out] (undefined without bias)

@@ -1,6 +1,7 @@
 #include "layers/module.h"
 
 #include <algorithm>
+#include <set>
 
 namespace trainer {
 
@@ -54,8 +55,11 @@ void Module::collect(const std::string& prefix, bool params, bool buffers,
 }
 
 std::vector<NamedTensor> Module::named_parameters() const {
-  std::vector<NamedTensor> out;
-  collect("", true, false, out);
+  std::vector<NamedTensor> all, out;
+  collect("", true, false, all);
+  std::set<const TensorImpl*> seen;
+  for (NamedTensor& p : all)
+    if (seen.insert(p.tensor.impl()).second) out.push_back(std::move(p));
   return out;
 }
 
@@ -95,6 +99,13 @@ void Module::zero_grad() {
 void Module::apply(const std::function<void(Module&)>& fn) {
   fn(*this);
   for (const auto& c : children_) c.second->apply(fn);
+}
+
+void Module::upgrade_loaded_state(std::map<std::string, Tensor>&, const std::string&) const {}
+
+Tensor ModuleDict::forward(const Tensor&) {
+  CHECK(false) << "a ModuleDict has no forward; call its members";
+  return Tensor();
 }
 
 Sequential::Sequential(std::vector<std::shared_ptr<Module>> modules) {

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,7 +43,9 @@ class Module {
   virtual Tensor forward(const Tensor& x) = 0;
   Tensor operator()(const Tensor& x) { return forward(x); }
 
-  // Recursive, in registration order, with dotted names.
+  // Recursive, in registration order, with dotted names. A tensor
+  // registered under two names (a tied weight) is listed once, under the
+  // first, as torch's named_parameters(); state() lists it under both.
   std::vector<NamedTensor> named_parameters() const;
   std::vector<NamedTensor> named_buffers() const;
   // Parameters and buffers in state_dict order (each module's parameters,
@@ -65,6 +68,15 @@ class Module {
 
   // Calls fn on this module and every submodule, parents first (torch's apply).
   void apply(const std::function<void(Module&)>& fn);
+
+  // Before a checkpoint's tensors (read from file) load by name: renames
+  // those written under this model's older names to its current ones and
+  // checks the copies of a tied tensor agree (throws Error naming the file
+  // and both names otherwise). Optimizer files go through it too: their
+  // entries are named "<parameter>.<slot>", so a prefix rename covers them.
+  // The default keeps the tensors as they are.
+  virtual void upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
+                                    const std::string& file) const;
 
  protected:
   // Marks t as trainable and records it under name; returns t.
@@ -94,6 +106,17 @@ class Sequential : public Module {
   void push_back(std::shared_ptr<Module> m);
   size_t size() const { return children().size(); }
   Module& operator[](size_t i) const { return *children()[i].second; }
+  Tensor forward(const Tensor& x) override;
+};
+
+// Named submodules without a forward of their own (torch.nn.ModuleDict):
+// GPT's "transformer" holding wte, wpe, h and ln_f.
+class ModuleDict : public Module {
+ public:
+  template <class M>
+  std::shared_ptr<M> add(const std::string& name, std::shared_ptr<M> m) {
+    return register_module(name, std::move(m));
+  }
   Tensor forward(const Tensor& x) override;
 };
 

@@ -50,7 +50,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   return (*resid_dropout)((*c_proj)(y));
 }
 
-FeedForward::FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site) {
+FeedForward::FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site)
+    : gelu_(o.gelu) {
   c_fc = register_module("c_fc", std::make_shared<Linear>(o.d_model, 4 * o.d_model, gen, o.bias));
   c_proj =
       register_module("c_proj", std::make_shared<Linear>(4 * o.d_model, o.d_model, gen, o.bias));
@@ -60,7 +61,7 @@ FeedForward::FeedForward(const TransformerOptions& o, Generator& gen, uint64_t d
 }
 
 Tensor FeedForward::forward(const Tensor& x) {
-  return (*dropout)((*c_proj)(gelu((*c_fc)(x), GeluApprox::tanh)));
+  return (*dropout)((*c_proj)(gelu((*c_fc)(x), gelu_)));
 }
 
 Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index) {

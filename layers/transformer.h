@@ -15,6 +15,7 @@
 
 #include <memory>
 
+#include "core/ops.h"
 #include "core/rng.h"
 #include "layers/linear.h"
 
@@ -26,6 +27,8 @@ struct TransformerOptions {
   double dropout = 0.0;  // attention weights and both residual branches
   bool bias = true;      // in the Linear and LayerNorm layers
   double ln_eps = 1e-5;
+  // The MLP's GELU: exact (erf, nn.GELU() as nanoGPT) or GPT-2's tanh form.
+  GeluApprox gelu = GeluApprox::none;
   uint64_t seed = 0;  // of the dropout generators
 };
 
@@ -71,7 +74,8 @@ class CausalSelfAttention : public Module {
 };
 
 // nanoGPT's MLP (module name "mlp"; the class is named apart from
-// models/small.h's MLP): x -> dropout(c_proj(gelu_tanh(c_fc(x)))), hidden width 4D.
+// models/small.h's MLP): x -> dropout(c_proj(gelu(c_fc(x)))), hidden width 4D,
+// GELU exact or tanh as TransformerOptions::gelu says.
 class FeedForward : public Module {
  public:
   FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
@@ -79,6 +83,9 @@ class FeedForward : public Module {
 
   std::shared_ptr<Linear> c_fc, c_proj;
   std::shared_ptr<Dropout> dropout;
+
+ private:
+  GeluApprox gelu_;
 };
 
 // Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Uses dropout

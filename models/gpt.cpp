@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "core/ops.h"
@@ -11,22 +12,15 @@ namespace trainer {
 
 namespace {
 
-// A container named "h" whose children are the blocks "0", "1", ...
-class BlockList : public Module {
- public:
-  void add(const std::shared_ptr<Block>& b) {
-    register_module(std::to_string(children().size()), b);
-  }
-  Tensor forward(const Tensor& x) override {
-    Tensor y = x;
-    for (const auto& [name, m] : children()) y = (*m)(y);
-    return y;
-  }
-};
-
 void init_linear(Linear& l, double std, Generator& gen) {
   normal_(l.weight, 0.0, std, gen);
   if (l.bias.defined()) backend(l.bias.device()).fill(l.bias, 0.0);
+}
+
+bool same_values(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  Tensor ca = a.to(Device{}).contiguous(), cb = b.to(Device{}).contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
 }  // namespace
@@ -42,12 +36,14 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
                        .dropout = o.dropout,
                        .bias = o.bias,
                        .ln_eps = 1e-5,
+                       .gelu = o.gelu,
                        .seed = o.seed};
-  wte = register_module("wte", std::make_shared<Embedding>(o.vocab_size, o.n_embd, gen));
-  wpe = register_module("wpe", std::make_shared<Embedding>(o.block_size, o.n_embd, gen));
-  drop = register_module("drop", std::make_shared<Dropout>(
-                                     o.dropout, Generator(o.seed, dropout_stream(3 * o.n_layer))));
-  auto blocks = register_module("h", std::make_shared<BlockList>());
+  transformer = register_module("transformer", std::make_shared<ModuleDict>());
+  wte = transformer->add("wte", std::make_shared<Embedding>(o.vocab_size, o.n_embd, gen));
+  wpe = transformer->add("wpe", std::make_shared<Embedding>(o.block_size, o.n_embd, gen));
+  drop = transformer->add("drop", std::make_shared<Dropout>(
+                                      o.dropout, Generator(o.seed, dropout_stream(3 * o.n_layer))));
+  auto blocks = transformer->add("h", std::make_shared<Sequential>());
   double proj_std = 0.02 / std::sqrt(2.0 * double(std::max<int64_t>(o.n_layer, 1)));
   for (int64_t i = 0; i < o.n_layer; ++i) {
     auto b = std::make_shared<Block>(t, gen, uint64_t(i));
@@ -55,29 +51,74 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
     init_linear(*b->attn->c_proj, proj_std, gen);
     init_linear(*b->mlp->c_fc, 0.02, gen);
     init_linear(*b->mlp->c_proj, proj_std, gen);
-    blocks->add(b);
+    blocks->push_back(b);
     h.push_back(b);
   }
-  ln_f = register_module("ln_f", std::make_shared<LayerNorm>(o.n_embd, 1e-5, o.bias));
+  ln_f = transformer->add("ln_f", std::make_shared<LayerNorm>(o.n_embd, 1e-5, o.bias));
   if (o.tie_weights) {
-    head_weight_ = wte->weight;
+    lm_head = register_module("lm_head", std::make_shared<Linear>(wte->weight, Tensor()));
   } else {
     lm_head = register_module(
         "lm_head", std::make_shared<Linear>(o.n_embd, o.vocab_size, gen, /*bias=*/false));
     init_linear(*lm_head, 0.02, gen);
-    head_weight_ = lm_head->weight;
   }
+
+  std::vector<BlockSpec> specs;
+  specs.push_back(
+      {.name = "embed",
+       .members = {{"transformer.wte", wte}, {"transformer.wpe", wpe}, {"transformer.drop", drop}},
+       .inputs = {"tokens"},
+       .outputs = {"x"},
+       .fn = [this](const TensorList& in) {
+         const Tensor& tokens = in[0];
+         CHECK(tokens.dim() == 2) << "GPT expects tokens [B, T], got " << tokens.shape_str();
+         int64_t T = tokens.size(1);
+         CHECK(T >= 1 && T <= options_.block_size)
+             << "GPT: sequence of " << T << " tokens, block size " << options_.block_size;
+         Tensor pos = arange(T, DType::i64, tokens.device());
+         return TensorList{(*drop)((*wte)(tokens) + (*wpe)(pos))};  // [B, T, D]
+       }});
+  for (size_t i = 0; i < h.size(); ++i) {
+    const std::string name = "transformer.h." + std::to_string(i);
+    Block* block = h[i].get();
+    specs.push_back({.name = name, .members = {{name, h[i]}}, .fn = [block](const TensorList& in) {
+                       return TensorList{(*block)(in[0])};
+                     }});
+  }
+  specs.push_back({.name = "head",
+                   .members = {{"transformer.ln_f", ln_f}, {"lm_head", lm_head}},
+                   .inputs = {"x"},
+                   .outputs = {"logits"},
+                   .fn = [this](const TensorList& in) {
+                     return TensorList{linear((*ln_f)(in[0]), lm_head->weight, Tensor())};
+                   }});  // [B, T, V]
+  set_blocks(BlockList({"tokens"}, {"logits"}, std::move(specs)));
 }
 
-Tensor GPT::forward(const Tensor& tokens) {
-  CHECK(tokens.dim() == 2) << "GPT expects tokens [B, T], got " << tokens.shape_str();
-  int64_t T = tokens.size(1);
-  CHECK(T >= 1 && T <= options_.block_size)
-      << "GPT: sequence of " << T << " tokens, block size " << options_.block_size;
-  Tensor pos = arange(T, DType::i64, tokens.device());
-  Tensor x = (*drop)((*wte)(tokens) + (*wpe)(pos));  // [B, T, D]
-  for (const auto& b : h) x = (*b)(x);
-  return linear((*ln_f)(x), head_weight_, Tensor());  // [B, T, V]
+void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
+                               const std::string& file) const {
+  // Older names: the same tensors without the "transformer." prefix.
+  for (const char* old_prefix : {"wte.", "wpe.", "h.", "ln_f."}) {
+    for (auto it = tensors.lower_bound(old_prefix);
+         it != tensors.end() && it->first.rfind(old_prefix, 0) == 0;) {
+      const std::string renamed = "transformer." + it->first;
+      if (!tensors.count(renamed)) tensors.emplace(renamed, it->second);
+      it = tensors.erase(it);
+    }
+  }
+  if (!options_.tie_weights) return;
+  // Tied: one tensor, under both names in nanoGPT's state_dict and ours;
+  // older checkpoints wrote it once, as the embedding.
+  auto wte_it = tensors.find("transformer.wte.weight");
+  auto head_it = tensors.find("lm_head.weight");
+  if (wte_it == tensors.end()) return;  // reported as missing by the loader
+  if (head_it == tensors.end()) {
+    tensors.emplace("lm_head.weight", wte_it->second);
+  } else if (!same_values(wte_it->second, head_it->second)) {
+    throw Error(cat(file,
+                    ": lm_head.weight differs from transformer.wte.weight, but this GPT ties them "
+                    "(model.tie_weights: true); load it with model.tie_weights: false"));
+  }
 }
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options) { return std::make_shared<GPT>(options); }

@@ -1,24 +1,34 @@
 // GPT (GPT-2 / nanoGPT architecture): token and learned position embeddings,
 // N pre-LN Transformer blocks (layers/transformer.h), a final LayerNorm and
-// the LM head, with nanoGPT's parameter names:
+// the LM head, with nanoGPT's state_dict names, so a checkpoint loads into
+// nanoGPT's model.py GPT with strict=True:
 //
-//   wte.weight [V, D]  wpe.weight [T, D]  h.0.ln_1.weight ... h.0.mlp.c_proj.bias
-//   ln_f.weight  ln_f.bias  lm_head.weight [V, D] (absent when tied)
+//   transformer.wte.weight [V, D]  transformer.wpe.weight [T, D]
+//   transformer.h.0.ln_1.weight ... transformer.h.0.mlp.c_proj.bias
+//   transformer.ln_f.weight  transformer.ln_f.bias  lm_head.weight [V, D]
 //
 //   auto gpt = make_gpt({.vocab_size = 256, .block_size = 256, .n_layer = 6,
 //                        .n_head = 6, .n_embd = 384});
 //   Tensor logits = (*gpt)(tokens);    // i64 [B, T] -> [B, T, V]
 //
-// With tie_weights the LM head multiplies by wte.weight itself: one tensor,
-// registered once (as wte.weight), so it is counted and updated once.
+// With tie_weights the LM head multiplies by transformer.wte.weight itself:
+// one tensor, trained once (named_parameters() lists it once, as
+// wte), written under both names (state(), as nanoGPT's state_dict).
+// Checkpoints of older versions of this model (no "transformer." prefix, no
+// lm_head.weight when tied) still load: upgrade_loaded_state renames them.
 // Initialisation as GPT-2 from Generator(seed, kStreamInit): Linear and
 // Embedding weights normal(0, 0.02), biases 0, the residual projections
 // (attn.c_proj, mlp.c_proj) normal(0, 0.02 / sqrt(2 n_layer)).
+//
+// Blocks (layers/block_list.h): "embed" (tokens -> x: wte + wpe, dropout),
+// "transformer.h.<i>" (x -> x), "head" (x -> logits: ln_f, lm_head). Tied,
+// lm_head.weight in "head" is transformer.wte.weight of "embed".
 #pragma once
 
 #include <memory>
 #include <vector>
 
+#include "layers/block_list.h"
 #include "layers/transformer.h"
 
 namespace trainer {
@@ -32,27 +42,30 @@ struct GPTOptions {
   double dropout = 0.0;
   bool bias = true;
   bool tie_weights = true;
+  GeluApprox gelu = GeluApprox::none;  // nanoGPT's nn.GELU(): exact
   uint64_t seed = 0;
 };
 
-class GPT : public Module {
+class GPT : public Model {
  public:
   explicit GPT(const GPTOptions& o);
-  // tokens i64 [B, T], T <= block_size -> logits [B, T, V].
-  Tensor forward(const Tensor& tokens) override;
   const GPTOptions& options() const { return options_; }
-  // The LM head's weight [V, D] (wte.weight when tied).
-  const Tensor& lm_head_weight() const { return head_weight_; }
+  // The LM head's weight [V, D] (transformer.wte.weight when tied).
+  const Tensor& lm_head_weight() const { return lm_head->weight; }
+  // Renames the older names ("wte.weight", "h.0....") and, tied, checks
+  // lm_head.weight equals transformer.wte.weight (or adds it when absent).
+  void upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
+                            const std::string& file) const override;
 
+  std::shared_ptr<ModuleDict> transformer;  // wte, wpe, drop, h, ln_f
   std::shared_ptr<Embedding> wte, wpe;
   std::shared_ptr<Dropout> drop;
   std::vector<std::shared_ptr<Block>> h;
   std::shared_ptr<LayerNorm> ln_f;
-  std::shared_ptr<Linear> lm_head;  // null when tied
+  std::shared_ptr<Linear> lm_head;  // over wte's weight when tied
 
  private:
   GPTOptions options_;
-  Tensor head_weight_;
 };
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options = {});

@@ -54,14 +54,40 @@ LSTMLM::LSTMLM(const LSTMLMOptions& o) : options_(o) {
     decoder_weight_ = decoder->weight;
     decoder_bias_ = decoder->bias;
   }
+
+  std::shared_ptr<Module> decoder_module = children().back().second;
+  std::vector<BlockSpec> specs;
+  specs.push_back({.name = "embed",
+                   .members = {{"encoder", encoder}, {"drop", drop}},
+                   .inputs = {"tokens"},
+                   .outputs = {"x"},
+                   .fn = [this](const TensorList& in) {
+                     const Tensor& tokens = in[0];
+                     CHECK(tokens.dim() == 2)
+                         << "LSTMLM expects tokens [B, T], got " << tokens.shape_str();
+                     return TensorList{(*drop)((*encoder)(tokens))};  // [B, T, E]
+                   }});
+  specs.push_back({.name = "rnn",
+                   .members = {{"rnn", rnn}},
+                   .inputs = {"x", "h", "c"},
+                   .outputs = {"x", "h", "c"},
+                   .fn = [this](const TensorList& in) {
+                     auto [y, next] = rnn->forward(in[0], RNNState{in[1], in[2]});  // [B, T, H]
+                     return TensorList{y, next.h, next.c};
+                   }});
+  specs.push_back({.name = "head",
+                   .members = {{"drop", drop}, {"decoder", decoder_module}},
+                   .inputs = {"x"},
+                   .outputs = {"logits"},
+                   .fn = [this](const TensorList& in) {
+                     return TensorList{linear((*drop)(in[0]), decoder_weight_, decoder_bias_)};
+                   }});  // [B, T, V]
+  set_blocks(BlockList({"tokens", "h", "c"}, {"logits", "h", "c"}, std::move(specs)));
 }
 
 LSTMLMOutput LSTMLM::forward(const Tensor& tokens, const RNNState& state) {
-  CHECK(tokens.dim() == 2) << "LSTMLM expects tokens [B, T], got " << tokens.shape_str();
-  Tensor x = (*drop)((*encoder)(tokens));                              // [B, T, E]
-  auto [y, next] = rnn->forward(x, state);                             // [B, T, H]
-  Tensor logits = linear((*drop)(y), decoder_weight_, decoder_bias_);  // [B, T, V]
-  return {logits, next};
+  TensorList out = blocks().run({tokens, state.h, state.c});
+  return {out[0], RNNState{out[1], out[2]}};
 }
 
 std::shared_ptr<LSTMLM> make_lstm_lm(const LSTMLMOptions& options) {

@@ -18,10 +18,16 @@
 // encoder.weight itself: one tensor, registered once. Initialisation from
 // Generator(seed, kStreamInit): encoder and decoder weights uniform(-0.1, 0.1),
 // decoder bias 0 (as word_language_model), LSTM as torch.nn.LSTM.
+//
+// Blocks (layers/block_list.h), over model inputs tokens, h, c and outputs
+// logits, h, c: "embed" (tokens -> x), "rnn" (x, h, c -> x, h, c: the state
+// flows in and out of the LSTM block, so the stage holding it carries it),
+// "head" (x -> logits).
 #pragma once
 
 #include <memory>
 
+#include "layers/block_list.h"
 #include "layers/linear.h"
 #include "layers/rnn.h"
 #include "layers/transformer.h"
@@ -43,7 +49,7 @@ struct LSTMLMOutput {
   RNNState state;  // h and c [num_layers, B, H] after the last step (not detached)
 };
 
-class LSTMLM : public Module {
+class LSTMLM : public Model {
  public:
   explicit LSTMLM(const LSTMLMOptions& o);
   // tokens i64 [B, T] from state (undefined: zeros) -> logits [B, T, V] and

@@ -1,21 +1,64 @@
 #include "models/registry.h"
 
+#include "models/gpt.h"
+#include "models/lstm_lm.h"
 #include "models/resnet.h"
 #include "models/small.h"
 
 namespace trainer {
 
-std::vector<std::string> model_names() {
-  return {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "mlp"};
+namespace {
+
+const int kResNetDepths[] = {18, 34, 50, 101, 152};
+
+std::shared_ptr<Model> make_language_model(const std::string& name, const ModelOptions& o) {
+  if (o.vocab_size < 1) throw Error(cat("model.vocab_size ", o.vocab_size, " must be at least 1"));
+  if (name == "lstm_lm") {
+    if (o.tie_weights && o.d_model != o.hidden)
+      throw Error(cat("model.tie_weights needs model.d_model (", o.d_model, ") == model.hidden (",
+                      o.hidden, ") for lstm_lm"));
+    return make_lstm_lm({.vocab_size = o.vocab_size,
+                         .embedding_dim = o.d_model,
+                         .hidden_size = o.hidden,
+                         .num_layers = o.n_layer,
+                         .dropout = o.dropout,
+                         .tie_weights = o.tie_weights,
+                         .seed = o.seed});
+  }
+  if (o.d_model % o.n_head != 0)
+    throw Error(cat("model.d_model ", o.d_model, " is not divisible by model.n_head ", o.n_head));
+  return make_gpt({.vocab_size = o.vocab_size,
+                   .block_size = o.context,
+                   .n_layer = o.n_layer,
+                   .n_head = o.n_head,
+                   .n_embd = o.d_model,
+                   .dropout = o.dropout,
+                   .tie_weights = o.tie_weights,
+                   .gelu = o.gelu,
+                   .seed = o.seed});
 }
 
-std::shared_ptr<Module> make_model(const std::string& name, const ModelOptions& o) {
-  for (int depth : {18, 34, 50, 101, 152}) {
-    if (name != "resnet" + std::to_string(depth)) continue;
+}  // namespace
+
+std::vector<std::string> model_names() {
+  std::vector<std::string> names;
+  for (int depth : kResNetDepths) names.push_back("resnet" + std::to_string(depth));
+  for (int depth : kResNetDepths) names.push_back("resnet" + std::to_string(depth) + "_small");
+  for (const char* n : {"small_cnn", "mlp", "gpt", "lstm_lm"}) names.push_back(n);
+  return names;
+}
+
+bool is_language_model(const std::string& name) { return name == "gpt" || name == "lstm_lm"; }
+
+std::shared_ptr<Model> make_model(const std::string& name, const ModelOptions& o) {
+  if (is_language_model(name)) return make_language_model(name, o);
+  for (int depth : kResNetDepths) {
+    const std::string base = "resnet" + std::to_string(depth);
+    if (name != base && name != base + "_small") continue;
     return resnet({.depth = depth,
                    .num_classes = o.num_classes,
                    .in_channels = o.in_channels,
-                   .small_input = o.small_input,
+                   .small_input = name != base,
                    .zero_init_residual = o.zero_init_residual,
                    .width = o.width,
                    .seed = o.seed});

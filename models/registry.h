@@ -1,14 +1,22 @@
 // Models by name, for recipes: make_model("resnet50", {.num_classes = 1000}).
 //
-// Names: resnet18, resnet34, resnet50, resnet101, resnet152 (models/resnet.h),
-// small_cnn, mlp (models/small.h). An unknown name throws Error listing them.
+// Names: resnet18, resnet34, resnet50, resnet101, resnet152 (models/resnet.h)
+// and their small-image variants resnet18_small ... resnet152_small,
+// small_cnn, mlp (models/small.h), gpt (models/gpt.h), lstm_lm
+// (models/lstm_lm.h). Every model is a Model: its forward is a block list
+// (layers/block_list.h).
+//
+// Bad options (an unknown name, a width that heads do not divide, tied
+// weights of different widths) throw Error naming the recipe key they come
+// from ("model.d_model 100 is not divisible by model.n_head 3").
 #pragma once
 
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "layers/module.h"
+#include "core/ops.h"
+#include "layers/block_list.h"
 
 namespace trainer {
 
@@ -17,14 +25,24 @@ struct ModelOptions {
   int64_t in_channels = 3;
   int64_t image_size =
       224;  // small_cnn: the (square) input side; mlp: side * side * in_channels inputs
-  bool small_input = false;  // ResNets: 3x3 stride-1 stem, no max-pool
   bool zero_init_residual = false;
   int64_t width = 64;     // ResNets: channels of the stem and layer1
-  double dropout = 0.25;  // small_cnn
+  double dropout = 0.25;  // small_cnn; the language models' everywhere
+  // Language models (recipe keys model.<name>).
+  int64_t vocab_size = 256;
+  int64_t context = 256;  // gpt: block size (longest sequence)
+  int64_t n_layer = 6;    // gpt blocks, or lstm_lm layers
+  int64_t n_head = 6;     // gpt
+  int64_t d_model = 384;  // gpt width, or lstm_lm's embedding width
+  int64_t hidden = 512;   // lstm_lm hidden size
+  bool tie_weights = true;
+  GeluApprox gelu = GeluApprox::none;  // gpt: exact (nanoGPT's nn.GELU()) or tanh
   uint64_t seed = 0;
 };
 
-std::shared_ptr<Module> make_model(const std::string& name, const ModelOptions& options = {});
+std::shared_ptr<Model> make_model(const std::string& name, const ModelOptions& options = {});
 std::vector<std::string> model_names();
+// gpt and lstm_lm: models of token sequences (i64 [B, T] -> logits [B, T, V]).
+bool is_language_model(const std::string& name);
 
 }  // namespace trainer

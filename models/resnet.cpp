@@ -118,13 +118,29 @@ ResNet::ResNet(const ResNetOptions& o) : options_(o) {
       if (auto* b = dynamic_cast<BasicBlock*>(&m)) b->bn2->weight.detach().zero_();
     });
   }
-}
 
-Tensor ResNet::forward(const Tensor& x) {
-  Tensor y = conv_bn(*conv1_, *bn1_, x, /*relu=*/true);
-  if (!options_.small_input) y = (*maxpool_)(y);
-  for (const auto& layer : layers_) y = (*layer)(y);
-  return (*fc_)((*avgpool_)(y).flatten(1));
+  std::vector<BlockSpec> specs;
+  specs.push_back({.name = "stem",
+                   .members = {{"conv1", conv1_}, {"bn1", bn1_}},
+                   .fn = [this](const TensorList& in) {
+                     Tensor y = conv_bn(*conv1_, *bn1_, in[0], /*relu=*/true);
+                     return TensorList{options_.small_input ? y : (*maxpool_)(y)};
+                   }});
+  for (int i = 0; i < 4; ++i)
+    for (const auto& [index, block] : layers_[i]->children()) {
+      const std::string name = "layer" + std::to_string(i + 1) + "." + index;
+      Module* m = block.get();
+      specs.push_back({.name = name, .members = {{name, block}}, .fn = [m](const TensorList& in) {
+                         return TensorList{(*m)(in[0])};
+                       }});
+    }
+  specs.push_back({.name = "head",
+                   .members = {{"fc", fc_}},
+                   .outputs = {"logits"},
+                   .fn = [this](const TensorList& in) {
+                     return TensorList{(*fc_)((*avgpool_)(in[0]).flatten(1))};
+                   }});
+  set_blocks(BlockList({"x"}, {"logits"}, std::move(specs)));
 }
 
 std::shared_ptr<ResNet> resnet(const ResNetOptions& options) {

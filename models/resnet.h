@@ -19,10 +19,15 @@
 //
 //   auto net = resnet({.depth = 50, .num_classes = 1000});
 //   Tensor logits = (*net)(images);     // [N, 3, 224, 224] -> [N, 1000]
+//
+// Blocks (layers/block_list.h), each x -> x but the last: "stem" (conv1, bn1,
+// relu, max-pool), one per residual block ("layer1.0" ... "layer4.<n-1>"),
+// "head" (average pool, flatten, fc: x -> logits).
 #pragma once
 
 #include <memory>
 
+#include "layers/block_list.h"
 #include "layers/conv.h"
 #include "layers/linear.h"
 #include "layers/pooling.h"
@@ -66,11 +71,10 @@ class Bottleneck : public Module {
   std::shared_ptr<Sequential> downsample;
 };
 
-class ResNet : public Module {
+// forward: [N, in_channels, H, W] (any layout) -> logits [N, num_classes].
+class ResNet : public Model {
  public:
   explicit ResNet(const ResNetOptions& options);
-  // [N, in_channels, H, W] (any layout) -> logits [N, num_classes].
-  Tensor forward(const Tensor& x) override;
   const ResNetOptions& options() const { return options_; }
 
  private:

@@ -22,13 +22,27 @@ SmallCNN::SmallCNN(const SmallCNNOptions& o) {
   dropout_ = register_module(
       "dropout", std::make_shared<Dropout>(o.dropout, Generator(o.seed, kStreamDropout)));
   fc2_ = register_module("fc2", std::make_shared<Linear>(128, o.num_classes, gen));
-}
 
-Tensor SmallCNN::forward(const Tensor& x) {
-  Tensor y = (*pool_)(conv_bn(*conv1_, *bn1_, x, /*relu=*/true));
-  y = (*pool_)(conv_bn(*conv2_, *bn2_, y, /*relu=*/true));
-  y = relu((*fc1_)(y.flatten(1)));
-  return (*fc2_)((*dropout_)(y));
+  std::vector<BlockSpec> specs;
+  specs.push_back({.name = "conv1",
+                   .members = {{"conv1", conv1_}, {"bn1", bn1_}},
+                   .fn = [this](const TensorList& in) {
+                     return TensorList{(*pool_)(conv_bn(*conv1_, *bn1_, in[0], /*relu=*/true))};
+                   }});
+  specs.push_back({.name = "conv2",
+                   .members = {{"conv2", conv2_}, {"bn2", bn2_}},
+                   .fn = [this](const TensorList& in) {
+                     return TensorList{(*pool_)(conv_bn(*conv2_, *bn2_, in[0], /*relu=*/true))};
+                   }});
+  specs.push_back({.name = "fc1", .members = {{"fc1", fc1_}}, .fn = [this](const TensorList& in) {
+                     return TensorList{relu((*fc1_)(in[0].flatten(1)))};
+                   }});
+  specs.push_back(
+      {.name = "fc2",
+       .members = {{"dropout", dropout_}, {"fc2", fc2_}},
+       .outputs = {"logits"},
+       .fn = [this](const TensorList& in) { return TensorList{(*fc2_)((*dropout_)(in[0]))}; }});
+  set_blocks(BlockList({"x"}, {"logits"}, std::move(specs)));
 }
 
 MLP::MLP(const MLPOptions& o) {
@@ -39,15 +53,21 @@ MLP::MLP(const MLPOptions& o) {
   for (size_t i = 0; i + 1 < widths.size(); ++i)
     fcs_.push_back(register_module("fc" + std::to_string(i + 1),
                                    std::make_shared<Linear>(widths[i], widths[i + 1], gen)));
-}
 
-Tensor MLP::forward(const Tensor& x) {
-  Tensor y = x.flatten(1);
+  std::vector<BlockSpec> specs;
   for (size_t i = 0; i < fcs_.size(); ++i) {
-    y = (*fcs_[i])(y);
-    if (i + 1 < fcs_.size()) y = relu(y);
+    const std::string name = "fc" + std::to_string(i + 1);
+    const bool first = i == 0, last = i + 1 == fcs_.size();
+    Linear* fc = fcs_[i].get();
+    specs.push_back({.name = name,
+                     .members = {{name, fcs_[i]}},
+                     .outputs = {last ? "logits" : "x"},
+                     .fn = [fc, first, last](const TensorList& in) {
+                       Tensor y = (*fc)(first ? in[0].flatten(1) : in[0]);
+                       return TensorList{last ? y : relu(y)};
+                     }});
   }
-  return y;
+  set_blocks(BlockList({"x"}, {"logits"}, std::move(specs)));
 }
 
 }  // namespace trainer

@@ -11,6 +11,10 @@
 //   flatten [N, 784] -> fc1 Linear(784, 256) -> relu -> fc2 Linear(256, 128) -> relu
 //   -> fc3 Linear(128, 10)      (names fc1..fc{hidden.size() + 1})
 //
+// Blocks (layers/block_list.h), x -> x but the last (-> logits): SmallCNN
+// "conv1", "conv2" (conv, bn, relu, pool), "fc1" (flatten, fc1, relu), "fc2"
+// (dropout, fc2); MLP one per layer, "fc1" ... "fc<n>".
+//
 // Initialisation: PyTorch's layer defaults, from Generator(seed, kStreamInit);
 // dropout masks from Generator(seed, kStreamDropout).
 #pragma once
@@ -18,6 +22,7 @@
 #include <memory>
 #include <vector>
 
+#include "layers/block_list.h"
 #include "layers/conv.h"
 #include "layers/linear.h"
 #include "layers/pooling.h"
@@ -32,10 +37,9 @@ struct SmallCNNOptions {
   uint64_t seed = 0;
 };
 
-class SmallCNN : public Module {
+class SmallCNN : public Model {
  public:
   explicit SmallCNN(const SmallCNNOptions& options = {});
-  Tensor forward(const Tensor& x) override;
 
  private:
   std::shared_ptr<Conv2d> conv1_, conv2_;
@@ -52,10 +56,9 @@ struct MLPOptions {
   uint64_t seed = 0;
 };
 
-class MLP : public Module {
+class MLP : public Model {
  public:
   explicit MLP(const MLPOptions& options = {});
-  Tensor forward(const Tensor& x) override;
 
  private:
   std::vector<std::shared_ptr<Linear>> fcs_;

@@ -339,21 +339,30 @@ TEST_CASE("GPT is causal: changing token t never changes earlier outputs", "[tra
 TEST_CASE("GPT names its parameters as nanoGPT and ties one tensor", "[transformer]") {
   GPTOptions o{.vocab_size = 13, .block_size = 6, .n_layer = 2, .n_head = 2, .n_embd = 8};
   auto tied = make_gpt(o);
-  std::set<std::string> names;
-  for (const NamedTensor& p : tied->named_parameters()) names.insert(p.name);
-  for (const char* n :
-       {"wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn.c_attn.weight",
-        "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.1.ln_2.weight", "h.1.mlp.c_fc.weight",
-        "h.1.mlp.c_proj.weight", "ln_f.weight", "ln_f.bias"})
-    CHECK(names.count(n) == 1);
-  CHECK(names.count("lm_head.weight") == 0);
+  // nanoGPT's state_dict, in its order: the tied head appears under both names.
+  std::vector<std::string> expected = {"transformer.wte.weight", "transformer.wpe.weight"};
+  for (const char* layer : {"0", "1"})
+    for (const char* n :
+         {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+          "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight",
+          "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"})
+      expected.push_back(std::string("transformer.h.") + layer + "." + n);
+  for (const char* n : {"transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"})
+    expected.push_back(n);
+  std::vector<std::string> state_names, param_names;
+  for (const NamedTensor& t : tied->state()) state_names.push_back(t.name);
+  for (const NamedTensor& p : tied->named_parameters()) param_names.push_back(p.name);
+  CHECK(state_names == expected);
+  // Trained once: named_parameters lists the tied tensor under its first name only.
+  expected.pop_back();
+  CHECK(param_names == expected);
   CHECK(tied->lm_head_weight().data_ptr() == tied->wte->weight.data_ptr());
 
   o.tie_weights = false;
   auto untied = make_gpt(o);
-  bool has_head = false;
-  for (const NamedTensor& p : untied->named_parameters()) has_head |= p.name == "lm_head.weight";
-  CHECK(has_head);
+  std::set<std::string> names;
+  for (const NamedTensor& p : untied->named_parameters()) names.insert(p.name);
+  CHECK(names.count("lm_head.weight") == 1);
   CHECK(untied->lm_head_weight().data_ptr() != untied->wte->weight.data_ptr());
   CHECK(untied->num_parameters() - tied->num_parameters() == 13 * 8);
   // Per block: 2 LayerNorms, c_attn, c_proj, c_fc, c_proj (with biases).

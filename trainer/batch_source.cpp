@@ -2,15 +2,9 @@
 
 #include <cmath>
 
+#include "models/registry.h"
+
 namespace trainer {
-
-namespace {
-
-bool is_language_model_name(const std::string& model_name) {
-  return model_name == "gpt" || model_name == "lstm_lm";
-}
-
-}  // namespace
 
 EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
   EvalMetrics m;
@@ -54,7 +48,7 @@ const data::Vocab& BatchSource::vocab() const {
 
 std::unique_ptr<BatchSource> make_batch_source(const Recipe& r, const RankLayout& layout,
                                                int64_t micro_batch) {
-  if (is_language_model_name(r.model.name) != (r.data.name == "text"))
+  if (is_language_model(r.model.name) != (r.data.name == "text"))
     throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
                     r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
   if (r.data.sampling != "random" && r.data.name != "text")

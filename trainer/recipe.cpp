@@ -153,6 +153,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("model.hidden", &m.hidden, 1, 1 << 16),
       float_field("model.dropout", &m.dropout, 0.0, 0.99),
       bool_field("model.tie_weights", &m.tie_weights),
+      string_field("model.gelu", &m.gelu, {"exact", "tanh"}),
 
       string_field("data.name", &d.name, {"fashion_mnist", "image_folder", "text"}),
       string_field("data.root", &d.root),

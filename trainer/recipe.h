@@ -31,7 +31,8 @@ struct ModelRecipe {
   int64_t d_model = 384;   // GPT width, or the LSTM LM's embedding width
   int64_t hidden = 512;    // LSTM hidden size
   double dropout = 0.0;
-  bool tie_weights = true;  // LM head = token embedding (LSTM: needs d_model == hidden)
+  bool tie_weights = true;     // LM head = token embedding (LSTM: needs d_model == hidden)
+  std::string gelu = "exact";  // GPT's MLP: exact (erf, as nanoGPT) | tanh (GPT-2's approximation)
 };
 
 struct DataRecipe {

@@ -7,7 +7,6 @@
 #include "core/allocator.h"
 #include "core/ops.h"
 #include "layers/linear.h"
-#include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
 #include "trainer/device.h"
@@ -17,60 +16,31 @@ namespace trainer {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-bool is_language_model_name(const std::string& model_name) {
-  return model_name == "gpt" || model_name == "lstm_lm";
-}
 
 // vocab: the data's vocabulary size (language models).
 std::shared_ptr<Module> build_model(const Recipe& r, int64_t vocab) {
   const ModelRecipe& m = r.model;
-  if (is_language_model_name(m.name)) {
-    if (m.vocab_size > 0 && m.vocab_size < vocab)
-      throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
-                      " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
-    const int64_t V = m.vocab_size > 0 ? m.vocab_size : vocab;
-    if (m.name == "lstm_lm") {
-      if (m.tie_weights && m.d_model != m.hidden)
-        throw Error(cat(r.source, ": model.tie_weights needs model.d_model (", m.d_model,
-                        ") == model.hidden (", m.hidden, ") for lstm_lm"));
-      return make_lstm_lm({.vocab_size = V,
-                           .embedding_dim = m.d_model,
-                           .hidden_size = m.hidden,
-                           .num_layers = m.n_layer,
-                           .dropout = m.dropout,
-                           .tie_weights = m.tie_weights,
-                           .seed = uint64_t(r.seed)});
-    }
-    if (m.d_model % m.n_head != 0)
-      throw Error(cat(r.source, ": model.d_model ", m.d_model, " is not divisible by model.n_head ",
-                      m.n_head));
-    return make_gpt({.vocab_size = V,
-                     .block_size = m.context,
-                     .n_layer = m.n_layer,
-                     .n_head = m.n_head,
-                     .n_embd = m.d_model,
-                     .dropout = m.dropout,
-                     .tie_weights = m.tie_weights,
-                     .seed = uint64_t(r.seed)});
+  if (is_language_model(m.name) && m.vocab_size > 0 && m.vocab_size < vocab)
+    throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
+                    " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
+  try {
+    return make_model(m.name, {.num_classes = m.num_classes,
+                               .in_channels = m.in_channels,
+                               .image_size = r.data.image_size,
+                               .zero_init_residual = m.zero_init_residual,
+                               .dropout = m.dropout,
+                               .vocab_size = m.vocab_size > 0 ? m.vocab_size : vocab,
+                               .context = m.context,
+                               .n_layer = m.n_layer,
+                               .n_head = m.n_head,
+                               .d_model = m.d_model,
+                               .hidden = m.hidden,
+                               .tie_weights = m.tie_weights,
+                               .gelu = m.gelu == "tanh" ? GeluApprox::tanh : GeluApprox::none,
+                               .seed = uint64_t(r.seed)});
+  } catch (const Error& e) {
+    throw Error(cat(r.source, ": ", e.what()));  // the message names the model.<key>
   }
-  ModelOptions o;
-  o.num_classes = m.num_classes;
-  o.in_channels = m.in_channels;
-  o.image_size = r.data.image_size;
-  o.zero_init_residual = m.zero_init_residual;
-  o.dropout = m.dropout;
-  o.seed = uint64_t(r.seed);
-  std::string name = m.name;
-  if (ends_with(name, "_small")) {
-    o.small_input = true;
-    name = name.substr(0, name.size() - 6);
-  }
-  return make_model(name, o);
 }
 
 int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
@@ -247,14 +217,21 @@ TrainState Session::load_model(const std::string& dir) { return load_checkpoint(
 
 TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
   std::map<std::string, Tensor> model = read_model(dir);
-  std::vector<std::string> problems = load_named(model_->state(), model);
+  model_->upgrade_loaded_state(model, model_file(dir));
   if (!problems.empty())
     throw Error(cat(model_file(dir), " does not match the recipe's model:", join_lines(problems)));
   TrainerStateFile file = read_trainer_state(dir);
   if (!file.vocab.empty()) source_->check_vocab(trainer_state_file(dir), file.vocab);
   if (with_optimizer) {
     check_resume_layout(dir, file.state.layout, layout_.job);
-    std::vector<NamedTensor> optim_state = read_optimizer(dir, shards_optimizer(), layout_.rank);
+    // Entries are named <parameter>.<slot>: the model's renames apply to them too.
+    std::map<std::string, Tensor> optim_tensors;
+    for (NamedTensor& t : read_optimizer(dir, shards_optimizer(), layout_.rank))
+      optim_tensors.emplace(t.name, std::move(t.tensor));
+    model_->upgrade_loaded_state(optim_tensors,
+                                 optimizer_file(dir, shards_optimizer(), layout_.rank));
+    std::vector<NamedTensor> optim_state;
+    for (auto& [name, t] : optim_tensors) optim_state.push_back({name, t});
     // Everything validated: now change the optimizer (it refuses another layout) and the model.
     optimizer().load_state(optim_state);
     source_->load_stream_state(dir, file.state.position);
@@ -265,6 +242,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
 
 void Session::init_from(const std::string& path, bool strict) {
   SafetensorsFile f = read_safetensors(path);
+  model_->upgrade_loaded_state(f.tensors, path);
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);
   if (!problems.empty()) {
     if (strict)

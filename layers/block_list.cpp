@@ -1,0 +1,134 @@
+#include "layers/block_list.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace trainer {
+
+namespace {
+
+size_t index_of(const std::vector<std::string>& names, const std::string& name) {
+  return size_t(std::find(names.begin(), names.end(), name) - names.begin());
+}
+
+bool contains(const std::vector<std::string>& names, const std::string& name) {
+  return index_of(names, name) < names.size();
+}
+
+// The tensors of the members of blocks [first, last) under their global
+// names, each member's in Module::named_parameters() or (with_buffers)
+// Module::state() order. A tensor met twice keeps only its first name unless
+// every_name.
+std::vector<NamedTensor> collect(const std::vector<BlockSpec>& blocks, size_t first, size_t last,
+                                 bool with_buffers, bool every_name) {
+  std::vector<NamedTensor> out;
+  std::set<const TensorImpl*> seen;
+  for (size_t b = first; b < last; ++b)
+    for (const BlockMember& m : blocks[b].members)
+      for (const NamedTensor& t : with_buffers ? m.module->state() : m.module->named_parameters())
+        if (seen.insert(t.tensor.impl()).second || every_name)
+          out.push_back({m.prefix + "." + t.name, t.tensor});
+  return out;
+}
+
+}  // namespace
+
+BlockList::BlockList(std::vector<std::string> model_inputs, std::vector<std::string> model_outputs,
+                     std::vector<BlockSpec> blocks)
+    : blocks_(std::move(blocks)) {
+  // One slot per distinct name, in order of first appearance.
+  std::vector<std::string> names = model_inputs;
+  auto slot = [&](const std::string& name) {
+    size_t i = index_of(names, name);
+    if (i == names.size()) names.push_back(name);
+    return i;
+  };
+  for (const BlockSpec& b : blocks_) {
+    CHECK(b.fn) << "block '" << b.name << "' has no function";
+    Slots s;
+    for (const std::string& n : b.inputs) s.in.push_back(slot(n));
+    for (const std::string& n : b.outputs) s.out.push_back(slot(n));
+    slots_.push_back(std::move(s));
+  }
+  num_slots_ = names.size();
+
+  // Liveness, from the end: live before block i = (live after it - what it
+  // writes) + what it reads.
+  boundaries_.resize(blocks_.size() + 1);
+  std::vector<bool> live(num_slots_, false);
+  for (const std::string& n : model_outputs) live[slot(n)] = true;
+  CHECK(names.size() == num_slots_) << "a model output is never written";
+  auto fill = [&](size_t i) {
+    for (size_t k = 0; k < num_slots_; ++k)
+      if (live[k]) {
+        boundaries_[i].names.push_back(names[k]);
+        boundaries_[i].slots.push_back(k);
+      }
+  };
+  fill(blocks_.size());
+  for (size_t i = blocks_.size(); i-- > 0;) {
+    for (size_t k : slots_[i].out) live[k] = false;
+    for (size_t k : slots_[i].in) live[k] = true;
+    fill(i);
+  }
+  for (const std::string& n : boundaries_[0].names)
+    CHECK(contains(model_inputs, n)) << "'" << n << "' is read before any block writes it";
+  // The model's own order for its inputs and outputs.
+  boundaries_[0].names = model_inputs;
+  boundaries_[0].slots.clear();
+  for (const std::string& n : model_inputs) boundaries_[0].slots.push_back(index_of(names, n));
+  boundaries_.back().names = model_outputs;
+  boundaries_.back().slots.clear();
+  for (const std::string& n : model_outputs) boundaries_.back().slots.push_back(index_of(names, n));
+
+  // Tied parameters: one tensor under two global names in different blocks.
+  std::map<const TensorImpl*, std::pair<std::string, size_t>> first_name;
+  for (size_t b = 0; b < blocks_.size(); ++b)
+    for (const NamedTensor& t : collect(blocks_, b, b + 1, false, true)) {
+      auto [it, added] = first_name.emplace(t.tensor.impl(), std::make_pair(t.name, b));
+      if (!added && it->second.first != t.name)
+        tied_.push_back({t.name, it->second.first, b, it->second.second});
+    }
+}
+
+TensorList BlockList::run(size_t first, size_t last, const TensorList& inputs) const {
+  CHECK(first <= last && last <= blocks_.size())
+      << "blocks [" << first << ", " << last << ") of " << blocks_.size();
+  const Boundary& in = boundaries_[first];
+  CHECK(inputs.size() == in.slots.size()) << "blocks from " << first << " take " << in.slots.size()
+                                          << " tensors, got " << inputs.size();
+  TensorList slots(num_slots_);
+  for (size_t k = 0; k < inputs.size(); ++k) slots[in.slots[k]] = inputs[k];
+  TensorList block_in;
+  for (size_t b = first; b < last; ++b) {
+    const Slots& s = slots_[b];
+    block_in.clear();
+    for (size_t k : s.in) block_in.push_back(slots[k]);
+    TensorList block_out = blocks_[b].fn(block_in);
+    CHECK(block_out.size() == s.out.size())
+        << "block '" << blocks_[b].name << "' returned " << block_out.size()
+        << " tensors, declares " << s.out.size();
+    for (size_t k = 0; k < s.out.size(); ++k) slots[s.out[k]] = std::move(block_out[k]);
+  }
+  TensorList out;
+  for (size_t k : boundaries_[last].slots) out.push_back(slots[k]);
+  return out;
+}
+
+std::vector<NamedTensor> BlockList::named_parameters(size_t first, size_t last) const {
+  return collect(blocks_, first, last, /*with_buffers=*/false, /*every_name=*/false);
+}
+
+std::vector<NamedTensor> BlockList::state(size_t first, size_t last) const {
+  return collect(blocks_, first, last, /*with_buffers=*/true, /*every_name=*/true);
+}
+
+Tensor Model::forward(const Tensor& x) {
+  CHECK(blocks_.boundary(0).size() == 1 && blocks_.boundary(blocks_.size()).size() == 1)
+      << "forward(x) of a model with " << blocks_.boundary(0).size() << " inputs and "
+      << blocks_.boundary(blocks_.size()).size() << " outputs";
+  return blocks_.run({x})[0];
+}
+
+}  // namespace trainer

@@ -1,0 +1,294 @@
+// Models as block lists (layers/block_list.h): for every model of the
+// registry, running its blocks is bit for bit the forward written out by hand
+// from its layers (outputs and gradients), cutting the list at any boundary
+// and running the two slices gives the same bits, and the blocks' parameters
+// are exactly the model's, in state_dict order. Also: liveness across
+// boundaries (a long skip connection, the LSTM's carried state), the tied
+// GPT head, and the errors of a malformed list.
+#include "tests/testing.h"
+
+#include <map>
+
+#include "layers/block_list.h"
+#include "layers/conv.h"
+#include "layers/pooling.h"
+#include "models/gpt.h"
+#include "models/lstm_lm.h"
+#include "models/registry.h"
+#include "models/resnet.h"
+#include "models/small.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+
+namespace {
+
+Module& child(const Module& m, const std::string& name) {
+  for (const auto& [n, c] : m.children())
+    if (n == name) return *c;
+  FAIL("no child " << name);
+  throw 0;
+}
+
+template <class M>
+M& child_as(const Module& m, const std::string& name) {
+  auto* c = dynamic_cast<M*>(&child(m, name));
+  REQUIRE(c != nullptr);
+  return *c;
+}
+
+// The forwards as the models wrote them before they were block lists.
+Tensor resnet_by_hand(ResNet& net, const Tensor& x) {
+  Tensor y = conv_bn(child_as<Conv2d>(net, "conv1"), child_as<BatchNorm2d>(net, "bn1"), x, true);
+  if (!net.options().small_input)
+    y = MaxPool2d(Pool2dAttrs{.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}})(y);
+  for (const char* layer : {"layer1", "layer2", "layer3", "layer4"}) y = child(net, layer)(y);
+  return child(net, "fc")(AdaptiveAvgPool2d(1, 1)(y).flatten(1));
+}
+
+Tensor small_cnn_by_hand(Model& net, const Tensor& x) {
+  MaxPool2d pool{Pool2dAttrs{}};
+  Tensor y =
+      pool(conv_bn(child_as<Conv2d>(net, "conv1"), child_as<BatchNorm2d>(net, "bn1"), x, true));
+  y = pool(conv_bn(child_as<Conv2d>(net, "conv2"), child_as<BatchNorm2d>(net, "bn2"), y, true));
+  y = relu(child(net, "fc1")(y.flatten(1)));
+  return child(net, "fc2")(child(net, "dropout")(y));
+}
+
+Tensor mlp_by_hand(Model& net, const Tensor& x) {
+  Tensor y = x.flatten(1);
+  const size_t n = net.children().size();
+  for (size_t i = 0; i < n; ++i) {
+    y = (*net.children()[i].second)(y);
+    if (i + 1 < n) y = relu(y);
+  }
+  return y;
+}
+
+Tensor gpt_by_hand(GPT& gpt, const Tensor& tokens) {
+  Tensor pos = arange(tokens.size(1), DType::i64, tokens.device());
+  Tensor x = (*gpt.drop)((*gpt.wte)(tokens) + (*gpt.wpe)(pos));
+  for (const auto& b : gpt.h) x = (*b)(x);
+  return linear((*gpt.ln_f)(x), gpt.lm_head_weight(), Tensor());
+}
+
+TensorList lstm_by_hand(LSTMLM& lm, const TensorList& in) {
+  Tensor x = (*lm.drop)((*lm.encoder)(in[0]));
+  auto [y, next] = lm.rnn->forward(x, RNNState{in[1], in[2]});
+  Tensor bias;
+  for (const NamedTensor& p : lm.named_parameters())
+    if (p.name == "decoder.bias") bias = p.tensor;
+  return {linear((*lm.drop)(y), lm.decoder_weight(), bias), next.h, next.c};
+}
+
+using Forward = std::function<TensorList(const TensorList&)>;
+
+struct Run {
+  TensorList outputs;
+  std::map<std::string, Tensor> grads;
+};
+
+// Outputs of f and the parameters' gradients of sum_k sum(outputs[k] * probe_k).
+Run run_with_grads(Module& model, const Forward& f, const TensorList& inputs) {
+  model.zero_grad();
+  Run r;
+  r.outputs = f(inputs);
+  Tensor loss;
+  for (size_t k = 0; k < r.outputs.size(); ++k) {
+    Tensor term = sum(r.outputs[k] * probe_like(r.outputs[k], 100 + k));
+    loss = loss.defined() ? loss + term : term;
+  }
+  loss.backward();
+  for (const NamedTensor& p : model.named_parameters()) {
+    INFO(p.name);
+    REQUIRE(p.tensor.grad().defined());
+    r.grads[p.name] = p.tensor.grad().clone();
+  }
+  model.zero_grad();
+  return r;
+}
+
+void require_same_run(const Run& a, const Run& b, const std::string& what) {
+  REQUIRE(a.outputs.size() == b.outputs.size());
+  for (size_t k = 0; k < a.outputs.size(); ++k)
+    require_close(a.outputs[k], b.outputs[k], 0.0, 0.0, cat(what, ": output ", k));
+  REQUIRE(a.grads.size() == b.grads.size());
+  for (const auto& [name, g] : a.grads)
+    require_close(g, b.grads.at(name), 0.0, 0.0, what + ": " + name);
+}
+
+std::vector<std::string> names_of(const std::vector<NamedTensor>& ts) {
+  std::vector<std::string> out;
+  for (const NamedTensor& t : ts) out.push_back(t.name);
+  return out;
+}
+
+// Blocks against the hand-written forward, every two-slice cut, and the
+// blocks' parameters against the model's.
+void check_model(Model& model, const Forward& by_hand, const TensorList& inputs) {
+  const BlockList& blocks = model.blocks();
+  REQUIRE(blocks.size() >= 2);
+  CHECK(names_of(blocks.state(0, blocks.size())) == names_of(model.state()));
+  CHECK(names_of(blocks.named_parameters(0, blocks.size())) == names_of(model.named_parameters()));
+
+  const Run reference = run_with_grads(model, by_hand, inputs);
+  const Run whole = run_with_grads(
+      model, [&](const TensorList& in) { return blocks.run(in); }, inputs);
+  require_same_run(whole, reference, "blocks vs by hand");
+  for (size_t cut = 1; cut < blocks.size(); ++cut) {
+    INFO("cut before block " << cut << " (" << blocks[cut].name << ")");
+    const Run sliced = run_with_grads(
+        model,
+        [&](const TensorList& in) {
+          TensorList mid = blocks.run(0, cut, in);
+          REQUIRE(mid.size() == blocks.boundary(cut).size());
+          return blocks.run(cut, blocks.size(), mid);
+        },
+        inputs);
+    require_same_run(sliced, reference, cat("cut at ", cut));
+  }
+}
+
+Tensor images(int64_t n, int64_t c, int64_t side) {
+  Generator gen(5);
+  return rand_tensor({n, c, side, side}, gen);
+}
+
+Tensor tokens(int64_t B, int64_t T, int64_t V) {
+  std::vector<int64_t> t(size_t(B * T));
+  for (size_t i = 0; i < t.size(); ++i) t[i] = int64_t((7 * i + 3) % size_t(V));
+  return from_vector(t, {B, T});
+}
+
+}  // namespace
+
+TEST_CASE("blocks: every ResNet runs bit for bit as its hand-written forward", "[models][blocks]") {
+  for (const char* name : {"resnet18", "resnet50_small"}) {
+    INFO(name);
+    auto net = std::dynamic_pointer_cast<ResNet>(
+        make_model(name, {.num_classes = 7, .in_channels = 3, .width = 4}));
+    REQUIRE(net);
+    check_model(*net, [&](const TensorList& in) { return TensorList{resnet_by_hand(*net, in[0])}; },
+                {images(2, 3, 32)});
+    const BlockList& b = net->blocks();
+    CHECK(b[0].name == "stem");
+    CHECK(b[1].name == "layer1.0");
+    CHECK(b[b.size() - 1].name == "head");
+    CHECK(b.boundary(3) == std::vector<std::string>{"x"});
+    CHECK(b.boundary(b.size()) == std::vector<std::string>{"logits"});
+    CHECK(b.tied().empty());
+  }
+}
+
+TEST_CASE("blocks: small CNN and MLP run bit for bit as their hand-written forwards",
+          "[models][blocks]") {
+  auto cnn = make_model("small_cnn",
+                        {.num_classes = 10, .in_channels = 1, .image_size = 8, .dropout = 0.0});
+  check_model(*cnn,
+              [&](const TensorList& in) { return TensorList{small_cnn_by_hand(*cnn, in[0])}; },
+              {images(3, 1, 8)});
+  auto mlp = make_model("mlp", {.num_classes = 10, .in_channels = 1, .image_size = 8});
+  check_model(*mlp, [&](const TensorList& in) { return TensorList{mlp_by_hand(*mlp, in[0])}; },
+              {images(3, 1, 8)});
+  CHECK(mlp->blocks().size() == 3);
+}
+
+TEST_CASE("blocks: GPT runs bit for bit as its hand-written forward, tied or not",
+          "[models][blocks]") {
+  for (bool tie : {true, false}) {
+    INFO("tie_weights " << tie);
+    auto gpt = std::dynamic_pointer_cast<GPT>(make_model("gpt", {.dropout = 0.0,
+                                                                 .vocab_size = 11,
+                                                                 .context = 8,
+                                                                 .n_layer = 3,
+                                                                 .n_head = 2,
+                                                                 .d_model = 8,
+                                                                 .tie_weights = tie}));
+    REQUIRE(gpt);
+    check_model(*gpt, [&](const TensorList& in) { return TensorList{gpt_by_hand(*gpt, in[0])}; },
+                {tokens(2, 7, 11)});
+    const BlockList& b = gpt->blocks();
+    REQUIRE(b.size() == 5);
+    CHECK(b[2].name == "transformer.h.1");
+    CHECK(names_of(b.named_parameters(2, 3))[0] == "transformer.h.1.ln_1.weight");
+    // The head's stage owns ln_f and lm_head; tied, lm_head.weight is the
+    // embedding's tensor, listed by both stages.
+    CHECK(names_of(b.state(4, 5)) == std::vector<std::string>{"transformer.ln_f.weight",
+                                                              "transformer.ln_f.bias",
+                                                              "lm_head.weight"});
+    if (tie) {
+      REQUIRE(b.tied().size() == 1);
+      CHECK(b.tied()[0].name == "lm_head.weight");
+      CHECK(b.tied()[0].tied_to == "transformer.wte.weight");
+      CHECK(b.tied()[0].block == 4);
+      CHECK(b.tied()[0].tied_block == 0);
+    } else {
+      CHECK(b.tied().empty());
+    }
+  }
+}
+
+TEST_CASE("blocks: the LSTM LM carries its state through its rnn block", "[models][blocks]") {
+  for (bool tie : {false, true}) {
+    INFO("tie_weights " << tie);
+    auto lm = std::dynamic_pointer_cast<LSTMLM>(make_model("lstm_lm", {.dropout = 0.0,
+                                                                       .vocab_size = 9,
+                                                                       .n_layer = 2,
+                                                                       .d_model = 6,
+                                                                       .hidden = 6,
+                                                                       .tie_weights = tie}));
+    REQUIRE(lm);
+    Generator gen(3);
+    const TensorList inputs = {tokens(2, 5, 9), rand_tensor({2, 2, 6}, gen),
+                               rand_tensor({2, 2, 6}, gen)};
+    check_model(
+        *lm, [&](const TensorList& in) { return lstm_by_hand(*lm, in); }, inputs);
+    const BlockList& b = lm->blocks();
+    CHECK(b.boundary(0) == std::vector<std::string>{"tokens", "h", "c"});
+    // The state passes the embedding's stage to reach the LSTM's.
+    CHECK(b.boundary(1) == std::vector<std::string>{"h", "c", "x"});
+    CHECK(b.boundary(2) == std::vector<std::string>{"h", "c", "x"});
+    CHECK(b.boundary(3) == std::vector<std::string>{"logits", "h", "c"});
+    // An undefined state means zeros, as before.
+    LSTMLMOutput zero_state = lm->forward(inputs[0], RNNState{});
+    Tensor zeros_in = zeros({2, 2, 6});
+    require_close(zero_state.logits, lstm_by_hand(*lm, {inputs[0], zeros_in, zeros_in})[0], 0.0,
+                  0.0, "zero state");
+  }
+}
+
+TEST_CASE("blocks: a long skip connection is live across every boundary it spans",
+          "[models][blocks]") {
+  auto twice = [](const TensorList& in) { return TensorList{in[0] * 2.0}; };
+  BlockList blocks(
+      {"x"}, {"y"},
+      {{.name = "a",
+        .outputs = {"x", "skip"},
+        .fn =
+            [](const TensorList& in) {
+              return TensorList{in[0] + 1.0, in[0]};
+            }},
+       {.name = "b", .fn = twice},
+       {.name = "c", .fn = twice},
+       {.name = "d", .inputs = {"x", "skip"}, .outputs = {"y"}, .fn = [](const TensorList& in) {
+          return TensorList{in[0] - in[1]};
+        }}});
+  CHECK(blocks.boundary(1) == std::vector<std::string>{"x", "skip"});
+  CHECK(blocks.boundary(3) == std::vector<std::string>{"x", "skip"});
+  CHECK(blocks.boundary(4) == std::vector<std::string>{"y"});
+  Tensor x = from_vector(std::vector<float>{1, 2}, {2});
+  // ((x + 1) * 4) - x
+  require_close(blocks.run({x})[0], from_vector(std::vector<float>{7, 10}, {2}), 0, 0, "run");
+  TensorList mid = blocks.run(0, 2, {x});
+  require_close(blocks.run(2, 4, mid)[0], from_vector(std::vector<float>{7, 10}, {2}), 0, 0,
+                "sliced");
+
+  std::string unread = check_failure_of([] {
+    BlockList(
+        {"x"}, {"y"},
+        {{.name = "a", .inputs = {"x", "h"}, .outputs = {"y"}, .fn = [](const TensorList& in) {
+            return in;
+          }}});
+  });
+  CHECK(unread.find("'h' is read before any block writes it") != std::string::npos);
+}

@@ -1,0 +1,135 @@
+// The trainer's models through the registry: GPT checkpoints carry nanoGPT's
+// names (the tied head under both), checkpoints with the older names (no
+// "transformer." prefix, no lm_head.weight when tied) still load by
+// init_from and resume by load (model and optimizer), a tied pair that
+// disagrees is refused, and model.gelu picks the MLP's GELU.
+#include "tests/testing.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "models/registry.h"
+#include "trainer/recipe.h"
+#include "trainer/safetensors.h"
+#include "trainer/session.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path tiny_gpt_recipe() {
+  const fs::path dir = fresh_temp_dir("models_recipe");
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "in the beginning was the word, and the word was good.\n";
+  std::ofstream(dir / "corpus.txt", std::ios::binary) << text;
+  const fs::path recipe = dir / "gpt.yaml";
+  std::ofstream(recipe) << "model:\n  name: gpt\n  n_layer: 2\n  n_head: 2\n  d_model: 16\n"
+                        << "  hidden: 16\n  context: 8\ndata:\n  name: text\n  path: "
+                        << (dir / "corpus.txt").string() << "\n  vocab: char\n  seq_len: 8\n"
+                        << "optimizer:\n  name: adamw\n  lr: 0.01\ntraining:\n  steps: 2\n"
+                        << "  global_batch: 2\n  threads: 1\noutput_dir: " << (dir / "run").string()
+                        << "\n";
+  return recipe;
+}
+
+// tensors under names with the "transformer." prefix dropped and without
+// lm_head.weight when drop_head: what this trainer wrote before.
+std::vector<NamedTensor> old_names(const std::vector<NamedTensor>& state, bool drop_head) {
+  std::vector<NamedTensor> out;
+  const std::string prefix = "transformer.";
+  for (const NamedTensor& t : state) {
+    if (drop_head && t.name == "lm_head.weight") continue;
+    out.push_back({t.name.rfind(prefix, 0) == 0 ? t.name.substr(prefix.size()) : t.name, t.tensor});
+  }
+  return out;
+}
+
+void require_same_state(Module& a, Module& b) {
+  std::vector<NamedTensor> sa = a.state(), sb = b.state();
+  REQUIRE(sa.size() == sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) {
+    REQUIRE(sa[i].name == sb[i].name);
+    require_close(sa[i].tensor, sb[i].tensor, 0, 0, sa[i].name);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPT checkpoints: nanoGPT's names written, the older names still read",
+          "[train][models]") {
+  const std::string recipe = tiny_gpt_recipe().string();
+  for (bool tie : {true, false}) {
+    INFO("tie_weights " << tie);
+    const std::string tie_key = std::string("model.tie_weights=") + (tie ? "true" : "false");
+    Session target(load_recipe(recipe, {tie_key}));
+    Session donor(load_recipe(recipe, {tie_key, "seed=7"}));
+    const fs::path dir = fresh_temp_dir("models_ckpt");
+
+    // Written: nanoGPT's state_dict, the tied head under both names, equal.
+    donor.save(dir.string(), TrainState{});
+    SafetensorsFile written = read_safetensors((dir / "model.safetensors").string());
+    REQUIRE(written.tensors.count("transformer.wte.weight") == 1);
+    REQUIRE(written.tensors.count("transformer.h.1.mlp.c_proj.bias") == 1);
+    REQUIRE(written.tensors.count("lm_head.weight") == 1);
+    REQUIRE(written.tensors.count("wte.weight") == 0);
+    if (tie)
+      require_close(written.tensors.at("lm_head.weight"),
+                    written.tensors.at("transformer.wte.weight"), 0, 0, "tied head");
+    target.init_from((dir / "model.safetensors").string(), /*strict=*/true);
+    require_same_state(target.model(), donor.model());
+
+    // Read: the older names, through init_from and through a checkpoint directory.
+    Session fresh(load_recipe(recipe, {tie_key}));
+    const fs::path old_file = dir / "old.safetensors";
+    write_safetensors(old_file.string(), old_names(donor.model().state(), tie));
+    fresh.init_from(old_file.string(), /*strict=*/true);
+    require_same_state(fresh.model(), donor.model());
+    // Resuming reads the optimizer's entries (<parameter>.<slot>) under the older names too.
+    Session resumed(load_recipe(recipe, {tie_key}));
+    fs::rename(old_file, dir / "model.safetensors");
+    const std::string optimizer_path = (dir / "optimizer.safetensors").string();
+    std::vector<NamedTensor> optimizer_state;
+    for (const auto& [name, t] : read_safetensors(optimizer_path).tensors)
+      optimizer_state.push_back({name, t});
+    std::vector<NamedTensor> renamed = old_names(optimizer_state, false);
+    REQUIRE(renamed.size() > 10);
+    CHECK(renamed.front().name.rfind("transformer.", 0) == std::string::npos);
+    write_safetensors(optimizer_path, renamed);
+    resumed.load(dir.string());
+    require_same_state(resumed.model(), donor.model());
+  }
+}
+
+TEST_CASE("GPT checkpoints: a tied head that differs from the embedding is refused",
+          "[train][models]") {
+  const std::string recipe = tiny_gpt_recipe().string();
+  Session session(load_recipe(recipe));
+  std::vector<NamedTensor> state = session.model().state();
+  for (NamedTensor& t : state)
+    if (t.name == "lm_head.weight") t.tensor = t.tensor.clone() * 2.0;
+  const fs::path file = fresh_temp_dir("models_bad_tie") / "model.safetensors";
+  write_safetensors(file.string(), state);
+  const std::string message = error_of([&] { session.init_from(file.string(), true); });
+  CHECK(message.find(file.string() +
+                     ": lm_head.weight differs from transformer.wte.weight, but this GPT "
+                     "ties them") != std::string::npos);
+  // Untied, the same file loads: two tensors.
+  Session untied(load_recipe(recipe, {"model.tie_weights=false"}));
+  untied.init_from(file.string(), true);
+}
+
+TEST_CASE("model.gelu: exact by default (nanoGPT), tanh on request", "[train][models]") {
+  const std::string recipe = tiny_gpt_recipe().string();
+  CHECK(load_recipe(recipe).model.gelu == "exact");
+  Session exact(load_recipe(recipe)), tanh_form(load_recipe(recipe, {"model.gelu=tanh"}));
+  const Tensor tokens = from_vector(std::vector<int64_t>{1, 2, 3, 4, 5, 6}, {1, 6});
+  // Same weights (same seed); only the GELU differs.
+  require_same_state(exact.model(), tanh_form.model());
+  Tensor a = exact.model()(tokens), b = tanh_form.model()(tokens);
+  CHECK(max(abs(a - b)).item<float>() > 0.0f);
+  CHECK(error_of([&] {
+          load_recipe(recipe, {"model.gelu=erf"});
+        }).find("key 'model.gelu' = 'erf' is not one of: exact, tanh") != std::string::npos);
+}
