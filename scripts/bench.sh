@@ -41,7 +41,8 @@ for b in bench_train bench_dp bench_allreduce bench_matmul bench_loader trainer;
 done
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-git diff --quiet HEAD -- 2>/dev/null || commit="$commit+changes"
+# Uncommitted changes to anything but the documentation make the figures not the commit's.
+git diff --quiet HEAD -- . ':!*.md' ':!docs' 2>/dev/null || commit="$commit+changes"
 date=$(date -u +%Y-%m-%d)
 out=${out:-bench/results/$date-${commit%+changes}}
 mkdir -p "$out/raw"
