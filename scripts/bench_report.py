@@ -216,6 +216,13 @@ SECTIONS = {
 }
 
 
+def stamp(meta):
+    """Date, commit and load average of a run, for figure titles: a figure
+    taken on a busy machine says so."""
+    load = meta.get("load before", "?").split(" ")[0]
+    return f"{meta.get('date', '?')}, {meta.get('commit', '?')}, load average {load}"
+
+
 def plot_allreduce(sizes, bound, meta, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -232,8 +239,7 @@ def plot_allreduce(sizes, bound, meta, path):
     ax.set_xticklabels([human_bytes(b).replace(" ", "") for b in x], rotation=45)
     ax.set_xlabel("message size")
     ax.set_ylabel("bus bandwidth, GB/s (higher is better)")
-    ax.set_title(f"Allreduce, 2 ranks, one host ({meta.get('date', '')}, {meta.get('commit', '')})",
-                 fontsize=10)
+    ax.set_title(f"Allreduce, 2 ranks, one host ({stamp(meta)})", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -258,8 +264,7 @@ def plot_dp(cases, meta, path):
     ax.set_xticklabels(labels)
     ax.set_ylim(0, 125)
     ax.set_ylabel("dp=2 scaling efficiency, % (higher is better)")
-    ax.set_title(f"Data parallelism, 2 ranks ({meta.get('date', '')}, {meta.get('commit', '')})",
-                 fontsize=10)
+    ax.set_title(f"Data parallelism, 2 ranks ({stamp(meta)})", fontsize=10)
     ax.legend(loc="upper center", ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
