@@ -179,7 +179,8 @@ int main(int argc, char** argv) {
   }
 
   // The same files through torchvision's PIL pipeline, on one thread.
-  fs::path script = fs::path(__FILE__).parent_path() / "loader_torchvision.py";
+  // TRAINER_SOURCE_DIR, not __FILE__: ccache (base_dir) compiles with relative paths.
+  fs::path script = fs::path(TRAINER_SOURCE_DIR) / "bench" / "loader_torchvision.py";
   if (fs::exists(script) && std::system("python3 -c 'import PIL' > /dev/null 2>&1") == 0) {
     std::printf("Python, same files, same train transforms:\n");
     std::fflush(stdout);

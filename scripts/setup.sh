@@ -2,8 +2,15 @@
 # Installs every Debian package the project needs (idempotent: apt runs only
 # when something is missing) and makes a Release build in ./build.
 #
-#   bash scripts/setup.sh            # packages + build
+#   bash scripts/setup.sh                    # packages + build
+#   TRAINER_CUDA=ON bash scripts/setup.sh    # also compile the CUDA backend (CI does)
 #   BUILD_DIR=build-asan CMAKE_ARGS="-DTRAINER_SANITIZE=address,undefined" bash scripts/setup.sh
+#
+# The CUDA backend is compiled when this machine has an NVIDIA driver
+# (/proc/driver/nvidia/version, or nvidia-smi answers): compiling it takes
+# most of a first build and nothing on a machine without a GPU can run it.
+# TRAINER_CUDA=ON|OFF|AUTO forces the choice (AUTO: wherever nvcc and cuDNN
+# are found, driver or not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +45,20 @@ if [ ! -s datasets/kjv.txt ]; then
 fi
 
 BUILD_DIR=${BUILD_DIR:-build}
-# CUDA: AUTO builds the backend wherever nvcc and cuDNN are found.
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
+if [ -z "${TRAINER_CUDA:-}" ]; then
+  if [ -r /proc/driver/nvidia/version ] || nvidia-smi -L >/dev/null 2>&1; then
+    TRAINER_CUDA=AUTO
+  else
+    TRAINER_CUDA=OFF
+    echo "setup: no NVIDIA driver here, so the CUDA backend is not compiled (TRAINER_CUDA=ON forces it)"
+  fi
+fi
+case "$TRAINER_CUDA" in
+  ON | OFF | AUTO) ;;
+  *) echo "setup: TRAINER_CUDA must be ON, OFF or AUTO, not '$TRAINER_CUDA'" >&2; exit 2 ;;
+esac
+start=$(date +%s)
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRAINER_CUDA="$TRAINER_CUDA" \
+  ${CMAKE_ARGS:-} >/dev/null
 ninja -C "$BUILD_DIR" -j"$(nproc)"
-echo "setup: built $BUILD_DIR"
+echo "setup: built $BUILD_DIR (CUDA backend: $TRAINER_CUDA) in $(($(date +%s) - start)) s"

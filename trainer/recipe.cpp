@@ -34,11 +34,14 @@ std::string format_number(double x) {
   return buf;
 }
 
-// One key of the schema, bound to a field of a Recipe.
+// One key of the schema, bound to a field of a Recipe. `type` and `range`
+// describe it for people (recipe_schema(): --help and docs/recipes.md).
 struct Field {
   std::string path;
   std::function<void(const YAML::Node&, const Origin&)> parse;
   std::function<YAML::Node()> emit;
+  std::string type;
+  std::string range;
 };
 
 [[noreturn]] void type_error(const Origin& o, const std::string& path, const char* expected,
@@ -71,7 +74,7 @@ Field int_field(std::string path, int64_t* p, int64_t lo, int64_t hi) {
                  check_range(x, lo, hi, o, path);
                  *p = x;
                },
-               [=] { return YAML::Node(*p); }};
+               [=] { return YAML::Node(*p); }, "int", cat("[", lo, ", ", hi, "]")};
 }
 
 Field float_field(std::string path, double* p, double lo, double hi) {
@@ -81,7 +84,8 @@ Field float_field(std::string path, double* p, double lo, double hi) {
                  check_range(x, lo, hi, o, path);
                  *p = x;
                },
-               [=] { return YAML::Node(format_number(*p)); }};
+               [=] { return YAML::Node(format_number(*p)); }, "float",
+               cat("[", format_number(lo), ", ", format_number(hi), "]")};
 }
 
 Field bool_field(std::string path, bool* p) {
@@ -89,7 +93,14 @@ Field bool_field(std::string path, bool* p) {
                [=](const YAML::Node& v, const Origin& o) {
                  *p = scalar_as<bool>(v, o, path, "true or false");
                },
-               [=] { return YAML::Node(*p); }};
+               [=] { return YAML::Node(*p); }, "bool", "true, false"};
+}
+
+// "a, b, c": the accepted values of a string key (empty: any text).
+std::string join_choices(const std::vector<std::string>& choices) {
+  std::string list;
+  for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
+  return list;
 }
 
 // A string; `choices` empty means free text.
@@ -98,14 +109,12 @@ Field string_field(std::string path, std::string* p, std::vector<std::string> ch
       path,
       [=](const YAML::Node& v, const Origin& o) {
         std::string s = scalar_as<std::string>(v, o, path, "a string");
-        if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end()) {
-          std::string list;
-          for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
-          throw Error(cat(o.text, ": key '", path, "' = '", s, "' is not one of: ", list));
-        }
+        if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end())
+          throw Error(
+              cat(o.text, ": key '", path, "' = '", s, "' is not one of: ", join_choices(choices)));
         *p = s;
       },
-      [=] { return YAML::Node(*p); }};
+      [=] { return YAML::Node(*p); }, "string", join_choices(choices)};
 }
 
 Field float_list_field(std::string path, std::vector<double>* p, double lo, double hi) {
@@ -125,7 +134,8 @@ Field float_list_field(std::string path, std::vector<double>* p, double lo, doub
                  for (double x : *p) n.push_back(format_number(x));
                  n.SetStyle(YAML::EmitterStyle::Flow);
                  return n;
-               }};
+               },
+               "list of floats", cat("each in [", format_number(lo), ", ", format_number(hi), "]")};
 }
 
 constexpr int64_t kBig = std::numeric_limits<int32_t>::max();
@@ -347,6 +357,22 @@ std::string recipe_to_yaml(const Recipe& r) {
   YAML::Emitter out;
   out << root;
   return std::string(out.c_str()) + "\n";
+}
+
+// A default value as one line of YAML ("0.1", "[]", "" for an empty string).
+std::string yaml_text(const YAML::Node& node) {
+  YAML::Emitter out;
+  out << node;
+  std::string text = out.c_str();
+  return text == "\"\"" || text == "~" ? "" : text;
+}
+
+std::vector<RecipeKey> recipe_schema() {
+  Recipe defaults;
+  std::vector<RecipeKey> keys;
+  for (const Field& f : schema(defaults))
+    keys.push_back(RecipeKey{f.path, f.type, yaml_text(f.emit()), f.range});
+  return keys;
 }
 
 std::vector<std::string> recipe_keys() {

@@ -139,4 +139,15 @@ std::string recipe_to_yaml(const Recipe& r);
 // Every valid dotted key, in schema order.
 std::vector<std::string> recipe_keys();
 
+// One key of the schema as people read it: docs/recipes.md's table is checked
+// against these (tests/test_trainer_docs.cpp), so the manual cannot go stale.
+struct RecipeKey {
+  std::string key;            // dotted path, e.g. "training.epochs"
+  std::string type;           // int, float, bool, string, list of floats
+  std::string default_value;  // as YAML prints it ("" for an empty string)
+  std::string range;          // "[1, 65536]", "sgd, adamw", "" for free text
+};
+// Every key, in schema order, from the same declaration table parsing uses.
+std::vector<RecipeKey> recipe_schema();
+
 }  // namespace trainer
