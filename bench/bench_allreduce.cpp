@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "comm/collectives.h"
+#include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
 
 using namespace trainer;
@@ -268,6 +269,7 @@ int main(int argc, char** argv) {
     if (boot.rank != 0) return 0;
     double copy = memcpy_bandwidth();
     auto bus = [&](double algbw) { return algbw * 2.0 * (n - 1) / n; };
+    std::printf("# %s\n", cpu::describe_machine().c_str());
     std::printf("# allreduce f32 sum, %d ranks, in place; time = slowest rank's mean; %s\n", n,
                 options.detect_peer_failure
                     ? "peer failure detection on (local peers: shared memory + pidfd)"

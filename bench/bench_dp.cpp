@@ -54,6 +54,7 @@
 
 #include "bench/bench_util.h"
 #include "comm/collectives.h"
+#include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "parallel/ddp.h"
@@ -400,6 +401,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  std::printf("%s\n", cpu::describe_machine().c_str());
   std::printf(
       "dp=1 vs dp=2, 1 thread per rank%s, same per-rank batch, median of %d steps, %d round%s; "
       "overlap %s, buckets of %zu MB%s%s\n",

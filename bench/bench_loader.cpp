@@ -21,6 +21,7 @@
 #include <opencv2/imgcodecs.hpp>
 #include <string>
 
+#include "core/cpu/isa.h"
 #include "data/idx.h"
 #include "data/image_folder.h"
 #include "data/loader.h"
@@ -155,6 +156,7 @@ int main(int argc, char** argv) {
   fs::path root = dir / "train";
   size_t bytes = write_images(root, count, 4);
   ImageFolder folder(root.string());
+  std::printf("%s\n", cpu::describe_machine().c_str());
   std::printf("bench_loader: %d JPEGs of 500x375, quality 90, %.0f KB on average, in %s\n", count,
               double(bytes) / count / 1024, root.c_str());
 

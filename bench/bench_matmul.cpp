@@ -5,13 +5,12 @@
 //   bench_matmul            # full table
 //   bench_matmul --quick    # fewer repetitions
 //
-// The peak is cores x clock x AVX-512 FMA units x 16 lanes x 2 flops. The
+// The peak is cores x clock x FMA units x lanes (16 with AVX-512, 8 with
+// AVX2) x 2 flops. The
 // clock is measured with a chain of dependent FMAs (4 cycles each on Intel
 // cores since Skylake); /proc/cpuinfo's "cpu MHz" is printed beside it. Two
 // FMA units per core is the assumption for Xeon (Sapphire Rapids has FMA
 // ports 0 and 5); the measured throughput of independent FMAs checks it.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 
@@ -43,51 +43,81 @@ double cpuinfo_mhz() {
 
 constexpr double kFmaLatencyCycles = 4.0;
 constexpr double kFmaUnitsAssumed = 2.0;
-constexpr double kLanes = 16.0;  // fp32 lanes of a 512-bit register
 
-// Keeps the compiler from dropping the loop that computed v.
-__attribute__((target("avx512f"))) void consume(__m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  volatile float sink = lanes[0];
+// The measurements below, for a vector of W fp32 lanes (GCC's vector
+// extension; -ffp-contract makes x * a + b one FMA). Inlined into a wrapper
+// compiled for the ISA that has W lanes.
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<8> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<16> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <int W>
+using Vec = typename VecOf<W>::type;
+
+template <int W>
+__attribute__((always_inline)) inline void consume(Vec<W> v) {
+  volatile float sink = v[0];
   (void)sink;
 }
 
 // Cycles per second from a dependent chain of n FMAs. Runs are short (about
 // a millisecond) and the fastest of many counts, so a run that another
 // process interrupted does not lower the estimate.
-__attribute__((target("avx512f"))) double measure_clock_hz() {
+template <int W>
+__attribute__((always_inline)) inline double measure_clock_hz() {
   const int64_t n = 500'000;
   double best = 1e30;
   for (int rep = 0; rep < 200; ++rep) {
-    __m512 x = _mm512_set1_ps(1.0f), a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+    Vec<W> x = Vec<W>{} + 1.0f, a = Vec<W>{} + 0.999999f, b = Vec<W>{} + 1e-7f;
     auto t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) x = _mm512_fmadd_ps(x, a, b);
+    for (int64_t i = 0; i < n; ++i) {
+      x = x * a + b;
+      __asm__ volatile("" : "+x"(x));  // one FMA per iteration, kept in order
+    }
     best = std::min(best, seconds_since(t0));
-    consume(x);
+    consume<W>(x);
   }
   return double(n) * kFmaLatencyCycles / best;
 }
 
 // FMAs per second of one core from 12 independent chains (enough to cover
 // 2 units x 4 cycles of latency), fastest of many short runs.
-__attribute__((target("avx512f"))) double measure_fma_per_second() {
+template <int W>
+__attribute__((always_inline)) inline double measure_fma_per_second() {
   const int64_t n = 100'000;
   double best = 1e30;
   for (int rep = 0; rep < 200; ++rep) {
-    __m512 acc[12];  // distinct starting values, so no two chains are the same computation
-    for (int k = 0; k < 12; ++k) acc[k] = _mm512_set1_ps(1.0f + 0.01f * float(k));
-    __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+    Vec<W> acc[12];  // distinct starting values, so no two chains are the same computation
+    for (int k = 0; k < 12; ++k) acc[k] = Vec<W>{} + (1.0f + 0.01f * float(k));
+    Vec<W> a = Vec<W>{} + 0.999999f, b = Vec<W>{} + 1e-7f;
     auto t0 = Clock::now();
     for (int64_t i = 0; i < n; ++i)
-      for (auto& v : acc) v = _mm512_fmadd_ps(v, a, b);
+      for (auto& v : acc) {
+        v = v * a + b;
+        __asm__ volatile("" : "+x"(v));
+      }
     best = std::min(best, seconds_since(t0));
-    __m512 s = acc[0];
-    for (int k = 1; k < 12; ++k) s = _mm512_add_ps(s, acc[k]);
-    consume(s);
+    Vec<W> s = acc[0];
+    for (int k = 1; k < 12; ++k) s += acc[k];
+    consume<W>(s);
   }
   return double(n) * 12 / best;
 }
+
+struct Peak {
+  int lanes;  // fp32 lanes of the widest vector the kernels use
+  double clock_hz, fma_per_second;
+};
+TRAINER_AVX512 Peak measure_avx512() {
+  return {16, measure_clock_hz<16>(), measure_fma_per_second<16>()};
+}
+Peak measure_avx2() { return {8, measure_clock_hz<8>(), measure_fma_per_second<8>()}; }
 
 struct Case {
   const char* name;
@@ -114,21 +144,23 @@ double time_matmul(const Tensor& a, const Tensor& b, int min_reps, double budget
 
 int main(int argc, char** argv) {
   bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  if (!__builtin_cpu_supports("avx512f")) {
-    std::printf("this CPU has no AVX-512; the peak model below assumes it\n");
-    return 1;
-  }
+  std::printf("%s\n", cpu::describe_machine().c_str());
+  // AVX-512 where oneDNN uses it, else AVX2 (DNNL_MAX_CPU_ISA=AVX2 and
+  // TRAINER_MAX_CPU_ISA=avx2 model an AVX2-only CPU).
+  const bool wide = cpu::use_avx512() && cpu::kernel_isas().onednn.find("avx512") == 0;
+  const Peak peak = wide ? measure_avx512() : measure_avx2();
+  const double kLanes = peak.lanes;
   double mhz = cpuinfo_mhz();
-  double clock = measure_clock_hz();
-  double fma_rate = measure_fma_per_second();
-  double units = fma_rate / clock;
+  double clock = peak.clock_hz;
+  double units = peak.fma_per_second / clock;
   double per_core = clock * kFmaUnitsAssumed * kLanes * 2;
   std::printf(
-      "clock: %.0f MHz measured (dependent 512-bit FMAs, %g cycles each); "
+      "clock: %.0f MHz measured (dependent %d-bit FMAs, %g cycles each); "
       "/proc/cpuinfo says %.0f MHz\n",
-      clock / 1e6, kFmaLatencyCycles, mhz);
-  std::printf("FMA units: %g assumed (Xeon, ports 0 and 5); measured %.2f 512-bit FMAs/cycle\n",
-              kFmaUnitsAssumed, units);
+      clock / 1e6, 32 * peak.lanes, kFmaLatencyCycles, mhz);
+  std::printf(
+      "FMA units: %g assumed (Xeon ports 0 and 5, Zen 4); measured %.2f %d-bit FMAs/cycle\n",
+      kFmaUnitsAssumed, units, 32 * peak.lanes);
   std::printf("fp32 peak per core = %.2f GHz x %g FMA units x %g lanes x 2 = %.1f GFLOP/s\n\n",
               clock / 1e9, kFmaUnitsAssumed, kLanes, per_core / 1e9);
 

@@ -23,6 +23,7 @@
 
 #include "comm/collectives.h"
 #include "comm/shm_channel.h"
+#include "core/cpu/isa.h"
 
 using namespace trainer;
 using namespace trainer::comm;
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
         if (shm) channel[k] = std::min(channel[k], time_shm(*world, *shm, mine, theirs, sizes[k]));
       }
     if (world->rank() == 0) {
+      std::printf("# %s\n", cpu::describe_machine().c_str());
       std::printf(
           "# point-to-point, 2 ranks on one host, one-way time (half a ping-pong), best "
           "of %d rounds\n",

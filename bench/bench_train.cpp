@@ -15,6 +15,8 @@
 //   bench_train --case resnet50_224 --skip-torch   # ours only (for profiling)
 //   bench_train --precision bf16      # forward + loss under AutocastGuard(bf16) on both
 //                                     # sides (torch.autocast("cpu", torch.bfloat16))
+//   bench_train --isa avx2            # both sides limited to AVX2, as on a CPU without
+//                                     # AVX-512 (oneDNN, MKL, ATen and our own loops)
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,6 +29,7 @@
 
 #include "bench/bench_util.h"
 #include "core/autocast.h"
+#include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 
@@ -187,13 +190,22 @@ int main(int argc, char** argv) {
       only = argv[++i];
     else if (a == "--skip-torch")
       skip_torch = true;
-    else if (a == "--precision" && i + 1 < argc &&
-             (std::string(argv[i + 1]) == "bf16" || std::string(argv[i + 1]) == "fp32"))
+    else if (a == "--isa" && i + 1 < argc && std::string(argv[i + 1]) == "avx2") {
+      // Before any kernel runs, so oneDNN and the child processes see them:
+      // the same caps on both sides (PyTorch: ATen's loops, oneDNN, MKL).
+      ++i;
+      setenv("DNNL_MAX_CPU_ISA", "AVX2", 1);
+      setenv("TRAINER_MAX_CPU_ISA", "avx2", 1);
+      setenv("ATEN_CPU_CAPABILITY", "avx2", 1);
+      setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2", 1);
+      cpu::set_max_isa(cpu::Isa::avx2);
+    } else if (a == "--precision" && i + 1 < argc &&
+               (std::string(argv[i + 1]) == "bf16" || std::string(argv[i + 1]) == "fp32"))
       g_precision = std::string(argv[++i]) == "bf16" ? DType::bf16 : DType::f32;
     else {
       std::fprintf(stderr,
                    "usage: bench_train [--threads N] [--steps N] [--case NAME] [--skip-torch] "
-                   "[--precision fp32|bf16]\n");
+                   "[--precision fp32|bf16] [--isa avx2]\n");
       return 2;
     }
   }
@@ -201,6 +213,7 @@ int main(int argc, char** argv) {
       "training step = forward + backward + SGD(momentum) step, synthetic data, median of %d "
       "steps, %s\n",
       steps, g_precision == DType::bf16 ? "bf16 autocast (both sides)" : "fp32");
+  std::printf("%s\n", cpu::describe_machine().c_str());
   std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr", "ours samp/s",
               "peak MiB", "torch samp/s", "peak MiB", "ratio");
   for (const ImageCase& c : kCases) {

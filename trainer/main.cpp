@@ -30,7 +30,7 @@ int run_info() {
   std::printf("CUDA backend: not compiled\n");
 #endif
   const cpu::CpuFeatures& cpu = cpu::cpu_features();
-  std::printf("CPU: %s\n", cpu.model.empty() ? "unknown" : cpu.model.c_str());
+  std::printf("CPU: %s\n", cpu::cpu_name(cpu).c_str());
   std::printf("CPU features: %s\n", cpu::feature_summary(cpu).c_str());
   std::printf("kernels: %s\n", cpu::describe_kernel_isas().c_str());
   std::printf("bf16: %s\n", cpu::describe_low_precision(false).c_str());

@@ -16,7 +16,6 @@ namespace trainer {
 
 namespace {
 
-
 // vocab: the data's vocabulary size (language models).
 std::shared_ptr<Module> build_model(const Recipe& r, int64_t vocab) {
   const ModelRecipe& m = r.model;
@@ -218,6 +217,7 @@ TrainState Session::load_model(const std::string& dir) { return load_checkpoint(
 TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
   std::map<std::string, Tensor> model = read_model(dir);
   model_->upgrade_loaded_state(model, model_file(dir));
+  std::vector<std::string> problems = load_named(model_->state(), model);
   if (!problems.empty())
     throw Error(cat(model_file(dir), " does not match the recipe's model:", join_lines(problems)));
   TrainerStateFile file = read_trainer_state(dir);

@@ -279,7 +279,7 @@ int train_command(const TrainArgs& args) {
   if (main_rank) {
     std::printf("device %s\n", cat(module_device(s.model())).c_str());
     if (module_device(s.model()).is_cpu()) {
-      std::printf("cpu %s: %s\n", cpu::cpu_features().model.c_str(),
+      std::printf("cpu %s: %s\n", cpu::cpu_name(cpu::cpu_features()).c_str(),
                   cpu::describe_kernel_isas().c_str());
       if (r.precision != "fp32")
         std::printf("precision %s: %s\n", r.precision.c_str(),

@@ -41,6 +41,12 @@ CpuFeatures detect() {
   const unsigned max_leaf = __get_cpuid_max(0, nullptr);
   if (max_leaf < 1) return f;
   __get_cpuid(1, &a, &b, &c, &d);
+  // Family and model (with their extended fields): the brand string of a
+  // cloud VM is often just "AMD EPYC"; family 25 model 17 says Zen 4.
+  const unsigned base_family = (a >> 8) & 0xf, base_model = (a >> 4) & 0xf;
+  f.family = base_family == 0xf ? base_family + ((a >> 20) & 0xff) : base_family;
+  f.model_number =
+      base_family == 0x6 || base_family == 0xf ? (((a >> 16) & 0xf) << 4) | base_model : base_model;
   const bool osxsave = bit(c, 27), avx = bit(c, 28);
   f.fma = bit(c, 12);
   f.f16c = bit(c, 29);
@@ -119,11 +125,21 @@ std::string feature_summary(const CpuFeatures& f) {
   return s;
 }
 
+std::string cpu_name(const CpuFeatures& f) {
+  return (f.model.empty() ? std::string("unknown CPU") : f.model) + " (family " +
+         std::to_string(f.family) + ", model " + std::to_string(f.model_number) + ")";
+}
+
 std::string describe_kernel_isas() {
   const KernelIsas k = kernel_isas();
-  return "oneDNN " + k.onednn + " (matmul, convolution, pooling, batch norm); own loops " +
-         isa_name(k.loops) +
-         " (softmax, layer norm, attention, RNN cells, elementwise, optimizers)";
+  return "oneDNN " + k.onednn + " (matmul, convolution, pooling, batch norm); elementwise " +
+         isa_name(k.loops) + " (chosen at run time); softmax, layer norm, attention, RNN cells, " +
+         "optimizers " + isa_name(k.baseline) + " (the build's target)";
+}
+
+std::string describe_machine() {
+  const CpuFeatures& f = cpu_features();
+  return "cpu " + cpu_name(f) + ": " + feature_summary(f) + "; " + describe_kernel_isas();
 }
 
 std::string describe_low_precision(bool f16) {

@@ -24,6 +24,7 @@ enum class Isa { avx2, avx512 };
 
 struct CpuFeatures {
   std::string model;  // the brand string, e.g. "AMD EPYC 9R14 96-Core Processor"
+  unsigned family = 0, model_number = 0;  // cpuid's display family and model
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false, avx512_fp16 = false;
@@ -41,21 +42,28 @@ inline bool use_avx512() { return active_isa() == Isa::avx512; }
 void set_max_isa(Isa isa);
 
 const char* isa_name(Isa isa);
+// "AMD EPYC (family 25, model 17)": the brand string and cpuid's numbers.
+std::string cpu_name(const CpuFeatures& f);
 // "AVX2 FMA AVX-512(F BW VL DQ) AVX512-BF16 AMX(TILE BF16)": what the CPU offers that matters here.
 std::string feature_summary(const CpuFeatures& f);
 
 // Which instruction sets run each kernel family on this machine now.
 struct KernelIsas {
   std::string
-      onednn;  // oneDNN's ISA after DNNL_MAX_CPU_ISA: matmul, convolution, pooling, batch norm
-  Isa loops;   // the project's own loops: softmax, layer norm, attention, RNN cells, elementwise
+      onednn;    // oneDNN's ISA after DNNL_MAX_CPU_ISA: matmul, convolution, pooling, batch norm
+  Isa loops;     // the project's loops with a run-time choice (elementwise)
+  Isa baseline;  // the rest (softmax, layer norm, attention, RNN cells, optimizers): the build's
   bool bf16_native;  // oneDNN has bf16 matmul and convolution kernels here
 };
 KernelIsas kernel_isas();  // core/cpu/onednn.cpp
 
 // One line for `trainer info` and a run's header: "oneDNN avx512_core_bf16
-// (matmul, conv, pool, batch norm); own loops avx512 (...)".
+// (matmul, conv, pool, batch norm); elementwise avx512 (chosen at run time);
+// softmax, ... avx2 (the build's target)".
 std::string describe_kernel_isas();
+// The line every benchmark table starts with: "cpu <cpu_name>: <features>;
+// <describe_kernel_isas>", so that a figure can be tied to the machine.
+std::string describe_machine();
 // How precision bf16 or f16 runs matmul and convolution here, for a run's header.
 std::string describe_low_precision(bool f16);
 
@@ -64,4 +72,11 @@ std::string describe_low_precision(bool f16);
 // Marks a function compiled for x86-64-v4 (AVX-512 F/BW/DQ/VL). Only
 // self-contained leaf loops take it: raw pointers in, no calls that are not
 // inlined, so no AVX-512 code escapes into functions the AVX2 path shares.
+// A TRAINER_NATIVE build compiles everything for the build machine already
+// (and a target attribute would then lack some of its features): both
+// instances are the same code there.
+#ifdef TRAINER_NATIVE_BUILD
+#define TRAINER_AVX512
+#else
 #define TRAINER_AVX512 __attribute__((target("arch=x86-64-v4")))
+#endif

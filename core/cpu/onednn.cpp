@@ -109,7 +109,14 @@ std::string dnnl_isa_name() {
   }
 }
 
-KernelIsas kernel_isas() { return {dnnl_isa_name(), active_isa(), has_bf16_kernels()}; }
+KernelIsas kernel_isas() {
+#ifdef __AVX512F__
+  const Isa baseline = Isa::avx512;  // TRAINER_NATIVE on an AVX-512 machine
+#else
+  const Isa baseline = Isa::avx2;
+#endif
+  return {dnnl_isa_name(), active_isa(), baseline, has_bf16_kernels()};
+}
 
 void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args) {
   DNNL_CHECK(p.execute(dnnl_stream(), args));
