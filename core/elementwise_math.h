@@ -26,6 +26,8 @@ TRAINER_HD float m_tanh(float x) { return tanhf(x); }
 TRAINER_HD double m_tanh(double x) { return ::tanh(x); }
 TRAINER_HD float m_erf(float x) { return erff(x); }
 TRAINER_HD double m_erf(double x) { return ::erf(x); }
+TRAINER_HD float m_erfc(float x) { return erfcf(x); }
+TRAINER_HD double m_erfc(double x) { return ::erfc(x); }
 TRAINER_HD float m_pow(float a, float b) { return powf(a, b); }
 TRAINER_HD double m_pow(double a, double b) { return ::pow(a, b); }
 TRAINER_HD float m_abs(float x) { return fabsf(x); }
@@ -141,11 +143,13 @@ struct GeluTanh {
 struct GeluErf {
   template <class T>
   TRAINER_HD T operator()(T x) const {
-    return T(0.5) * x * (T(1) + m_erf(x * T(0.7071067811865476)));
+    // 1 + erf(z) = erfc(-z): the same value without the cancellation that
+    // leaves 1 + erf(z) a few bits (or 0) for z below about -5.
+    return T(0.5) * x * m_erfc(x * T(-0.7071067811865476));
   }
   template <class T>
   TRAINER_HD T grad(T x, T, T g) const {
-    T cdf = T(0.5) * (T(1) + m_erf(x * T(0.7071067811865476)));
+    T cdf = T(0.5) * m_erfc(x * T(-0.7071067811865476));
     T pdf = T(0.3989422804014327) * m_exp(T(-0.5) * x * x);
     return g * (cdf + x * pdf);
   }
