@@ -16,7 +16,7 @@ const char* binary_op_name(BinaryOp op) {
 }
 
 void Backend::unsupported(const char* op) const {
-  throw Error(cat("op '", op, "' is not available on the ", name(), " backend"));
+  throw UnsupportedOp(cat("op '", op, "' is not available on the ", name(), " backend"));
 }
 
 void Backend::copy(const Tensor&, const Tensor&) { unsupported("copy"); }
@@ -184,6 +184,13 @@ thread_local bool t_use_reference = false;
 }  // namespace
 
 void register_backend(DeviceKind kind, Backend* b) { g_backends[int(kind)] = b; }
+
+std::vector<DeviceKind> registered_device_kinds() {
+  std::vector<DeviceKind> kinds{kCPU};
+  for (int k = 0; k < kNumDeviceKinds; ++k)
+    if (DeviceKind(k) != kCPU && g_backends[k]) kinds.push_back(DeviceKind(k));
+  return kinds;
+}
 
 Backend& reference_backend() {
   static Backend* ref = new RefBackend();

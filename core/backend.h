@@ -13,9 +13,11 @@
 //                           it makes fast (oneDNN, vectorised OpenMP loops).
 //   CudaBackend (core/cuda) registered when the CUDA backend is built.
 //
-// A kernel a backend lacks throws an Error naming the op and the device, like
-// ggml's supports_op. ReferenceKernelsGuard routes CPU ops to RefBackend so a
-// test can run the same op through both paths.
+// A kernel a backend lacks throws UnsupportedOp naming the op and the device,
+// like ggml's supports_op: the op table of the tests (tests/op_cases.h) runs
+// every case on every registered backend and reports such cases as not
+// supported. ReferenceKernelsGuard routes CPU ops to RefBackend so a test can
+// run the same op through both paths.
 #pragma once
 
 #include <cstdint>
@@ -58,10 +60,20 @@ struct MultiTensorAdamW {
   bool amsgrad = false;
 };
 
+// What a backend throws for a kernel it does not have: "op 'lstm_forward' is
+// not available on the cuda backend".
+class UnsupportedOp : public Error {
+ public:
+  using Error::Error;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+  // Devices of this backend's kind the process can use: the CPU one; CUDA
+  // the visible GPUs, 0 on a machine without (its tests then skip).
+  virtual int device_count() const { return 1; }
 
   // ---- memory ----
   // dst[i] = convert(src[i]); src already broadcast to dst's shape; any strides.
@@ -297,6 +309,9 @@ class Backend {
 Backend& backend(Device device);
 void register_backend(DeviceKind kind, Backend* backend);
 Backend& reference_backend();
+// The device kinds this build has a backend for, the CPU first, whether or
+// not a device of the kind is present (Backend::device_count).
+std::vector<DeviceKind> registered_device_kinds();
 
 // While alive, CPU ops on this thread run the reference kernels.
 class ReferenceKernelsGuard {

@@ -1,5 +1,6 @@
 // Test helpers: the finite-difference gradient checker, fast-versus-reference
-// comparison, tensor builders and closeness checks that name the index.
+// comparison, tensor builders and closeness checks that name the index. The
+// tolerance rule of fast kernels against the reference is tests/comparison.h's.
 //
 //   gradcheck([](const TensorList& in) { return tanh(in[0]) * in[1]; },
 //             {rand_f64({3, 4}, gen), rand_f64({4}, gen)});
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "core/ops.h"
+#include "tests/comparison.h"
 // Catch2 has its own CHECK: project headers come first (their inline code is
 // already expanded), then Catch's CHECK replaces ours in test code.
 #undef CHECK
@@ -102,18 +104,6 @@ inline Tensor rand_f64(const Shape& shape, Generator& gen, double lo = -1.0, dou
   return uniform(shape, lo, hi, gen, DType::f64);
 }
 
-// The same values as x in a non-contiguous layout (every other element of a
-// wider buffer, last dim).
-inline Tensor non_contiguous(const Tensor& x) {
-  Shape wide = x.shape();
-  if (wide.empty()) return x;
-  wide.back() *= 2;
-  Tensor buf = zeros(wide, x.dtype(), x.device());
-  Tensor view = buf.slice(-1, 0, wide.back(), 2);
-  view.copy_(x);
-  return view;
-}
-
 // Checks |a - b| <= atol + rtol |b| elementwise; reports the first failure.
 inline void require_close(const Tensor& actual, const Tensor& expected, double rtol, double atol,
                           const std::string& what = "") {
@@ -121,24 +111,8 @@ inline void require_close(const Tensor& actual, const Tensor& expected, double r
   REQUIRE(actual.defined());
   REQUIRE(expected.defined());
   REQUIRE(shape_str(actual.shape()) == shape_str(expected.shape()));
-  std::vector<double> a = actual.to_vector<double>(), e = expected.to_vector<double>();
-  for (size_t i = 0; i < a.size(); ++i) {
-    bool both_nan = std::isnan(a[i]) && std::isnan(e[i]);
-    bool both_inf = std::isinf(a[i]) && a[i] == e[i];
-    if (both_nan || both_inf) continue;
-    if (!(std::fabs(a[i] - e[i]) <= atol + rtol * std::fabs(e[i]))) {
-      std::ostringstream msg;
-      msg << what << ": mismatch at flat index " << i << " of shape " << actual.shape_str()
-          << ": actual " << a[i] << ", expected " << e[i];
-      FAIL(msg.str());
-    }
-  }
-}
-
-// A fixed pseudo-random cotangent so every output element matters.
-inline Tensor probe_like(const Tensor& out, uint64_t seed = 1234) {
-  Generator g(seed, 77);
-  return uniform(out.shape(), 0.5, 1.5, g, DType::f64).to(out.dtype());
+  const std::string why = mismatch(actual, expected, rtol, atol);
+  if (!why.empty()) FAIL(what + ": " + why);
 }
 
 // Compares analytic gradients of sum(f(inputs) * v) with central finite
@@ -171,70 +145,6 @@ inline void gradcheck(const Fn& f, TensorList inputs, double eps = 1e-6, double 
     Tensor analytic = x.grad().defined() ? x.grad() : zeros(x.shape(), DType::f64);
     require_close(analytic, numeric, rtol, atol, "gradient of input " + std::to_string(k));
   }
-}
-
-// ---- Tolerances of fast kernels against the reference ----
-//
-// Every fast-versus-reference comparison derives its tolerance from the
-// dtypes and the length of the reductions involved, never from what one CPU
-// happened to produce: AVX2, AVX-512 and AMX kernels each sum in their own
-// order and vector width, and oneDNN picks different algorithms per ISA.
-//
-// The rule. A fast kernel accumulates in f32 (or wider). Each addition of a
-// sum of n terms rounds by up to u32 = 2^-24 of the partial sum, and those
-// errors have random signs, so an element that reduces n terms whose partial
-// sums reach `scale` in magnitude carries an error of about
-// u32 * sqrt(n) * scale (the worst case, n, is not reached by data with
-// random rounding; blocked and vector sums, as oneDNN and our loops do, are
-// shorter chains still); we allow 8 times that. Its own rounding to the result's dtype adds one
-// unit roundoff u (f32 2^-24, bf16 2^-8, f16 2^-11) on each side, fast and reference, and an
-// approximated transcendental (core/cpu/vec_math.h) adds its stated error in units of u32. A result
-// computed in a low dtype through a chain of k rounded intermediates (a backward built from several
-// bf16 ops) is rounded k times on its way. So, with both terms relative to |expected| and, for
-// cancellation, to scale:
-//
-//   acc  = 8 * u32 * sqrt(n) + approx_ulps * u32
-//   rtol = acc + (roundings + 1) u(dtype)       atol = rtol * scale
-//
-// Reductions name the longest one any output or gradient element goes
-// through (matmul [M,K]x[K,N]: max(K, M, N) counting both gradients; a
-// convolution: C_in * kH * kW forward, N * H_out * W_out for the weight
-// gradient; softmax over a row of n: n), and scale the size its partial sums
-// reach (n random terms of size s: about s * sqrt(n)).
-struct Reduction {
-  int64_t length = 1;       // terms summed into one element (longest of forward and backward)
-  double scale = 1.0;       // magnitude the partial sums reach, for the absolute part
-  double approx_ulps = 64;  // error of vectorised transcendentals, in f32 units (vec_math.h: <= 64)
-  int roundings = 1;        // times a result is rounded to its dtype on the longest path
-  bool exact = false;       // copies and gathers: bit for bit
-};
-inline constexpr Reduction kExact{.exact = true};
-
-struct Tolerance {
-  double rtol, atol;
-};
-
-inline double unit_roundoff(DType t) {
-  switch (t) {
-    case DType::bf16:
-      return 0x1p-8;
-    case DType::f16:
-      return 0x1p-11;
-    case DType::f64:
-      return 0x1p-53;
-    default:
-      return 0x1p-24;
-  }
-}
-
-inline Tolerance tolerance(DType dtype, const Reduction& r) {
-  if (r.exact) return {0, 0};
-  // Fast kernels accumulate f64 in f64 and everything else in f32.
-  const double ua = dtype == DType::f64 ? 0x1p-53 : 0x1p-24;
-  const double acc =
-      8 * ua * std::sqrt(double(std::max<int64_t>(r.length, 1))) + r.approx_ulps * ua;
-  const double rtol = acc + (r.roundings + 1) * unit_roundoff(dtype);
-  return {rtol, rtol * r.scale};
 }
 
 // Runs f (forward and backward) with the CPU fast kernels and with the

@@ -202,6 +202,8 @@ void CudaBackend::attention_backward(const Tensor& grad_out, const Tensor& q, co
   launch_attention_backward(a, q.dtype(), scope.stream());
 }
 
+int CudaBackend::device_count() const { return cuda::device_count(); }
+
 namespace {
 [[maybe_unused]] const bool g_registered = [] {
   register_backend(kCUDA, new CudaBackend());

@@ -37,6 +37,7 @@ namespace trainer::cuda {
 class CudaBackend final : public Backend {
  public:
   const char* name() const override { return "cuda"; }
+  int device_count() const override;  // device.h's: the visible GPUs
 
   // ---- cuda_backend.cpp ----
   void copy(const Tensor& src, const Tensor& dst) override;
