@@ -7,6 +7,7 @@
 
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/isa.h"
+#include "tests/op_families.h"
 #include "tests/testing.h"
 
 using namespace trainer;
@@ -14,24 +15,10 @@ using namespace trainer::testing;
 
 namespace {
 
-// An input range on which an op is smooth: log, sqrt and rsqrt need x > 0;
-// abs and relu stay away from their kink at 0.
-struct UnaryCase {
-  UnaryOp op;
-  double lo, hi;
-  bool avoid_zero;
-};
-const UnaryCase kUnaryCases[] = {
-    {UnaryOp::neg, -2, 2, false},      {UnaryOp::exp, -2, 2, false},
-    {UnaryOp::log, 0.2, 3, false},     {UnaryOp::sqrt, 0.2, 3, false},
-    {UnaryOp::rsqrt, 0.2, 3, false},   {UnaryOp::abs, -2, 2, true},
-    {UnaryOp::tanh, -2.5, 2.5, false}, {UnaryOp::sigmoid, -4, 4, false},
-    {UnaryOp::relu, -2, 2, true},      {UnaryOp::gelu_tanh, -3, 3, false},
-    {UnaryOp::gelu_erf, -3, 3, false}, {UnaryOp::silu, -4, 4, false},
-};
-
-const BinaryOp kBinaryOps[] = {BinaryOp::add, BinaryOp::sub,     BinaryOp::mul,    BinaryOp::div,
-                               BinaryOp::pow, BinaryOp::maximum, BinaryOp::minimum};
+// Where each unary op is smooth, and the binary ops: the op table's lists.
+using testing::op_table::kBinaryOps;
+using testing::op_table::kUnaryRanges;
+using testing::op_table::UnaryRange;
 
 // Uniform values in [lo, hi]; with avoid_zero, magnitudes of at least 0.1.
 Tensor input(const Shape& shape, Generator& gen, double lo, double hi, bool avoid_zero,
@@ -76,9 +63,9 @@ std::string op_label(const char* what, int op, DType dtype) {
 
 TEST_CASE("elementwise: gradients of every unary op", "[elementwise]") {
   Generator gen(101);
-  for (const UnaryCase& c : kUnaryCases) {
+  for (const UnaryRange& c : kUnaryRanges) {
     INFO(unary_op_name(c.op));
-    Tensor x = input({3, 5}, gen, c.lo, c.hi, c.avoid_zero);
+    Tensor x = input({3, 5}, gen, c.lo, c.hi, c.kink_at_zero);
     gradcheck([&](const TensorList& in) { return unary(c.op, in[0]); }, {x});
     // Through a strided view too.
     gradcheck([&](const TensorList& in) { return unary(c.op, in[0].t()); }, {x});
@@ -204,8 +191,8 @@ TEST_CASE("elementwise: fast kernels match the reference", "[elementwise]") {
     const Reduction tol = elementwise(c.dtype, c.shape);
     // The reference kernels are slow: large cases check the layouts once per op.
     const bool large = shape_numel(c.shape) >= 100000;
-    for (const UnaryCase& u : kUnaryCases) {
-      Tensor x = input(c.shape, gen, u.lo, u.hi, u.avoid_zero, c.dtype);
+    for (const UnaryRange& u : kUnaryRanges) {
+      Tensor x = input(c.shape, gen, u.lo, u.hi, u.kink_at_zero, c.dtype);
       INFO(op_label("unary", int(u.op), c.dtype) << " " << shape_str(c.shape));
       auto f = [&](const TensorList& in) { return unary(u.op, in[0]); };
       check_fast_vs_reference(f, {x}, tol);
@@ -344,9 +331,9 @@ TEST_CASE("isa: the AVX2 and AVX-512 elementwise loops give the same bits", "[is
   Generator gen(106);
   const cpu::Isa before = cpu::active_isa();
   for (DType dtype : {DType::f32, DType::bf16}) {
-    for (const UnaryCase& u : kUnaryCases) {
+    for (const UnaryRange& u : kUnaryRanges) {
       INFO(op_label("unary", int(u.op), dtype));
-      Tensor x = input({3, 1001}, gen, u.lo, u.hi, u.avoid_zero, dtype).requires_grad_();
+      Tensor x = input({3, 1001}, gen, u.lo, u.hi, u.kink_at_zero, dtype).requires_grad_();
       Tensor v = probe_like(unary(u.op, x.detach()));
       auto run = [&](cpu::Isa isa) {
         cpu::set_max_isa(isa);

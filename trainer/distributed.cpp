@@ -87,9 +87,8 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
       recipe.parallel.gpu_direct != "off" &&
       uses_gpu_direct(recipe, device, dist.world_size(), parallel::ucx_supports_cuda_memory());
   if (device.is_cuda() && !sharded)
-    o.reduce =
-        direct ? parallel::gpu_direct_reduce(device)
-               : parallel::staged_reduce(parallel::cuda_bucket_copier(device));
+    o.reduce = direct ? parallel::gpu_direct_reduce(device)
+                      : parallel::staged_reduce(parallel::cuda_bucket_copier(device));
 #endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dp_comm, o);
   if (!sharded) return;
