@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "tests/process.h"
+#include "tests/testing.h"
 
 namespace {
 
@@ -34,12 +35,7 @@ Outcome launch_p2p(int nproc, const Env& env, const std::vector<std::string>& ar
 
 void check_p2p(int nproc, const Env& env, const std::vector<std::string>& args = {}) {
   Outcome o = launch_p2p(nproc, env, args);
-  INFO(o.output);
-  REQUIRE(o.code == 0);
-  for (int r = 0; r < nproc; ++r)
-    CHECK(o.output.find(trainer::cat("rank ", r, ": ")) != std::string::npos);
-  CHECK(o.output.find(" 0 failed") != std::string::npos);
-  CHECK(o.output.find("mismatch") == std::string::npos);
+  trainer::testing::require_ranks_passed(o.code, o.output, nproc);
 }
 
 // Forks n workers with torchrun-style variables (under the launcher the

@@ -129,12 +129,7 @@ TEST_CASE("ddp: the ring allreduce with a caller's Reducer, and direct_reduce, 2
   for (int nproc : {2, 3}) {
     INFO(nproc << " ranks");
     Outcome o = launch_worker(nproc, {"reducer"});
-    INFO(o.output);
-    REQUIRE(o.code == 0);
-    for (int r = 0; r < nproc; ++r)
-      CHECK(o.output.find(cat("rank ", r, ": ")) != std::string::npos);
-    CHECK(o.output.find(" 0 failed") != std::string::npos);
-    CHECK(o.output.find("mismatch") == std::string::npos);
+    testing::require_ranks_passed(o.code, o.output, nproc);
   }
 }
 

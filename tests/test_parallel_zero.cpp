@@ -42,12 +42,7 @@ Outcome launch(int nproc, const std::string& scenarios, int timeout_s) {
 
 void check_ranks(int nproc, const std::string& scenarios) {
   Outcome o = launch(nproc, scenarios, 120);
-  INFO(o.output);
-  REQUIRE(o.code == 0);
-  for (int r = 0; r < nproc; ++r)
-    CHECK(o.output.find(trainer::cat("rank ", r, ": ")) != std::string::npos);
-  CHECK(o.output.find(" 0 failed") != std::string::npos);
-  CHECK(o.output.find("mismatch") == std::string::npos);
+  trainer::testing::require_ranks_passed(o.code, o.output, nproc);
 }
 
 }  // namespace

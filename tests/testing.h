@@ -185,4 +185,16 @@ inline void check_fast_vs_reference(const Fn& f, const TensorList& inputs,
 // reports as skipped.
 void require_gpu_or_skip();
 
+// A multi-process worker run passed: the job exited 0, every rank printed
+// its "rank r: ..." summary, a summary says " 0 failed" and no line says
+// "mismatch". The output is attached to every failure.
+inline void require_ranks_passed(int code, const std::string& output, int nproc) {
+  INFO(output);
+  REQUIRE(code == 0);
+  for (int r = 0; r < nproc; ++r)
+    CHECK(output.find("rank " + std::to_string(r) + ": ") != std::string::npos);
+  CHECK(output.find(" 0 failed") != std::string::npos);
+  CHECK(output.find("mismatch") == std::string::npos);
+}
+
 }  // namespace trainer::testing
