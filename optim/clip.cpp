@@ -35,7 +35,7 @@ double fold_abs(const T* g, int64_t n, Term term, Combine combine) {
 }
 
 // sum |g|^p (or max |g| for p = inf) of one contiguous f32/f64 gradient, in double.
-double grad_power_sum(const Tensor& grad, double p) {
+double grad_power_sum_cpu(const Tensor& grad, double p) {
   const bool is_max = std::isinf(p);
   const int64_t n = grad.numel();
   const int64_t blocks = (n + kNormBlock - 1) / kNormBlock;
@@ -91,7 +91,7 @@ double grad_norm(const TensorList& params, double norm_type) {
                       grad.device(), "; expected f32 or f64"));
     Tensor g = grad.is_contiguous() ? grad : grad.contiguous();
     if (g.device().is_cpu()) {
-      combine(grad_power_sum(g, norm_type));
+      combine(grad_power_sum_cpu(g, norm_type));
       continue;
     }
     auto it = std::find_if(on_device.begin(), on_device.end(),
@@ -103,6 +103,23 @@ double grad_norm(const TensorList& params, double norm_type) {
     combine(backend(device).grads_power_sum(grads, norm_type));
   if (is_max) return total;
   return norm_type == 2.0 ? std::sqrt(total) : std::pow(total, 1.0 / norm_type);
+}
+
+double grad_power_sum(const Tensor& param, double norm_type) {
+  Tensor grad = param.grad();
+  if (!grad.defined()) return 0;
+  if (!grad.device().is_cpu()) return backend(grad.device()).grads_power_sum({grad}, norm_type);
+  return grad_power_sum_cpu(grad.is_contiguous() ? grad : grad.contiguous(), norm_type);
+}
+
+void clip_to_norm(const TensorList& params, double max_norm, double total) {
+  double coef = max_norm / (total + 1e-6);
+  if (coef >= 1.0) return;
+  autograd::NoGradGuard no_grad;
+  for (const Tensor& p : params) {
+    Tensor grad = p.grad();
+    if (grad.defined()) mul_(grad, coef);
+  }
 }
 
 double clip_grad_norm(const TensorList& params, double max_norm, double norm_type,

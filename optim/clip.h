@@ -27,4 +27,11 @@ double clip_grad_norm(const TensorList& params, double max_norm, double norm_typ
 // The total norm alone (no clipping).
 double grad_norm(const TensorList& params, double norm_type = 2.0);
 
+// The pieces of grad_norm, for a norm summed over several ranks in one
+// fixed order (pipeline stages): sum |g|^p of one parameter's gradient (max
+// |g| for p = inf; 0 without a gradient), and the scaling clip_grad_norm
+// applies once the total norm is known.
+double grad_power_sum(const Tensor& param, double norm_type = 2.0);
+void clip_to_norm(const TensorList& params, double max_norm, double total_norm);
+
 }  // namespace trainer::optim

@@ -107,6 +107,22 @@ class BatchSource {
   // The loss of n all-zero samples, changing no training state (the memory
   // estimate's probe).
   virtual Tensor probe_loss(int64_t n) = 0;
+
+  // loss() in the pieces a pipeline stage runs (parallel/pipeline.h): the
+  // model inputs of a micro-batch, in the order of the block list's
+  // boundary(0) (carried state undefined when there is none yet); keeping
+  // the carried state a stage's blocks wrote (model outputs in boundary(size)
+  // order, undefined where another stage holds them); and the loss from the
+  // model outputs, on the last stage. loss(batch) is
+  //   keep_outputs(out = blocks.run(model_inputs(batch))), loss_from(batch, out).
+  virtual TensorList model_inputs(const StepBatch& batch) = 0;
+  virtual void keep_outputs(const TensorList& /*outputs*/) {}
+  virtual Tensor loss_from(const StepBatch& batch, const TensorList& outputs) = 0;
+  // n all-zero samples (the pipeline's shape probe and profile).
+  virtual StepBatch probe_batch(int64_t n) = 0;
+  // On a pipeline stage: whether this stage's blocks read the carried state
+  // (false: this rank keeps and saves none).
+  virtual void set_holds_carried_state(bool /*holds*/) {}
   // Sums over this dp rank's share of the validation set.
   virtual EvalSums evaluate_shard() = 0;
 

@@ -145,6 +145,13 @@ std::string model_part_file(const std::string& dir, int part, int parts) {
   return dir + name;
 }
 
+std::string optimizer_part_file(const std::string& dir, int part, int parts) {
+  CHECK(part >= 0 && part < parts) << "optimizer part " << part << " of " << parts;
+  char name[64];
+  std::snprintf(name, sizeof name, "/optimizer-%05d-of-%05d.safetensors", part + 1, parts);
+  return dir + name;
+}
+
 std::string optimizer_file(const std::string& dir, bool sharded, int rank) {
   return sharded ? cat(dir, "/optimizer.rank", rank, ".safetensors")
                  : dir + "/optimizer.safetensors";
@@ -229,8 +236,11 @@ void check_resume_layout(const std::string& dir, const ParallelLayout& saved,
                          const ParallelLayout& current) {
   const parallel::MeshShape& was = saved.mesh;
   const parallel::MeshShape& now = current.mesh;
-  if (was.pp != now.pp || was.tp != now.tp)
+  // Pipeline stages re-slice a whole optimizer state by name; a sharded
+  // one is tied to its layout.
+  if (was.tp != now.tp || (was.pp != now.pp && (saved.zero1 || current.zero1)))
     throw Error(cat(dir, " was written on the layout ", parallel::to_string(was),
+                    saved.zero1 || current.zero1 ? " with parallel.zero1" : "",
                     "; resume it on the same (parallel.pp=", was.pp, " parallel.tp=", was.tp,
                     "), not ", parallel::to_string(now)));
   if (was.dp != now.dp)
@@ -251,37 +261,54 @@ void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPar
     write_safetensors(model_part_file(dir, part.model_part, part.model_parts), part.model,
                       {{"format", "pt"}});
   if (part.optimizer)
-    write_safetensors(optimizer_file(dir, part.optimizer_sharded, rank), *part.optimizer);
+    write_safetensors(part.optimizer_sharded || part.optimizer_parts == 1
+                          ? optimizer_file(dir, part.optimizer_sharded, rank)
+                          : optimizer_part_file(dir, part.optimizer_part, part.optimizer_parts),
+                      *part.optimizer);
   if (part.stream_state) write_safetensors(stream_state_file(dir, rank), *part.stream_state);
 }
 
-std::map<std::string, Tensor> read_model(const std::string& dir) {
-  if (fs::exists(model_file(dir))) return read_safetensors(model_file(dir)).tensors;
-  // The parts: model-00001-of-0000n.safetensors .. n.
+namespace {
+
+// The tensors of `whole`, or of its parts <stem>-0000k-of-0000n.safetensors merged.
+std::map<std::string, Tensor> read_merged(const std::string& dir, const std::string& whole,
+                                          const char* stem, const char* what,
+                                          std::string (*part_file)(const std::string&, int, int)) {
+  if (fs::exists(whole)) return read_safetensors(whole).tensors;
   int parts = 0;
+  const std::string pattern = cat(stem, "-%5d-of-%5d.safetensors");
   for (const auto& e : fs::directory_iterator(dir)) {
     int k = 0, n = 0;
-    if (std::sscanf(e.path().filename().c_str(), "model-%5d-of-%5d.safetensors", &k, &n) == 2)
+    if (std::sscanf(e.path().filename().c_str(), pattern.c_str(), &k, &n) == 2)
       parts = std::max(parts, n);
   }
   if (parts == 0)
-    throw Error(cat(model_file(dir), ": no model file in the checkpoint; use an earlier one"));
-  std::map<std::string, Tensor> model;
+    throw Error(cat(whole, ": no ", what, " file in the checkpoint; use an earlier one"));
+  std::map<std::string, Tensor> merged;
   for (int part = 0; part < parts; ++part) {
-    const std::string path = model_part_file(dir, part, parts);
+    const std::string path = part_file(dir, part, parts);
     if (!fs::exists(path))
-      throw Error(cat(path, ": missing part of the model; use an earlier checkpoint"));
+      throw Error(cat(path, ": missing part of the ", what, "; use an earlier checkpoint"));
     for (auto& [name, tensor] : read_safetensors(path).tensors)
-      if (!model.emplace(name, tensor).second)
-        throw Error(cat(path, ": tensor '", name, "' is also in another part of the model"));
+      if (!merged.emplace(name, tensor).second)
+        throw Error(cat(path, ": tensor '", name, "' is also in another part of the ", what));
   }
-  return model;
+  return merged;
+}
+
+}  // namespace
+
+std::map<std::string, Tensor> read_model(const std::string& dir) {
+  return read_merged(dir, model_file(dir), "model", "model", model_part_file);
 }
 
 std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank) {
   std::vector<NamedTensor> state;
-  for (auto& [name, tensor] : read_safetensors(optimizer_file(dir, sharded, rank)).tensors)
-    state.push_back({name, tensor});
+  const std::map<std::string, Tensor> tensors =
+      sharded ? read_safetensors(optimizer_file(dir, sharded, rank)).tensors
+              : read_merged(dir, optimizer_file(dir, false, rank), "optimizer", "optimizer state",
+                            optimizer_part_file);
+  for (const auto& [name, tensor] : tensors) state.push_back({name, tensor});
   return state;
 }
 

@@ -7,7 +7,9 @@
 //                             several writers (pipeline stages, later) each writes
 //                             model-0000<k>-of-0000<n>.safetensors with its tensors
 //                             and readers merge them into one logical model
-//     optimizer.safetensors   optimizer state whole (written by rank 0)
+//     optimizer.safetensors   optimizer state whole (written by rank 0); with
+//                             pipeline stages optimizer-0000<k>-of-0000<n>.safetensors,
+//                             one per stage, merged by readers like the model's parts
 //     optimizer.rank<r>.safetensors   rank r's shard of it (parallel.zero1)
 //     stream_state.rank<r>.safetensors  rank r's carried LSTM state (contiguous text)
 //     loss_scaler.safetensors the fp16 loss scaler's state (trainer/precision.h)
@@ -46,6 +48,8 @@ namespace trainer {
 std::string model_file(const std::string& dir);  // the single writer's
 std::string model_part_file(const std::string& dir, int part, int parts);
 std::string optimizer_file(const std::string& dir, bool sharded, int rank);
+// optimizer-0000<k>-of-0000<n>.safetensors: part k of n (pipeline stages).
+std::string optimizer_part_file(const std::string& dir, int part, int parts);
 std::string stream_state_file(const std::string& dir, int rank);
 std::string loss_scaler_file(const std::string& dir);
 std::string trainer_state_file(const std::string& dir);
@@ -94,9 +98,11 @@ struct CheckpointPart {
   // file), as part model_part of model_parts writers.
   std::vector<NamedTensor> model;
   int model_part = 0, model_parts = 1;
-  // Its optimizer state: whole (rank 0 writes it) or its shard.
+  // Its optimizer state: whole (rank 0 writes it), its part (part
+  // optimizer_part of optimizer_parts: a pipeline stage's parameters) or its shard.
   std::optional<std::vector<NamedTensor>> optimizer;
   bool optimizer_sharded = false;
+  int optimizer_part = 0, optimizer_parts = 1;
   // The carried stream state, when training carries one.
   std::optional<std::vector<NamedTensor>> stream_state;
 };
@@ -106,6 +112,7 @@ void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPar
 // merged (Error naming the file for a missing part or a tensor in two).
 std::map<std::string, Tensor> read_model(const std::string& dir);
 // A rank's optimizer state or stream state (Error naming a missing file).
+// Not sharded: optimizer.safetensors, or every part file merged.
 std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank);
 std::map<std::string, Tensor> read_stream_state(const std::string& dir, int rank);
 

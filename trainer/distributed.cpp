@@ -1,6 +1,7 @@
 #include "trainer/distributed.h"
 
 #include <cmath>
+#include <set>
 
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
@@ -8,29 +9,44 @@
 #include "parallel/device_staging.h"
 #include "parallel/sync_batchnorm.h"
 #include "trainer/device.h"
+#include "trainer/pipeline_runtime.h"
+#include "trainer/pipeline_split.h"
 #include "trainer/session.h"
 
 namespace trainer {
 
 ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   const ParallelRecipe& p = r.parallel;
-  if (p.pp != 1 || p.tp != 1)
-    throw Error(
-        cat(r.source, ": parallel.pp = ", p.pp, ", parallel.tp = ", p.tp,
-            ": pipeline and tensor parallelism are not built yet (the mesh lays the "
-            "ranks out, but no stage or tensor-parallel layer runs on it); use pp = tp = 1"));
-  // Read by pipeline schedules only; accepted at their defaults so recipes can spell them out.
+  if (p.tp != 1)
+    throw Error(cat(r.source, ": parallel.tp = ", p.tp,
+                    ": tensor parallelism is not built yet (the mesh lays the ranks out, but no "
+                    "tensor-parallel layer runs on it); use tp = 1"));
   const ParallelRecipe defaults;
-  if (p.micro_batches != defaults.micro_batches)
-    throw Error(cat(r.source, ": parallel.micro_batches = ", p.micro_batches,
-                    " is the number of micro-batches a pipeline (parallel.pp > 1) splits each "
-                    "step into; with pp = 1 leave it at ",
-                    defaults.micro_batches, " and use training.grad_accum to split a step"));
-  if (p.schedule != defaults.schedule)
-    throw Error(cat(r.source, ": parallel.schedule = '", p.schedule,
-                    "' orders a pipeline's (parallel.pp > 1) forward and backward passes; with "
-                    "pp = 1 there is one stage and nothing to order: leave it at '",
-                    defaults.schedule, "'"));
+  if (p.pp == 1) {
+    // Read by pipeline schedules only; accepted at their defaults so recipes can spell them out.
+    if (p.micro_batches != defaults.micro_batches)
+      throw Error(cat(r.source, ": parallel.micro_batches = ", p.micro_batches,
+                      " is the number of micro-batches a pipeline (parallel.pp > 1) splits each "
+                      "step into; with pp = 1 leave it at ",
+                      defaults.micro_batches, " and use training.grad_accum to split a step"));
+    if (p.schedule != defaults.schedule || p.virtual_stages != 1)
+      throw Error(cat(r.source, ": parallel.schedule = '", p.schedule,
+                      "' (parallel.virtual_stages = ", p.virtual_stages,
+                      ") orders a pipeline's (parallel.pp > 1) forward and backward passes; with "
+                      "pp = 1 there is one stage and nothing to order: leave them at '",
+                      defaults.schedule, "' and 1"));
+  } else {
+    if (p.virtual_stages > 1 && p.schedule != "interleaved")
+      throw Error(cat(r.source, ": parallel.virtual_stages = ", p.virtual_stages,
+                      " needs parallel.schedule=interleaved (the others run one chunk per stage)"));
+    if (p.schedule == "interleaved" && p.virtual_stages < 2)
+      throw Error(cat(r.source, ": parallel.schedule=interleaved needs parallel.virtual_stages "
+                                ">= 2 model chunks per stage"));
+    if (r.precision == "fp16")
+      throw Error(cat(r.source, ": precision fp16 with parallel.pp = ", p.pp,
+                      " is not supported (the loss scaler's overflow check is per stage); use "
+                      "precision=bf16"));
+  }
   const int64_t model_ranks = p.pp * p.tp;
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
   if (dp * model_ranks != world_size)
@@ -49,26 +65,79 @@ RankLayout rank_layout(const ParallelLayout& job, int rank) {
   return RankLayout{.job = job, .rank = rank, .coord = parallel::mesh_coord(job.mesh, rank)};
 }
 
-Distributed join_job(const Recipe& recipe) {
+Distributed join_job(const Recipe& recipe, bool dry_run) {
   comm::Bootstrap boot = comm::detect_bootstrap();
-  const ParallelLayout job = parallel_layout(recipe, boot.world_size);
+  // A dry run started alone describes rank 0 of the layout the recipe asks for.
+  const int64_t model_ranks = recipe.parallel.pp * recipe.parallel.tp;
+  const int world = dry_run && boot.world_size == 1
+                        ? int(std::max<int64_t>(recipe.parallel.dp, 1) * model_ranks)
+                        : boot.world_size;
+  const ParallelLayout job = parallel_layout(recipe, world);
+  if (world != boot.world_size) return Distributed{.layout = rank_layout(job, 0)};
   Distributed d;
   d.layout = rank_layout(job, boot.rank);
   if (boot.world_size > 1) d.mesh = parallel::Mesh(job.mesh, comm::init_world(boot));
   return d;
 }
 
+namespace {
+
+// The recipe's stage split, the same on every rank: "auto" is profiled on
+// world rank 0 and broadcast.
+parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
+  const Recipe& r = session.recipe();
+  if (r.parallel.stages != "auto") return choose_split(session, nullptr);
+  const int pieces = int(dist.layout.job.mesh.pp * r.parallel.virtual_stages);
+  std::vector<int64_t> bounds(size_t(pieces) + 1, 0);
+  std::string error;
+  if (dist.is_main()) {
+    try {
+      const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
+      BlockProfile profile = profile_blocks(session, autocast);
+      parallel::StageSplit split = choose_split(session, &profile);
+      std::printf("%s", describe_stages(session, split, &profile).c_str());
+      for (size_t k = 0; k < split.bounds.size(); ++k) bounds[k] = int64_t(split.bounds[k]);
+    } catch (const Error& e) {
+      error = e.what();
+      bounds.assign(bounds.size(), -1);
+    }
+  }
+  comm::broadcast(*dist.world(), bounds.data(), bounds.size() * sizeof(int64_t), 0);
+  if (bounds[0] < 0)
+    throw Error(dist.is_main() ? error : "parallel.stages: auto failed on rank 0 (see its error)");
+  parallel::StageSplit split{.stages = dist.layout.job.mesh.pp,
+                             .chunks = int(r.parallel.virtual_stages)};
+  for (int64_t b : bounds) split.bounds.push_back(size_t(b));
+  return split;
+}
+
+}  // namespace
+
 DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool trace)
-    : dist_(dist) {
+    : dist_(dist), session_(&session) {
   if (trace) timeline_ = std::make_unique<parallel::Timeline>(dist.rank());
   if (!dist.active()) return;
   // Replicas synchronise over the dp ranks only (DESIGN.md "Parallel layout").
   const std::shared_ptr<comm::Communicator>& dp_comm = dist.mesh.dp_comm();
   const Recipe& recipe = session.recipe();
-  std::shared_ptr<Module> model = session.model_ptr();
+  if (dist.layout.job.mesh.pp > 1) {
+    if (session.shards_optimizer() && recipe.optimizer.clip_grad_norm > 0)
+      throw Error(cat(recipe.source, ": parallel.zero1 with parallel.pp > 1 and "
+                                     "optimizer.clip_grad_norm is not supported yet; turn one off"));
+    session.set_pipeline(agreed_split(session, dist), dist.layout.coord.pp);
+    if (session.shards_optimizer() && !session.tied_across_stages().empty())
+      throw Error(cat(recipe.source, ": parallel.zero1 with a weight tied across pipeline stages (",
+                      session.tied_across_stages()[0].name, ") is not supported yet"));
+    pipeline_ = std::make_unique<PipelineRuntime>(*session.pipeline_plan(), dist.layout.coord.pp,
+                                                  dist.mesh.pp_comm(), session.blocks(),
+                                                  timeline_.get());
+  }
+  std::shared_ptr<Module> model = session.trained_ptr();
+  // One replica: nothing to synchronise (a pipeline's stages alone).
+  if (dp_comm->size() == 1) return;
   // Before DataParallel registers its hooks: the converted layers keep their
   // parameters, so the buckets are the same either way.
-  if (recipe.parallel.sync_bn) parallel::convert_sync_batchnorm(*model, dp_comm);
+  if (recipe.parallel.sync_bn) parallel::convert_sync_batchnorm(*session.model_ptr(), dp_comm);
   const bool sharded = session.shards_optimizer();
   parallel::DataParallelOptions o;
   o.bucket_bytes = size_t(recipe.parallel.bucket_mb) << 20;
@@ -96,10 +165,12 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
     return make_optimizer(recipe, std::move(groups));
   };
   zero_ =
-      std::make_shared<parallel::ZeroOptimizer>(dp_comm, param_groups(recipe, *model), make,
+      std::make_shared<parallel::ZeroOptimizer>(dp_comm, session.trained_param_groups(), make,
                                                 parallel::ZeroOptions{.buckets = &dp_->buckets()});
   session.set_sharded_optimizer(zero_);
 }
+
+DistributedRun::~DistributedRun() = default;
 
 parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
   return parallel::DataParallel::NoSync(dp_.get(), active && dp_ != nullptr);
@@ -107,6 +178,66 @@ parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
 
 void DistributedRun::finish_gradients() {
   if (dp_) dp_->finish();
+  if (!pipeline_) return;
+  // Both stages compute own + other's: the same bits on both (a + b == b + a).
+  const auto& tied = session_->tied_across_stages();
+  comm::Communicator& pp = *dist_.mesh.pp_comm();
+  for (size_t k = 0; k < tied.size(); ++k) {
+    const Session::TiedAcrossStages& t = tied[k];
+    Tensor grad = t.param.grad();
+    if (!grad.defined()) {
+      t.param.set_grad(zeros_like(t.param));
+      grad = t.param.grad();
+    }
+    Tensor mine = grad.contiguous().clone(), theirs = empty_like(mine);
+    const comm::P2PTag tag{.micro_batch = (int64_t(1) << comm::P2PTag::kMicroBatchBits) - 1,
+                           .direction = comm::P2PDirection::gradient,
+                           .stream = int64_t(k)};
+    comm::Work sent = pp.send(mine, t.peer, tag);
+    comm::Work got = pp.recv(theirs, t.peer, tag);
+    try {
+      got.wait();
+      sent.wait();
+    } catch (const Error& e) {
+      throw Error(cat("pipeline stage ", dist_.layout.coord.pp, ", exchanging the gradient of ",
+                      t.name, " (tied across stages) with stage ", t.peer, ": ", e.what()));
+    }
+    autograd::NoGradGuard no_grad;
+    add_(grad, theirs);
+  }
+}
+
+double DistributedRun::clip_pipeline_gradients(double max_norm) const {
+  CHECK(pipeline_) << "clip_pipeline_gradients without pipeline stages";
+  std::set<const TensorImpl*> mine, not_owned;
+  for (const Tensor& p : session_->trained().parameters()) mine.insert(p.impl());
+  for (const Session::TiedAcrossStages& t : session_->tied_across_stages())
+    if (!t.owner) not_owned.insert(t.param.impl());
+  const std::vector<NamedTensor>& all = session_->global_parameters();
+  // One entry per parameter, set by the stage that owns it: the others add
+  // zeros, so the allreduce is exact and the total sums in one order.
+  std::vector<double> sums(all.size(), 0.0);
+  for (size_t k = 0; k < all.size(); ++k) {
+    const TensorImpl* impl = all[k].tensor.impl();
+    if (mine.count(impl) && !not_owned.count(impl))
+      sums[k] = optim::grad_power_sum(all[k].tensor, 2.0);
+  }
+  comm::allreduce(*dist_.mesh.pp_comm(), sums.data(), sums.size(), DType::f64,
+                  {.op = comm::ReduceOp::sum});
+  double total = 0;
+  for (double v : sums) total += v;
+  const double norm = std::sqrt(total);
+  optim::clip_to_norm(session_->trained().parameters(), max_norm, norm);
+  return norm;
+}
+
+void DistributedRun::gather_pipeline_model() const {
+  const parallel::PipelinePlan& plan = *session_->pipeline_plan();
+  comm::Communicator& pp = *dist_.mesh.pp_comm();
+  for (int s = 0; s < plan.split().stages; ++s)
+    for (const NamedTensor& t :
+         parallel::StageModule(session_->blocks(), plan.blocks_of_stage(s)).state())
+      comm::broadcast(pp, t.tensor, s);
 }
 
 void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
@@ -118,7 +249,8 @@ void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
 
 EvalMetrics DistributedRun::evaluate(Session& session) const {
   if (!dist_.active()) return session.evaluate();
-  dp_->broadcast_buffers(0);
+  if (dp_) dp_->broadcast_buffers(0);
+  if (pipeline_) gather_pipeline_model();
   EvalSums mine = session.evaluate_shard();
   // Gathered, not allreduced: a ring's sums would round differently on each
   // rank, and best-checkpoint decisions must agree.
@@ -137,14 +269,15 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
   return eval_metrics(sums, session.is_language_model());
 }
 
-StepVerdict DistributedRun::agree(double loss, bool finite, bool stop) const {
+StepVerdict DistributedRun::agree(double loss, bool finite, bool stop, bool has_loss) const {
   if (!dist_.active()) return StepVerdict{loss, finite, stop};
-  // Sums of (loss, non-finite ranks, stopping ranks): one message.
-  double v[3] = {finite ? loss : 0.0, finite ? 0.0 : 1.0, stop ? 1.0 : 0.0};
-  comm::allreduce(*dist_.world(), v, 3, DType::f64, {.op = comm::ReduceOp::sum});
+  // Sums of (loss, non-finite ranks, stopping ranks, ranks with a loss): one message.
+  double v[4] = {finite && has_loss ? loss : 0.0, finite ? 0.0 : 1.0, stop ? 1.0 : 0.0,
+                 has_loss ? 1.0 : 0.0};
+  comm::allreduce(*dist_.world(), v, 4, DType::f64, {.op = comm::ReduceOp::sum});
   StepVerdict verdict;
   verdict.finite = v[1] == 0;
-  verdict.loss = verdict.finite ? v[0] / dist_.world_size() : std::nan("");
+  verdict.loss = verdict.finite ? v[0] / v[3] : std::nan("");
   verdict.stop = v[2] > 0;
   return verdict;
 }

@@ -50,6 +50,7 @@
 namespace trainer {
 
 class Session;
+class PipelineRuntime;
 struct EvalMetrics;
 
 // This process's place in the job: the training data is sharded over the
@@ -86,8 +87,9 @@ struct Distributed {
 
 // Joins the job the launcher started (comm/bootstrap.h) and builds the
 // mesh; a single process when started alone. Checks the recipe's layout
-// against the world first.
-Distributed join_job(const Recipe& recipe);
+// against the world first. dry_run: a process started alone takes the
+// layout of the recipe's dp x pp x tp ranks as rank 0 (no communicator).
+Distributed join_job(const Recipe& recipe, bool dry_run = false);
 
 // What the ranks decided together about one optimizer step.
 struct StepVerdict {
@@ -104,15 +106,24 @@ class DistributedRun {
   // when trace is set. When the session shards its optimizer, builds it over
   // the buckets and hands it to the session (collective).
   DistributedRun(const Distributed& dist, Session& session, bool trace);
+  ~DistributedRun();
 
   const Distributed& dist() const { return dist_; }
+  // This rank's pipeline stage (parallel.pp > 1), else null.
+  PipelineRuntime* pipeline() const { return pipeline_.get(); }
   parallel::Timeline* timeline() const { return timeline_.get(); }
   parallel::DataParallel* data_parallel() const { return dp_.get(); }
 
   // For a non-final micro-step of gradient accumulation: no communication.
   parallel::DataParallel::NoSync no_sync(bool active);
-  // After the last backward of a step: waits for the averaged gradients.
+  // After the last backward of a step: waits for the averaged gradients;
+  // on a pipeline, the two stages holding a tied weight then add up their
+  // gradients of it (the same sum on both).
   void finish_gradients();
+  // On a pipeline: clips the stages' gradients to a global 2-norm of
+  // max_norm, summed over every parameter in the order of the whole model's
+  // optimizer (the same norm as one process), and returns it.
+  double clip_pipeline_gradients(double max_norm) const;
   // Clears gradients (keeping DataParallel's bucket views). Every
   // iteration, a skipped step's too.
   void zero_grad(optim::Optimizer& optimizer);
@@ -123,8 +134,10 @@ class DistributedRun {
   // over the dp ranks).
   EvalMetrics evaluate(Session& session) const;
 
-  // One small allreduce over the world per step (local values on a single process).
-  StepVerdict agree(double loss, bool finite, bool stop) const;
+  // One small allreduce over the world per step (local values on a single
+  // process). The loss is the mean over the ranks that hold one
+  // (has_loss: a pipeline's last stage).
+  StepVerdict agree(double loss, bool finite, bool stop, bool has_loss = true) const;
   // Every rank reaches this point before any continues (checkpoint commits).
   void barrier() const;
 
@@ -135,8 +148,14 @@ class DistributedRun {
   void write_trace(const std::string& path) const;
 
  private:
+  // Pipeline: every stage's tensors broadcast from the stage holding them,
+  // so each rank holds the whole trained model (evaluation).
+  void gather_pipeline_model() const;
+
   Distributed dist_;
+  Session* session_ = nullptr;
   std::unique_ptr<parallel::Timeline> timeline_;
+  std::unique_ptr<PipelineRuntime> pipeline_;
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;
   std::unique_ptr<parallel::DataParallel> dp_;

@@ -57,11 +57,18 @@ class ImageBatches final : public BatchSource {
     return cross_entropy(forward(batch.inputs), to_device(batch.targets, module_device(*model_)));
   }
 
-  Tensor probe_loss(int64_t n) override {
+  Tensor probe_loss(int64_t n) override { return loss(probe_batch(n)); }
+
+  TensorList model_inputs(const StepBatch& batch) override {
+    return {to_device(batch.inputs, module_device(*model_)).permute({0, 3, 1, 2})};
+  }
+  Tensor loss_from(const StepBatch& batch, const TensorList& outputs) override {
+    return cross_entropy(outputs.at(0), to_device(batch.targets, module_device(*model_)));
+  }
+  StepBatch probe_batch(int64_t n) override {
     const Device device = module_device(*model_);
-    StepBatch zero{to_device(zeros({n, image_size_, image_size_, channels_}), device),
-                   to_device(zeros({n}, DType::i64), device)};
-    return loss(zero);
+    return StepBatch{to_device(zeros({n, image_size_, image_size_, channels_}), device),
+                     to_device(zeros({n}, DType::i64), device)};
   }
 
   EvalSums evaluate_shard() override;

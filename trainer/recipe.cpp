@@ -117,6 +117,39 @@ Field string_field(std::string path, std::string* p, std::vector<std::string> ch
       [=] { return YAML::Node(*p); }, "string", join_choices(choices)};
 }
 
+// "even", "auto", or a list of block indices (parallel.stages).
+Field stages_field(std::string path, std::string* mode, std::vector<int64_t>* starts) {
+  return Field{path,
+               [=](const YAML::Node& v, const Origin& o) {
+                 if (v.IsSequence()) {
+                   std::vector<int64_t> out;
+                   for (const YAML::Node& e : v) {
+                     int64_t x = scalar_as<int64_t>(e, o, path, "even, auto or a list of blocks");
+                     check_range<int64_t>(x, 1, 1000000000, o, path);
+                     out.push_back(x);
+                   }
+                   *mode = "list";
+                   *starts = out;
+                   return;
+                 }
+                 std::string s = scalar_as<std::string>(v, o, path, "even, auto or a list of blocks");
+                 if (s != "even" && s != "auto")
+                   throw Error(cat(o.text, ": key '", path, "' = '", s,
+                                   "' is not one of: even, auto, or a list of block indices "
+                                   "such as [3, 6]"));
+                 *mode = s;
+                 starts->clear();
+               },
+               [=] {
+                 if (*mode != "list") return YAML::Node(*mode);
+                 YAML::Node n(YAML::NodeType::Sequence);
+                 for (int64_t x : *starts) n.push_back(x);
+                 n.SetStyle(YAML::EmitterStyle::Flow);
+                 return n;
+               },
+               "string or list of ints", "even, auto, or increasing block indices"};
+}
+
 Field float_list_field(std::string path, std::vector<double>* p, double lo, double hi) {
   return Field{path,
                [=](const YAML::Node& v, const Origin& o) {
@@ -217,7 +250,10 @@ std::vector<Field> schema(Recipe& r) {
       int_field("parallel.pp", &p.pp, 1, 4096),
       int_field("parallel.tp", &p.tp, 1, 4096),
       int_field("parallel.micro_batches", &p.micro_batches, 1, 65536),
-      string_field("parallel.schedule", &p.schedule, {"gpipe", "1f1b"}),
+      string_field("parallel.schedule", &p.schedule, {"gpipe", "1f1b", "interleaved", "zbh1"}),
+      int_field("parallel.virtual_stages", &p.virtual_stages, 1, 1024),
+      stages_field("parallel.stages", &p.stages, &p.stage_starts),
+      float_field("parallel.stage_memory_mb", &p.stage_memory_mb, 0.0, 1e9),
       int_field("parallel.bucket_mb", &p.bucket_mb, 1, 1 << 16),
       bool_field("parallel.overlap", &p.overlap),
       bool_field("parallel.zero1", &p.zero1),

@@ -96,7 +96,14 @@ struct ParallelRecipe {
   int64_t pp = 1;
   int64_t tp = 1;
   int64_t micro_batches = 1;
-  std::string schedule = "1f1b";  // gpipe | 1f1b
+  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved | zbh1
+  int64_t virtual_stages = 1;     // model chunks per stage (interleaved)
+  // How the blocks are cut into stages: "even" (by count), "auto" (by
+  // measured time, within stage_memory_mb), or "list": stage_starts, the
+  // first block of every piece after the first.
+  std::string stages = "even";
+  std::vector<int64_t> stage_starts;
+  double stage_memory_mb = 0;  // auto: each stage's memory limit; 0: none
   int64_t bucket_mb = 25;
   bool overlap = true;  // allreduce buckets during backward (false: after it)
   bool zero1 = false;

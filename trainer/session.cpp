@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "core/allocator.h"
@@ -75,15 +76,23 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
   const Device device = training_device(r, layout_.world_size());
   const int64_t dp = layout_.dp_size();
   const TrainingRecipe& t = r.training;
-  if (t.global_batch % (t.grad_accum * dp) != 0)
-    throw Error(cat(r.source, ": training.global_batch ", t.global_batch,
-                    " is not divisible by training.grad_accum x data-parallel ranks (",
-                    t.grad_accum * dp, ")"));
-  micro_batch_ = t.global_batch / (t.grad_accum * dp);
+  const bool pipeline = layout_.job.mesh.pp > 1;
+  micro_batches_ = pipeline ? r.parallel.micro_batches : t.grad_accum;
+  const char* split_key = pipeline ? "parallel.micro_batches" : "training.grad_accum";
+  if (pipeline && t.grad_accum != 1)
+    throw Error(cat(r.source, ": training.grad_accum = ", t.grad_accum,
+                    " with parallel.pp = ", layout_.job.mesh.pp,
+                    ": a pipeline splits each step into parallel.micro_batches; set "
+                    "training.grad_accum=1 and parallel.micro_batches=",
+                    t.grad_accum * r.parallel.micro_batches));
+  if (t.global_batch % (micro_batches_ * dp) != 0)
+    throw Error(cat(r.source, ": training.global_batch ", t.global_batch, " is not divisible by ",
+                    split_key, " x data-parallel ranks (", micro_batches_ * dp, ")"));
+  micro_batch_ = t.global_batch / (micro_batches_ * dp);
 
   // ---- data ----
   source_ = make_batch_source(r, layout_, micro_batch_);
-  steps_per_epoch_ = source_->batches_per_epoch() / t.grad_accum;
+  steps_per_epoch_ = source_->batches_per_epoch() / micro_batches_;
   if (steps_per_epoch_ == 0)
     throw Error(cat(r.source, ": training.global_batch ", t.global_batch, " is larger than the ",
                     source_->epoch_text(), " of an epoch"));
@@ -92,6 +101,8 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
   // ---- model and optimizer ----
   model_ = build_model(r, source_->vocab_size());
   move_module(*model_, device);  // before the optimizer builds its state beside the parameters
+  for (const optim::ParamGroup& g : param_groups(r, *model_))
+    global_params_.insert(global_params_.end(), g.params.begin(), g.params.end());
   source_->bind(model_);
   // Sharded: DistributedRun builds it (the full one would cost the memory zero1 saves).
   if (!shards_optimizer()) optimizer_ = make_optimizer(r, param_groups(r, *model_));
@@ -133,6 +144,67 @@ optim::Optimizer& Session::optimizer() {
   return *optimizer_;
 }
 
+const BlockList& Session::blocks() const {
+  auto* model = dynamic_cast<Model*>(model_.get());
+  if (!model)
+    throw Error(cat(recipe_.source, ": model '", recipe_.model.name,
+                    "' is not built from blocks, so it cannot run as pipeline stages"));
+  return model->blocks();
+}
+
+void Session::set_pipeline(const parallel::StageSplit& split, int stage) {
+  const BlockList& b = blocks();
+  plan_.emplace(b, split);
+  stage_ = stage;
+  const auto ranges = plan_->blocks_of_stage(stage);
+  stage_module_ = std::make_shared<parallel::StageModule>(b, ranges);
+  // Every tensor of the model's state belongs to some stage.
+  {
+    std::set<std::string> staged;
+    for (int s = 0; s < split.stages; ++s)
+      for (const NamedTensor& t : parallel::StageModule(b, plan_->blocks_of_stage(s)).state())
+        staged.insert(t.name);
+    for (const NamedTensor& t : model_->state())
+      CHECK(staged.count(t.name)) << "'" << t.name << "' is in no block of model "
+                                  << recipe_.model.name << ", so no pipeline stage holds it";
+  }
+  // Weights tied across stages: the stages of the blocks holding each name.
+  std::vector<int> stage_of_block(b.size());
+  for (int v = 0; v < plan_->pieces(); ++v)
+    for (size_t k = plan_->piece(v).first; k < plan_->piece(v).last; ++k)
+      stage_of_block[k] = split.stage_of(v);
+  tied_.clear();
+  for (const TiedParameter& t : b.tied()) {
+    const int first = stage_of_block[t.tied_block], second = stage_of_block[t.block];
+    if (first == second || (stage != first && stage != second)) continue;
+    Tensor param;
+    for (const NamedTensor& p : global_params_)
+      if (p.name == t.tied_to) param = p.tensor;
+    CHECK(param.defined()) << "tied parameter '" << t.tied_to << "'";
+    tied_.push_back({t.tied_to, param, stage == first ? second : first, stage == first});
+  }
+  // Which stages read the carried state (an LSTM's h and c).
+  bool holds_state = false;
+  const std::vector<std::string>& inputs = b.boundary(0);
+  for (const auto& [first, last] : ranges)
+    for (size_t k = first; k < last; ++k)
+      for (const std::string& n : b[k].inputs)
+        if (n != inputs.front() && std::find(inputs.begin(), inputs.end(), n) != inputs.end())
+          holds_state = true;
+  source_->set_holds_carried_state(holds_state);
+  if (!shards_optimizer()) optimizer_ = make_optimizer(recipe_, trained_param_groups());
+}
+
+std::vector<optim::ParamGroup> Session::trained_param_groups() const {
+  std::vector<optim::ParamGroup> groups = param_groups(recipe_, *model_);
+  if (!stage_module_) return groups;
+  std::set<const TensorImpl*> mine;
+  for (const Tensor& t : stage_module_->parameters()) mine.insert(t.impl());
+  for (optim::ParamGroup& g : groups)
+    std::erase_if(g.params, [&](const NamedTensor& p) { return !mine.count(p.tensor.impl()); });
+  return groups;
+}
+
 void Session::set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zero) {
   CHECK(shards_optimizer()) << "a sharded optimizer for a session without parallel.zero1";
   optimizer_ = std::move(zero);
@@ -149,9 +221,25 @@ void Session::save(const std::string& dir, const TrainState& state) const {
   const bool sharded = shards_optimizer();
   const bool main = layout_.rank == 0;
   CheckpointPart part;
-  // Every rank holds the whole replicated model: rank 0 writes it.
-  if (main) part.model = model_->state();
-  if (sharded || main) part.optimizer = optimizer_->state();
+  if (!plan_) {
+    // Every rank holds the whole replicated model: rank 0 writes it.
+    if (main) part.model = model_->state();
+    if (sharded || main) part.optimizer = optimizer_->state();
+  } else {
+    // Each stage's first replica writes its tensors as one part of the model
+    // and of the optimizer state; a weight tied across stages goes in once.
+    const bool writes = layout_.coord.dp == 0 && layout_.coord.tp == 0;
+    part.model_part = part.optimizer_part = stage_;
+    part.model_parts = part.optimizer_parts = plan_->split().stages;
+    if (writes) part.model = stage_module_->state();
+    if (sharded || writes) {
+      std::vector<NamedTensor> state = optimizer_->state();
+      for (const TiedAcrossStages& t : tied_)
+        if (!t.owner)
+          std::erase_if(state, [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
+      part.optimizer = std::move(state);
+    }
+  }
   part.optimizer_sharded = sharded;
   part.stream_state = source_->stream_state();
   write_checkpoint_part(dir, layout_.rank, part);
@@ -230,6 +318,21 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
       optim_tensors.emplace(t.name, std::move(t.tensor));
     model_->upgrade_loaded_state(optim_tensors,
                                  optimizer_file(dir, shards_optimizer(), layout_.rank));
+    // A whole optimizer state (one file, or one part per stage) holds every
+    // parameter's entries: a stage takes its own, whatever layout wrote them.
+    if (!shards_optimizer()) {
+      std::set<std::string> mine;
+      for (const NamedTensor& e : optimizer().state()) mine.insert(e.name);
+      for (auto it = optim_tensors.begin(); it != optim_tensors.end();) {
+        const std::string& name = it->first;
+        const size_t dot = name.rfind('.');
+        const bool known_param =
+            dot != std::string::npos &&
+            std::any_of(global_params_.begin(), global_params_.end(),
+                        [&](const NamedTensor& p) { return p.name == name.substr(0, dot); });
+        it = !mine.count(name) && known_param ? optim_tensors.erase(it) : std::next(it);
+      }
+    }
     std::vector<NamedTensor> optim_state;
     for (auto& [name, t] : optim_tensors) optim_state.push_back({name, t});
     // Everything validated: now change the optimizer (it refuses another layout) and the model.

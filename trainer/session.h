@@ -30,6 +30,7 @@
 #include "layers/module.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "parallel/pipeline.h"
 #include "trainer/batch_source.h"
 #include "trainer/checkpoint.h"
 #include "trainer/distributed.h"
@@ -66,6 +67,41 @@ class Session {
   void set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zero);
   const optim::LrSchedule& schedule() const { return *schedule_; }
   int64_t micro_batch() const { return micro_batch_; }
+  // The micro-batches of one optimizer step: parallel.micro_batches on a
+  // pipeline (pp > 1), else training.grad_accum.
+  int64_t micro_batches() const { return micro_batches_; }
+
+  // ---- pipeline stages (pp > 1) ----
+  // Makes this rank stage `stage` of split: what it trains, optimizes and
+  // saves becomes its blocks' parameters and buffers (global names). Every
+  // rank still builds the whole model (initialisation and dropout keys stay
+  // those of one process); the other stages' tensors are only read when
+  // gather_pipeline_model() refreshes them (evaluation).
+  void set_pipeline(const parallel::StageSplit& split, int stage);
+  // Null unless set_pipeline ran.
+  const parallel::PipelinePlan* pipeline_plan() const { return plan_ ? &*plan_ : nullptr; }
+  int stage() const { return stage_; }
+  // The model's block list (models built from blocks only).
+  const BlockList& blocks() const;
+  // What this rank trains: its stage's parameters, or the whole model.
+  const std::shared_ptr<Module>& trained_ptr() const { return stage_module_ ? stage_module_ : model_; }
+  Module& trained() const { return *trained_ptr(); }
+  // The recipe's parameter groups over trained(), under the model's global
+  // names (a weight tied across stages under its first name).
+  std::vector<optim::ParamGroup> trained_param_groups() const;
+  // A parameter held by two stages (GPT's tied embedding and head): the
+  // stages keep it in step by summing their gradients each step.
+  struct TiedAcrossStages {
+    std::string name;  // its first global name
+    Tensor param;
+    int peer = 0;       // the other stage
+    bool owner = false; // this stage holds its first name (and saves its optimizer state)
+  };
+  const std::vector<TiedAcrossStages>& tied_across_stages() const { return tied_; }
+  // Every parameter of the model in the order of the whole model's
+  // optimizer (its parameter groups), for a gradient norm summed in the same
+  // order on every layout.
+  const std::vector<NamedTensor>& global_parameters() const { return global_params_; }
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
   int64_t total_steps() const { return total_steps_; }
 
@@ -114,6 +150,12 @@ class Session {
   std::shared_ptr<optim::Optimizer> optimizer_;
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;
+  int64_t micro_batches_ = 1;
+  std::optional<parallel::PipelinePlan> plan_;
+  int stage_ = 0;
+  std::shared_ptr<Module> stage_module_;
+  std::vector<TiedAcrossStages> tied_;
+  std::vector<NamedTensor> global_params_;
   int64_t steps_per_epoch_ = 0;
   int64_t total_steps_ = 0;
 };

@@ -5,6 +5,7 @@
 #include "core/autocast.h"
 #include "core/ops.h"
 #include "parallel/trace.h"
+#include "trainer/pipeline_runtime.h"
 
 namespace trainer {
 
@@ -12,9 +13,14 @@ using parallel::Action;
 using parallel::ActionKind;
 
 parallel::Schedule training_schedule(const Recipe& recipe, const RankLayout& layout) {
-  // parallel_layout() refuses pp > 1 until pipeline stages exist.
-  CHECK_EQ(layout.job.mesh.pp, 1) << "a pipeline schedule before pipeline stages exist";
-  return parallel::one_stage_schedule(int(recipe.training.grad_accum));
+  if (layout.job.mesh.pp == 1) return parallel::one_stage_schedule(int(recipe.training.grad_accum));
+  try {
+    return parallel::make_schedule(recipe.parallel.schedule, layout.job.mesh.pp,
+                                   int(recipe.parallel.micro_batches),
+                                   int(recipe.parallel.virtual_stages));
+  } catch (const Error& e) {
+    throw Error(cat(recipe.source, ": ", e.what()));
+  }
 }
 
 StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& precision,
@@ -23,19 +29,29 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
       run_(run),
       precision_(precision),
       schedule_(std::move(schedule)),
-      actions_(schedule_.stages.at(0)) {
+      actions_(schedule_.stages.at(run.pipeline() ? size_t(run.pipeline()->stage()) : 0)) {
   parallel::check_schedule(schedule_);
-  CHECK_EQ(schedule_.stages.size(), size_t(1)) << "pipeline stages are not built yet";
+  PipelineRuntime* pipeline = run_.pipeline();
+  if (!pipeline) CHECK_EQ(schedule_.stages.size(), size_t(1)) << "a pipeline schedule without stages";
   for (size_t i = 0; i < actions_.size(); ++i) {
     const ActionKind kind = actions_[i].kind;
-    CHECK(kind == ActionKind::forward || kind == ActionKind::backward ||
-          kind == ActionKind::grad_sync || kind == ActionKind::optimizer_step)
-        << "action " << parallel::to_string(actions_[i]) << " needs pipeline stages";
-    if (kind == ActionKind::backward) last_backward_ = i;
+    if (!pipeline)
+      CHECK(kind == ActionKind::forward || kind == ActionKind::backward ||
+            kind == ActionKind::grad_sync || kind == ActionKind::optimizer_step)
+          << "action " << parallel::to_string(actions_[i]) << " needs pipeline stages";
+    if (kind == ActionKind::backward || kind == ActionKind::backward_weight) last_backward_ = i;
+  }
+  if (pipeline) {
+    CHECK_EQ(int(schedule_.stages.size()), pipeline->plan().split().stages);
+    CHECK_EQ(schedule_.chunks, pipeline->plan().split().chunks);
+    BatchSource& source = session_.data();
+    pipeline->probe(source.model_inputs(source.probe_batch(session_.micro_batch())),
+                    precision_.autocast_dtype());
   }
 }
 
 StepResult StepExecutor::run(int64_t step, bool stop_requested) {
+  if (run_.pipeline()) return run_pipeline(step, stop_requested);
   InFlight in_flight;
   in_flight.step = step;
   in_flight.losses.resize(size_t(schedule_.micro_batches));
@@ -98,10 +114,92 @@ void StepExecutor::grad_sync(InFlight& in_flight) {
   if (in_flight.finite || run_.dist().active()) run_.finish_gradients();
 }
 
+StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
+  PipelineRuntime& rt = *run_.pipeline();
+  InFlight in_flight;
+  in_flight.step = step;
+  in_flight.batches.resize(size_t(schedule_.micro_batches));
+  rt.begin_step(actions_);
+  for (size_t i = 0; i < actions_.size(); ++i) {
+    const Action& a = actions_[i];
+    const int m = a.micro_batch, c = a.chunk;
+    switch (a.kind) {
+      case ActionKind::forward:
+        if (!pipeline_forward(m, c, in_flight)) {
+          in_flight.result.ran_out = true;
+          return in_flight.result;
+        }
+        break;
+      case ActionKind::backward: {
+        auto no_sync = run_.no_sync(i != last_backward_);
+        rt.backward(m, c);
+        break;
+      }
+      case ActionKind::backward_input:
+        rt.backward_input(m, c);
+        break;
+      case ActionKind::backward_weight: {
+        auto no_sync = run_.no_sync(i != last_backward_);
+        rt.backward_weight(m, c);
+        break;
+      }
+      case ActionKind::send_activation:
+        rt.send_activation(m, c);
+        break;
+      case ActionKind::recv_activation:
+        rt.recv_activation(m, c);
+        break;
+      case ActionKind::send_gradient:
+        rt.send_gradient(m, c);
+        break;
+      case ActionKind::recv_gradient:
+        rt.recv_gradient(m, c);
+        break;
+      case ActionKind::grad_sync: {
+        rt.finish_step();
+        parallel::TraceScope span(run_.timeline(), "grad sync", parallel::Track::comm);
+        run_.finish_gradients();
+        break;
+      }
+      case ActionKind::optimizer_step:
+        optimizer_step(stop_requested, in_flight);
+        break;
+    }
+  }
+  return in_flight.result;
+}
+
+bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
+  PipelineRuntime& rt = *run_.pipeline();
+  std::optional<StepBatch>& batch = in_flight.batches[size_t(m)];
+  if (!batch) {
+    StepBatch b;
+    if (!session_.next_batch(b)) return false;
+    in_flight.result.position = b.position;
+    in_flight.result.items += b.items;
+    batch = std::move(b);
+  }
+  session_.rekey_dropout(in_flight.step * schedule_.micro_batches + m);
+  AutocastGuard autocast(precision_.autocast_dtype());
+  BatchSource& source = session_.data();
+  TensorList outputs = rt.forward(m, chunk, source.model_inputs(*batch));
+  source.keep_outputs(outputs);
+  if (!rt.is_last_piece(chunk)) return true;
+  Tensor loss = source.loss_from(*batch, outputs);
+  const double v = loss.item<double>();
+  in_flight.finite = in_flight.finite && std::isfinite(v);
+  in_flight.loss_sum += v;
+  const int M = schedule_.micro_batches;
+  rt.set_loss(m, precision_.scale_loss(M == 1 ? loss : loss * (1.0 / double(M))));
+  return true;
+}
+
 void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
   StepResult& result = in_flight.result;
+  PipelineRuntime* pipeline = run_.pipeline();
+  const bool has_loss = !pipeline || pipeline->is_last_piece(schedule_.chunks - 1);
   const StepVerdict verdict = run_.agree(in_flight.loss_sum / double(schedule_.micro_batches),
-                                         in_flight.finite, stop_requested);
+                                         in_flight.finite, stop_requested, has_loss);
   result.loss = verdict.loss;
   result.finite = verdict.finite;
   result.stop = verdict.stop;
@@ -112,11 +210,13 @@ void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
     parallel::TraceScope span(run_.timeline(), "optimizer");
     // fp16: the gradients are unscaled first, and the step is skipped when
     // one holds an inf/nan (the same on every rank: they are averaged).
-    precision_.step(session_.model().parameters(), [&] {
+    precision_.step(session_.trained().parameters(), [&] {
       // Sharded: the gradients are averaged into each rank's shard only, so
-      // the optimizer computes the norm.
+      // the optimizer computes the norm. Pipeline stages sum theirs.
       if (recipe.optimizer.clip_grad_norm > 0)
-        result.grad_norm = optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
+        result.grad_norm =
+            pipeline ? run_.clip_pipeline_gradients(recipe.optimizer.clip_grad_norm)
+                     : optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
       optimizer.set_lr(result.lr);
       optimizer.step();
     });

@@ -18,12 +18,26 @@
 //           update (fp16: skipped on an overflow); the gradients are zeroed
 //           whether or not the step was taken
 // With one stage and M = training.grad_accum this is gradient
-// accumulation, bit for bit the loop it replaces. Pipeline stages (pp > 1)
-// will add the send/recv and split-backward actions here; until then
-// a table holding them is refused.
+// accumulation, bit for bit the loop it replaces.
+//
+// On a pipeline (pp > 1, M = parallel.micro_batches) the rank runs its
+// stage's list of the recipe's schedule (gpipe, 1f1b, interleaved, zbh1)
+// through its PipelineRuntime (trainer/pipeline_runtime.h):
+//   recvA/sendA, recvG/sendG   activations and gradients between stages
+//   F m (chunk c)  micro-batch m is read on every stage (the first piece
+//                  takes its inputs, the last its targets); dropout re-keyed
+//                  as above; the last piece computes the loss
+//   B m, I m, W m  backward, or its input and weight halves (zbh1)
+//   sync           every send completed; the data-parallel reduction; the
+//                  gradient of a weight tied across stages summed
+//   step           as above, the gradient norm summed over the stages
+// Gradients accumulate in micro-batch order on every stage, so a pipeline
+// trains bit for bit as pp = 1 with training.grad_accum = M (a weight tied
+// across stages aside: its two halves add in another order).
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "parallel/schedule.h"
@@ -67,12 +81,16 @@ class StepExecutor {
   struct InFlight {
     int64_t step = 0;
     std::vector<Tensor> losses;  // per micro-batch, from its F to its B
+    std::vector<std::optional<StepBatch>> batches;  // pipeline: per micro-batch, once read
     double loss_sum = 0;
     bool finite = true;  // every loss so far
     StepResult result;
   };
   bool forward(int micro_batch, InFlight& in_flight);
   void backward(int micro_batch, bool last, InFlight& in_flight);
+  // A pipeline stage's actions.
+  StepResult run_pipeline(int64_t step, bool stop_requested);
+  bool pipeline_forward(int micro_batch, int chunk, InFlight& in_flight);
   void grad_sync(InFlight& in_flight);
   void optimizer_step(bool stop_requested, InFlight& in_flight);
 
@@ -81,7 +99,7 @@ class StepExecutor {
   Precision& precision_;
   parallel::Schedule schedule_;
   const std::vector<parallel::Action>& actions_;  // this rank's stage
-  size_t last_backward_ = 0;                      // index of the step's last backward
+  size_t last_backward_ = 0;  // index of the step's last action computing weight gradients
 };
 
 }  // namespace trainer

@@ -58,6 +58,11 @@ class TextBatches final : public BatchSource {
   bool next(StepBatch& batch) override;
   Tensor loss(const StepBatch& batch) override;
   Tensor probe_loss(int64_t n) override;
+  TensorList model_inputs(const StepBatch& batch) override;
+  void keep_outputs(const TensorList& outputs) override;
+  Tensor loss_from(const StepBatch& batch, const TensorList& outputs) override;
+  StepBatch probe_batch(int64_t n) override;
+  void set_holds_carried_state(bool holds) override { holds_state_ = holds; }
   EvalSums evaluate_shard() override;
 
   std::optional<std::vector<NamedTensor>> stream_state() const override;
@@ -68,7 +73,9 @@ class TextBatches final : public BatchSource {
  private:
   // Whether the LSTM LM carries its state between micro-batches
   // (data.sampling: contiguous), saved per rank with checkpoints.
-  bool carries_state() const { return lstm_ != nullptr && train_windows_->contiguous(); }
+  bool carries_state() const {
+    return lstm_ != nullptr && train_windows_->contiguous() && holds_state_;
+  }
 
   const RankLayout layout_;
   const int64_t micro_batch_;
@@ -78,6 +85,7 @@ class TextBatches final : public BatchSource {
   int64_t epoch_ = 0, position_ = 0;  // the epoch being read
   std::shared_ptr<LSTMLM> lstm_;      // model_ when it is the LSTM LM
   RNNState carried_;                  // its state after the last micro-batch
+  bool holds_state_ = true;           // false on a pipeline stage without the LSTM
 };
 
 TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
@@ -138,13 +146,31 @@ Tensor TextBatches::loss(const StepBatch& batch) {
   return token_cross_entropy(out.logits, batch.targets);
 }
 
-Tensor TextBatches::probe_loss(int64_t n) {
+TensorList TextBatches::model_inputs(const StepBatch& batch) {
+  if (!lstm_) return {batch.inputs};
+  if (!carries_state()) return {batch.inputs, Tensor(), Tensor()};
+  return {batch.inputs, carried_.h, carried_.c};
+}
+
+void TextBatches::keep_outputs(const TensorList& outputs) {
+  if (!carries_state() || !outputs.at(1).defined()) return;
+  carried_ = RNNState{outputs[1], outputs[2]}.detach();
+}
+
+Tensor TextBatches::loss_from(const StepBatch& batch, const TensorList& outputs) {
+  return token_cross_entropy(outputs.at(0), batch.targets);
+}
+
+StepBatch TextBatches::probe_batch(int64_t n) {
   const Device device = module_device(*model_);
   const int64_t T = train_windows_->seq_len();
-  StepBatch zero{to_device(zeros({n, T}, DType::i64), device),
-                 to_device(zeros({n, T}, DType::i64), device)};
+  return StepBatch{to_device(zeros({n, T}, DType::i64), device),
+                   to_device(zeros({n, T}, DType::i64), device)};
+}
+
+Tensor TextBatches::probe_loss(int64_t n) {
   RNNState kept = carried_;  // the probe must not become the carried state
-  Tensor l = loss(zero);
+  Tensor l = loss(probe_batch(n));
   carried_ = kept;
   return l;
 }

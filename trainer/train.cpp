@@ -18,6 +18,7 @@
 #include "trainer/device.h"
 #include "trainer/distributed.h"
 #include "trainer/metrics.h"
+#include "trainer/pipeline_split.h"
 #include "trainer/precision.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
@@ -96,7 +97,7 @@ class TrainLoop {
   int run() {
     const int64_t total = s_.total_steps();
     const int64_t spe = s_.steps_per_epoch();
-    const int64_t per_step = s_.micro_batch() * r_.training.grad_accum;
+    const int64_t per_step = s_.micro_batch() * s_.micro_batches();
     t0_ = std::chrono::steady_clock::now();
     step_at_start_ = state_.step;
     while (state_.step < total) {
@@ -262,7 +263,7 @@ class TrainLoop {
 int train_command(const TrainArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
   apply_threads(r);
-  Distributed dist = join_job(r);
+  Distributed dist = join_job(r, args.dry_run);
   // Only rank 0 prints; the others' stdout stays quiet (errors still go to stderr).
   const bool main_rank = dist.is_main();
   if (main_rank)
@@ -272,9 +273,11 @@ int train_command(const TrainArgs& args) {
     std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
                 parallel::to_string(dist.layout.job.mesh).c_str(),
                 s.shards_optimizer() ? ", zero1" : "", num_threads());
-    std::printf("%lld steps (%lld per epoch), micro-batch %lld x grad_accum %lld per rank\n",
+    std::printf("%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
                 (long long)s.total_steps(), (long long)s.steps_per_epoch(),
-                (long long)s.micro_batch(), (long long)r.training.grad_accum);
+                (long long)s.micro_batch(),
+                dist.layout.job.mesh.pp > 1 ? "micro_batches" : "grad_accum",
+                (long long)s.micro_batches());
   }
   if (main_rank) {
     std::printf("device %s\n", cat(module_device(s.model())).c_str());
@@ -287,7 +290,14 @@ int train_command(const TrainArgs& args) {
     }
   }
   if (args.dry_run) {
-    if (main_rank) std::printf("%s", s.summary().c_str());
+    if (!main_rank) return 0;
+    std::printf("%s", s.summary().c_str());
+    if (dist.layout.job.mesh.pp > 1) {
+      // Every stage as it would run, profiled here on one micro-batch.
+      const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
+      BlockProfile profile = profile_blocks(s, autocast);
+      std::printf("%s", describe_stages(s, choose_split(s, &profile), &profile).c_str());
+    }
     return 0;
   }
   // Before the checkpoint is read: under zero1 it builds the optimizer. Every

@@ -1,0 +1,289 @@
+// Pipeline parallelism: the plan of a split (which tensors travel between
+// which pieces, long skips sent straight to their consumer), the splits
+// themselves, and the trainer run as pipeline stages under `trainer launch`
+// against one process with gradient accumulation over the same micro-batches.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "core/ops.h"
+#include "layers/linear.h"
+#include "parallel/pipeline.h"
+#include "tests/process.h"
+#include "trainer/checkpoint.h"
+
+namespace fs = std::filesystem;
+using namespace trainer;
+using namespace trainer::parallel;
+using trainer::testing::run_process;
+
+namespace {
+
+// Five blocks over x; block "save" publishes a skip that block "use" reads.
+BlockList skip_blocks(std::shared_ptr<Module> m) {
+  auto same = [](const TensorList& in) { return TensorList{in[0]}; };
+  std::vector<BlockSpec> specs;
+  specs.push_back({.name = "b0", .members = {{"l0", m}}, .fn = same});
+  specs.push_back({.name = "save", .outputs = {"x", "skip"}, .fn = [](const TensorList& in) {
+                     return TensorList{in[0], in[0]};
+                   }});
+  specs.push_back({.name = "b2", .fn = same});
+  specs.push_back({.name = "b3", .fn = same});
+  specs.push_back({.name = "use", .inputs = {"x", "skip"}, .fn = [](const TensorList& in) {
+                     return TensorList{in[0] + in[1]};
+                   }});
+  return BlockList({"x"}, {"x"}, std::move(specs));
+}
+
+std::string run_dir(const std::string& name) {
+  return testing::fresh_temp_dir("pp_" + name, false).string();
+}
+
+std::vector<std::string> trainer_args(const std::string& recipe, const std::string& out,
+                                      std::vector<std::string> extra) {
+  std::vector<std::string> a{"train",
+                             std::string(TRAINER_SOURCE_DIR) + "/recipes/" + recipe,
+                             "output_dir=" + out,
+                             "training.threads=1",
+                             "data.workers=1",
+                             "training.log_every=2"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+testing::ProcessResult run_single(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{TRAINER_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {.timeout_s = 300});
+}
+
+testing::ProcessResult run_launched(int nproc, const std::vector<std::string>& args,
+                                    const testing::ProcessOptions& options = {.timeout_s = 300}) {
+  std::vector<std::string> argv{TRAINER_BINARY, "launch", "--nproc-per-node",
+                                std::to_string(nproc), "--"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, options);
+}
+
+std::map<std::string, Tensor> model_at(const std::string& run, int64_t step) {
+  return read_model(run + "/checkpoints/" + CheckpointDir::step_name(step));
+}
+
+// Every tensor of a equal to b's: bitwise, or within tolerance (relative to the tensor's scale).
+void check_models(const std::map<std::string, Tensor>& a, const std::map<std::string, Tensor>& b,
+                  double tolerance = 0) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, t] : a) {
+    INFO(name);
+    REQUIRE(b.count(name) == 1);
+    const Tensor& u = b.at(name);
+    REQUIRE(t.shape() == u.shape());
+    if (t.dtype() != DType::f32) continue;
+    std::vector<float> x = t.to_vector<float>(), y = u.to_vector<float>();
+    if (tolerance == 0) {
+      CHECK(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
+      continue;
+    }
+    double worst = 0, scale = 1e-12;
+    for (size_t i = 0; i < x.size(); ++i) {
+      worst = std::max(worst, double(std::fabs(x[i] - y[i])));
+      scale = std::max(scale, double(std::fabs(x[i])));
+    }
+    CHECK(worst <= tolerance * scale);
+  }
+}
+
+// pp = P with M micro-batches against pp = 1 with grad_accum = M.
+void check_pipeline_matches(const std::string& recipe, std::vector<std::string> common, int pp,
+                            int micro_batches, const std::string& schedule, int steps,
+                            double tolerance = 0, int chunks = 1) {
+  const std::string tag = cat(fs::path(recipe).stem().string(), "_pp", pp, "_", schedule);
+  common.push_back(cat("training.steps=", steps));
+  std::vector<std::string> one = common, piped = common;
+  one.push_back(cat("training.grad_accum=", micro_batches));
+  piped.insert(piped.end(), {cat("parallel.pp=", pp), cat("parallel.micro_batches=", micro_batches),
+                             "parallel.schedule=" + schedule,
+                             cat("parallel.virtual_stages=", chunks)});
+  const std::string a = run_dir(tag + "_ref"), b = run_dir(tag);
+  testing::ProcessResult ra = run_single(trainer_args(recipe, a, one));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  testing::ProcessResult rb = run_launched(pp, trainer_args(recipe, b, piped));
+  INFO(rb.output);
+  REQUIRE(rb.code == 0);
+  CHECK(rb.output.find(cat("pp=", pp)) != std::string::npos);
+  check_models(model_at(a, steps), model_at(b, steps), tolerance);
+}
+
+}  // namespace
+
+TEST_CASE("pipeline plan: tensors travel to the pieces that read them, a skip straight to its "
+          "consumer",
+          "[parallel]") {
+  Generator gen(0);
+  BlockList blocks = skip_blocks(std::make_shared<Linear>(2, 2, gen));
+  // Pieces [0, 2) [2, 3) [3, 5): the skip written in piece 0 is read in piece 2.
+  PipelinePlan plan(blocks, split_at(blocks.size(), 3, 1, {2, 3}));
+  std::vector<std::string> seen;
+  for (const Transfer& t : plan.transfers()) seen.push_back(cat(t.name, ":", t.from, "->", t.to));
+  CHECK(seen == std::vector<std::string>{"x:0->1", "x:1->2", "skip:0->2"});
+  // Piece 1 passes nothing on for the skip: it is absent there.
+  const Piece& middle = plan.piece(1);
+  REQUIRE(blocks.boundary(2).size() == 2);
+  CHECK(middle.input_source[1] == Piece::kAbsent);
+  CHECK(plan.piece(0).sends == std::vector<int>{0, 2});
+  CHECK(plan.piece(2).receives == std::vector<int>{1, 2});
+  CHECK(plan.piece(2).output_kept == std::vector<bool>{true});
+  CHECK(plan.piece(0).input_source == std::vector<int>{Piece::kModelInput});
+  // Running the pieces one after the other, handing the transfers over,
+  // gives the whole model's result.
+  Tensor x = uniform({3, 2}, -1.0, 1.0, gen);
+  TensorList out0 = blocks.run(0, 2, {x});
+  TensorList in1 = {out0[0], Tensor()};
+  TensorList out1 = blocks.run(2, 3, in1);
+  TensorList out2 = blocks.run(3, 5, {out1[0], out0[1]});
+  CHECK(out2[0].to_vector<float>() == blocks.run({x})[0].to_vector<float>());
+  // The stage modules name the parameters globally.
+  StageModule first(blocks, plan.blocks_of_stage(0));
+  REQUIRE(first.named_parameters().size() == 2);
+  CHECK(first.named_parameters()[0].name == "l0.weight");
+  CHECK(StageModule(blocks, plan.blocks_of_stage(1)).named_parameters().empty());
+}
+
+TEST_CASE("pipeline splits: even, at given blocks, balanced by cost within memory", "[parallel]") {
+  CHECK(to_string(even_split(9, 3, 1)) == "[0, 3) [3, 6) [6, 9)");
+  CHECK(to_string(even_split(5, 2, 1)) == "[0, 3) [3, 5)");
+  CHECK(to_string(even_split(8, 2, 2)) == "[0, 2) [2, 4) [4, 6) [6, 8)");
+  CHECK(to_string(split_at(9, 3, 1, {2, 7})) == "[0, 2) [2, 7) [7, 9)");
+  CHECK_THROWS_WITH(split_at(9, 3, 1, {2}), Catch::Contains("3 pieces need 2"));
+  CHECK_THROWS_WITH(split_at(9, 3, 1, {5, 5}), Catch::Contains("boundary 5"));
+  CHECK_THROWS_WITH(even_split(3, 4, 1), Catch::Contains("fewer than the 4"));
+  // Costs 1 1 1 1 4: the heavy block alone.
+  CHECK(to_string(balanced_split({1, 1, 1, 1, 4}, {0, 0, 0, 0, 0}, 0, 2, 1)) == "[0, 4) [4, 5)");
+  CHECK(to_string(balanced_split({1, 2, 3, 4, 5, 6}, std::vector<double>(6, 0), 0, 3, 1)) ==
+        "[0, 3) [3, 5) [5, 6)");
+  // Memory 5 per block, 10 per stage: no piece of three blocks.
+  CHECK(to_string(balanced_split({1, 1, 1, 9}, {5, 5, 5, 5}, 10, 2, 1)) == "[0, 2) [2, 4)");
+  CHECK_THROWS_WITH(balanced_split({1, 1, 1}, {5, 5, 5}, 4, 2, 1),
+                    Catch::Contains("memory limit"));
+}
+
+TEST_CASE("pipeline: an MLP on 2 stages trains bit for bit as gradient accumulation, every "
+          "schedule",
+          "[parallel][mp]") {
+  const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
+                                           "optimizer.lr=0.05", "optimizer.momentum=0.9"};
+  for (const char* schedule : {"gpipe", "1f1b", "zbh1"}) {
+    SECTION(schedule) { check_pipeline_matches("fmnist_mlp.yaml", common, 2, 4, schedule, 4); }
+  }
+}
+
+TEST_CASE("pipeline: a small CNN on 4 stages, and on 2 stages interleaved, matches "
+          "gradient accumulation bit for bit",
+          "[parallel][mp]") {
+  const std::vector<std::string> common = {"training.global_batch=32", "optimizer.lr=0.05",
+                                           "optimizer.clip_grad_norm=1.0"};
+  SECTION("1f1b, pp 4") { check_pipeline_matches("fmnist_cnn.yaml", common, 4, 4, "1f1b", 3); }
+  SECTION("interleaved, pp 2 x 2 chunks") {
+    check_pipeline_matches("fmnist_cnn.yaml", common, 2, 4, "interleaved", 3, 0, 2);
+  }
+}
+
+TEST_CASE("pipeline: GPT with its embedding tied across 2 stages, and the LSTM LM, match "
+          "gradient accumulation",
+          "[parallel][mp]") {
+  const std::vector<std::string> gpt = {
+      "training.global_batch=8", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
+      "model.context=32",        "data.seq_len=32", "optimizer.clip_grad_norm=1.0"};
+  // The tied weight's two gradients add in another order than in one process.
+  SECTION("gpt") { check_pipeline_matches("gpt_kjv.yaml", gpt, 2, 2, "1f1b", 3, 1e-5); }
+  const std::vector<std::string> lstm = {"training.global_batch=8", "model.hidden=32",
+                                         "model.d_model=32",        "data.seq_len=16",
+                                         "model.dropout=0"};
+  SECTION("lstm_lm") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "gpipe", 3); }
+}
+
+TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads into one process",
+          "[parallel][mp]") {
+  const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=adamw",
+                                           "optimizer.lr=0.001", "training.checkpoint_every=2"};
+  std::vector<std::string> piped = common, one = common;
+  piped.insert(piped.end(), {"parallel.pp=2", "parallel.micro_batches=2", "training.steps=6"});
+  one.insert(one.end(), {"training.grad_accum=2", "training.steps=6"});
+  const std::string a = run_dir("resume_ref"), b = run_dir("resume");
+  // Uninterrupted, pp = 2.
+  testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_mlp.yaml", a, piped));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  // Stopped after step 2's checkpoint and resumed under pp = 2: the same bits.
+  testing::ProcessResult rb1 = run_launched(2, trainer_args("fmnist_mlp.yaml", b, piped),
+                                            {.stop_after = "step 3/6", .timeout_s = 300});
+  INFO(rb1.output);
+  std::vector<std::string> resumed = trainer_args("fmnist_mlp.yaml", b, piped);
+  resumed.push_back("--resume=auto");
+  testing::ProcessResult rb2 = run_launched(2, resumed);
+  INFO(rb2.output);
+  REQUIRE(rb2.code == 0);
+  CHECK(rb2.output.find("resumed from") != std::string::npos);
+  check_models(model_at(a, 6), model_at(b, 6));
+  // Step 2 of the pipeline run, continued by one process with grad_accum 2.
+  const std::string c = run_dir("resume_one");
+  fs::create_directories(c + "/checkpoints");
+  fs::copy(a + "/checkpoints/" + CheckpointDir::step_name(2),
+           c + "/checkpoints/" + CheckpointDir::step_name(2), fs::copy_options::recursive);
+  std::vector<std::string> cont = trainer_args("fmnist_mlp.yaml", c, one);
+  cont.push_back("--resume=auto");
+  testing::ProcessResult rc = run_single(cont);
+  INFO(rc.output);
+  REQUIRE(rc.code == 0);
+  check_models(model_at(a, 6), model_at(c, 6));
+  // trainer eval reads the stages' parts as one model.
+  testing::ProcessResult re = run_process(
+      {TRAINER_BINARY, "eval", std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_mlp.yaml",
+       "data.workers=1", "--checkpoint", a + "/checkpoints"},
+      {.timeout_s = 120});
+  INFO(re.output);
+  CHECK(re.code == 0);
+  CHECK(re.output.find("top1") != std::string::npos);
+}
+
+TEST_CASE("pipeline: dp 2 x pp 2 trains as dp 2 with gradient accumulation", "[parallel][mp]") {
+  const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
+                                           "optimizer.lr=0.05", "training.steps=3"};
+  std::vector<std::string> dp = common, dppp = common;
+  dp.push_back("training.grad_accum=2");
+  dppp.insert(dppp.end(), {"parallel.pp=2", "parallel.dp=2", "parallel.micro_batches=2"});
+  const std::string a = run_dir("dp_ref"), b = run_dir("dp_pp");
+  testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_mlp.yaml", a, dp));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  testing::ProcessResult rb = run_launched(4, trainer_args("fmnist_mlp.yaml", b, dppp));
+  INFO(rb.output);
+  REQUIRE(rb.code == 0);
+  CHECK(rb.output.find("dp=2, pp=2") != std::string::npos);
+  check_models(model_at(a, 3), model_at(b, 3), 1e-6);
+}
+
+TEST_CASE("pipeline: --dry-run prints each stage, bad splits and keys are errors",
+          "[parallel]") {
+  testing::ProcessResult r = run_single(trainer_args(
+      "fmnist_cnn.yaml", run_dir("dry"),
+      {"parallel.pp=2", "parallel.micro_batches=2", "parallel.stages=auto", "--dry-run"}));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("stage 0: conv1") != std::string::npos);
+  CHECK(r.output.find("stage 1:") != std::string::npos);
+  CHECK(r.output.find("predicted") != std::string::npos);
+  testing::ProcessResult bad = run_single(trainer_args(
+      "fmnist_cnn.yaml", run_dir("dry_bad"),
+      {"parallel.pp=2", "parallel.stages=[9]", "--dry-run"}));
+  CHECK(bad.code == 1);
+  CHECK(bad.output.find("parallel.stages: boundary 9") != std::string::npos);
+  testing::ProcessResult accum = run_single(trainer_args(
+      "fmnist_cnn.yaml", run_dir("dry_accum"),
+      {"parallel.pp=2", "training.grad_accum=2", "--dry-run"}));
+  CHECK(accum.code == 1);
+  CHECK(accum.output.find("parallel.micro_batches=2") != std::string::npos);
+}

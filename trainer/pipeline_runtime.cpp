@@ -1,0 +1,335 @@
+#include "trainer/pipeline_runtime.h"
+
+#include "core/autocast.h"
+#include "core/ops.h"
+
+namespace trainer {
+
+using parallel::Action;
+using parallel::ActionKind;
+
+namespace {
+
+bool is_recv(ActionKind k) {
+  return k == ActionKind::recv_activation || k == ActionKind::recv_gradient;
+}
+
+}  // namespace
+
+PipelineRuntime::PipelineRuntime(parallel::PipelinePlan plan, int stage,
+                                 std::shared_ptr<comm::Communicator> pp, const BlockList& blocks,
+                                 parallel::Timeline* timeline)
+    : plan_(std::move(plan)),
+      stage_(stage),
+      pp_(std::move(pp)),
+      blocks_(blocks),
+      timeline_(timeline) {
+  CHECK(pp_ != nullptr) << "a pipeline stage without a pipeline communicator";
+  CHECK_EQ(pp_->size(), plan_.split().stages);
+  CHECK_EQ(pp_->rank(), stage_);
+  CHECK(plan_.transfers().size() < (size_t(1) << comm::P2PTag::kStreamBits))
+      << plan_.transfers().size() << " transfers between pipeline pieces; at most "
+      << (1 << comm::P2PTag::kStreamBits);
+}
+
+bool PipelineRuntime::is_last_piece(int chunk) const {
+  return plan_.split().piece(stage_, chunk) == plan_.pieces() - 1;
+}
+
+bool PipelineRuntime::is_first_piece(int chunk) const {
+  return plan_.split().piece(stage_, chunk) == 0;
+}
+
+void PipelineRuntime::probe(const TensorList& model_inputs, DType autocast_dtype) {
+  autograd::NoGradGuard no_grad;
+  AutocastGuard autocast(autocast_dtype);
+  TensorList slots = model_inputs;
+  for (int v = 0; v < plan_.pieces(); ++v) {
+    const parallel::Piece& p = plan_.piece(v);
+    TensorList out = blocks_.run(p.first, p.last, slots);
+    for (size_t k = 0; k < out.size(); ++k)
+      for (int t : p.output_transfers[k]) {
+        parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+        CHECK(out[k].defined()) << "transfer '" << tr.name << "' is undefined in the probe";
+        tr.shape = out[k].shape();
+        tr.dtype = out[k].dtype();
+        tr.has_gradient = is_floating(tr.dtype);
+      }
+    slots = std::move(out);
+  }
+}
+
+std::string PipelineRuntime::where(const Action& a) const {
+  return cat("pipeline stage ", stage_, " (", parallel::to_string(a), ")");
+}
+
+void PipelineRuntime::record(const std::string& name, parallel::Track track,
+                             int64_t begin_us) const {
+  if (timeline_) timeline_->add(name, track, begin_us, parallel::trace_now_us());
+}
+
+void PipelineRuntime::begin_step(const std::vector<Action>& actions) {
+  CHECK(posted_.empty() && sends_.empty()) << "begin_step before the last step finished";
+  actions_ = actions;
+  recv_index_.clear();
+  for (size_t i = 0; i < actions_.size(); ++i)
+    if (is_recv(actions_[i].kind))
+      recv_index_[{actions_[i].kind == ActionKind::recv_gradient, actions_[i].micro_batch,
+                   actions_[i].chunk}] = i;
+  // The step's first receive goes out at once.
+  for (size_t i = 0; i < actions_.size(); ++i)
+    if (is_recv(actions_[i].kind)) {
+      post(i);
+      break;
+    }
+}
+
+void PipelineRuntime::post(size_t i) {
+  if (posted_.count(i)) return;
+  const Action& a = actions_[i];
+  const bool gradient = a.kind == ActionKind::recv_gradient;
+  const parallel::Piece& p = piece(a.chunk);
+  Posted& posted = posted_[i];
+  for (int t : gradient ? p.sends : p.receives) {
+    const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+    if (gradient && !tr.has_gradient) continue;
+    Tensor buffer = empty(tr.shape, tr.dtype);
+    const int peer = peer_of(gradient ? tr.to : tr.from);
+    posted.works.push_back(pp_->recv(
+        buffer, peer,
+        {.micro_batch = a.micro_batch,
+         .direction = gradient ? comm::P2PDirection::gradient : comm::P2PDirection::activation,
+         .stream = t}));
+    posted.buffers.push_back(std::move(buffer));
+  }
+}
+
+void PipelineRuntime::wait_recv(const Action& a) {
+  const bool gradient = a.kind == ActionKind::recv_gradient;
+  const size_t i = recv_index_.at({gradient, a.micro_batch, a.chunk});
+  post(i);
+  const int64_t begin = parallel::trace_now_us();
+  Posted& posted = posted_.at(i);
+  for (size_t k = 0; k < posted.works.size(); ++k) {
+    try {
+      posted.works[k].wait();
+    } catch (const Error& e) {
+      std::string peers;
+      for (int t : gradient ? piece(a.chunk).sends : piece(a.chunk).receives) {
+        const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+        peers += cat(peers.empty() ? "" : ", ", "stage ", peer_of(gradient ? tr.to : tr.from),
+                     " ('", tr.name, "')");
+      }
+      throw Error(cat(where(a), ", waiting on ", peers, ": ", e.what()));
+    }
+  }
+  record(parallel::to_string(a), parallel::Track::comm, begin);
+  // Post the next receive of the list while this action's consumer computes.
+  for (size_t j = i + 1; j < actions_.size(); ++j)
+    if (is_recv(actions_[j].kind)) {
+      post(j);
+      break;
+    }
+  InFlight& f = in_flight(a.micro_batch, a.chunk);
+  const parallel::Piece& p = piece(a.chunk);
+  size_t k = 0;
+  for (int t : gradient ? p.sends : p.receives) {
+    const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+    if (gradient && !tr.has_gradient) continue;
+    Tensor got = std::move(posted.buffers[k++]);
+    if (gradient) {
+      f.grad_in[t] = std::move(got);
+    } else {
+      if (tr.has_gradient) got.requires_grad_();
+      f.received[t] = std::move(got);
+    }
+  }
+  posted_.erase(i);
+}
+
+void PipelineRuntime::recv_activation(int m, int chunk) {
+  wait_recv(Action{ActionKind::recv_activation, m, chunk});
+}
+
+void PipelineRuntime::recv_gradient(int m, int chunk) {
+  wait_recv(Action{ActionKind::recv_gradient, m, chunk});
+}
+
+TensorList PipelineRuntime::forward(int m, int chunk, const TensorList& model_inputs) {
+  const parallel::Piece& p = piece(chunk);
+  InFlight& f = in_flight(m, chunk);
+  f.inputs.clear();
+  for (size_t k = 0; k < p.input_source.size(); ++k) {
+    const int source = p.input_source[k];
+    if (source == parallel::Piece::kAbsent) {
+      f.inputs.push_back(Tensor());
+    } else if (source == parallel::Piece::kModelInput) {
+      // boundary(first) lists model inputs by name; find it in boundary(0).
+      const std::vector<std::string>& names = blocks_.boundary(0);
+      const std::string& name = blocks_.boundary(p.first)[k];
+      size_t i = 0;
+      while (i < names.size() && names[i] != name) ++i;
+      CHECK(i < names.size()) << "model input '" << name << "'";
+      f.inputs.push_back(model_inputs.at(i));
+    } else {
+      auto it = f.received.find(source);
+      CHECK(it != f.received.end())
+          << "pipeline stage " << stage_ << ": F" << m << " before its input '"
+          << plan_.transfers()[size_t(source)].name << "' was received";
+      f.inputs.push_back(it->second);
+    }
+  }
+  const int64_t begin = parallel::trace_now_us();
+  f.outputs = blocks_.run(p.first, p.last, f.inputs);
+  record(cat("F", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::compute, begin);
+  // The kept outputs by name, in the model outputs' order.
+  const std::vector<std::string>& model_outputs = blocks_.boundary(blocks_.size());
+  const std::vector<std::string>& here = blocks_.boundary(p.last);
+  TensorList kept(model_outputs.size());
+  for (size_t k = 0; k < f.outputs.size(); ++k)
+    if (p.output_kept[k])
+      for (size_t j = 0; j < model_outputs.size(); ++j)
+        if (model_outputs[j] == here[k]) kept[j] = f.outputs[k];
+  return kept;
+}
+
+void PipelineRuntime::send_activation(int m, int chunk) {
+  const parallel::Piece& p = piece(chunk);
+  InFlight& f = in_flight(m, chunk);
+  const int64_t begin = parallel::trace_now_us();
+  for (size_t k = 0; k < f.outputs.size(); ++k)
+    for (int t : p.output_transfers[k]) {
+      const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+      const Tensor& out = f.outputs[k];
+      if (!out.defined() || out.shape() != tr.shape || out.dtype() != tr.dtype)
+        throw Error(cat("pipeline stage ", stage_, " sends '", tr.name, "' of micro-batch ", m,
+                        " to stage ", peer_of(tr.to), " as ",
+                        out.defined() ? cat(out.shape_str(), " ", out.dtype()) : "undefined",
+                        ", but both stages expect ", shape_str(tr.shape), " ", tr.dtype,
+                        " (the shape probe's); a model's boundary tensors must keep their shape "
+                        "from micro-batch to micro-batch"));
+      Tensor buffer = out.detach().contiguous();
+      sends_.push_back(pp_->send(buffer, peer_of(tr.to),
+                                 {.micro_batch = m,
+                                  .direction = comm::P2PDirection::activation,
+                                  .stream = t}));
+      send_buffers_.push_back(std::move(buffer));
+    }
+  record(cat("sendA", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::comm, begin);
+}
+
+void PipelineRuntime::set_loss(int m, Tensor loss) {
+  CHECK(is_last_piece(plan_.split().chunks - 1)) << "a loss on a stage without the last piece";
+  in_flight(m, plan_.split().chunks - 1).loss = std::move(loss);
+}
+
+void PipelineRuntime::backward_roots(InFlight& f, int chunk, TensorList& roots,
+                                     TensorList& grads) const {
+  const parallel::Piece& p = piece(chunk);
+  if (f.loss.defined()) {
+    roots.push_back(f.loss);
+    grads.push_back(ones_like(f.loss));
+  }
+  for (size_t k = 0; k < f.outputs.size(); ++k)
+    for (int t : p.output_transfers[k]) {
+      if (!plan_.transfers()[size_t(t)].has_gradient || !f.outputs[k].requires_grad()) continue;
+      auto it = f.grad_in.find(t);
+      CHECK(it != f.grad_in.end()) << "pipeline stage " << stage_
+                                   << ": backward before the gradient of '"
+                                   << plan_.transfers()[size_t(t)].name << "' was received";
+      roots.push_back(f.outputs[k]);
+      grads.push_back(it->second);
+    }
+}
+
+void PipelineRuntime::collect_input_grads(InFlight& f, int chunk, const TensorList* grads) {
+  size_t k = 0;
+  for (int t : piece(chunk).receives) {
+    if (!plan_.transfers()[size_t(t)].has_gradient) continue;
+    const Tensor& leaf = f.received.at(t);
+    Tensor g = grads ? (*grads)[k++] : leaf.grad();
+    f.grad_out[t] = g.defined() ? g : zeros_like(leaf);
+  }
+}
+
+void PipelineRuntime::backward(int m, int chunk) {
+  InFlight& f = in_flight(m, chunk);
+  TensorList roots, grads;
+  backward_roots(f, chunk, roots, grads);
+  const int64_t begin = parallel::trace_now_us();
+  if (!roots.empty()) autograd::run_backward(roots, grads, false);
+  record(cat("B", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::compute, begin);
+  collect_input_grads(f, chunk);
+  f.outputs.clear();
+  f.loss = Tensor();
+  f.grad_in.clear();
+  f.inputs.clear();
+}
+
+void PipelineRuntime::backward_input(int m, int chunk) {
+  InFlight& f = in_flight(m, chunk);
+  TensorList roots, grads, inputs;
+  backward_roots(f, chunk, roots, grads);
+  for (int t : piece(chunk).receives)
+    if (plan_.transfers()[size_t(t)].has_gradient) inputs.push_back(f.received.at(t));
+  const int64_t begin = parallel::trace_now_us();
+  if (!roots.empty()) {
+    autograd::SplitBackward split = autograd::run_backward_input(roots, grads, inputs);
+    f.deferred.emplace(std::move(split.weight_grads));
+    collect_input_grads(f, chunk, &split.input_grads);
+  } else {
+    collect_input_grads(f, chunk);
+  }
+  record(cat("I", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::compute, begin);
+  f.outputs.clear();
+  f.loss = Tensor();
+  f.grad_in.clear();
+  f.inputs.clear();
+}
+
+void PipelineRuntime::backward_weight(int m, int chunk) {
+  InFlight& f = in_flight(m, chunk);
+  const int64_t begin = parallel::trace_now_us();
+  if (f.deferred) {
+    f.deferred->run();
+    f.deferred.reset();
+  }
+  record(cat("W", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::compute, begin);
+}
+
+void PipelineRuntime::send_gradient(int m, int chunk) {
+  InFlight& f = in_flight(m, chunk);
+  const int64_t begin = parallel::trace_now_us();
+  for (int t : piece(chunk).receives) {
+    const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+    if (!tr.has_gradient) continue;
+    Tensor g = f.grad_out.at(t).contiguous();
+    CHECK(g.shape() == tr.shape && g.dtype() == tr.dtype)
+        << "the gradient of '" << tr.name << "' is " << g.shape_str() << " " << g.dtype();
+    sends_.push_back(pp_->send(
+        g, peer_of(tr.from),
+        {.micro_batch = m, .direction = comm::P2PDirection::gradient, .stream = t}));
+    send_buffers_.push_back(std::move(g));
+  }
+  f.grad_out.clear();
+  f.received.clear();
+  record(cat("sendG", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::comm, begin);
+}
+
+void PipelineRuntime::finish_step() {
+  const int64_t begin = parallel::trace_now_us();
+  for (comm::Work& w : sends_) {
+    try {
+      w.wait();
+    } catch (const Error& e) {
+      throw Error(cat("pipeline stage ", stage_, ", completing the step's sends: ", e.what()));
+    }
+  }
+  record("sends", parallel::Track::comm, begin);
+  sends_.clear();
+  send_buffers_.clear();
+  posted_.clear();
+  in_flight_.clear();
+}
+
+}  // namespace trainer

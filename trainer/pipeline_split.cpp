@@ -1,0 +1,141 @@
+#include "trainer/pipeline_split.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "core/allocator.h"
+#include "core/autocast.h"
+#include "core/ops.h"
+#include "trainer/device.h"
+#include "trainer/metrics.h"
+
+namespace trainer {
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Parameters, their gradients and the optimizer's state per parameter byte.
+double bytes_per_parameter_byte(const Recipe& r) {
+  const bool momentum = r.optimizer.name == "sgd" && r.optimizer.momentum > 0;
+  return 2.0 + (r.optimizer.name == "adamw" ? 2.0 : momentum ? 1.0 : 0.0);
+}
+
+}  // namespace
+
+BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
+  const BlockList& blocks = session.blocks();
+  Module& model = session.model();
+  // BatchNorm's running statistics move in every training forward: keep them.
+  std::vector<Tensor> saved;
+  for (const NamedTensor& b : model.named_buffers()) saved.push_back(b.tensor.clone());
+  BlockProfile p;
+  const size_t n = blocks.size();
+  p.forward_ms.assign(n, 1e300);
+  p.backward_ms.assign(n, 1e300);
+  p.activation_bytes.assign(n, 0);
+  p.parameter_bytes.assign(n, 0);
+  for (size_t b = 0; b < n; ++b)
+    for (const NamedTensor& t : blocks.named_parameters(b, b + 1))
+      p.parameter_bytes[b] += double(t.tensor.nbytes());
+  BatchSource& source = session.data();
+  const StepBatch batch = source.probe_batch(session.micro_batch());
+  Allocator& a = allocator(module_device(model));
+  for (int rep = 0; rep < repeats; ++rep) {
+    TensorList slots = source.model_inputs(batch);
+    for (size_t b = 0; b < n; ++b) {
+      // The block's inputs as leaves, so its backward stops at them.
+      TensorList in;
+      for (const Tensor& t : slots) {
+        Tensor leaf = t.defined() ? t.detach() : t;
+        if (leaf.defined() && is_floating(leaf.dtype())) leaf.requires_grad_();
+        in.push_back(leaf);
+      }
+      const int64_t before = a.stats().current_bytes;
+      a.reset_peak();
+      auto t0 = std::chrono::steady_clock::now();
+      TensorList out;
+      {
+        AutocastGuard guard(autocast);
+        out = blocks.run(b, b + 1, in);
+      }
+      p.forward_ms[b] = std::min(p.forward_ms[b], ms_since(t0));
+      p.activation_bytes[b] = double(std::max<int64_t>(0, a.stats().current_bytes - before));
+      TensorList roots, grads;
+      for (const Tensor& t : out)
+        if (t.defined() && t.requires_grad()) {
+          roots.push_back(t);
+          grads.push_back(ones_like(t));
+        }
+      t0 = std::chrono::steady_clock::now();
+      if (!roots.empty()) autograd::run_backward(roots, grads, false);
+      p.backward_ms[b] = std::min(p.backward_ms[b], ms_since(t0));
+      slots.clear();
+      for (const Tensor& t : out) slots.push_back(t.defined() ? t.detach() : t);
+    }
+  }
+  model.zero_grad();
+  autograd::NoGradGuard no_grad;
+  std::vector<NamedTensor> buffers = model.named_buffers();
+  for (size_t k = 0; k < buffers.size(); ++k) buffers[k].tensor.copy_(saved[k]);
+  return p;
+}
+
+parallel::StageSplit choose_split(const Session& session, const BlockProfile* profile) {
+  const Recipe& r = session.recipe();
+  const ParallelRecipe& p = r.parallel;
+  const size_t n = session.blocks().size();
+  const int stages = session.layout().job.mesh.pp, chunks = int(p.virtual_stages);
+  try {
+    if (p.stages == "list") return parallel::split_at(n, stages, chunks, p.stage_starts);
+    if (p.stages == "even" || !profile) return parallel::even_split(n, stages, chunks);
+    std::vector<double> cost(n), memory(n);
+    const double per_param = bytes_per_parameter_byte(r);
+    for (size_t b = 0; b < n; ++b) {
+      cost[b] = profile->forward_ms[b] + profile->backward_ms[b];
+      // 1F1B keeps up to pp micro-batches' activations on the first stage.
+      memory[b] = profile->parameter_bytes[b] * per_param + profile->activation_bytes[b] * stages;
+    }
+    return parallel::balanced_split(cost, memory, p.stage_memory_mb * double(1 << 20), stages,
+                                    chunks);
+  } catch (const Error& e) {
+    throw Error(cat(r.source, ": ", e.what()));
+  }
+}
+
+std::string describe_stages(const Session& session, const parallel::StageSplit& split,
+                            const BlockProfile* profile) {
+  const BlockList& blocks = session.blocks();
+  std::string out = cat("pipeline: ", split.stages, " stages", split.chunks > 1 ? cat(" x ", split.chunks, " chunks") : "",
+                         ", blocks ", parallel::to_string(split), " (parallel.stages: ",
+                         session.recipe().parallel.stages, ")\n");
+  for (int s = 0; s < split.stages; ++s) {
+    int64_t params = 0;
+    double ms = 0, act = 0;
+    std::string names;
+    for (int c = 0; c < split.chunks; ++c) {
+      const int v = split.piece(s, c);
+      const size_t first = split.bounds[size_t(v)], last = split.bounds[size_t(v) + 1];
+      names += cat(names.empty() ? "" : " | ", blocks[first].name,
+                   last - first > 1 ? cat(" .. ", blocks[last - 1].name) : "");
+      for (const NamedTensor& t : blocks.named_parameters(first, last)) params += t.tensor.numel();
+      if (profile)
+        for (size_t b = first; b < last; ++b) {
+          ms += profile->forward_ms[b] + profile->backward_ms[b];
+          act += profile->activation_bytes[b];
+        }
+    }
+    char line[160] = "";
+    if (profile)
+      std::snprintf(line, sizeof line, ", predicted %.2f ms forward+backward and %.1f MiB of "
+                    "activations per micro-batch",
+                    ms, act / double(1 << 20));
+    out += cat("  stage ", s, ": ", names, ", ", with_commas(params), " parameters", line, "\n");
+  }
+  return out;
+}
+
+}  // namespace trainer
