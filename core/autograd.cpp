@@ -4,6 +4,7 @@
 #include <atomic>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "core/autocast.h"
 #include "core/ops.h"
@@ -156,23 +157,20 @@ struct ReadyOrder {
   }
 };
 
-}  // namespace
-
-void run_backward(const TensorList& roots, const TensorList& grads, bool retain_graph) {
-  CHECK_EQ(roots.size(), grads.size());
-  NoGradGuard no_grad;
-  // Backward ops follow the dtypes forward chose (core/autocast.h).
-  AutocastGuard no_autocast(DType::f32);
-
-  // Count, for every node reachable from the roots, the edges that lead into it.
-  std::unordered_map<Node*, int> dependencies;
-  std::vector<Node*> stack;
+std::vector<Edge> root_edges_of(const TensorList& roots) {
   std::vector<Edge> root_edges;
   for (const Tensor& r : roots) {
     if (!r.requires_grad())
       throw Error("backward() on a tensor that does not require grad and has no grad_fn");
     root_edges.push_back(gradient_edge(r));
   }
+  return root_edges;
+}
+
+// For every node reachable from the roots, the number of edges that lead into it.
+std::unordered_map<Node*, int> count_dependencies(const std::vector<Edge>& root_edges) {
+  std::unordered_map<Node*, int> dependencies;
+  std::vector<Node*> stack;
   for (const Edge& e : root_edges) {
     if (dependencies.emplace(e.node.get(), 0).second) stack.push_back(e.node.get());
   }
@@ -186,6 +184,19 @@ void run_backward(const TensorList& roots, const TensorList& grads, bool retain_
       if (inserted) stack.push_back(e.node.get());
     }
   }
+  return dependencies;
+}
+
+}  // namespace
+
+void run_backward(const TensorList& roots, const TensorList& grads, bool retain_graph) {
+  CHECK_EQ(roots.size(), grads.size());
+  NoGradGuard no_grad;
+  // Backward ops follow the dtypes forward chose (core/autocast.h).
+  AutocastGuard no_autocast(DType::f32);
+
+  std::vector<Edge> root_edges = root_edges_of(roots);
+  std::unordered_map<Node*, int> dependencies = count_dependencies(root_edges);
 
   std::unordered_map<Node*, InputBuffer> buffers;
   TensorList destinations;
@@ -227,6 +238,218 @@ void run_backward(const TensorList& roots, const TensorList& grads, bool retain_
       if (--dependencies[e.node.get()] == 0) ready.push(e.node);
     }
   }
+}
+
+// ---- split backward ----
+
+namespace {
+
+// The nodes reachable from the roots in the order run_backward runs them
+// (its ready queue, without running anything).
+std::vector<std::shared_ptr<Node>> backward_order(const std::vector<Edge>& root_edges,
+                                                  std::unordered_map<Node*, int> dependencies) {
+  std::vector<std::shared_ptr<Node>> order;
+  std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, ReadyOrder> ready;
+  for (const Edge& e : root_edges) {
+    if (dependencies[e.node.get()] == 0) {
+      dependencies[e.node.get()] = -1;  // queued
+      ready.push(e.node);
+    }
+  }
+  while (!ready.empty()) {
+    std::shared_ptr<Node> node = ready.top();
+    ready.pop();
+    for (const Edge& e : node->next_edges())
+      if (e.node && --dependencies[e.node.get()] == 0) ready.push(e.node);
+    order.push_back(std::move(node));
+  }
+  return order;
+}
+
+// The nodes on some path from the roots to one of targets (order is
+// topological: an edge's node comes after the node that has the edge).
+std::unordered_set<Node*> nodes_leading_to(const std::vector<std::shared_ptr<Node>>& order,
+                                           std::unordered_set<Node*> targets) {
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    if (targets.count(it->get())) continue;
+    for (const Edge& e : (*it)->next_edges()) {
+      if (e.node && targets.count(e.node.get())) {
+        targets.insert(it->get());
+        break;
+      }
+    }
+  }
+  return targets;
+}
+
+bool any_defined(const TensorList& grads) {
+  return std::any_of(grads.begin(), grads.end(), [](const Tensor& g) { return g.defined(); });
+}
+
+void check_gradient_count(const Node& node, const TensorList& out) {
+  CHECK(out.empty() || out.size() == node.next_edges().size())
+      << node.name() << " returned " << out.size() << " gradients for " << node.next_edges().size()
+      << " inputs";
+}
+
+// One node W runs: one off the input path, on the gradients W sends it, or
+// an input-path node with weight edges, again, on the gradients it got in I.
+struct WeightStep {
+  std::shared_ptr<Node> node;
+  bool on_input_path = false;
+  GradMask weight_edges;    // input-path nodes: the edges W follows
+  TensorList grad_outputs;  // input-path nodes: what arrived in I
+};
+
+}  // namespace
+
+struct DeferredWeightGrads::State {
+  std::vector<WeightStep> steps;  // in run_backward's order
+  // Gradients already arrived (the roots' own, at nodes off the input path).
+  std::unordered_map<Node*, InputBuffer> buffers;
+  // Edges not yet followed into each node, as run_backward counts them: W
+  // follows every edge into a node off the input path, so grad destinations
+  // are offered as run_backward offers them.
+  std::unordered_map<Node*, int> dependencies;
+  bool retain_graph = false;
+};
+
+DeferredWeightGrads::DeferredWeightGrads() = default;
+DeferredWeightGrads::DeferredWeightGrads(std::unique_ptr<State> state) : state_(std::move(state)) {}
+DeferredWeightGrads::~DeferredWeightGrads() = default;
+DeferredWeightGrads::DeferredWeightGrads(DeferredWeightGrads&&) noexcept = default;
+DeferredWeightGrads& DeferredWeightGrads::operator=(DeferredWeightGrads&&) noexcept = default;
+
+bool DeferredWeightGrads::empty() const { return !state_ || state_->steps.empty(); }
+
+void DeferredWeightGrads::run() {
+  CHECK(!ran_) << "DeferredWeightGrads::run() called twice: the weight half of a split "
+                  "backward runs once (its graph is freed after it)";
+  CHECK(state_) << "DeferredWeightGrads::run() on a handle that run_backward_input did not "
+                   "make (default-constructed or moved from)";
+  ran_ = true;
+  std::unique_ptr<State> state = std::move(state_);
+  NoGradGuard no_grad;
+  AutocastGuard no_autocast(DType::f32);
+
+  TensorList destinations;
+  for (WeightStep& step : state->steps) {
+    std::shared_ptr<Node> node = std::move(step.node);
+    TensorList in;
+    if (step.on_input_path) {
+      in = std::move(step.grad_outputs);
+    } else {
+      in = std::move(state->buffers[node.get()].grads);
+      state->buffers.erase(node.get());
+    }
+    in.resize(node->num_outputs());
+    TensorList out;
+    if (any_defined(in)) {
+      offer_destinations(*node, state->dependencies, state->buffers, destinations);
+      if (step.on_input_path) {
+        // Input edges lead to inputs' accumulators, whose gradients I returned.
+        for (size_t i = 0; i < destinations.size(); ++i)
+          if (!step.weight_edges[i]) destinations[i] = Tensor();
+      }
+      OfferScope offered(destinations);
+      out = step.on_input_path ? node->apply_masked(in, step.weight_edges) : node->apply(in);
+    }
+    if (!state->retain_graph) node->release_saved();
+
+    check_gradient_count(*node, out);
+    const std::vector<Edge>& edges = node->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.node || (step.on_input_path && !step.weight_edges[i])) continue;
+      if (i < out.size()) state->buffers[e.node.get()].add(e.input_nr, out[i]);
+      --state->dependencies[e.node.get()];
+    }
+  }
+}
+
+SplitBackward run_backward_input(const TensorList& roots, const TensorList& grads,
+                                 const TensorList& inputs, bool retain_graph) {
+  CHECK_EQ(roots.size(), grads.size());
+  NoGradGuard no_grad;
+  AutocastGuard no_autocast(DType::f32);
+
+  std::vector<Edge> root_edges = root_edges_of(roots);
+  std::unordered_map<Node*, int> dependencies = count_dependencies(root_edges);
+  std::vector<std::shared_ptr<Node>> order = backward_order(root_edges, dependencies);
+
+  std::vector<Edge> input_edges;
+  std::unordered_set<Node*> input_nodes;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& x = inputs[i];
+    CHECK(x.defined() && x.requires_grad())
+        << "run_backward_input: input " << i << " does not require a gradient";
+    Edge e = gradient_edge(x);
+    CHECK(dependencies.count(e.node.get()))
+        << "run_backward_input: input " << i << " (shape " << x.shape_str()
+        << ") is not reachable from the roots: they do not depend on it";
+    input_nodes.insert(e.node.get());
+    input_edges.push_back(std::move(e));
+  }
+  const std::unordered_set<Node*> input_path = nodes_leading_to(order, std::move(input_nodes));
+
+  // I: the input-path nodes, each following only its edges into the input
+  // path; those that also have weight edges become W steps, as does every
+  // other node.
+  auto state = std::make_unique<DeferredWeightGrads::State>();
+  std::unordered_map<Node*, InputBuffer> buffers;
+  for (size_t i = 0; i < roots.size(); ++i)
+    buffers[root_edges[i].node.get()].add(root_edges[i].input_nr, grads[i]);
+  TensorList input_grads(inputs.size());
+  for (std::shared_ptr<Node>& node : order) {
+    if (!input_path.count(node.get())) {
+      state->steps.push_back(WeightStep{std::move(node), false, {}, {}});
+      continue;
+    }
+    TensorList in = std::move(buffers[node.get()].grads);
+    buffers.erase(node.get());
+    in.resize(node->num_outputs());
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (input_edges[i].node == node) input_grads[i] = in[input_edges[i].input_nr];
+
+    const std::vector<Edge>& edges = node->next_edges();
+    std::vector<bool> input_edge(edges.size()), weight_edge(edges.size());
+    for (size_t i = 0; i < edges.size(); ++i) {
+      if (!edges[i].node) continue;
+      if (input_path.count(edges[i].node.get()))
+        input_edge[i] = true;
+      else
+        weight_edge[i] = true;
+    }
+    const bool has_input_edges =
+        std::find(input_edge.begin(), input_edge.end(), true) != input_edge.end();
+    const bool has_weight_edges =
+        std::find(weight_edge.begin(), weight_edge.end(), true) != weight_edge.end();
+    if (has_input_edges && any_defined(in)) {
+      // No grad destinations: the only accumulators on the input path are inputs'.
+      TensorList out = node->apply_masked(in, GradMask(input_edge));
+      check_gradient_count(*node, out);
+      for (size_t i = 0; i < out.size(); ++i)
+        if (input_edge[i]) buffers[edges[i].node.get()].add(edges[i].input_nr, out[i]);
+    }
+    if (has_weight_edges)
+      state->steps.push_back(
+          WeightStep{std::move(node), true, GradMask(std::move(weight_edge)), std::move(in)});
+    else if (!retain_graph)
+      node->release_saved();
+  }
+
+  state->buffers = std::move(buffers);
+  state->dependencies = std::move(dependencies);
+  state->retain_graph = retain_graph;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& x = inputs[i];
+    Tensor& g = input_grads[i];
+    if (!g.defined())
+      g = zeros(x.shape(), x.dtype(), x.device());
+    else if (g.dtype() != x.dtype())
+      g = g.to(x.dtype());
+  }
+  return SplitBackward{std::move(input_grads), DeferredWeightGrads(std::move(state))};
 }
 
 }  // namespace trainer::autograd

@@ -76,6 +76,13 @@ class Node {
   virtual const char* name() const = 0;
   // Gradients of the inputs from gradients of the outputs.
   virtual TensorList apply(const TensorList& grad_outputs) = 0;
+  // As apply, for the inputs mask selects (a subset of needs_input_grad());
+  // the split backward runs a node once per half with each half's mask. A
+  // node that cannot restrict its work computes every gradient (the engine
+  // drops the ones the mask leaves out).
+  virtual TensorList apply_masked(const TensorList& grad_outputs, const GradMask&) {
+    return apply(grad_outputs);
+  }
   // Frees what forward saved.
   virtual void release_saved() {}
 
@@ -132,6 +139,88 @@ Edge gradient_edge(const Tensor& t);
 // Runs the backward pass from roots with the given gradients.
 void run_backward(const TensorList& roots, const TensorList& grads, bool retain_graph);
 
+// ---- split backward (zero-bubble pipeline schedules) ----
+//
+// A pipeline stage's backward in two separately scheduled halves, as ZB-H1
+// needs: "I" computes the gradients of the stage's inputs (sent at once to
+// the previous stage), "W", run later, the gradients of its weights.
+//
+//   Tensor x = received_activation.detach().requires_grad_();   // stage input
+//   Tensor y = stage(x);
+//   SplitBackward split = run_backward_input({y}, {grad_y}, {x});  // I
+//   send(split.input_grads[0]);
+//   ...                                                          // other I/F steps
+//   split.weight_grads.run();                                    // W: parameters' .grad()
+//
+// Glossary. Input path: the nodes on some path from the roots to an input's
+// gradient edge. Input edge: an edge of an input-path node into another
+// input-path node; weight edge: any other edge of it, which leads only to
+// leaves that are not inputs (parameters) or to nothing.
+//
+// I runs the input-path nodes, each with its mask restricted to its input
+// edges, in the order run_backward would run them. W runs, again in that
+// order, every input-path node that has weight edges (with its mask
+// restricted to them, on the gradients it received in I) and every node not
+// on the input path. Contributions to a node's gradient therefore arrive in
+// run_backward's order: I followed by W gives the same bits as run_backward,
+// parameters' .grad() and the input gradients alike, also when .grad()
+// already holds earlier micro-batches' gradients (I1, I2, W1, W2 accumulates
+// as backward1, backward2). Grad destinations are offered and leaves' hooks
+// fire in W, as in run_backward. An op whose backward ignores its mask
+// computes its weight gradients in I too (then dropped) and its input
+// gradients again in W; the results are the same.
+//
+// Memory: until W runs (or the handle is destroyed), the graph's nodes that
+// W will run stay alive with their saved tensors, and so do the output
+// gradients each input-path node with weight edges received in I. Input-path
+// nodes without weight edges free their saved tensors in I (unless
+// retain_graph), W's nodes once W has run them. W reads the roots' grads
+// and what arrived from them, which may share memory with the returned input
+// gradients: modify neither in place before W has run (receive the next
+// micro-batch's gradient into a fresh tensor, send a returned one as is).
+
+// The weight half of a split backward, made by run_backward_input; runs once.
+class DeferredWeightGrads {
+ public:
+  DeferredWeightGrads();
+  ~DeferredWeightGrads();
+  DeferredWeightGrads(DeferredWeightGrads&&) noexcept;
+  DeferredWeightGrads& operator=(DeferredWeightGrads&&) noexcept;
+  DeferredWeightGrads(const DeferredWeightGrads&) = delete;
+  DeferredWeightGrads& operator=(const DeferredWeightGrads&) = delete;
+
+  // Computes the deferred gradients: accumulates into the parameters'
+  // .grad() (or their grad destinations) and fires their hooks.
+  void run();
+  // Whether W has no node to run (nothing but inputs needed a gradient).
+  bool empty() const;
+
+  // What run_backward_input leaves for W (defined in autograd.cpp).
+  struct State;
+  explicit DeferredWeightGrads(std::unique_ptr<State> state);
+
+ private:
+  std::unique_ptr<State> state_;
+  bool ran_ = false;
+};
+
+struct SplitBackward {
+  TensorList input_grads;  // one per input, in inputs' order
+  DeferredWeightGrads weight_grads;
+};
+
+// The I half: backward from roots with grads, returning the gradients of
+// inputs (tensors that require a gradient, typically leaves the pipeline made
+// from received activations) and deferring the rest into weight_grads.
+// Inputs' gradients are returned, not accumulated into their .grad(), and
+// their hooks do not fire. Every input must be reachable from the roots (a
+// CHECK fails otherwise: a stage input its outputs do not depend on is a
+// partitioning error); one the ops sent no gradient gets zeros. grads are
+// as run_backward's (an undefined one sends nothing: no implicit ones for a
+// scalar loss); retain_graph keeps every node's saved tensors after W.
+SplitBackward run_backward_input(const TensorList& roots, const TensorList& grads,
+                                 const TensorList& inputs, bool retain_graph = false);
+
 // ---- defining ops ----
 
 template <class Op>
@@ -139,10 +228,12 @@ class OpNode final : public Node {
  public:
   const char* name() const override { return Op::name; }
   TensorList apply(const TensorList& grad_outputs) override {
-    CHECK(!released_) << Op::name
-                      << ": backward through a graph whose saved tensors were freed; "
-                         "pass retain_graph=true to the first backward";
+    check_saved();
     return Op::backward(saved, grad_outputs, needs_input_grad());
+  }
+  TensorList apply_masked(const TensorList& grad_outputs, const GradMask& mask) override {
+    check_saved();
+    return Op::backward(saved, grad_outputs, mask);
   }
   void release_saved() override {
     saved = typename Op::Saved{};
@@ -151,6 +242,11 @@ class OpNode final : public Node {
   typename Op::Saved saved{};
 
  private:
+  void check_saved() const {
+    CHECK(!released_) << Op::name
+                      << ": backward through a graph whose saved tensors were freed; "
+                         "pass retain_graph=true to the first backward";
+  }
   bool released_ = false;
 };
 

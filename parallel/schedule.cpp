@@ -1,5 +1,7 @@
 #include "parallel/schedule.h"
 
+#include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <tuple>
@@ -23,10 +25,22 @@ struct MicroBatchTrack {
   bool activation_received = false, gradient_received = false;
 };
 
+// +1 for an action that puts a (micro-batch, chunk) in flight, -1 for one that frees it.
+int in_flight_change(ActionKind kind, InFlightUntil until) {
+  if (kind == ActionKind::forward) return 1;
+  if (kind == ActionKind::backward) return -1;
+  if (kind == ActionKind::backward_input) return until == InFlightUntil::backward_input ? -1 : 0;
+  if (kind == ActionKind::backward_weight) return until == InFlightUntil::backward_weight ? -1 : 0;
+  return 0;
+}
+
 class Checker {
  public:
-  explicit Checker(const Schedule& s)
-      : s_(s), stages_(int(s.stages.size())), virtual_stages_(stages_ * s.chunks) {}
+  Checker(const Schedule& s, const ScheduleLimits& limits)
+      : s_(s),
+        limits_(limits),
+        stages_(int(s.stages.size())),
+        virtual_stages_(stages_ * s.chunks) {}
 
   std::vector<std::string> run() {
     if (stages_ < 1 || s_.micro_batches < 1 || s_.chunks < 1) {
@@ -35,6 +49,7 @@ class Checker {
       return problems_;
     }
     for (int stage = 0; stage < stages_; ++stage) check_stage(stage);
+    check_limits();
     check_messages();
     if (problems_.empty()) check_deadlock();
     return problems_;
@@ -49,6 +64,29 @@ class Checker {
   }
 
   int virtual_stage(int stage, int chunk) const { return chunk * stages_ + stage; }
+
+  // The action that must come earlier in the same list, as the message's tail.
+  static std::string missing(ActionKind kind, const Action& a) {
+    return cat(" (no ", to_string(Action{kind, a.micro_batch, a.chunk}), " before it)");
+  }
+
+  // The other end of a message action: the stage it is on and its text.
+  std::pair<int, Action> partner(const Action& a, int stage) const {
+    const int v = virtual_stage(stage, a.chunk);
+    const bool to_next =
+        a.kind == ActionKind::send_activation || a.kind == ActionKind::recv_gradient;
+    const int other = to_next ? v + 1 : v - 1;
+    ActionKind kind = ActionKind::recv_activation;
+    if (a.kind == ActionKind::recv_activation) kind = ActionKind::send_activation;
+    if (a.kind == ActionKind::send_gradient) kind = ActionKind::recv_gradient;
+    if (a.kind == ActionKind::recv_gradient) kind = ActionKind::send_gradient;
+    return {other % stages_, Action{kind, a.micro_batch, other / stages_}};
+  }
+
+  std::string partner_text(int stage, size_t index) const {
+    const auto [other, action] = partner(s_.stages[size_t(stage)][index], stage);
+    return cat(to_string(action), " on stage ", other);
+  }
 
   void check_stage(int stage) {
     const std::vector<Action>& actions = s_.stages[size_t(stage)];
@@ -82,43 +120,54 @@ class Checker {
       switch (a.kind) {
         case ActionKind::forward:
           if (!first && !t.activation_received)
-            problem(cat(where(stage, i), ": forward before its activation is received"));
+            problem(cat(where(stage, i), ": forward before its activation is received",
+                        missing(ActionKind::recv_activation, a)));
           ++t.forward;
           break;
         case ActionKind::backward:
         case ActionKind::backward_input:
-          if (t.forward == 0) problem(cat(where(stage, i), ": backward before its forward"));
+          if (t.forward == 0)
+            problem(cat(where(stage, i), ": backward before its forward",
+                        missing(ActionKind::forward, a)));
           if (!last && !t.gradient_received)
-            problem(cat(where(stage, i), ": backward before its gradient is received"));
+            problem(cat(where(stage, i), ": backward before its gradient is received",
+                        missing(ActionKind::recv_gradient, a)));
           ++(a.kind == ActionKind::backward ? t.backward : t.backward_input);
           backward_after_sync = backward_after_sync || syncs > 0;
           break;
         case ActionKind::backward_weight:
           if (t.backward_input == 0)
-            problem(cat(where(stage, i), ": weight gradient before the input gradient"));
+            problem(cat(where(stage, i), ": weight gradient before the input gradient",
+                        missing(ActionKind::backward_input, a)));
           ++t.backward_weight;
           backward_after_sync = backward_after_sync || syncs > 0;
           break;
         case ActionKind::send_activation:
           if (last) problem(cat(where(stage, i), ": the last virtual stage sends no activation"));
-          if (t.forward == 0) problem(cat(where(stage, i), ": sent before its forward"));
-          sent_[{false, a.micro_batch, v + 1}].push_back(where(stage, i));
+          if (t.forward == 0)
+            problem(
+                cat(where(stage, i), ": sent before its forward", missing(ActionKind::forward, a)));
+          if (!last) sent_[{false, a.micro_batch, v + 1}].push_back({stage, i});
           break;
         case ActionKind::recv_activation:
           if (first)
             problem(cat(where(stage, i), ": the first virtual stage receives no activation"));
           t.activation_received = true;
-          received_[{false, a.micro_batch, v}].push_back(where(stage, i));
+          if (!first) received_[{false, a.micro_batch, v}].push_back({stage, i});
           break;
         case ActionKind::send_gradient:
           if (first) problem(cat(where(stage, i), ": the first virtual stage sends no gradient"));
-          if (!backwarded) problem(cat(where(stage, i), ": sent before its backward"));
-          sent_[{true, a.micro_batch, v - 1}].push_back(where(stage, i));
+          if (!backwarded)
+            problem(cat(where(stage, i), ": sent before its backward (no ",
+                        to_string(Action{ActionKind::backward, a.micro_batch, a.chunk}), " or ",
+                        to_string(Action{ActionKind::backward_input, a.micro_batch, a.chunk}),
+                        " before it)"));
+          if (!first) sent_[{true, a.micro_batch, v - 1}].push_back({stage, i});
           break;
         case ActionKind::recv_gradient:
           if (last) problem(cat(where(stage, i), ": the last virtual stage receives no gradient"));
           t.gradient_received = true;
-          received_[{true, a.micro_batch, v}].push_back(where(stage, i));
+          if (!last) received_[{true, a.micro_batch, v}].push_back({stage, i});
           break;
         case ActionKind::grad_sync:
         case ActionKind::optimizer_step:
@@ -141,16 +190,46 @@ class Checker {
       }
   }
 
+  // Each stage's count in flight against its limit: the first action above it.
+  void check_limits() {
+    const std::vector<int>& limit = limits_.max_in_flight;
+    if (limit.empty()) return;
+    if (limit.size() != 1 && int(limit.size()) != stages_) {
+      problem(cat("the limits name ", limit.size(), " stages; give 1 (every stage) or ", stages_));
+      return;
+    }
+    for (int stage = 0; stage < stages_; ++stage) {
+      const int most = limit.size() == 1 ? limit[0] : limit[size_t(stage)];
+      if (most <= 0) continue;
+      const std::vector<Action>& actions = s_.stages[size_t(stage)];
+      int in_flight = 0;
+      for (size_t i = 0; i < actions.size(); ++i) {
+        in_flight += in_flight_change(actions[i].kind, limits_.until);
+        if (in_flight > most) {
+          problem(cat(where(stage, i), ": ", in_flight,
+                      " micro-batches in flight, above the limit of ", most));
+          break;
+        }
+      }
+    }
+  }
+
   void check_messages() {
     for (const auto& [message, senders] : sent_) {
       auto it = received_.find(message);
       const size_t receivers = it == received_.end() ? 0 : it->second.size();
+      const auto [stage, index] = senders.front();
       if (senders.size() != 1 || receivers != 1)
-        problem(cat(senders.front(), ": sent ", senders.size(), " times, received ", receivers,
-                    " times; each message is sent and received once"));
+        problem(cat(where(stage, index), ": sent ", senders.size(), " times, received ", receivers,
+                    " times; each message is sent and received once (by ",
+                    partner_text(stage, index), ")"));
     }
     for (const auto& [message, receivers] : received_)
-      if (!sent_.count(message)) problem(cat(receivers.front(), ": nothing sends it"));
+      if (!sent_.count(message)) {
+        const auto [stage, index] = receivers.front();
+        problem(
+            cat(where(stage, index), ": nothing sends it (no ", partner_text(stage, index), ")"));
+      }
   }
 
   // Runs the lists together, sends never blocking and receives waiting for
@@ -175,16 +254,23 @@ class Checker {
         }
       }
     }
-    for (int stage = 0; stage < stages_; ++stage)
-      if (next[size_t(stage)] < s_.stages[size_t(stage)].size())
-        problem(cat(where(stage, next[size_t(stage)]),
-                    ": waits for a message no stage can send "
-                    "(the lists deadlock)"));
+    for (int stage = 0; stage < stages_; ++stage) {
+      const size_t i = next[size_t(stage)];
+      if (i == s_.stages[size_t(stage)].size()) continue;
+      // Its sender is blocked before reaching the send: name where it waits.
+      const int sender = partner(s_.stages[size_t(stage)][i], stage).first;
+      problem(cat(where(stage, i),
+                  ": waits for a message no stage can send (the lists deadlock): its sender ",
+                  partner_text(stage, i), " comes after that stage's own wait at ",
+                  where(sender, next[size_t(sender)])));
+    }
   }
 
   const Schedule& s_;
+  const ScheduleLimits& limits_;
   const int stages_, virtual_stages_;
-  std::map<Message, std::vector<std::string>> sent_, received_;
+  // Where each message is sent and received: (stage, action index).
+  std::map<Message, std::vector<std::pair<int, size_t>>> sent_, received_;
   std::vector<std::string> problems_;
 };
 
@@ -232,7 +318,10 @@ std::string to_string(const Schedule& schedule) {
   for (size_t stage = 0; stage < schedule.stages.size(); ++stage) {
     if (stage > 0) out += "\n";
     out += cat("stage ", stage, ":");
-    for (const Action& a : schedule.stages[stage]) out += " " + to_string(a);
+    for (const Action& a : schedule.stages[stage]) {
+      out += ' ';
+      out += to_string(a);
+    }
   }
   return out;
 }
@@ -250,8 +339,184 @@ Schedule one_stage_schedule(int micro_batches) {
   return s;
 }
 
+namespace {
+
+// A stage's compute actions (F, B, I, W) in the order it runs them.
+using ComputeOrder = std::vector<Action>;
+
+void require_shape(const std::string& name, int stages, int micro_batches, int chunks) {
+  if (stages < 1 || micro_batches < 1 || chunks < 1)
+    throw Error(cat("schedule '", name, "': ", stages, " stages, ", micro_batches,
+                    " micro-batches, ", chunks, " chunks per stage; each must be at least 1"));
+}
+
+// The table of a schedule whose stage s computes order(s): each compute
+// action gets its messages (recvA before F and sendA right after it, recvG
+// before B or I and sendG right after it, wherever the neighbouring virtual
+// stage exists), and every list ends with the gradient sync and the step.
+Schedule make_table(std::string name, int stages, int micro_batches, int chunks,
+                    const std::function<ComputeOrder(int stage)>& order) {
+  Schedule schedule{
+      .name = std::move(name), .micro_batches = micro_batches, .chunks = chunks, .stages = {}};
+  const int virtual_stages = stages * chunks;
+  for (int stage = 0; stage < stages; ++stage) {
+    std::vector<Action>& actions = schedule.stages.emplace_back();
+    for (const Action& a : order(stage)) {
+      const int v = a.chunk * stages + stage;
+      const bool first = v == 0, last = v == virtual_stages - 1;
+      const bool backward = a.kind == ActionKind::backward || a.kind == ActionKind::backward_input;
+      if (a.kind == ActionKind::forward && !first)
+        actions.push_back({ActionKind::recv_activation, a.micro_batch, a.chunk});
+      if (backward && !last) actions.push_back({ActionKind::recv_gradient, a.micro_batch, a.chunk});
+      actions.push_back(a);
+      if (a.kind == ActionKind::forward && !last)
+        actions.push_back({ActionKind::send_activation, a.micro_batch, a.chunk});
+      if (backward && !first)
+        actions.push_back({ActionKind::send_gradient, a.micro_batch, a.chunk});
+    }
+    actions.push_back({ActionKind::grad_sync});
+    actions.push_back({ActionKind::optimizer_step});
+  }
+  return schedule;
+}
+
+Action compute(ActionKind kind, int micro_batch, int chunk = 0) {
+  return Action{kind, micro_batch, chunk};
+}
+
+}  // namespace
+
+Schedule gpipe_schedule(int stages, int micro_batches) {
+  require_shape("gpipe", stages, micro_batches, 1);
+  return make_table("gpipe", stages, micro_batches, 1, [&](int) {
+    ComputeOrder order;
+    for (int m = 0; m < micro_batches; ++m) order.push_back(compute(ActionKind::forward, m));
+    for (int m = 0; m < micro_batches; ++m) order.push_back(compute(ActionKind::backward, m));
+    return order;
+  });
+}
+
+Schedule one_f_one_b_schedule(int stages, int micro_batches) {
+  require_shape("1f1b", stages, micro_batches, 1);
+  return make_table("1f1b", stages, micro_batches, 1, [&](int stage) {
+    // Warm-up forwards fill the pipeline below this stage; then each forward
+    // is followed by the oldest backward, so at most warm_up + 1 are in flight.
+    const int warm_up = std::min(stages - stage - 1, micro_batches);
+    ComputeOrder order;
+    for (int m = 0; m < warm_up; ++m) order.push_back(compute(ActionKind::forward, m));
+    for (int m = 0; m + warm_up < micro_batches; ++m) {
+      order.push_back(compute(ActionKind::forward, m + warm_up));
+      order.push_back(compute(ActionKind::backward, m));
+    }
+    for (int m = micro_batches - warm_up; m < micro_batches; ++m)
+      order.push_back(compute(ActionKind::backward, m));
+    return order;
+  });
+}
+
+Schedule interleaved_schedule(int stages, int micro_batches, int chunks) {
+  require_shape("interleaved", stages, micro_batches, chunks);
+  if (micro_batches % stages != 0)
+    throw Error(cat("schedule 'interleaved': ", micro_batches,
+                    " micro-batches are not a multiple of the ", stages,
+                    " stages; choose a multiple (micro-batches run in groups of one per stage)"));
+  // The k-th forward of a stage (k = 0 .. M*V-1) walks the chunks in groups
+  // of P micro-batches: group g = k / (P*V), chunk (k / P) % V, micro-batch
+  // g*P + k % P. Backwards walk the same way with the chunks reversed, so
+  // each chunk's backwards are in micro-batch order.
+  const int per_stage = micro_batches * chunks;
+  auto micro_batch_of = [=](int k) { return k / (stages * chunks) * stages + k % stages; };
+  auto forward_k = [=](int k) {
+    return compute(ActionKind::forward, micro_batch_of(k), k / stages % chunks);
+  };
+  auto backward_k = [=](int k) {
+    return compute(ActionKind::backward, micro_batch_of(k), chunks - 1 - k / stages % chunks);
+  };
+  return make_table("interleaved", stages, micro_batches, chunks, [&](int stage) {
+    // Megatron-LM's warm-up: the forwards of every chunk but the last for
+    // one group, and two per later stage, so the first backward's gradient
+    // has arrived when the warm-up ends.
+    const int warm_up = std::min(2 * (stages - stage - 1) + (chunks - 1) * stages, per_stage);
+    ComputeOrder order;
+    for (int k = 0; k < warm_up; ++k) order.push_back(forward_k(k));
+    for (int k = 0; k + warm_up < per_stage; ++k) {
+      order.push_back(forward_k(k + warm_up));
+      order.push_back(backward_k(k));
+    }
+    for (int k = per_stage - warm_up; k < per_stage; ++k) order.push_back(backward_k(k));
+    return order;
+  });
+}
+
+Schedule zero_bubble_h1_schedule(int stages, int micro_batches) {
+  require_shape("zbh1", stages, micro_batches, 1);
+  return make_table("zbh1", stages, micro_batches, 1, [&](int stage) {
+    // 1F1B's forwards and input halves, in 1F1B's order (so as many
+    // activations in flight). The weight halves run in micro-batch order:
+    // in the steady phase one after each input half once `stage` of them are
+    // held back, in the cool-down one after each input half, then the rest.
+    // The held-back W fill the time 1F1B spends waiting for gradients.
+    const int warm_up = std::min(stages - stage - 1, micro_batches);
+    ComputeOrder order;
+    int next_weight = 0;
+    for (int m = 0; m < warm_up; ++m) order.push_back(compute(ActionKind::forward, m));
+    for (int m = 0; m + warm_up < micro_batches; ++m) {
+      order.push_back(compute(ActionKind::forward, m + warm_up));
+      order.push_back(compute(ActionKind::backward_input, m));
+      if (m >= stage) order.push_back(compute(ActionKind::backward_weight, next_weight++));
+    }
+    for (int m = micro_batches - warm_up; m < micro_batches; ++m) {
+      order.push_back(compute(ActionKind::backward_input, m));
+      order.push_back(compute(ActionKind::backward_weight, next_weight++));
+    }
+    while (next_weight < micro_batches)
+      order.push_back(compute(ActionKind::backward_weight, next_weight++));
+    return order;
+  });
+}
+
+const std::vector<std::string>& schedule_names() {
+  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved", "zbh1"};
+  return names;
+}
+
+Schedule make_schedule(const std::string& name, int stages, int micro_batches, int chunks) {
+  const std::vector<std::string>& names = schedule_names();
+  if (std::find(names.begin(), names.end(), name) == names.end()) {
+    std::string known;
+    for (const std::string& n : names) known += (known.empty() ? "" : ", ") + n;
+    throw Error(cat("unknown pipeline schedule '", name, "'; the schedules are ", known));
+  }
+  if (name != "interleaved" && chunks != 1)
+    throw Error(cat("schedule '", name, "' runs one chunk per stage, not ", chunks,
+                    "; model chunks are for the interleaved schedule"));
+  require_shape(name, stages, micro_batches, chunks);
+  if (stages == 1) return one_stage_schedule(micro_batches);
+  if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
+  if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
+  if (name == "interleaved") return interleaved_schedule(stages, micro_batches, chunks);
+  return zero_bubble_h1_schedule(stages, micro_batches);
+}
+
 std::vector<std::string> schedule_problems(const Schedule& schedule) {
-  return Checker(schedule).run();
+  return Checker(schedule, ScheduleLimits{}).run();
+}
+
+std::vector<std::string> schedule_problems(const Schedule& schedule, const ScheduleLimits& limits) {
+  return Checker(schedule, limits).run();
+}
+
+std::vector<int> peak_in_flight(const Schedule& schedule, InFlightUntil until) {
+  std::vector<int> peaks;
+  for (const std::vector<Action>& actions : schedule.stages) {
+    int in_flight = 0, peak = 0;
+    for (const Action& a : actions) {
+      in_flight += in_flight_change(a.kind, until);
+      peak = std::max(peak, in_flight);
+    }
+    peaks.push_back(peak);
+  }
+  return peaks;
 }
 
 void check_schedule(const Schedule& schedule) {

@@ -2,8 +2,8 @@
 // list of actions per pipeline stage, over the micro-batches of one
 // optimizer step. A generator produces the table, check_schedule() proves it
 // runnable before anything executes, the trainer's step executor
-// (trainer/step_executor.h) runs a stage's list, and a planner can simulate
-// the same table.
+// (trainer/step_executor.h) runs a stage's list, and the simulator
+// (parallel/pipeline_sim.h) times the same table.
 //
 // With one stage the table is gradient accumulation: for M micro-batches
 //   stage 0:  F0 B0 F1 B1 ... F(M-1) B(M-1) sync step
@@ -14,14 +14,38 @@
 //   check_schedule(s);                       // CHECK-fails with every problem found
 //   for (const Action& a : s.stages[0]) ...  // "F0", "B0", ..., "sync", "step"
 //
-// Pipeline schedules (GPipe, 1F1B, interleaved, zero-bubble) will be more
-// generators of the same table, with send/recv actions between stages and
-// backward split into its input and weight halves where they pay.
+// Pipeline schedules over P stages are more generators of the same table:
+//
+//   Schedule s = make_schedule("1f1b", 4, 8);  // or gpipe_schedule(4, 8), ...
+//   to_string(s);  // "stage 0: F0 sendA0 F1 sendA1 F2 sendA2 F3 sendA3 recvG0 B0 ..."
+//   peak_in_flight(s);  // {4, 3, 2, 1}
+//
+//   gpipe         every forward, then every backward (Huang et al. 2019)
+//   1f1b          stage s runs min(P-s-1, M) warm-up forwards, then one
+//                 forward and one backward in turn, then the remaining
+//                 backwards (PipeDream-Flush, Megatron-LM's 1F1B)
+//   interleaved   1F1B over V chunks per stage, chunk c of stage s being
+//                 virtual stage c*P + s (Narayanan et al. 2021); M must be
+//                 a multiple of P; the bubble shrinks V-fold
+//   zbh1          1F1B with the backward split into its input half I and
+//                 weight half W; stage s holds back s weight halves and runs
+//                 them where 1F1B idles (ZB-H1 of Qi et al. 2023, "Zero
+//                 Bubble Pipeline Parallelism")
+//
+// In every table the backwards of one chunk run in micro-batch order (and
+// so do the weight halves), so gradients accumulate in the order of
+// gradient accumulation and a pipeline step gives the same bits. Messages
+// sit next to the compute they serve: recvA before its F, sendA right after
+// it, recvG before its B or I, sendG right after it. The runtime treats
+// sends as non-blocking and receives as blocking until the data has arrived
+// (posted early), which is the model check_schedule() proves deadlock-free.
 //
 // Glossary: stage = one pipeline rank's place (0 .. stages-1); chunk = one
 // of the model pieces a stage holds (interleaved schedules hold several; the
 // piece is virtual stage chunk * stages + stage); micro-batch = one slice of
-// the step's batch, 0 .. micro_batches-1.
+// the step's batch, 0 .. micro_batches-1; P = stages, M = micro-batches,
+// V = chunks per stage; in flight = forwarded on a stage and not yet
+// backwarded there (see InFlightUntil).
 #pragma once
 
 #include <string>
@@ -65,6 +89,44 @@ std::string to_string(const Schedule& schedule);
 // Gradient accumulation over micro_batches (>= 1) on one stage.
 Schedule one_stage_schedule(int micro_batches);
 
+// The pipeline generators. Each throws trainer::Error when stages,
+// micro_batches or chunks is below 1, or (interleaved) when micro_batches is
+// not a multiple of stages.
+Schedule gpipe_schedule(int stages, int micro_batches);
+Schedule one_f_one_b_schedule(int stages, int micro_batches);
+Schedule interleaved_schedule(int stages, int micro_batches, int chunks);
+Schedule zero_bubble_h1_schedule(int stages, int micro_batches);
+
+// "gpipe", "1f1b", "interleaved", "zbh1": the names make_schedule() takes.
+const std::vector<std::string>& schedule_names();
+// The generator of that name. chunks > 1 is for "interleaved" only (the
+// others throw). One stage is gradient accumulation (one_stage_schedule)
+// whichever the schedule. An unknown name throws trainer::Error listing the
+// known ones.
+Schedule make_schedule(const std::string& name, int stages, int micro_batches, int chunks = 1);
+
+// When a split backward frees a micro-batch's activations. A whole backward
+// B frees them; of a split one, the input half I frees the bulk (the
+// activations inside the chunk) and the weight half W holds only what it
+// reads (each layer's input and output gradient). backward_input is how the
+// zero-bubble paper counts, and how ZB-H1 keeps 1F1B's peak; backward_weight
+// counts until W, the stricter bound.
+enum class InFlightUntil { backward_input, backward_weight };
+
+// The most (micro-batch, chunk) pairs in flight at once on each stage.
+// GPipe: M; 1F1B and ZB-H1: min(P - s, M) on stage s (ZB-H1 counted until
+// W: min(P, M)).
+std::vector<int> peak_in_flight(const Schedule& schedule,
+                                InFlightUntil until = InFlightUntil::backward_input);
+
+// What a stage can hold, for schedule_problems().
+struct ScheduleLimits {
+  // Most (micro-batch, chunk) pairs in flight on each stage: one value per
+  // stage, or one for every stage; empty or 0: no limit.
+  std::vector<int> max_in_flight{};
+  InFlightUntil until = InFlightUntil::backward_input;
+};
+
 // What makes a table unrunnable, one line each (empty: it is runnable):
 // actions out of range; a (micro-batch, chunk) not forwarded or not
 // backwarded exactly once per stage (B, or I then W); a backward before its
@@ -74,7 +136,13 @@ Schedule one_stage_schedule(int micro_batches);
 // grad_sync not exactly once after every backward and optimizer_step not
 // exactly once, last, after it; and receives that can never be satisfied
 // (the stages' lists, run together with blocking receives, deadlock).
+// Each line names the stage, the action's index and text, and the partner
+// it lacks ("stage 1 action 0 (F0): forward before its activation is
+// received (no recvA0 before it)").
 std::vector<std::string> schedule_problems(const Schedule& schedule);
+// The same, and a stage holding more in flight than its limit: "stage 0
+// action 6 (F3): 4 micro-batches in flight, above the limit of 3".
+std::vector<std::string> schedule_problems(const Schedule& schedule, const ScheduleLimits& limits);
 // CHECK-fails listing schedule_problems() (generators are code: a bad table is a bug).
 void check_schedule(const Schedule& schedule);
 

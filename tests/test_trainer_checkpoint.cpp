@@ -52,8 +52,20 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.dp=2"}), 1); }),
              Catch::Contains("parallel.dp = 2 but the job has 1 rank") &&
                  Catch::Contains("set parallel.dp=1"));
-  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.pp=2"}), 2); }),
-             Catch::Contains("pipeline and tensor parallelism are not built yet"));
+  CHECK(parallel_layout(recipe_with({"parallel.pp=2"}), 4).mesh ==
+        parallel::MeshShape{.dp = 2, .pp = 2, .tp = 1});
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.pp=2"}), 3); }),
+             Catch::Contains("launch dp x pp x tp ranks"));
+  CHECK_THAT(error_of([] {
+               parallel_layout(recipe_with({"parallel.pp=2", "parallel.virtual_stages=2"}), 2);
+             }),
+             Catch::Contains("needs parallel.schedule=interleaved"));
+  CHECK_THAT(error_of([] {
+               parallel_layout(recipe_with({"parallel.pp=2", "parallel.schedule=interleaved"}), 2);
+             }),
+             Catch::Contains("virtual_stages >= 2"));
+  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.pp=2", "precision=fp16"}), 2); }),
+             Catch::Contains("use precision=bf16"));
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.tp=2"}), 2); }),
              Catch::Contains("parallel.tp = 2"));
   // Read by pipeline schedules only: refused, not ignored, with pp = 1.
@@ -62,7 +74,8 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
                              "pipeline") &&
                  Catch::Contains("training.grad_accum"));
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.schedule=gpipe"}), 1); }),
-             Catch::Contains("parallel.schedule = 'gpipe' orders a pipeline's"));
+             Catch::Contains("parallel.schedule = 'gpipe'") &&
+                 Catch::Contains("orders a pipeline's"));
   // Their defaults, spelled out, are fine.
   CHECK_NOTHROW(
       parallel_layout(recipe_with({"parallel.micro_batches=1", "parallel.schedule=1f1b"}), 1));
@@ -129,9 +142,15 @@ TEST_CASE("checkpoint: resuming needs the same mesh and zero1, and says which ke
   CHECK_THAT(error_of([&] { check_resume_layout("ck", dp2, layout_of(1, 1, 1, false)); }),
              Catch::Contains("ck was written by 2 data-parallel ranks; resume it on as many "
                              "(parallel.dp=2), not 1"));
-  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(1, 2, 1, false), dp2); }),
-             Catch::Contains("written on the layout dp=1, pp=2, tp=1") &&
+  // Another pp re-slices a whole optimizer state by name; a sharded one cannot.
+  const ParallelLayout pp2 = layout_of(2, 2, 1, false);
+  CHECK_NOTHROW(check_resume_layout("ck", pp2, dp2));
+  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 2, 1, true),
+                                                layout_of(2, 1, 1, true)); }),
+             Catch::Contains("written on the layout dp=2, pp=2, tp=1 with parallel.zero1") &&
                  Catch::Contains("parallel.pp=2 parallel.tp=1"));
+  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 2, false), dp2); }),
+             Catch::Contains("parallel.tp=2"));
   CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 1, true), dp2); }),
              Catch::Contains("resume it with parallel.zero1=true"));
 }

@@ -4,6 +4,7 @@
 //   trainer sample RECIPE [key=value ...] --checkpoint DIR [--prompt S] [--tokens N]
 //                  [--temperature T] [--top-k K] [--seed S]
 //   trainer launch --nproc-per-node N -- <trainer args>
+//   trainer plan RECIPE [key=value ...] [--pp P] [--micro-batches M] [--schedule S] ...
 //   trainer info          the build, and a smoke test of the engine
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include "parallel/device_staging.h"
 #include "trainer/device.h"
 #include "trainer/launch.h"
+#include "trainer/plan.h"
 #include "trainer/recipe.h"
 #include "trainer/train.h"
 
@@ -111,6 +113,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   LaunchOptions launch_options;
   CLI::App* launch = add_launch_command(app, launch_options);
+  PlanArgs plan_args;
+  CLI::App* plan = add_plan_command(app, plan_args);
   CLI11_PARSE(app, argc, argv);
   try {
     if (*info) return run_info();
@@ -118,6 +122,7 @@ int main(int argc, char** argv) {
     if (*eval) return eval_command(eval_args);
     if (*sample) return sample_command(sample_args);
     if (*launch) return run_launch(launch_options);
+    if (*plan) return plan_command(plan_args);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

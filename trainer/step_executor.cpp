@@ -44,9 +44,15 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
   if (pipeline) {
     CHECK_EQ(int(schedule_.stages.size()), pipeline->plan().split().stages);
     CHECK_EQ(schedule_.chunks, pipeline->plan().split().chunks);
+    // The probe's forward must not move BatchNorm's running statistics.
+    std::vector<NamedTensor> buffers = session_.model().named_buffers();
+    std::vector<Tensor> kept;
+    for (const NamedTensor& b : buffers) kept.push_back(b.tensor.clone());
     BatchSource& source = session_.data();
     pipeline->probe(source.model_inputs(source.probe_batch(session_.micro_batch())),
                     precision_.autocast_dtype());
+    autograd::NoGradGuard no_grad;
+    for (size_t k = 0; k < buffers.size(); ++k) buffers[k].tensor.copy_(kept[k]);
   }
 }
 
