@@ -30,7 +30,8 @@ StageSplit even_split(size_t blocks, int stages, int chunks) {
   check_counts(blocks, stages, chunks);
   StageSplit s{.stages = stages, .chunks = chunks, .bounds = {0}};
   const size_t n = size_t(s.pieces());
-  for (size_t v = 0; v < n; ++v) s.bounds.push_back(s.bounds.back() + blocks / n + (v < blocks % n));
+  for (size_t v = 0; v < n; ++v)
+    s.bounds.push_back(s.bounds.back() + blocks / n + (v < blocks % n));
   return s;
 }
 
@@ -39,8 +40,9 @@ StageSplit split_at(size_t blocks, int stages, int chunks, const std::vector<int
   StageSplit s{.stages = stages, .chunks = chunks, .bounds = {0}};
   if (starts.size() + 1 != size_t(s.pieces()))
     throw Error(cat("parallel.stages lists ", starts.size(), " block boundaries; ", s.pieces(),
-                    " pieces need ", s.pieces() - 1, " (the first block of every piece after the "
-                                                     "first)"));
+                    " pieces need ", s.pieces() - 1,
+                    " (the first block of every piece after the "
+                    "first)"));
   for (int64_t b : starts) {
     if (b <= int64_t(s.bounds.back()) || b >= int64_t(blocks))
       throw Error(cat("parallel.stages: boundary ", b, " is not between ", s.bounds.back() + 1,
@@ -149,8 +151,8 @@ PipelinePlan::PipelinePlan(const BlockList& blocks, StageSplit split) : split_(s
         p.input_source.push_back(Piece::kModelInput);
         continue;
       }
-      auto [it, added] = transfer_index.emplace(std::make_tuple(n, producer, v),
-                                                int(transfers_.size()));
+      auto [it, added] =
+          transfer_index.emplace(std::make_tuple(n, producer, v), int(transfers_.size()));
       if (added) transfers_.push_back(Transfer{.name = n, .from = producer, .to = v});
       p.input_source.push_back(it->second);
       p.receives.push_back(it->second);

@@ -10,8 +10,8 @@
 #include "core/ops.h"
 #include "layers/linear.h"
 #include "parallel/pipeline.h"
-#include "trainer/checkpoint.h"
 #include "tests/process.h"  // last: it brings Catch's CHECK
+#include "trainer/checkpoint.h"
 
 namespace fs = std::filesystem;
 using namespace trainer;
@@ -60,8 +60,8 @@ testing::ProcessResult run_single(const std::vector<std::string>& args) {
 
 testing::ProcessResult run_launched(int nproc, const std::vector<std::string>& args,
                                     const testing::ProcessOptions& options = {.timeout_s = 300}) {
-  std::vector<std::string> argv{TRAINER_BINARY, "launch", "--nproc-per-node",
-                                std::to_string(nproc), "--"};
+  std::vector<std::string> argv{TRAINER_BINARY, "launch", "--nproc-per-node", std::to_string(nproc),
+                                "--"};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, options);
 }
@@ -103,9 +103,9 @@ void check_pipeline_matches(const std::string& recipe, std::vector<std::string> 
   common.push_back(cat("training.steps=", steps));
   std::vector<std::string> one = common, piped = common;
   one.push_back(cat("training.grad_accum=", micro_batches));
-  piped.insert(piped.end(), {cat("parallel.pp=", pp), cat("parallel.micro_batches=", micro_batches),
-                             "parallel.schedule=" + schedule,
-                             cat("parallel.virtual_stages=", chunks)});
+  piped.insert(piped.end(),
+               {cat("parallel.pp=", pp), cat("parallel.micro_batches=", micro_batches),
+                "parallel.schedule=" + schedule, cat("parallel.virtual_stages=", chunks)});
   const std::string a = run_dir(tag + "_ref"), b = run_dir(tag);
   testing::ProcessResult ra = run_single(trainer_args(recipe, a, one));
   INFO(ra.output);
@@ -119,9 +119,10 @@ void check_pipeline_matches(const std::string& recipe, std::vector<std::string> 
 
 }  // namespace
 
-TEST_CASE("pipeline plan: tensors travel to the pieces that read them, a skip straight to its "
-          "consumer",
-          "[parallel]") {
+TEST_CASE(
+    "pipeline plan: tensors travel to the pieces that read them, a skip straight to its "
+    "consumer",
+    "[parallel]") {
   Generator gen(0);
   BlockList blocks = skip_blocks(std::make_shared<Linear>(2, 2, gen));
   // Pieces [0, 2) [2, 3) [3, 5): the skip written in piece 0 is read in piece 2.
@@ -166,13 +167,13 @@ TEST_CASE("pipeline splits: even, at given blocks, balanced by cost within memor
         "[0, 3) [3, 5) [5, 6)");
   // Memory 5 per block, 10 per stage: no piece of three blocks.
   CHECK(to_string(balanced_split({1, 1, 1, 9}, {5, 5, 5, 5}, 10, 2, 1)) == "[0, 2) [2, 4)");
-  CHECK_THROWS_WITH(balanced_split({1, 1, 1}, {5, 5, 5}, 4, 2, 1),
-                    Catch::Contains("memory limit"));
+  CHECK_THROWS_WITH(balanced_split({1, 1, 1}, {5, 5, 5}, 4, 2, 1), Catch::Contains("memory limit"));
 }
 
-TEST_CASE("pipeline: an MLP on 2 stages trains bit for bit as gradient accumulation, every "
-          "schedule",
-          "[parallel][mp]") {
+TEST_CASE(
+    "pipeline: an MLP on 2 stages trains bit for bit as gradient accumulation, every "
+    "schedule",
+    "[parallel][mp]") {
   const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
                                            "optimizer.lr=0.05", "optimizer.momentum=0.9"};
   for (const char* schedule : {"gpipe", "1f1b", "zbh1"}) {
@@ -180,9 +181,10 @@ TEST_CASE("pipeline: an MLP on 2 stages trains bit for bit as gradient accumulat
   }
 }
 
-TEST_CASE("pipeline: a small CNN on 4 stages, and on 2 stages interleaved, matches "
-          "gradient accumulation bit for bit",
-          "[parallel][mp]") {
+TEST_CASE(
+    "pipeline: a small CNN on 4 stages, and on 2 stages interleaved, matches "
+    "gradient accumulation bit for bit",
+    "[parallel][mp]") {
   const std::vector<std::string> common = {"training.global_batch=32", "optimizer.lr=0.05",
                                            "optimizer.clip_grad_norm=1.0"};
   SECTION("1f1b, pp 4") { check_pipeline_matches("fmnist_cnn.yaml", common, 4, 4, "1f1b", 3); }
@@ -191,18 +193,28 @@ TEST_CASE("pipeline: a small CNN on 4 stages, and on 2 stages interleaved, match
   }
 }
 
-TEST_CASE("pipeline: GPT with its embedding tied across 2 stages, and the LSTM LM, match "
-          "gradient accumulation",
-          "[parallel][mp]") {
+TEST_CASE(
+    "pipeline: GPT with its embedding tied across 2 stages, and the LSTM LM, match "
+    "gradient accumulation",
+    "[parallel][mp]") {
   const std::string corpus = "data.path=" + std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt";
-  const std::vector<std::string> gpt = {
-      corpus, "training.global_batch=8", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
-      "model.context=32",        "data.seq_len=32", "optimizer.clip_grad_norm=1.0"};
+  const std::vector<std::string> gpt = {corpus,
+                                        "training.global_batch=8",
+                                        "model.n_layer=2",
+                                        "model.d_model=32",
+                                        "model.n_head=2",
+                                        "model.context=32",
+                                        "data.seq_len=32",
+                                        "optimizer.clip_grad_norm=1.0"};
   // The tied weight's two gradients add in another order than in one process.
   SECTION("gpt") { check_pipeline_matches("gpt_kjv.yaml", gpt, 2, 2, "1f1b", 3, 1e-5); }
-  const std::vector<std::string> lstm = {corpus, "training.global_batch=8", "model.hidden=32",
-                                         "model.d_model=32",        "data.seq_len=16",
-                                         "model.dropout=0", "model.tie_weights=false"};
+  const std::vector<std::string> lstm = {corpus,
+                                         "training.global_batch=8",
+                                         "model.hidden=32",
+                                         "model.d_model=32",
+                                         "data.seq_len=16",
+                                         "model.dropout=0",
+                                         "model.tie_weights=false"};
   SECTION("lstm_lm") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "gpipe", 3); }
 }
 
@@ -267,8 +279,7 @@ TEST_CASE("pipeline: dp 2 x pp 2 trains as dp 2 with gradient accumulation", "[p
   check_models(model_at(a, 3), model_at(b, 3), 1e-6);
 }
 
-TEST_CASE("pipeline: --dry-run prints each stage, bad splits and keys are errors",
-          "[parallel]") {
+TEST_CASE("pipeline: --dry-run prints each stage, bad splits and keys are errors", "[parallel]") {
   testing::ProcessResult r = run_single(trainer_args(
       "fmnist_cnn.yaml", run_dir("dry"),
       {"parallel.pp=2", "parallel.micro_batches=2", "parallel.stages=auto", "--dry-run"}));
@@ -277,14 +288,14 @@ TEST_CASE("pipeline: --dry-run prints each stage, bad splits and keys are errors
   CHECK(r.output.find("stage 0: conv1") != std::string::npos);
   CHECK(r.output.find("stage 1:") != std::string::npos);
   CHECK(r.output.find("predicted") != std::string::npos);
-  testing::ProcessResult bad = run_single(trainer_args(
-      "fmnist_cnn.yaml", run_dir("dry_bad"),
-      {"parallel.pp=2", "parallel.stages=[9]", "--dry-run"}));
+  testing::ProcessResult bad =
+      run_single(trainer_args("fmnist_cnn.yaml", run_dir("dry_bad"),
+                              {"parallel.pp=2", "parallel.stages=[9]", "--dry-run"}));
   CHECK(bad.code == 1);
   CHECK(bad.output.find("parallel.stages: boundary 9") != std::string::npos);
-  testing::ProcessResult accum = run_single(trainer_args(
-      "fmnist_cnn.yaml", run_dir("dry_accum"),
-      {"parallel.pp=2", "training.grad_accum=2", "--dry-run"}));
+  testing::ProcessResult accum =
+      run_single(trainer_args("fmnist_cnn.yaml", run_dir("dry_accum"),
+                              {"parallel.pp=2", "training.grad_accum=2", "--dry-run"}));
   CHECK(accum.code == 1);
   CHECK(accum.output.find("parallel.micro_batches=2") != std::string::npos);
 }

@@ -64,7 +64,9 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
                parallel_layout(recipe_with({"parallel.pp=2", "parallel.schedule=interleaved"}), 2);
              }),
              Catch::Contains("virtual_stages >= 2"));
-  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.pp=2", "precision=fp16"}), 2); }),
+  CHECK_THAT(error_of([] {
+               parallel_layout(recipe_with({"parallel.pp=2", "precision=fp16"}), 2);
+             }),
              Catch::Contains("use precision=bf16"));
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.tp=2"}), 2); }),
              Catch::Contains("parallel.tp = 2"));
@@ -73,9 +75,9 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
              Catch::Contains("parallel.micro_batches = 4 is the number of micro-batches a "
                              "pipeline") &&
                  Catch::Contains("training.grad_accum"));
-  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.schedule=gpipe"}), 1); }),
-             Catch::Contains("parallel.schedule = 'gpipe'") &&
-                 Catch::Contains("orders a pipeline's"));
+  CHECK_THAT(
+      error_of([] { parallel_layout(recipe_with({"parallel.schedule=gpipe"}), 1); }),
+      Catch::Contains("parallel.schedule = 'gpipe'") && Catch::Contains("orders a pipeline's"));
   // Their defaults, spelled out, are fine.
   CHECK_NOTHROW(
       parallel_layout(recipe_with({"parallel.micro_batches=1", "parallel.schedule=1f1b"}), 1));
@@ -145,8 +147,9 @@ TEST_CASE("checkpoint: resuming needs the same mesh and zero1, and says which ke
   // Another pp re-slices a whole optimizer state by name; a sharded one cannot.
   const ParallelLayout pp2 = layout_of(2, 2, 1, false);
   CHECK_NOTHROW(check_resume_layout("ck", pp2, dp2));
-  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 2, 1, true),
-                                                layout_of(2, 1, 1, true)); }),
+  CHECK_THAT(error_of([&] {
+               check_resume_layout("ck", layout_of(2, 2, 1, true), layout_of(2, 1, 1, true));
+             }),
              Catch::Contains("written on the layout dp=2, pp=2, tp=1 with parallel.zero1") &&
                  Catch::Contains("parallel.pp=2 parallel.tp=1"));
   CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 2, false), dp2); }),

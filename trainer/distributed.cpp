@@ -40,8 +40,9 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
       throw Error(cat(r.source, ": parallel.virtual_stages = ", p.virtual_stages,
                       " needs parallel.schedule=interleaved (the others run one chunk per stage)"));
     if (p.schedule == "interleaved" && p.virtual_stages < 2)
-      throw Error(cat(r.source, ": parallel.schedule=interleaved needs parallel.virtual_stages "
-                                ">= 2 model chunks per stage"));
+      throw Error(cat(r.source,
+                      ": parallel.schedule=interleaved needs parallel.virtual_stages "
+                      ">= 2 model chunks per stage"));
     if (r.precision == "fp16")
       throw Error(cat(r.source, ": precision fp16 with parallel.pp = ", p.pp,
                       " is not supported (the loss scaler's overflow check is per stage); use "
@@ -122,15 +123,16 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   const Recipe& recipe = session.recipe();
   if (dist.layout.job.mesh.pp > 1) {
     if (session.shards_optimizer() && recipe.optimizer.clip_grad_norm > 0)
-      throw Error(cat(recipe.source, ": parallel.zero1 with parallel.pp > 1 and "
-                                     "optimizer.clip_grad_norm is not supported yet; turn one off"));
+      throw Error(cat(recipe.source,
+                      ": parallel.zero1 with parallel.pp > 1 and "
+                      "optimizer.clip_grad_norm is not supported yet; turn one off"));
     session.set_pipeline(agreed_split(session, dist), dist.layout.coord.pp);
     if (session.shards_optimizer() && !session.tied_across_stages().empty())
       throw Error(cat(recipe.source, ": parallel.zero1 with a weight tied across pipeline stages (",
                       session.tied_across_stages()[0].name, ") is not supported yet"));
-    pipeline_ = std::make_unique<PipelineRuntime>(*session.pipeline_plan(), dist.layout.coord.pp,
-                                                  dist.mesh.pp_comm(), session.blocks(),
-                                                  timeline_.get());
+    pipeline_ =
+        std::make_unique<PipelineRuntime>(*session.pipeline_plan(), dist.layout.coord.pp,
+                                          dist.mesh.pp_comm(), session.blocks(), timeline_.get());
   }
   std::shared_ptr<Module> model = session.trained_ptr();
   // One replica: nothing to synchronise (a pipeline's stages alone).

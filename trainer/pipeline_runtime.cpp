@@ -209,10 +209,9 @@ void PipelineRuntime::send_activation(int m, int chunk) {
                         " (the shape probe's); a model's boundary tensors must keep their shape "
                         "from micro-batch to micro-batch"));
       Tensor buffer = out.detach().contiguous();
-      sends_.push_back(pp_->send(buffer, peer_of(tr.to),
-                                 {.micro_batch = m,
-                                  .direction = comm::P2PDirection::activation,
-                                  .stream = t}));
+      sends_.push_back(
+          pp_->send(buffer, peer_of(tr.to),
+                    {.micro_batch = m, .direction = comm::P2PDirection::activation, .stream = t}));
       send_buffers_.push_back(std::move(buffer));
     }
   record(cat("sendA", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::comm, begin);
@@ -234,9 +233,9 @@ void PipelineRuntime::backward_roots(InFlight& f, int chunk, TensorList& roots,
     for (int t : p.output_transfers[k]) {
       if (!plan_.transfers()[size_t(t)].has_gradient || !f.outputs[k].requires_grad()) continue;
       auto it = f.grad_in.find(t);
-      CHECK(it != f.grad_in.end()) << "pipeline stage " << stage_
-                                   << ": backward before the gradient of '"
-                                   << plan_.transfers()[size_t(t)].name << "' was received";
+      CHECK(it != f.grad_in.end())
+          << "pipeline stage " << stage_ << ": backward before the gradient of '"
+          << plan_.transfers()[size_t(t)].name << "' was received";
       roots.push_back(f.outputs[k]);
       grads.push_back(it->second);
     }
@@ -306,9 +305,9 @@ void PipelineRuntime::send_gradient(int m, int chunk) {
     Tensor g = f.grad_out.at(t).contiguous();
     CHECK(g.shape() == tr.shape && g.dtype() == tr.dtype)
         << "the gradient of '" << tr.name << "' is " << g.shape_str() << " " << g.dtype();
-    sends_.push_back(pp_->send(
-        g, peer_of(tr.from),
-        {.micro_batch = m, .direction = comm::P2PDirection::gradient, .stream = t}));
+    sends_.push_back(
+        pp_->send(g, peer_of(tr.from),
+                  {.micro_batch = m, .direction = comm::P2PDirection::gradient, .stream = t}));
     send_buffers_.push_back(std::move(g));
   }
   f.grad_out.clear();

@@ -43,9 +43,8 @@ namespace trainer {
 
 class PipelineRuntime {
  public:
-  PipelineRuntime(parallel::PipelinePlan plan, int stage,
-                  std::shared_ptr<comm::Communicator> pp, const BlockList& blocks,
-                  parallel::Timeline* timeline);
+  PipelineRuntime(parallel::PipelinePlan plan, int stage, std::shared_ptr<comm::Communicator> pp,
+                  const BlockList& blocks, parallel::Timeline* timeline);
 
   const parallel::PipelinePlan& plan() const { return plan_; }
   int stage() const { return stage_; }
@@ -78,12 +77,12 @@ class PipelineRuntime {
   void finish_step();
 
  private:
-  struct InFlight {  // one (micro-batch, chunk)
-    TensorList inputs;                    // boundary(first) of the piece
-    std::map<int, Tensor> received;       // transfer -> the leaf made from it
-    TensorList outputs;                   // boundary(last)
-    std::map<int, Tensor> grad_in;        // send transfer -> its gradient from downstream
-    std::map<int, Tensor> grad_out;       // receive transfer -> its gradient to send upstream
+  struct InFlight {                  // one (micro-batch, chunk)
+    TensorList inputs;               // boundary(first) of the piece
+    std::map<int, Tensor> received;  // transfer -> the leaf made from it
+    TensorList outputs;              // boundary(last)
+    std::map<int, Tensor> grad_in;   // send transfer -> its gradient from downstream
+    std::map<int, Tensor> grad_out;  // receive transfer -> its gradient to send upstream
     Tensor loss;
     std::optional<autograd::DeferredWeightGrads> deferred;
   };

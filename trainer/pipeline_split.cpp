@@ -109,9 +109,10 @@ parallel::StageSplit choose_split(const Session& session, const BlockProfile* pr
 std::string describe_stages(const Session& session, const parallel::StageSplit& split,
                             const BlockProfile* profile) {
   const BlockList& blocks = session.blocks();
-  std::string out = cat("pipeline: ", split.stages, " stages", split.chunks > 1 ? cat(" x ", split.chunks, " chunks") : "",
-                         ", blocks ", parallel::to_string(split), " (parallel.stages: ",
-                         session.recipe().parallel.stages, ")\n");
+  std::string out = cat("pipeline: ", split.stages, " stages",
+                        split.chunks > 1 ? cat(" x ", split.chunks, " chunks") : "", ", blocks ",
+                        parallel::to_string(split),
+                        " (parallel.stages: ", session.recipe().parallel.stages, ")\n");
   for (int s = 0; s < split.stages; ++s) {
     int64_t params = 0;
     double ms = 0, act = 0;
@@ -130,7 +131,8 @@ std::string describe_stages(const Session& session, const parallel::StageSplit& 
     }
     char line[160] = "";
     if (profile)
-      std::snprintf(line, sizeof line, ", predicted %.2f ms forward+backward and %.1f MiB of "
+      std::snprintf(line, sizeof line,
+                    ", predicted %.2f ms forward+backward and %.1f MiB of "
                     "activations per micro-batch",
                     ms, act / double(1 << 20));
     out += cat("  stage ", s, ": ", names, ", ", with_commas(params), " parameters", line, "\n");

@@ -78,7 +78,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& args) {
   cmd->add_option("--schedule", args.schedule,
                   "gpipe, 1f1b, interleaved or zbh1 (default: parallel.schedule)");
   cmd->add_option("--chunks", args.chunks,
-                  "model chunks V per stage, for interleaved (default: the recipe's parallel.virtual_stages, at least 2)")
+                  "model chunks V per stage, for interleaved (default: the recipe's "
+                  "parallel.virtual_stages, at least 2)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--fwd-ms", args.fwd_ms,
                   "forward time of one micro-batch through a stage, ms: one value, or one per "
@@ -98,8 +99,8 @@ std::string plan_report(const PlanArgs& args) {
   const int micro_batches =
       args.micro_batches > 0 ? args.micro_batches : int(recipe.parallel.micro_batches);
   const std::string name = args.schedule.empty() ? recipe.parallel.schedule : args.schedule;
-  const int chunks = args.chunks > 0                 ? args.chunks
-                     : name != "interleaved"           ? 1
+  const int chunks = args.chunks > 0                      ? args.chunks
+                     : name != "interleaved"              ? 1
                      : recipe.parallel.virtual_stages > 1 ? int(recipe.parallel.virtual_stages)
                                                           : 2;
   const parallel::Schedule schedule = parallel::make_schedule(name, stages, micro_batches, chunks);

@@ -132,7 +132,8 @@ Field stages_field(std::string path, std::string* mode, std::vector<int64_t>* st
                    *starts = out;
                    return;
                  }
-                 std::string s = scalar_as<std::string>(v, o, path, "even, auto or a list of blocks");
+                 std::string s =
+                     scalar_as<std::string>(v, o, path, "even, auto or a list of blocks");
                  if (s != "even" && s != "auto")
                    throw Error(cat(o.text, ": key '", path, "' = '", s,
                                    "' is not one of: even, auto, or a list of block indices "
