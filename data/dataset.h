@@ -9,6 +9,8 @@
 //   int64_t y = ds.label(i);
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 #include <opencv2/core.hpp>
 #include <string>
@@ -49,6 +51,25 @@ class Dataset {
   virtual DecodedImage load(int64_t index, int min_side) const = 0;
   // Where sample i comes from, for messages (a file path, or "file[i]").
   virtual std::string describe(int64_t index) const = 0;
+};
+
+// The first n samples of another dataset (a quick evaluation on part of a
+// validation set); base must outlive it.
+class FirstSamples final : public Dataset {
+ public:
+  FirstSamples(const Dataset& base, int64_t n) : base_(base), n_(std::min(n, base.size())) {}
+  int64_t size() const override { return n_; }
+  int64_t label(int64_t index) const override { return base_.label(index); }
+  int64_t num_classes() const override { return base_.num_classes(); }
+  int channels() const override { return base_.channels(); }
+  DecodedImage load(int64_t index, int min_side) const override {
+    return base_.load(index, min_side);
+  }
+  std::string describe(int64_t index) const override { return base_.describe(index); }
+
+ private:
+  const Dataset& base_;
+  int64_t n_;
 };
 
 }  // namespace trainer::data

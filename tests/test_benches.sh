@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks still run and print their figures: each at its smallest
-# (one round, a step or two, the small CNN, allreduces up to 64 KiB), without
+# (one round, a step or two, the small CNN, a GPT of context 32 over two
+# pipeline stages, allreduces up to 64 KiB), without
 # PyTorch. What they measure is not checked here, only that every figure is
 # there and is a number.
 #
@@ -24,6 +25,14 @@ grep -Eq "^small_cnn_28 +16 \| dp=2 step $num ms: forward $num \+ backward $num"
   fail "bench_dp --dp2-only --batch 16"
 if "$build/bench_dp" --bogus > "$out" 2>&1; then fail "bench_dp accepted --bogus"; fi
 grep -q "usage: bench_dp" "$out" || fail "bench_dp --bogus: no usage"
+
+"$build/bench_pipeline" --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 \
+  --schedule 1f1b --no-torch > "$out"
+grep -Eq "^gpt +1f1b +2 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \| +$num +$num +$num +$num \|" "$out" ||
+  fail "bench_pipeline: no figures row"
+grep -Eq "^gpt +1f1b +\| +2 +1 \| +$num +$num \| +$num +$num \|" "$out" || fail "bench_pipeline: no memory row"
+if "$build/bench_pipeline" --bogus > "$out" 2>&1; then fail "bench_pipeline accepted --bogus"; fi
+grep -q "usage: bench_pipeline" "$out" || fail "bench_pipeline --bogus: no usage"
 
 "$build/bench_train" --threads 1 --steps 1 --case small_cnn_28 --skip-torch > "$out"
 grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: no figures row"

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/ops.h"
 #include "layers/linear.h"
@@ -95,10 +98,11 @@ void check_models(const std::map<std::string, Tensor>& a, const std::map<std::st
   }
 }
 
-// pp = P with M micro-batches against pp = 1 with grad_accum = M.
-void check_pipeline_matches(const std::string& recipe, std::vector<std::string> common, int pp,
-                            int micro_batches, const std::string& schedule, int steps,
-                            double tolerance = 0, int chunks = 1) {
+// pp = P with M micro-batches against pp = 1 with grad_accum = M; returns
+// the pipeline run's output.
+std::string check_pipeline_matches(const std::string& recipe, std::vector<std::string> common,
+                                   int pp, int micro_batches, const std::string& schedule,
+                                   int steps, double tolerance = 0, int chunks = 1) {
   const std::string tag = cat(fs::path(recipe).stem().string(), "_pp", pp, "_", schedule);
   common.push_back(cat("training.steps=", steps));
   std::vector<std::string> one = common, piped = common;
@@ -115,6 +119,7 @@ void check_pipeline_matches(const std::string& recipe, std::vector<std::string> 
   REQUIRE(rb.code == 0);
   CHECK(rb.output.find(cat("pp=", pp)) != std::string::npos);
   check_models(model_at(a, steps), model_at(b, steps), tolerance);
+  return rb.output;
 }
 
 }  // namespace
@@ -298,4 +303,70 @@ TEST_CASE("pipeline: --dry-run prints each stage, bad splits and keys are errors
                               {"parallel.pp=2", "training.grad_accum=2", "--dry-run"}));
   CHECK(accum.code == 1);
   CHECK(accum.output.find("parallel.micro_batches=2") != std::string::npos);
+}
+
+TEST_CASE("pipeline: ResNet-18 on 2 and 4 stages matches gradient accumulation bit for bit",
+          "[parallel][mp]") {
+  const std::vector<std::string> common = {"model.name=resnet18_small", "model.in_channels=1",
+                                           "training.global_batch=8", "optimizer.lr=0.05",
+                                           "data.val_samples=64"};
+  SECTION("1f1b, pp 2") {
+    // data.val_samples: the evaluation reads the first 64 test images only.
+    const std::string out = check_pipeline_matches("fmnist_cnn.yaml", common, 2, 2, "1f1b", 2);
+    CHECK(out.find("| 64 samples in") != std::string::npos);
+  }
+  SECTION("gpipe, pp 4") { check_pipeline_matches("fmnist_cnn.yaml", common, 4, 4, "gpipe", 2); }
+}
+
+TEST_CASE("pipeline: dp 2 x pp 2 with ZeRO-1 and with SyncBatchNorm trains as dp 2",
+          "[parallel][mp]") {
+  for (const char* extra : {"parallel.zero1=true", "parallel.sync_bn=true"}) {
+    SECTION(extra) {
+      const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
+                                               "optimizer.momentum=0.9",   "optimizer.lr=0.05",
+                                               "training.steps=3",         extra};
+      std::vector<std::string> dp = common, dppp = common;
+      dp.push_back("training.grad_accum=2");
+      dppp.insert(dppp.end(), {"parallel.pp=2", "parallel.dp=2", "parallel.micro_batches=2"});
+      const std::string tag = std::string(extra).substr(9, 4);
+      const std::string a = run_dir("dp_ref_" + tag), b = run_dir("dp_pp_" + tag);
+      testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_cnn.yaml", a, dp));
+      INFO(ra.output);
+      REQUIRE(ra.code == 0);
+      testing::ProcessResult rb = run_launched(4, trainer_args("fmnist_cnn.yaml", b, dppp));
+      INFO(rb.output);
+      REQUIRE(rb.code == 0);
+      check_models(model_at(a, 3), model_at(b, 3), 1e-6);
+    }
+  }
+}
+
+TEST_CASE("pipeline: the trace shows every stage's actions, messages and gradient sync",
+          "[parallel][mp]") {
+  const std::string out = run_dir("trace");
+  testing::ProcessResult r = run_launched(
+      2, trainer_args("fmnist_mlp.yaml", out,
+                      {"parallel.pp=2", "parallel.micro_batches=2", "parallel.schedule=zbh1",
+                       "training.steps=2", "training.global_batch=32", "--trace"}));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  std::ifstream in(out + "/trace.json");
+  REQUIRE(in.good());
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  const nlohmann::json& events = trace.is_array() ? trace : trace.at("traceEvents");
+  std::map<int, std::set<std::string>> names;  // per rank (pid)
+  for (const nlohmann::json& e : events)
+    if (e.value("ph", "") == "X")
+      names[e.at("pid").get<int>()].insert(e.at("name").get<std::string>());
+  REQUIRE(names.size() == 2);
+  const std::set<std::string>& first = names.begin()->second;
+  const std::set<std::string>& last = names.rbegin()->second;
+  for (const char* n : {"F0", "F1", "I0", "W1", "sendA0", "recvG1", "grad sync"}) {
+    INFO(n);
+    CHECK(first.count(n) == 1);
+  }
+  for (const char* n : {"F0", "I1", "W0", "recvA1", "sendG0", "grad sync"}) {
+    INFO(n);
+    CHECK(last.count(n) == 1);
+  }
 }

@@ -81,6 +81,7 @@ class ImageBatches final : public BatchSource {
 
   const int64_t image_size_, channels_;  // of the model's input
   std::unique_ptr<data::Dataset> train_set_, val_set_;
+  std::unique_ptr<data::Dataset> val_whole_;  // under data.val_samples: what val_set_ cuts
   std::unique_ptr<data::Loader> train_loader_, val_loader_;
 };
 
@@ -129,6 +130,11 @@ ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t mi
                            train_set_->channels()),
       data::DistributedSampler(so), lo);
   // Each rank evaluates its share, every image exactly once.
+  // data.val_samples: the first N validation images only.
+  if (r.data.val_samples > 0 && r.data.val_samples < val_set_->size()) {
+    val_whole_ = std::move(val_set_);
+    val_set_ = std::make_unique<data::FirstSamples>(*val_whole_, r.data.val_samples);
+  }
   data::SamplerOptions vo{.dataset_size = val_set_->size(),
                           .rank = layout.dp_rank(),
                           .world_size = layout.dp_size(),

@@ -117,6 +117,7 @@ void PipelineRuntime::wait_recv(const Action& a) {
       std::string peers;
       for (int t : gradient ? piece(a.chunk).sends : piece(a.chunk).receives) {
         const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+        if (gradient && !tr.has_gradient) continue;
         peers += cat(peers.empty() ? "" : ", ", "stage ", peer_of(gradient ? tr.to : tr.from),
                      " ('", tr.name, "')");
       }

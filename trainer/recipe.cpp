@@ -212,6 +212,7 @@ std::vector<Field> schema(Recipe& r) {
       string_field("data.vocab", &d.vocab, {"byte", "char"}),
       int_field("data.seq_len", &d.seq_len, 0, 1 << 20),
       int_field("data.val_windows", &d.val_windows, 0, kBig),
+      int_field("data.val_samples", &d.val_samples, 0, kBig),
       string_field("data.sampling", &d.sampling, {"random", "contiguous"}),
 
       string_field("optimizer.name", &op.name, {"sgd", "adamw"}),

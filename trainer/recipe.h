@@ -49,6 +49,7 @@ struct DataRecipe {
   std::string vocab = "char";       // text: byte (256 ids) | char (the corpus's characters)
   int64_t seq_len = 0;              // text: tokens per window (T); 0: model.context
   int64_t val_windows = 0;          // text: windows per evaluation, spread evenly; 0: all
+  int64_t val_samples = 0;          // images: the first N validation images per evaluation; 0: all
   std::string sampling = "random";  // text: random windows | contiguous streams (TBPTT)
 };
 

@@ -1,0 +1,596 @@
+// Pipeline parallelism measured against its model: GPT (6 layers, d_model
+// 384, 6 heads, character-level KJV) and ResNet-18 (3x3 stem, 28x28x1
+// Fashion-MNIST-shaped images) at pp = 2, each schedule run by the trainer
+// itself (`trainer launch --nproc-per-node 2 -- train ... --trace`, one
+// thread per rank) and read back from its timeline (parallel/trace.h):
+//
+//   step          median interval between consecutive optimizer steps (the
+//                 later stage's end), over the steps after the warm-up
+//   F, B          each stage's median span of one micro-batch's forward and
+//                 backward (zbh1: B = I + W, the split halves' medians)
+//   bubble        1 - busy, busy = a stage's compute spans (F, B, I, W,
+//                 optimizer) over the timed steps' wall time, mean of stages
+//   predicted     simulate() (parallel/pipeline_sim.h) of the same schedule
+//                 from the measured F, B and optimizer medians: the step
+//                 time and bubble the schedule alone explains; meas/pred
+//                 beyond 10% is time the model leaves out (transfers,
+//                 per-step work outside the spans) or spans slower than
+//                 their median; "of means" is the same from the spans'
+//                 means, which keeps the slow ones
+//   in flight     peak_in_flight() (parallel/schedule.h): micro-batches whose
+//                 activations a stage holds at once (GPipe M, 1F1B P - s);
+//                 zbh1 also counted until W, "(W n)": a weight half keeps
+//                 what it reads until it runs
+//   act MiB       in flight x the dry run's activations per micro-batch
+//   peak RSS      each rank's VmHWM, read from /proc while it runs: the
+//                 whole process (every rank builds the whole model)
+//
+// When python3 can import torch, bench/bench_pipeline_torch.py runs the same
+// model shapes, stages, micro-batches and optimizer under
+// torch.distributed.pipelining (gloo, ScheduleGPipe / Schedule1F1B, one
+// thread per rank) and the table prints its step time and torch/ours.
+//
+//   bench_pipeline                                   # both cases, gpipe 1f1b zbh1
+//   bench_pipeline --case gpt --schedule 1f1b --micro-batches 8 --steps 6
+//   bench_pipeline --seq 64 --batch 2 --no-torch     # GPT context, micro-batch size
+//   bench_pipeline --keep                            # leave the runs' traces, print where
+//
+// The trainer binary is the one next to this executable (build both targets).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/check.h"
+#include "core/cpu/isa.h"
+#include "core/cpu/threads.h"
+#include "parallel/pipeline_sim.h"
+#include "parallel/schedule.h"
+
+using namespace trainer;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kStages = 2;
+// meas/pred within this is "ok".
+constexpr double kPredictionTolerance = 0.10;
+
+struct Settings {
+  std::string only_case;
+  std::vector<std::string> schedules{"gpipe", "1f1b", "zbh1"};
+  int micro_batches = 4;
+  int steps = 4;   // timed
+  int warmup = 2;  // untimed, before them
+  int seq = 128;   // GPT context and window
+  int batch = 0;   // samples per micro-batch; 0: the case's own
+  bool torch = true;
+  bool keep = false;
+};
+
+// A model trained by the trainer from a recipe and key=value overrides.
+struct PipelineCase {
+  std::string name;  // --case
+  std::string recipe;
+  int64_t micro_batch;
+  std::string describe;                 // printed above the table
+  std::vector<std::string> overrides;   // the model and data keys
+  std::vector<std::string> torch_args;  // bench_pipeline_torch.py's model arguments
+};
+
+// What each stage's actions cost in one run, as the simulator takes them:
+// one statistic (median or mean) of each kind of span.
+struct StageCosts {
+  double forward_ms[kStages] = {}, backward_ms[kStages] = {};
+  // zbh1: I / (I + W), mean of the stages after the first. The first stage's
+  // I is empty (its input, the data, needs no gradient) and gates nothing;
+  // the simulator takes one fraction for every stage.
+  double input_fraction = 0;
+  double optimizer_ms = 0;  // mean of stages
+};
+
+// The figures of one run.
+struct Measured {
+  double step_ms = 0;
+  StageCosts median, mean;
+  double bubble = 0;
+  double peak_rss_mib[kStages] = {};
+};
+
+struct Row {
+  std::string schedule;
+  Measured m;
+  parallel::SimResult sim, sim_of_means;  // from the medians, from the means
+  std::vector<int> in_flight, in_flight_until_w;
+  double torch_ms = -1, torch_rss_mib[kStages] = {-1, -1};
+  std::string torch_note;  // why there is no torch figure
+};
+
+std::string self_dir() { return fs::read_symlink("/proc/self/exe").parent_path().string(); }
+
+// Fashion-MNIST's IDX files for `train` and `val` images of random pixels,
+// so the ResNet case needs no dataset and evaluates in no time.
+void write_fake_fashion_mnist(const std::string& dir, int64_t train, int64_t val) {
+  fs::create_directories(dir);
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return uint8_t(state >> 56);
+  };
+  auto be32 = [](std::ofstream& f, uint32_t v) {
+    const char b[4] = {char(v >> 24), char(v >> 16), char(v >> 8), char(v)};
+    f.write(b, 4);
+  };
+  for (auto [prefix, n] : {std::pair<const char*, int64_t>{"train", train}, {"t10k", val}}) {
+    std::ofstream images(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
+    be32(images, 0x00000803);
+    for (uint32_t d : {uint32_t(n), 28u, 28u}) be32(images, d);
+    for (int64_t i = 0; i < n * 28 * 28; ++i) images.put(char(next()));
+    std::ofstream labels(dir + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary);
+    be32(labels, 0x00000801);
+    be32(labels, uint32_t(n));
+    for (int64_t i = 0; i < n; ++i) labels.put(char(i % 10));
+  }
+}
+
+std::vector<PipelineCase> make_cases(const Settings& s, const std::string& work) {
+  const std::string src = TRAINER_SOURCE_DIR;
+  const int64_t gpt_batch = s.batch > 0 ? s.batch : 4;
+  const int64_t resnet_batch = s.batch > 0 ? s.batch : 8;
+  const std::string seq = std::to_string(s.seq);
+  PipelineCase gpt{
+      "gpt",
+      src + "/recipes/gpt_kjv.yaml",
+      gpt_batch,
+      cat("gpt: GPT 6 layers, d_model 384, 6 heads, context ", s.seq,
+          ", char vocabulary 73 (KJV), micro-batch ", gpt_batch, " x ", s.seq,
+          " tokens; AdamW, clip 1; stages [embed, h.0-2] [h.3-5, head] (head tied to embed)"),
+      {"data.path=" + src + "/datasets/kjv.txt", "model.n_layer=6", "model.d_model=384",
+       "model.n_head=6", "model.context=" + seq, "data.seq_len=" + seq, "data.val_windows=4"},
+      {"--model", "gpt", "--seq", seq, "--layers", "6", "--width", "384", "--heads", "6", "--vocab",
+       "73"}};
+  PipelineCase resnet{
+      "resnet18_small",
+      src + "/recipes/fmnist_cnn.yaml",
+      resnet_batch,
+      cat("resnet18_small: ResNet-18 with the 3x3 stem, 28x28x1 images (random pixels in "
+          "Fashion-MNIST files), micro-batch ",
+          resnet_batch, "; SGD Nesterov; stages [stem .. layer2] [layer3 .. fc]"),
+      {"model.name=resnet18_small", "model.in_channels=1", "model.num_classes=10",
+       "data.name=fashion_mnist", "data.root=" + work + "/fmnist", "data.image_size=28",
+       "data.workers=1"},
+      {"--model", "resnet18_small", "--size", "28", "--channels", "1", "--classes", "10"}};
+  std::vector<PipelineCase> out;
+  for (const PipelineCase& c : {gpt, resnet})
+    if (s.only_case.empty() || s.only_case == c.name) out.push_back(c);
+  return out;
+}
+
+// The trainer's arguments for case c under schedule at M micro-batches.
+std::vector<std::string> train_args(const PipelineCase& c, const Settings& s,
+                                    const std::string& schedule, const std::string& out_dir) {
+  std::vector<std::string> a{"train", c.recipe};
+  a.insert(a.end(), c.overrides.begin(), c.overrides.end());
+  const int total = s.warmup + s.steps;
+  for (std::string kv :
+       {cat("parallel.pp=", kStages), cat("parallel.micro_batches=", s.micro_batches),
+        "parallel.schedule=" + schedule,
+        cat("training.global_batch=", c.micro_batch * s.micro_batches),
+        cat("training.steps=", total), std::string("training.threads=1"),
+        // Evaluation and checkpoints only once, after the last step.
+        cat("training.eval_every=", total), cat("training.checkpoint_every=", total),
+        cat("training.log_every=", total), "output_dir=" + out_dir})
+    a.push_back(kv);
+  return a;
+}
+
+// Runs argv with stdout and stderr into log; while it runs, the peak RSS
+// (VmHWM) of each of its children, by their RANK variable. False when it
+// failed.
+bool run_logged(const std::vector<std::string>& argv, const std::string& log,
+                double peak_rss_mib[kStages]) {
+  std::fflush(nullptr);  // or the child writes what this process has buffered
+  pid_t pid = fork();
+  if (pid == 0) {
+    FILE* f = std::freopen(log.c_str(), "w", stdout);
+    if (!f || dup2(fileno(stdout), 2) < 0) _exit(127);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  if (pid < 0) return false;
+  auto read_file = [](const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    std::istringstream children(read_file(cat("/proc/", pid, "/task/", pid, "/children")));
+    for (int child; children >> child;) {
+      const std::string env = read_file(cat("/proc/", child, "/environ"));
+      const size_t at = env.find(std::string("\0RANK=", 6));
+      const std::string status_text = read_file(cat("/proc/", child, "/status"));
+      const size_t hwm = status_text.find("VmHWM:");
+      if (at == std::string::npos || hwm == std::string::npos) continue;
+      const int rank = std::atoi(env.c_str() + at + 6);
+      if (rank >= 0 && rank < kStages)
+        peak_rss_mib[rank] =
+            std::max(peak_rss_mib[rank], std::atof(status_text.c_str() + hwm + 6) / 1024.0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// The last lines of a log, for a failure's message.
+std::string tail_of(const std::string& path, int lines) {
+  std::ifstream f(path);
+  std::vector<std::string> all;
+  for (std::string line; std::getline(f, line);) all.push_back(line);
+  std::string out;
+  for (size_t i = all.size() > size_t(lines) ? all.size() - size_t(lines) : 0; i < all.size(); ++i)
+    out += "    " + all[i] + "\n";
+  return out;
+}
+
+// Each stage's activation MiB per micro-batch, from the dry run's
+// "stage k: ... and X MiB of activations per micro-batch".
+std::vector<double> dry_run_activations(const PipelineCase& c, const Settings& s,
+                                        const std::string& trainer, const std::string& work) {
+  std::vector<std::string> argv{trainer};
+  for (const std::string& a : train_args(c, s, "1f1b", work + "/dry")) argv.push_back(a);
+  argv.push_back("--dry-run");
+  const std::string log = work + "/dry.log";
+  double unused[kStages] = {};
+  std::vector<double> mib(kStages, -1);
+  if (!run_logged(argv, log, unused)) return mib;
+  std::ifstream f(log);
+  for (std::string line; std::getline(f, line);) {
+    int stage = -1;
+    const size_t at = line.find(" MiB of activations per micro-batch");
+    if (std::sscanf(line.c_str(), " stage %d:", &stage) != 1 || at == std::string::npos ||
+        stage < 0 || stage >= kStages)
+      continue;
+    const size_t from = line.rfind(" and ", at);
+    if (from != std::string::npos) mib[size_t(stage)] = std::atof(line.c_str() + from + 5);
+  }
+  return mib;
+}
+
+// The median, the mean of the middle two for an even count (a few spans per
+// kind: bench_util's median() takes the upper one).
+double middle(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Span {
+  std::string name;
+  bool compute = false;
+  double begin_ms = 0, dur_ms = 0;
+};
+
+// The trace's spans of each rank (pid), in time order.
+std::vector<std::vector<Span>> read_trace(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw Error(cat(path, ": no trace written"));
+  const nlohmann::json doc = nlohmann::json::parse(f);
+  std::vector<std::vector<Span>> ranks(kStages);
+  for (const nlohmann::json& e : doc.at("traceEvents")) {
+    if (e.value("ph", "") != "X") continue;
+    const int rank = e.at("pid").get<int>();
+    if (rank < 0 || rank >= kStages) continue;
+    ranks[size_t(rank)].push_back({e.at("name").get<std::string>(), e.value("cat", "") == "compute",
+                                   e.at("ts").get<double>() * 1e-3,
+                                   e.at("dur").get<double>() * 1e-3});
+  }
+  for (auto& spans : ranks)
+    std::sort(spans.begin(), spans.end(),
+              [](const Span& a, const Span& b) { return a.begin_ms < b.begin_ms; });
+  return ranks;
+}
+
+// The figures of one run from its trace (rank r runs stage r: dp = 1).
+Measured analyse(const std::vector<std::vector<Span>>& ranks, const Settings& s) {
+  const int total = s.warmup + s.steps;
+  std::vector<std::vector<double>> opt_end(kStages);  // [rank][step]
+  for (int r = 0; r < kStages; ++r)
+    for (const Span& sp : ranks[size_t(r)])
+      if (sp.name == "optimizer") opt_end[size_t(r)].push_back(sp.begin_ms + sp.dur_ms);
+  for (int r = 0; r < kStages; ++r)
+    if (int(opt_end[size_t(r)].size()) != total)
+      throw Error(cat("rank ", r, " traced ", opt_end[size_t(r)].size(), " optimizer steps of ",
+                      total, " (a step skipped for a non-finite loss?)"));
+  Measured m;
+  std::vector<double> periods;
+  for (int k = s.warmup; k < total; ++k) {
+    auto end_of = [&](int step) {
+      return std::max(opt_end[0][size_t(step)], opt_end[1][size_t(step)]);
+    };
+    periods.push_back(end_of(k) - end_of(k - 1));
+  }
+  m.step_ms = middle(periods);
+  double busy = 0;
+  for (int r = 0; r < kStages; ++r) {
+    // This rank's timed window: from its optimizer step before the first
+    // timed step to its last.
+    const double from = opt_end[size_t(r)][size_t(s.warmup - 1)];
+    const double to = opt_end[size_t(r)].back();
+    std::map<char, std::vector<double>> by_kind;  // 'F', 'B', 'I', 'W', 'o' (optimizer)
+    double compute = 0;
+    for (const Span& sp : ranks[size_t(r)]) {
+      if (!sp.compute || sp.begin_ms < from || sp.begin_ms >= to) continue;
+      compute += sp.dur_ms;
+      by_kind[sp.name == "optimizer" ? 'o' : sp.name[0]].push_back(sp.dur_ms);
+    }
+    busy += compute / (to - from);
+    auto mean = [](const std::vector<double>& v) {
+      double sum = 0;
+      for (double x : v) sum += x;
+      return sum / double(v.size());
+    };
+    for (auto [costs, statistic] :
+         {std::pair{&m.median, +[](const std::vector<double>& v) { return middle(v); }},
+          std::pair{&m.mean, +mean}}) {
+      auto of = [&](char kind) { return by_kind[kind].empty() ? 0.0 : statistic(by_kind[kind]); };
+      costs->forward_ms[r] = of('F');
+      const double i = of('I'), w = of('W');
+      costs->backward_ms[r] = by_kind['B'].empty() ? i + w : of('B');
+      if (r > 0) costs->input_fraction += (i + w > 0 ? i / (i + w) : 0.5) / (kStages - 1);
+      costs->optimizer_ms += of('o') / kStages;
+    }
+  }
+  m.bubble = 1.0 - busy / kStages;
+  return m;
+}
+
+parallel::SimResult predict(const parallel::Schedule& schedule, const StageCosts& c) {
+  parallel::PipelineCosts costs;
+  costs.forward.assign(c.forward_ms, c.forward_ms + kStages);
+  costs.backward.assign(c.backward_ms, c.backward_ms + kStages);
+  costs.backward_input_fraction = c.input_fraction;
+  costs.backward_weight_fraction = 1.0 - c.input_fraction;
+  costs.optimizer_step = c.optimizer_ms;
+  return parallel::simulate(schedule, costs);
+}
+
+bool torch_available() {
+  return std::system("python3 -c 'import torch.distributed.pipelining' >/dev/null 2>&1") == 0;
+}
+
+// bench_pipeline_torch.py's median step time and per-rank peak RSS; on
+// failure, why (its last line of output) in row.torch_note.
+void measure_torch(const PipelineCase& c, const Settings& s, const std::string& work, Row& row) {
+  std::string cmd = cat("python3 ", TRAINER_SOURCE_DIR, "/bench/bench_pipeline_torch.py");
+  for (const std::string& a : c.torch_args) cmd += " " + a;
+  cmd += cat(" --schedule ", row.schedule, " --micro-batches ", s.micro_batches, " --batch ",
+             c.micro_batch, " --steps ", s.steps, " --warmup ", s.warmup);
+  if (allowed_cores().size() >= size_t(kStages)) cmd += " --bind";  // as trainer launch binds
+  const std::string log = work + "/torch.log";
+  cmd += " 2>" + log;
+  if (FILE* p = popen(cmd.c_str(), "r")) {
+    double ms = 0, rss0 = 0, rss1 = 0;
+    const bool got = std::fscanf(p, "%lf %lf %lf", &ms, &rss0, &rss1) == 3;
+    if (pclose(p) == 0 && got) {
+      row.torch_ms = 1e3 * ms;
+      row.torch_rss_mib[0] = rss0;
+      row.torch_rss_mib[1] = rss1;
+      return;
+    }
+  }
+  std::string last = tail_of(log, 1);
+  row.torch_note = last.empty() ? "no output" : last.substr(4, last.size() - 5);
+}
+
+std::string verdict(double ratio) {
+  if (std::abs(ratio - 1.0) <= kPredictionTolerance) return "ok";
+  char text[32];
+  std::snprintf(text, sizeof text, "off by %+.0f%%", 100.0 * (ratio - 1.0));
+  return text;
+}
+
+// pred: simulate() from the spans' medians; meas/pred its ratio to the
+// measured step. from means: the same from the spans' means (noisy spans,
+// e.g. a core shared with other work, lift the mean above the median).
+void print_header() {
+  const char* format =
+      "%-15s %-6s %2s | %8s %8s %5s %-11s %8s | %6s %6s | %7s %7s %7s %7s | %8s %6s\n";
+  std::printf(format, "case", "sched", "M", "step ms", "pred ms", "meas/", "", "pred ms", "bubble",
+              "pred", "F0 ms", "B0 ms", "F1 ms", "B1 ms", "torch ms", "torch/");
+  std::printf(format, "", "", "", "", "", "pred", "", "of means", "", "", "", "", "", "", "",
+              "ours");
+}
+
+void print_row(const PipelineCase& c, const Settings& s, const Row& row) {
+  const Measured& m = row.m;
+  const double ratio = m.step_ms / row.sim.step_time;
+  char torch_cols[40] = "       -      -";
+  if (row.torch_ms > 0)
+    std::snprintf(torch_cols, sizeof torch_cols, "%8.1f %6.2f", row.torch_ms,
+                  row.torch_ms / m.step_ms);
+  std::printf(
+      "%-15s %-6s %2d | %8.1f %8.1f %5.2f %-11s %8.1f | %5.1f%% %5.1f%% | %7.1f %7.1f %7.1f "
+      "%7.1f | %s\n",
+      c.name.c_str(), row.schedule.c_str(), s.micro_batches, m.step_ms, row.sim.step_time, ratio,
+      verdict(ratio).c_str(), row.sim_of_means.step_time, 100.0 * m.bubble,
+      100.0 * row.sim.bubble_fraction(), m.median.forward_ms[0], m.median.backward_ms[0],
+      m.median.forward_ms[1], m.median.backward_ms[1], torch_cols);
+}
+
+void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
+                  const std::vector<double>& act_mib) {
+  const char* format = "%-15s %-6s | %9s %9s | %7s %7s | %8s %8s | %8s %8s\n";
+  std::printf(format, "case", "sched", "in flight", "", "act MiB", "", "peak RSS", "MiB", "torch",
+              "RSS MiB");
+  std::printf(format, "", "", "s0", "s1", "s0", "s1", "s0", "s1", "s0", "s1");
+  for (const Row& row : rows) {
+    auto figure = [](double v, const char* format) {
+      char text[16] = "-";
+      if (v >= 0) std::snprintf(text, sizeof text, format, v);
+      return std::string(text);
+    };
+    std::string in_flight[kStages], act[kStages], torch_rss[kStages];
+    for (int r = 0; r < kStages; ++r) {
+      in_flight[r] = std::to_string(row.in_flight[size_t(r)]);
+      if (row.in_flight_until_w[size_t(r)] != row.in_flight[size_t(r)])
+        in_flight[r] += cat(" (W ", row.in_flight_until_w[size_t(r)], ")");
+      const double mib = act_mib[size_t(r)];
+      act[r] = figure(mib >= 0 ? mib * row.in_flight[size_t(r)] : -1.0, "%.1f");
+      torch_rss[r] = figure(row.torch_rss_mib[r], "%.0f");
+    }
+    std::printf("%-15s %-6s | %9s %9s | %7s %7s | %8.0f %8.0f | %8s %8s\n", c.name.c_str(),
+                row.schedule.c_str(), in_flight[0].c_str(), in_flight[1].c_str(), act[0].c_str(),
+                act[1].c_str(), row.m.peak_rss_mib[0], row.m.peak_rss_mib[1], torch_rss[0].c_str(),
+                torch_rss[1].c_str());
+  }
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: bench_pipeline [--case gpt|resnet18_small] [--schedule NAME[,NAME...]] "
+               "[--micro-batches M] [--steps N] [--warmup N] [--seq T] [--batch N] "
+               "[--no-torch] [--keep]\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (a == "--case" && has_value) {
+      s.only_case = argv[++i];
+    } else if (a == "--schedule" && has_value) {
+      s.schedules.clear();
+      std::istringstream names(argv[++i]);
+      for (std::string n; std::getline(names, n, ',');) s.schedules.push_back(n);
+    } else if (a == "--micro-batches" && has_value) {
+      s.micro_batches = std::atoi(argv[++i]);
+    } else if (a == "--steps" && has_value) {
+      s.steps = std::atoi(argv[++i]);
+    } else if (a == "--warmup" && has_value) {
+      s.warmup = std::atoi(argv[++i]);
+    } else if (a == "--seq" && has_value) {
+      s.seq = std::atoi(argv[++i]);
+    } else if (a == "--batch" && has_value) {
+      s.batch = std::atoi(argv[++i]);
+    } else if (a == "--no-torch") {
+      s.torch = false;
+    } else if (a == "--keep") {
+      s.keep = true;
+    } else {
+      return usage();
+    }
+  }
+  if (s.micro_batches < 1 || s.steps < 1 || s.warmup < 1 || s.seq < 1 || s.batch < 0) {
+    std::fprintf(stderr,
+                 "bench_pipeline: --micro-batches, --steps, --warmup (the first step's "
+                 "period needs a step before it) and --seq must be at least 1\n");
+    return 2;
+  }
+  for (const std::string& name : s.schedules)
+    if (name != "gpipe" && name != "1f1b" && name != "zbh1") {
+      std::fprintf(stderr, "bench_pipeline: --schedule %s: gpipe, 1f1b or zbh1\n", name.c_str());
+      return 2;
+    }
+
+  const std::string trainer = self_dir() + "/trainer";
+  if (access(trainer.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "bench_pipeline: no %s; build the trainer target too\n", trainer.c_str());
+    return 1;
+  }
+  char work_template[] = "/tmp/bench_pipeline.XXXXXX";
+  if (!mkdtemp(work_template)) return 1;
+  const std::string work = work_template;
+  const std::vector<PipelineCase> cases = make_cases(s, work);
+  if (cases.empty()) return usage();
+  write_fake_fashion_mnist(work + "/fmnist", 64 * s.micro_batches * 16, 32);
+
+  std::string torch_state = "off (--no-torch)";
+  if (s.torch) {
+    s.torch = torch_available();
+    torch_state = s.torch ? "torch.distributed.pipelining, gloo, ScheduleGPipe / Schedule1F1B"
+                          : "skipped: python3 cannot import torch.distributed.pipelining";
+  }
+  std::printf("%s\n", cpu::describe_machine().c_str());
+  std::printf(
+      "pp=%d under `trainer launch --nproc-per-node %d` (1 thread per rank), %d micro-batches, "
+      "median of %d steps after %d warm-up; predicted = parallel/pipeline_sim.h from the measured "
+      "F, B, optimizer (meas/pred within %.0f%%: ok); torch: %s\n",
+      kStages, kStages, s.micro_batches, s.steps, s.warmup, 100 * kPredictionTolerance,
+      torch_state.c_str());
+  for (const PipelineCase& c : cases) std::printf("  %s\n", c.describe.c_str());
+  std::fflush(stdout);
+
+  std::map<std::string, std::vector<Row>> results;
+  print_header();
+  bool failed = false;
+  for (const PipelineCase& c : cases) {
+    for (const std::string& schedule : s.schedules) {
+      Row row;
+      row.schedule = schedule;
+      const std::string out_dir = cat(work, "/", c.name, "_", schedule);
+      std::vector<std::string> argv{trainer, "launch", "--nproc-per-node", cat(kStages), "--"};
+      for (const std::string& a : train_args(c, s, schedule, out_dir)) argv.push_back(a);
+      argv.push_back("--trace");
+      const std::string log = out_dir + ".log";
+      if (!run_logged(argv, log, row.m.peak_rss_mib)) {
+        std::printf("%-15s %-6s: the trainer failed; the end of %s:\n%s", c.name.c_str(),
+                    schedule.c_str(), log.c_str(), tail_of(log, 8).c_str());
+        failed = true;
+        continue;
+      }
+      try {
+        const double rss[kStages] = {row.m.peak_rss_mib[0], row.m.peak_rss_mib[1]};
+        row.m = analyse(read_trace(out_dir + "/trace.json"), s);
+        std::copy(rss, rss + kStages, row.m.peak_rss_mib);
+      } catch (const std::exception& e) {
+        std::printf("%-15s %-6s: %s\n", c.name.c_str(), schedule.c_str(), e.what());
+        failed = true;
+        continue;
+      }
+      const parallel::Schedule table = parallel::make_schedule(schedule, kStages, s.micro_batches);
+      row.sim = predict(table, row.m.median);
+      row.sim_of_means = predict(table, row.m.mean);
+      row.in_flight = parallel::peak_in_flight(table);
+      row.in_flight_until_w =
+          parallel::peak_in_flight(table, parallel::InFlightUntil::backward_weight);
+      if (s.torch && schedule != "zbh1") measure_torch(c, s, work, row);
+      print_row(c, s, row);
+      if (!row.torch_note.empty())
+        std::printf("  torch %s: %s\n", schedule.c_str(), row.torch_note.c_str());
+      std::fflush(stdout);
+      results[c.name].push_back(row);
+    }
+  }
+  // Activation memory: what the schedule keeps in flight, and what the ranks used.
+  std::printf(
+      "\nactivation memory: in flight = micro-batches held at peak (peak_in_flight), act MiB = "
+      "that x the dry run's activations per micro-batch; peak RSS = each rank's VmHWM\n");
+  for (const PipelineCase& c : cases) {
+    if (results[c.name].empty()) continue;
+    print_memory(c, results[c.name], dry_run_activations(c, s, trainer, work));
+  }
+  if (s.keep)
+    std::printf("runs, logs and traces in %s\n", work.c_str());
+  else
+    fs::remove_all(work);
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,242 @@
+// The pipeline runtime (trainer/pipeline_runtime.h) over several processes,
+// driven action by action by tests/pipeline_worker.cpp: a model with a long
+// skip connection across two stage boundaries against the same model run
+// whole in one process, bit for bit, under gpipe, 1f1b and zbh1; a boundary
+// tensor whose shape differs from the probe's; and a stage killed mid-step.
+// The failure cases must end within a timeout with an Error naming the
+// stage and what it was doing, never hang.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "tests/process.h"  // last: it brings Catch's CHECK
+
+using namespace trainer;
+using trainer::testing::ProcessResult;
+using trainer::testing::run_process;
+
+namespace {
+
+// The comm timeout of the worker is 30 s: finishing well before it means a
+// failure was detected, not timed out.
+constexpr double kDetectSeconds = 20;
+constexpr double kTimeoutSeconds = 60;
+
+// `trainer launch` of nproc pipeline_workers with args, one thread each
+// (ranks waiting on each other while OpenMP threads spin would oversubscribe
+// the cores), stopped after the timeout.
+ProcessResult launch(int nproc, const std::vector<std::string>& args) {
+  std::vector<std::string> argv{
+      TRAINER_BINARY,         "launch", "--nproc-per-node", cat(nproc), "--program",
+      PIPELINE_WORKER_BINARY, "--"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {.env = {{"OMP_NUM_THREADS", "1"}}, .timeout_s = kTimeoutSeconds});
+}
+
+// A free TCP port of this host for a rendezvous the test sets up itself.
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  socklen_t len = sizeof addr;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// One rank started by the test itself, its output in a temporary file.
+struct Rank {
+  pid_t pid = -1;
+  std::string output_path;
+};
+
+struct RankOutcome {
+  int code = -1;  // exit code, 128 + signal when killed
+  std::string output;
+  double seconds = 0;
+};
+
+// The ranks of a job without `trainer launch`: the launcher stops the others
+// once one fails, which would race a survivor's own report of the failure.
+std::vector<Rank> start_ranks(int nproc, const std::vector<std::string>& args,
+                              const std::string& token) {
+  const int port = free_port();
+  std::vector<Rank> ranks;
+  for (int r = 0; r < nproc; ++r) {
+    char path[] = "/tmp/test_pipeline_runtime_XXXXXX";
+    int out = ::mkstemp(path);
+    REQUIRE(out >= 0);
+    pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::dup2(out, 1);
+      ::dup2(out, 2);
+      const std::vector<std::pair<std::string, std::string>> env = {
+          {"RANK", cat(r)},
+          {"WORLD_SIZE", cat(nproc)},
+          {"LOCAL_RANK", cat(r)},
+          {"LOCAL_WORLD_SIZE", cat(nproc)},
+          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", cat(port)},
+          {"TRAINER_JOB_TOKEN", token},
+          {"OMP_NUM_THREADS", "1"}};
+      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      std::vector<std::string> argv{PIPELINE_WORKER_BINARY};
+      argv.insert(argv.end(), args.begin(), args.end());
+      std::vector<char*> c_args;
+      for (const std::string& a : argv) c_args.push_back(const_cast<char*>(a.c_str()));
+      c_args.push_back(nullptr);
+      ::execv(c_args[0], c_args.data());
+      ::_exit(127);
+    }
+    ::close(out);
+    ranks.push_back({pid, path});
+  }
+  return ranks;
+}
+
+// Waits for every rank, each stopped (SIGKILL to its group) after the timeout.
+std::vector<RankOutcome> finish_ranks(const std::vector<Rank>& ranks) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<RankOutcome> outcomes(ranks.size());
+  std::vector<bool> done(ranks.size(), false), killed(ranks.size(), false);
+  for (size_t left = ranks.size(); left > 0;) {
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      if (::waitpid(ranks[r].pid, &status, WNOHANG) == ranks[r].pid) {
+        done[r] = true;
+        --left;
+        outcomes[r].code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        outcomes[r].seconds = s;
+      } else if (s > kTimeoutSeconds && !killed[r]) {
+        ::kill(-ranks[r].pid, SIGKILL);
+        killed[r] = true;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    std::ifstream in(ranks[r].output_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    outcomes[r].output = text.str();
+    if (killed[r]) outcomes[r].output += "\n(the test stopped it after the timeout)";
+    ::unlink(ranks[r].output_path.c_str());
+  }
+  return outcomes;
+}
+
+std::string all_outputs(const std::vector<RankOutcome>& outcomes) {
+  std::string text;
+  for (size_t r = 0; r < outcomes.size(); ++r)
+    text += cat("---- rank ", r, " (exit ", outcomes[r].code, ", ", outcomes[r].seconds, " s)\n",
+                outcomes[r].output);
+  return text;
+}
+
+bool contains(const std::string& text, const std::string& needle) {
+  return text.find(needle) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "pipeline runtime: a skip across two stage boundaries gives one process's gradients bit "
+    "for bit, gpipe, 1f1b and zbh1",
+    "[parallel][mp]") {
+  const std::vector<std::string> schedules = {"gpipe", "1f1b", "zbh1"};
+  std::vector<std::string> args{"equiv"};
+  args.insert(args.end(), schedules.begin(), schedules.end());
+  ProcessResult o = launch(3, args);
+  trainer::testing::require_ranks_passed(o.code, o.output, 3);
+  INFO(o.output);
+  for (int r = 0; r < 3; ++r) {
+    // Each rank's own summary, with its checks run (not just some rank's " 0 failed").
+    std::smatch found;
+    const std::regex summary(cat("rank ", r, ": ([0-9]+) checks, 0 failed"));
+    REQUIRE(std::regex_search(o.output, found, summary));
+    CHECK(std::stoi(found[1].str()) >= 2 * int(schedules.size()) * 2);
+    for (const std::string& s : schedules)
+      CHECK(contains(o.output,
+                     cat("rank ", r, ": ", s, ": stage ", r, " gradients of 4 parameters")));
+  }
+}
+
+TEST_CASE(
+    "pipeline runtime: a boundary tensor whose shape differs from the probe's is an error "
+    "naming both stages, and the receiving stage does not hang",
+    "[parallel][mp]") {
+  // The probe ran at micro-batch size 4, the step runs at 3.
+  const std::string message =
+      "pipeline stage 0 sends 'x' of micro-batch 0 to stage 1 as [3, 8] f32, but both stages "
+      "expect [4, 8] f32";
+  SECTION("under trainer launch") {
+    ProcessResult o = launch(2, {"mismatch"});
+    INFO(o.output);
+    CHECK(o.code != 0);
+    CHECK(contains(o.output, "rank 0: error: " + message));
+    CHECK(!contains(o.output, "finished the step"));
+    CHECK(o.seconds < kDetectSeconds);
+  }
+  SECTION("each stage's own report") {
+    std::vector<RankOutcome> ranks = finish_ranks(start_ranks(2, {"mismatch"}, "pp-mismatch"));
+    INFO(all_outputs(ranks));
+    CHECK(ranks[0].code == 3);
+    CHECK(contains(ranks[0].output, "rank 0: error: " + message));
+    // The receiver sees its peer leave while it waits for the activation.
+    CHECK(ranks[1].code == 3);
+    CHECK(
+        contains(ranks[1].output, "rank 1: error: pipeline stage 1 (recvA0), waiting on stage 0"));
+    CHECK(ranks[1].seconds < kDetectSeconds);
+  }
+}
+
+TEST_CASE(
+    "pipeline runtime: a stage killed mid-step is an error on its peers naming the stage and "
+    "the receive it waited on",
+    "[parallel][mp]") {
+  SECTION("pp 2, the last stage dies") {
+    // Stage 1 dies before B0; stage 0 has sent its warm-up activations and
+    // waits for the first gradient.
+    std::vector<RankOutcome> ranks = finish_ranks(start_ranks(2, {"kill", "1"}, "pp-kill-2"));
+    INFO(all_outputs(ranks));
+    CHECK(ranks[1].code == 128 + SIGKILL);
+    CHECK(contains(ranks[1].output, "rank 1: killing itself before B0"));
+    REQUIRE(ranks[0].code == 3);
+    CHECK(contains(ranks[0].output,
+                   "rank 0: error: pipeline stage 0 (recvG0), waiting on stage 1 ('x')"));
+    CHECK(contains(ranks[0].output, "the peer failed"));
+    CHECK(ranks[0].seconds < kDetectSeconds);
+  }
+  SECTION("pp 3, the middle stage dies") {
+    // Both neighbours wait on it: stage 0 for the gradient of 'x' (that of
+    // the skip would come from stage 2), stage 2 for an activation (which
+    // one depends on how many of the victim's sends were delivered).
+    std::vector<RankOutcome> ranks = finish_ranks(start_ranks(3, {"kill", "1"}, "pp-kill-3"));
+    INFO(all_outputs(ranks));
+    CHECK(ranks[1].code == 128 + SIGKILL);
+    CHECK(ranks[0].code == 3);
+    CHECK(contains(ranks[0].output,
+                   "rank 0: error: pipeline stage 0 (recvG0), waiting on stage 1 ('x'), stage 2 "
+                   "('skip')"));
+    CHECK(ranks[2].code == 3);
+    CHECK(contains(ranks[2].output, "rank 2: error: pipeline stage 2 (recvA"));
+    CHECK(contains(ranks[2].output, "waiting on stage 1 ('x'), stage 0 ('skip')"));
+    for (int r : {0, 2}) CHECK(ranks[size_t(r)].seconds < kDetectSeconds);
+  }
+}
