@@ -70,6 +70,9 @@ struct Transfer {
   Shape shape;
   DType dtype = DType::f32;
   bool has_gradient = true;
+  // A channels-last [N, C, H, W] activation (core/ops_conv.h) travels as
+  // its [N, H, W, C] bytes, and so does its gradient: no layout change.
+  bool channels_last = false;
 };
 
 struct Piece {

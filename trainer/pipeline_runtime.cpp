@@ -2,6 +2,7 @@
 
 #include "core/autocast.h"
 #include "core/ops.h"
+#include "core/ops_conv.h"
 
 namespace trainer {
 
@@ -12,6 +13,19 @@ namespace {
 
 bool is_recv(ActionKind k) {
   return k == ActionKind::recv_activation || k == ActionKind::recv_gradient;
+}
+
+// The contiguous tensor whose bytes travel for t: t itself, or the
+// [N, H, W, C] view of a channels-last t (converted first if it is not one).
+Tensor wire(const Tensor& t, bool channels_last) {
+  if (!channels_last) return t.contiguous();
+  Tensor nhwc = to_channels_last(t).permute({0, 2, 3, 1});
+  return nhwc.is_contiguous() ? nhwc : nhwc.contiguous();
+}
+
+// A receive buffer of a transfer's shape and layout.
+Tensor wire_buffer(const parallel::Transfer& tr) {
+  return tr.channels_last ? empty_channels_last(tr.shape, tr.dtype) : empty(tr.shape, tr.dtype);
 }
 
 }  // namespace
@@ -54,6 +68,7 @@ void PipelineRuntime::probe(const TensorList& model_inputs, DType autocast_dtype
         tr.shape = out[k].shape();
         tr.dtype = out[k].dtype();
         tr.has_gradient = is_floating(tr.dtype);
+        tr.channels_last = out[k].dim() == 4 && is_channels_last(out[k]);
       }
     slots = std::move(out);
   }
@@ -93,10 +108,12 @@ void PipelineRuntime::post(size_t i) {
   for (int t : gradient ? p.sends : p.receives) {
     const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
     if (gradient && !tr.has_gradient) continue;
-    Tensor buffer = empty(tr.shape, tr.dtype);
+    Tensor buffer = wire_buffer(tr);
+    Tensor bytes = wire(buffer, tr.channels_last);
+    CHECK(bytes.data_ptr() == buffer.data_ptr()) << "a receive buffer that is not its own bytes";
     const int peer = peer_of(gradient ? tr.to : tr.from);
     posted.works.push_back(pp_->recv(
-        buffer, peer,
+        bytes, peer,
         {.micro_batch = a.micro_batch,
          .direction = gradient ? comm::P2PDirection::gradient : comm::P2PDirection::activation,
          .stream = t}));
@@ -209,7 +226,7 @@ void PipelineRuntime::send_activation(int m, int chunk) {
                         ", but both stages expect ", shape_str(tr.shape), " ", tr.dtype,
                         " (the shape probe's); a model's boundary tensors must keep their shape "
                         "from micro-batch to micro-batch"));
-      Tensor buffer = out.detach().contiguous();
+      Tensor buffer = wire(out.detach(), tr.channels_last);
       sends_.push_back(
           pp_->send(buffer, peer_of(tr.to),
                     {.micro_batch = m, .direction = comm::P2PDirection::activation, .stream = t}));
@@ -303,9 +320,10 @@ void PipelineRuntime::send_gradient(int m, int chunk) {
   for (int t : piece(chunk).receives) {
     const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
     if (!tr.has_gradient) continue;
-    Tensor g = f.grad_out.at(t).contiguous();
-    CHECK(g.shape() == tr.shape && g.dtype() == tr.dtype)
-        << "the gradient of '" << tr.name << "' is " << g.shape_str() << " " << g.dtype();
+    const Tensor& grad = f.grad_out.at(t);
+    CHECK(grad.shape() == tr.shape && grad.dtype() == tr.dtype)
+        << "the gradient of '" << tr.name << "' is " << grad.shape_str() << " " << grad.dtype();
+    Tensor g = wire(grad, tr.channels_last);
     sends_.push_back(
         pp_->send(g, peer_of(tr.from),
                   {.micro_batch = m, .direction = comm::P2PDirection::gradient, .stream = t}));
