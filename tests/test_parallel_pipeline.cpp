@@ -212,7 +212,8 @@ TEST_CASE(
                                         "data.seq_len=32",
                                         "optimizer.clip_grad_norm=1.0"};
   // The tied weight's two gradients add in another order than in one process.
-  SECTION("gpt") { check_pipeline_matches("gpt_kjv.yaml", gpt, 2, 2, "1f1b", 3, 1e-5); }
+  SECTION("gpt, 1f1b") { check_pipeline_matches("gpt_kjv.yaml", gpt, 2, 2, "1f1b", 3, 1e-5); }
+  SECTION("gpt, zbh1") { check_pipeline_matches("gpt_kjv.yaml", gpt, 2, 4, "zbh1", 2, 1e-5); }
   const std::vector<std::string> lstm = {corpus,
                                          "training.global_batch=8",
                                          "model.hidden=32",
@@ -220,7 +221,8 @@ TEST_CASE(
                                          "data.seq_len=16",
                                          "model.dropout=0",
                                          "model.tie_weights=false"};
-  SECTION("lstm_lm") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "gpipe", 3); }
+  SECTION("lstm_lm, gpipe") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "gpipe", 3); }
+  SECTION("lstm_lm, zbh1") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "zbh1", 2); }
 }
 
 TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads into one process",
