@@ -183,14 +183,16 @@ void Session::set_pipeline(const parallel::StageSplit& split, int stage) {
     CHECK(param.defined()) << "tied parameter '" << t.tied_to << "'";
     tied_.push_back({t.tied_to, param, stage == first ? second : first, stage == first});
   }
-  // Which stages read the carried state (an LSTM's h and c).
+  // Whether this stage's blocks read the carried state (an LSTM's h and c:
+  // names that are both model inputs and model outputs).
+  auto listed = [](const std::vector<std::string>& names, const std::string& n) {
+    return std::find(names.begin(), names.end(), n) != names.end();
+  };
   bool holds_state = false;
-  const std::vector<std::string>& inputs = b.boundary(0);
   for (const auto& [first, last] : ranges)
     for (size_t k = first; k < last; ++k)
       for (const std::string& n : b[k].inputs)
-        if (n != inputs.front() && std::find(inputs.begin(), inputs.end(), n) != inputs.end())
-          holds_state = true;
+        holds_state = holds_state || (listed(b.boundary(0), n) && listed(b.boundary(b.size()), n));
   source_->set_holds_carried_state(holds_state);
   if (!shards_optimizer()) optimizer_ = make_optimizer(recipe_, trained_param_groups());
 }
@@ -236,7 +238,8 @@ void Session::save(const std::string& dir, const TrainState& state) const {
       std::vector<NamedTensor> state = optimizer_->state();
       for (const TiedAcrossStages& t : tied_)
         if (!t.owner)
-          std::erase_if(state, [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
+          std::erase_if(state,
+                        [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
       part.optimizer = std::move(state);
     }
   }
