@@ -123,6 +123,22 @@ Tensor ones(const Shape& shape, DType dtype, Device device) {
   return full(shape, 1.0, dtype, device);
 }
 Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
+
+void release_storage(const Tensor& t) {
+  CHECK(t.defined()) << "release_storage of an undefined tensor";
+  auto none = std::make_shared<Storage>();
+  none->device = t.device();
+  t.impl()->storage = std::move(none);
+  t.impl()->offset = 0;
+}
+
+void reallocate_storage(const Tensor& t) {
+  CHECK(t.defined()) << "reallocate_storage of an undefined tensor";
+  Tensor fresh = empty_like(t);
+  t.impl()->storage = fresh.impl()->storage;
+  t.impl()->strides = fresh.strides();
+  t.impl()->offset = 0;
+}
 Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
 Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype(), t.device()); }
 Tensor scalar_tensor(double value, DType dtype, Device device) {

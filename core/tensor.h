@@ -184,6 +184,15 @@ struct TensorImpl {
   }
 };
 
+// ---- memory of a tensor held for its shape only ----
+// A pipeline stage keeps the other stages' weights as shapes between
+// evaluations: release_storage frees t's memory (every handle on t sees the
+// change; its shape, dtype and device stay; reading it before
+// reallocate_storage is undefined), reallocate_storage gives it fresh,
+// uninitialised contiguous memory of its shape.
+void release_storage(const Tensor& t);
+void reallocate_storage(const Tensor& t);
+
 // ---- factories ----
 Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = {});
 Tensor zeros(const Shape& shape, DType dtype = DType::f32, Device device = {});

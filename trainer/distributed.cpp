@@ -252,7 +252,11 @@ void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
 EvalMetrics DistributedRun::evaluate(Session& session) const {
   if (!dist_.active()) return session.evaluate();
   if (dp_) dp_->broadcast_buffers(0);
-  if (pipeline_) gather_pipeline_model();
+  // A pipeline rank holds the other stages' tensors for the evaluation only.
+  if (pipeline_) {
+    session.reallocate_other_stages();
+    gather_pipeline_model();
+  }
   EvalSums mine = session.evaluate_shard();
   // Gathered, not allreduced: a ring's sums would round differently on each
   // rank, and best-checkpoint decisions must agree.
@@ -268,6 +272,7 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
     sums.top5 += int64_t(v[2]);
     sums.samples += int64_t(v[3]);
   }
+  if (pipeline_) session.release_other_stages();
   return eval_metrics(sums, session.is_language_model());
 }
 

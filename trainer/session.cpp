@@ -104,8 +104,10 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
   for (const optim::ParamGroup& g : param_groups(r, *model_))
     global_params_.insert(global_params_.end(), g.params.begin(), g.params.end());
   source_->bind(model_);
-  // Sharded: DistributedRun builds it (the full one would cost the memory zero1 saves).
-  if (!shards_optimizer()) optimizer_ = make_optimizer(r, param_groups(r, *model_));
+  // Sharded: DistributedRun builds it (the full one would cost the memory zero1 saves);
+  // a pipeline stage's comes with its stage (set_pipeline).
+  if (!shards_optimizer() && layout_.job.mesh.pp == 1)
+    optimizer_ = make_optimizer(r, param_groups(r, *model_));
 
   const OptimizerRecipe& o = r.optimizer;
   const ScheduleRecipe& s = r.schedule;
@@ -140,7 +142,8 @@ void Session::rekey_dropout(int64_t micro) {
 }
 
 optim::Optimizer& Session::optimizer() {
-  CHECK(optimizer_) << "the sharded optimizer is used before DistributedRun built it";
+  CHECK(optimizer_) << "the optimizer is used before DistributedRun built it (sharded, or a "
+                       "pipeline stage's)";
   return *optimizer_;
 }
 
@@ -195,6 +198,20 @@ void Session::set_pipeline(const parallel::StageSplit& split, int stage) {
         holds_state = holds_state || (listed(b.boundary(0), n) && listed(b.boundary(b.size()), n));
   source_->set_holds_carried_state(holds_state);
   if (!shards_optimizer()) optimizer_ = make_optimizer(recipe_, trained_param_groups());
+  std::set<const TensorImpl*> mine, others;
+  for (const NamedTensor& t : stage_module_->state()) mine.insert(t.tensor.impl());
+  other_stages_.clear();
+  for (const NamedTensor& t : model_->state())
+    if (!mine.count(t.tensor.impl()) && others.insert(t.tensor.impl()).second)
+      other_stages_.push_back(t.tensor);
+}
+
+void Session::release_other_stages() {
+  for (const Tensor& t : other_stages_) release_storage(t);
+}
+
+void Session::reallocate_other_stages() {
+  for (const Tensor& t : other_stages_) reallocate_storage(t);
 }
 
 std::vector<optim::ParamGroup> Session::trained_param_groups() const {

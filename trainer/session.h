@@ -78,6 +78,12 @@ class Session {
   // those of one process); the other stages' tensors are only read when
   // gather_pipeline_model() refreshes them (evaluation).
   void set_pipeline(const parallel::StageSplit& split, int stage);
+  // Frees the memory of every tensor no block of this stage holds (the
+  // other stages' weights and buffers stay as shapes), or gives it back
+  // (uninitialised): between the shape probe and the first step, and around
+  // evaluation, which refreshes them from their stages.
+  void release_other_stages();
+  void reallocate_other_stages();
   // Null unless set_pipeline ran.
   const parallel::PipelinePlan* pipeline_plan() const { return plan_ ? &*plan_ : nullptr; }
   int stage() const { return stage_; }
@@ -154,6 +160,7 @@ class Session {
   std::optional<parallel::PipelinePlan> plan_;
   int stage_ = 0;
   std::shared_ptr<Module> stage_module_;
+  std::vector<Tensor> other_stages_;  // the model's tensors this stage does not hold
   std::vector<TiedAcrossStages> tied_;
   std::vector<NamedTensor> global_params_;
   int64_t steps_per_epoch_ = 0;

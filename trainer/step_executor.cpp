@@ -32,7 +32,8 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
       actions_(schedule_.stages.at(run.pipeline() ? size_t(run.pipeline()->stage()) : 0)) {
   parallel::check_schedule(schedule_);
   PipelineRuntime* pipeline = run_.pipeline();
-  if (!pipeline) CHECK_EQ(schedule_.stages.size(), size_t(1)) << "a pipeline schedule without stages";
+  if (!pipeline)
+    CHECK_EQ(schedule_.stages.size(), size_t(1)) << "a pipeline schedule without stages";
   for (size_t i = 0; i < actions_.size(); ++i) {
     const ActionKind kind = actions_[i].kind;
     if (!pipeline)
@@ -53,6 +54,8 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
                     precision_.autocast_dtype());
     autograd::NoGradGuard no_grad;
     for (size_t k = 0; k < buffers.size(); ++k) buffers[k].tensor.copy_(kept[k]);
+    // From here on the stage holds only its own blocks' tensors.
+    session_.release_other_stages();
   }
 }
 
@@ -220,9 +223,8 @@ void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
       // Sharded: the gradients are averaged into each rank's shard only, so
       // the optimizer computes the norm. Pipeline stages sum theirs.
       if (recipe.optimizer.clip_grad_norm > 0)
-        result.grad_norm =
-            pipeline ? run_.clip_pipeline_gradients(recipe.optimizer.clip_grad_norm)
-                     : optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
+        result.grad_norm = pipeline ? run_.clip_pipeline_gradients(recipe.optimizer.clip_grad_norm)
+                                    : optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
       optimizer.set_lr(result.lr);
       optimizer.step();
     });
