@@ -99,6 +99,23 @@ void PipelineRuntime::begin_step(const std::vector<Action>& actions) {
     }
 }
 
+comm::Work PipelineRuntime::message(bool sending, const Tensor& bytes, int t, const Action& a) {
+  const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+  const bool gradient = a.kind == ActionKind::send_gradient || a.kind == ActionKind::recv_gradient;
+  // Activations go from the producing piece to the consuming one, gradients back.
+  const int peer = peer_of(sending != gradient ? tr.to : tr.from);
+  const comm::P2PTag tag{
+      .micro_batch = a.micro_batch,
+      .direction = gradient ? comm::P2PDirection::gradient : comm::P2PDirection::activation,
+      .stream = t};
+  try {
+    return sending ? pp_->send(bytes, peer, tag) : pp_->recv(bytes, peer, tag);
+  } catch (const Error& e) {
+    throw Error(cat(where(a), ", ", sending ? "sending '" : "receiving '", tr.name,
+                    sending ? "' to stage " : "' from stage ", peer, ": ", e.what()));
+  }
+}
+
 void PipelineRuntime::post(size_t i) {
   if (posted_.count(i)) return;
   const Action& a = actions_[i];
@@ -111,12 +128,7 @@ void PipelineRuntime::post(size_t i) {
     Tensor buffer = wire_buffer(tr);
     Tensor bytes = wire(buffer, tr.channels_last);
     CHECK(bytes.data_ptr() == buffer.data_ptr()) << "a receive buffer that is not its own bytes";
-    const int peer = peer_of(gradient ? tr.to : tr.from);
-    posted.works.push_back(pp_->recv(
-        bytes, peer,
-        {.micro_batch = a.micro_batch,
-         .direction = gradient ? comm::P2PDirection::gradient : comm::P2PDirection::activation,
-         .stream = t}));
+    posted.works.push_back(message(false, bytes, t, a));
     posted.buffers.push_back(std::move(buffer));
   }
 }
@@ -227,9 +239,7 @@ void PipelineRuntime::send_activation(int m, int chunk) {
                         " (the shape probe's); a model's boundary tensors must keep their shape "
                         "from micro-batch to micro-batch"));
       Tensor buffer = wire(out.detach(), tr.channels_last);
-      sends_.push_back(
-          pp_->send(buffer, peer_of(tr.to),
-                    {.micro_batch = m, .direction = comm::P2PDirection::activation, .stream = t}));
+      sends_.push_back(message(true, buffer, t, Action{ActionKind::send_activation, m, chunk}));
       send_buffers_.push_back(std::move(buffer));
     }
   record(cat("sendA", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::comm, begin);
@@ -324,9 +334,7 @@ void PipelineRuntime::send_gradient(int m, int chunk) {
     CHECK(grad.shape() == tr.shape && grad.dtype() == tr.dtype)
         << "the gradient of '" << tr.name << "' is " << grad.shape_str() << " " << grad.dtype();
     Tensor g = wire(grad, tr.channels_last);
-    sends_.push_back(
-        pp_->send(g, peer_of(tr.from),
-                  {.micro_batch = m, .direction = comm::P2PDirection::gradient, .stream = t}));
+    sends_.push_back(message(true, g, t, Action{ActionKind::send_gradient, m, chunk}));
     send_buffers_.push_back(std::move(g));
   }
   f.grad_out.clear();

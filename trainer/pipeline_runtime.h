@@ -92,6 +92,10 @@ class PipelineRuntime {
   }
   // The world rank... of the stage holding a piece, in the pp communicator.
   int peer_of(int piece) const { return plan_.split().stage_of(piece); }
+  // Sends or posts the receive of transfer t's bytes for action a (an
+  // Error naming this stage, the action, the tensor and the peer when the
+  // transport refuses, e.g. a peer already known dead).
+  comm::Work message(bool sending, const Tensor& bytes, int t, const parallel::Action& a);
   // Posts the receive of actions_[i] (a recv action), once.
   void post(size_t i);
   // Waits for the receive of action a (posted if it was not), then posts the next one.
