@@ -176,32 +176,13 @@ std::vector<Tensor> run_step(PipelineRuntime& rt, const std::vector<Action>& act
         }
         break;
       }
-      case ActionKind::backward:
-        rt.backward(m, c);
-        break;
-      case ActionKind::backward_input:
-        rt.backward_input(m, c);
-        break;
-      case ActionKind::backward_weight:
-        rt.backward_weight(m, c);
-        break;
-      case ActionKind::send_activation:
-        rt.send_activation(m, c);
-        break;
-      case ActionKind::recv_activation:
-        rt.recv_activation(m, c);
-        break;
-      case ActionKind::send_gradient:
-        rt.send_gradient(m, c);
-        break;
-      case ActionKind::recv_gradient:
-        rt.recv_gradient(m, c);
-        break;
       case ActionKind::grad_sync:
         rt.finish_step();
         break;
       case ActionKind::optimizer_step:
         break;
+      default:
+        rt.run(a);
     }
   }
   return outputs;

@@ -17,20 +17,10 @@
 
 using namespace trainer;
 using namespace trainer::parallel;
+using trainer::testing::joined;
+using trainer::testing::mentions;
 
 namespace {
-
-bool mentions(const std::vector<std::string>& problems, const std::string& text) {
-  for (const std::string& p : problems)
-    if (p.find(text) != std::string::npos) return true;
-  return false;
-}
-
-std::string joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const std::string& l : lines) out += l + "\n";
-  return out;
-}
 
 Action F(int m, int chunk = 0) { return {ActionKind::forward, m, chunk}; }
 Action B(int m, int chunk = 0) { return {ActionKind::backward, m, chunk}; }

@@ -12,20 +12,10 @@
 
 using namespace trainer;
 using namespace trainer::parallel;
+using trainer::testing::joined;
+using trainer::testing::mentions;
 
 namespace {
-
-bool mentions(const std::vector<std::string>& problems, const std::string& text) {
-  for (const std::string& p : problems)
-    if (p.find(text) != std::string::npos) return true;
-  return false;
-}
-
-std::string joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const std::string& line : lines) out += line + "\n";
-  return out;
-}
 
 bool is_backward(ActionKind kind) {
   return kind == ActionKind::backward || kind == ActionKind::backward_input;

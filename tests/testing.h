@@ -96,6 +96,20 @@ inline std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+// Whether some line of a list of problems (or messages) contains text.
+inline bool mentions(const std::vector<std::string>& lines, const std::string& text) {
+  for (const std::string& l : lines)
+    if (l.find(text) != std::string::npos) return true;
+  return false;
+}
+
+// The lines, each ended by a newline (for INFO).
+inline std::string joined(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += l + "\n";
+  return out;
+}
+
 inline Tensor rand_tensor(const Shape& shape, Generator& gen, double lo = -1.0, double hi = 1.0,
                           DType dtype = DType::f32) {
   return uniform(shape, lo, hi, gen, DType::f32).to(dtype);

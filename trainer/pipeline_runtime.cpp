@@ -342,6 +342,38 @@ void PipelineRuntime::send_gradient(int m, int chunk) {
   record(cat("sendG", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::comm, begin);
 }
 
+bool PipelineRuntime::run(const Action& a) {
+  const int m = a.micro_batch, c = a.chunk;
+  switch (a.kind) {
+    case ActionKind::recv_activation:
+      recv_activation(m, c);
+      return true;
+    case ActionKind::send_activation:
+      send_activation(m, c);
+      return true;
+    case ActionKind::recv_gradient:
+      recv_gradient(m, c);
+      return true;
+    case ActionKind::send_gradient:
+      send_gradient(m, c);
+      return true;
+    case ActionKind::backward:
+      backward(m, c);
+      return true;
+    case ActionKind::backward_input:
+      backward_input(m, c);
+      return true;
+    case ActionKind::backward_weight:
+      backward_weight(m, c);
+      return true;
+    case ActionKind::forward:
+    case ActionKind::grad_sync:
+    case ActionKind::optimizer_step:
+      return false;
+  }
+  return false;
+}
+
 void PipelineRuntime::finish_step() {
   const int64_t begin = parallel::trace_now_us();
   for (comm::Work& w : sends_) {

@@ -71,6 +71,11 @@ class PipelineRuntime {
   void backward_weight(int m, int chunk);
   void send_gradient(int m, int chunk);
 
+  // Runs a's message or backward action (recvA, sendA, recvG, sendG, B, I,
+  // W) and returns true; false for the actions the caller runs (F, which
+  // needs the batch, grad_sync, optimizer_step).
+  bool run(const parallel::Action& a);
+
   // Call once per step before running its actions: the receives it will post.
   void begin_step(const std::vector<parallel::Action>& actions);
   // Waits for every send of the step; drops what the step kept.

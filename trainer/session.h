@@ -90,7 +90,9 @@ class Session {
   // The model's block list (models built from blocks only).
   const BlockList& blocks() const;
   // What this rank trains: its stage's parameters, or the whole model.
-  const std::shared_ptr<Module>& trained_ptr() const { return stage_module_ ? stage_module_ : model_; }
+  const std::shared_ptr<Module>& trained_ptr() const {
+    return stage_module_ ? stage_module_ : model_;
+  }
   Module& trained() const { return *trained_ptr(); }
   // The recipe's parameter groups over trained(), under the model's global
   // names (a weight tied across stages under its first name).
@@ -100,8 +102,8 @@ class Session {
   struct TiedAcrossStages {
     std::string name;  // its first global name
     Tensor param;
-    int peer = 0;       // the other stage
-    bool owner = false; // this stage holds its first name (and saves its optimizer state)
+    int peer = 0;        // the other stage
+    bool owner = false;  // this stage holds its first name (and saves its optimizer state)
   };
   const std::vector<TiedAcrossStages>& tied_across_stages() const { return tied_; }
   // Every parameter of the model in the order of the whole model's

@@ -131,38 +131,12 @@ StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
   rt.begin_step(actions_);
   for (size_t i = 0; i < actions_.size(); ++i) {
     const Action& a = actions_[i];
-    const int m = a.micro_batch, c = a.chunk;
     switch (a.kind) {
       case ActionKind::forward:
-        if (!pipeline_forward(m, c, in_flight)) {
+        if (!pipeline_forward(a.micro_batch, a.chunk, in_flight)) {
           in_flight.result.ran_out = true;
           return in_flight.result;
         }
-        break;
-      case ActionKind::backward: {
-        auto no_sync = run_.no_sync(i != last_backward_);
-        rt.backward(m, c);
-        break;
-      }
-      case ActionKind::backward_input:
-        rt.backward_input(m, c);
-        break;
-      case ActionKind::backward_weight: {
-        auto no_sync = run_.no_sync(i != last_backward_);
-        rt.backward_weight(m, c);
-        break;
-      }
-      case ActionKind::send_activation:
-        rt.send_activation(m, c);
-        break;
-      case ActionKind::recv_activation:
-        rt.recv_activation(m, c);
-        break;
-      case ActionKind::send_gradient:
-        rt.send_gradient(m, c);
-        break;
-      case ActionKind::recv_gradient:
-        rt.recv_gradient(m, c);
         break;
       case ActionKind::grad_sync: {
         rt.finish_step();
@@ -173,6 +147,12 @@ StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
       case ActionKind::optimizer_step:
         optimizer_step(stop_requested, in_flight);
         break;
+      default: {
+        // Data parallelism communicates in the step's last B or W only (the
+        // other actions compute no weight gradient).
+        auto no_sync = run_.no_sync(i != last_backward_);
+        rt.run(a);
+      }
     }
   }
   return in_flight.result;

@@ -80,7 +80,7 @@ class StepExecutor {
   // The step in progress.
   struct InFlight {
     int64_t step = 0;
-    std::vector<Tensor> losses;  // per micro-batch, from its F to its B
+    std::vector<Tensor> losses;                     // per micro-batch, from its F to its B
     std::vector<std::optional<StepBatch>> batches;  // pipeline: per micro-batch, once read
     double loss_sum = 0;
     bool finite = true;  // every loss so far

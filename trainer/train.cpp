@@ -273,11 +273,10 @@ int train_command(const TrainArgs& args) {
     std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
                 parallel::to_string(dist.layout.job.mesh).c_str(),
                 s.shards_optimizer() ? ", zero1" : "", num_threads());
-    std::printf("%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
-                (long long)s.total_steps(), (long long)s.steps_per_epoch(),
-                (long long)s.micro_batch(),
-                dist.layout.job.mesh.pp > 1 ? "micro_batches" : "grad_accum",
-                (long long)s.micro_batches());
+    std::printf(
+        "%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
+        (long long)s.total_steps(), (long long)s.steps_per_epoch(), (long long)s.micro_batch(),
+        dist.layout.job.mesh.pp > 1 ? "micro_batches" : "grad_accum", (long long)s.micro_batches());
   }
   if (main_rank) {
     std::printf("device %s\n", cat(module_device(s.model())).c_str());
