@@ -107,6 +107,9 @@ struct ZeroOptions {
   // over the shared-memory channel instead of the ring. Every rank must pass
   // the same value (creation is collective).
   bool shared_buffers = true;
+  // The gradient norm of clip_grad_norm also sums over these ranks (the
+  // other pipeline stages, which hold the model's other parameters); null: none.
+  std::shared_ptr<comm::Communicator> norm_also_over = nullptr;
 };
 
 // An optim::Optimizer: the loop steps, clips and checkpoints it as it does

@@ -320,17 +320,22 @@ TEST_CASE("pipeline: ResNet-18 on 2 and 4 stages matches gradient accumulation b
   SECTION("gpipe, pp 4") { check_pipeline_matches("fmnist_cnn.yaml", common, 4, 4, "gpipe", 2); }
 }
 
-TEST_CASE("pipeline: dp 2 x pp 2 with ZeRO-1 and with SyncBatchNorm trains as dp 2",
-          "[parallel][mp]") {
-  for (const char* extra : {"parallel.zero1=true", "parallel.sync_bn=true"}) {
+TEST_CASE(
+    "pipeline: dp 2 x pp 2 with ZeRO-1 (with and without clipping) and with "
+    "SyncBatchNorm trains as dp 2",
+    "[parallel][mp]") {
+  for (const char* extra :
+       {"parallel.zero1=true", "parallel.sync_bn=true", "optimizer.clip_grad_norm=0.5"}) {
     SECTION(extra) {
-      const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
-                                               "optimizer.momentum=0.9",   "optimizer.lr=0.05",
-                                               "training.steps=3",         extra};
+      std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
+                                         "optimizer.momentum=0.9",   "optimizer.lr=0.05",
+                                         "training.steps=3",         extra};
+      // Clipping under ZeRO-1: the norm sums over the shards and the stages.
+      if (std::string(extra).starts_with("optimizer.")) common.push_back("parallel.zero1=true");
       std::vector<std::string> dp = common, dppp = common;
       dp.push_back("training.grad_accum=2");
       dppp.insert(dppp.end(), {"parallel.pp=2", "parallel.dp=2", "parallel.micro_batches=2"});
-      const std::string tag = std::string(extra).substr(9, 4);
+      const std::string tag = std::string(extra).substr(10, 4);
       const std::string a = run_dir("dp_ref_" + tag), b = run_dir("dp_pp_" + tag);
       testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_cnn.yaml", a, dp));
       INFO(ra.output);

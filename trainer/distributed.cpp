@@ -122,10 +122,6 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   const std::shared_ptr<comm::Communicator>& dp_comm = dist.mesh.dp_comm();
   const Recipe& recipe = session.recipe();
   if (dist.layout.job.mesh.pp > 1) {
-    if (session.shards_optimizer() && recipe.optimizer.clip_grad_norm > 0)
-      throw Error(cat(recipe.source,
-                      ": parallel.zero1 with parallel.pp > 1 and "
-                      "optimizer.clip_grad_norm is not supported yet; turn one off"));
     session.set_pipeline(agreed_split(session, dist), dist.layout.coord.pp);
     if (session.shards_optimizer() && !session.tied_across_stages().empty())
       throw Error(cat(recipe.source, ": parallel.zero1 with a weight tied across pipeline stages (",
@@ -166,9 +162,9 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   auto make = [&recipe](std::vector<optim::ParamGroup> groups) {
     return make_optimizer(recipe, std::move(groups));
   };
-  zero_ =
-      std::make_shared<parallel::ZeroOptimizer>(dp_comm, session.trained_param_groups(), make,
-                                                parallel::ZeroOptions{.buckets = &dp_->buckets()});
+  zero_ = std::make_shared<parallel::ZeroOptimizer>(
+      dp_comm, session.trained_param_groups(), make,
+      parallel::ZeroOptions{.buckets = &dp_->buckets(), .norm_also_over = dist.mesh.pp_comm()});
   session.set_sharded_optimizer(zero_);
 }
 

@@ -203,8 +203,10 @@ void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
       // Sharded: the gradients are averaged into each rank's shard only, so
       // the optimizer computes the norm. Pipeline stages sum theirs.
       if (recipe.optimizer.clip_grad_norm > 0)
-        result.grad_norm = pipeline ? run_.clip_pipeline_gradients(recipe.optimizer.clip_grad_norm)
-                                    : optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
+        // ZeRO-1 sums its shards' norms over the dp and pipeline ranks itself.
+        result.grad_norm = pipeline && !session_.shards_optimizer()
+                               ? run_.clip_pipeline_gradients(recipe.optimizer.clip_grad_norm)
+                               : optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
       optimizer.set_lr(result.lr);
       optimizer.step();
     });
