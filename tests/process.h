@@ -8,13 +8,17 @@
 #pragma once
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -106,5 +110,56 @@ inline ProcessResult run_trainer(const std::vector<std::string>& args,
   return run_process(argv, options);
 }
 #endif
+
+// A child started in its own process group, its stdout and stderr in a
+// temporary file (for children that run alongside the test, or several at
+// once); output_of reads what it printed so far.
+struct Child {
+  pid_t pid = -1;
+  std::string output_path;
+};
+
+inline Child start(const std::vector<std::string>& argv,
+                   const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  char path[] = "/tmp/test_child_XXXXXX";
+  int out = ::mkstemp(path);
+  REQUIRE(out >= 0);
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(out, 1);
+    ::dup2(out, 2);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(out);
+  return Child{pid, path};
+}
+
+inline std::string output_of(const Child& c) {
+  std::ifstream in(c.output_path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A free TCP port of this host for a rendezvous the test sets up itself.
+inline int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  socklen_t len = sizeof addr;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
 
 }  // namespace trainer::testing

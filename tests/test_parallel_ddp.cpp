@@ -22,12 +22,15 @@
 #include <thread>
 
 #include "parallel/trace.h"
-#include "tests/testing.h"
+#include "tests/process.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
 using namespace trainer;
 using namespace trainer::parallel;
+using trainer::testing::Child;
+using trainer::testing::output_of;
+using trainer::testing::start;
 namespace fs = std::filesystem;
 
 namespace {
@@ -36,41 +39,6 @@ struct Outcome {
   int code = -1;  // exit code, 128 + signal when killed
   std::string output;
 };
-
-// A child process with its output in a temporary file.
-struct Child {
-  pid_t pid = -1;
-  std::string output_path;
-};
-
-Child start(const std::vector<std::string>& argv,
-            const std::vector<std::pair<std::string, std::string>>& env = {}) {
-  char path[] = "/tmp/test_parallel_XXXXXX";
-  int out = ::mkstemp(path);
-  REQUIRE(out >= 0);
-  pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    ::dup2(out, 1);
-    ::dup2(out, 2);
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  ::close(out);
-  return Child{pid, path};
-}
-
-std::string output_of(const Child& c) {
-  std::ifstream in(c.output_path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // Waits for the child, stopping its process group after timeout_s so a test never hangs.
 Outcome finish(const Child& c, double timeout_s) {

@@ -20,6 +20,7 @@
 #include "tests/process.h"  // last: it brings Catch's CHECK
 
 using namespace trainer;
+using trainer::testing::Child;
 using trainer::testing::ProcessResult;
 using trainer::testing::run_process;
 
@@ -41,26 +42,6 @@ ProcessResult launch(int nproc, const std::vector<std::string>& args) {
   return run_process(argv, {.env = {{"OMP_NUM_THREADS", "1"}}, .timeout_s = kTimeoutSeconds});
 }
 
-// A free TCP port of this host for a rendezvous the test sets up itself.
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  socklen_t len = sizeof addr;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// One rank started by the test itself, its output in a temporary file.
-struct Rank {
-  pid_t pid = -1;
-  std::string output_path;
-};
-
 struct RankOutcome {
   int code = -1;  // exit code, 128 + signal when killed
   std::string output;
@@ -69,46 +50,27 @@ struct RankOutcome {
 
 // The ranks of a job without `trainer launch`: the launcher stops the others
 // once one fails, which would race a survivor's own report of the failure.
-std::vector<Rank> start_ranks(int nproc, const std::vector<std::string>& args,
-                              const std::string& token) {
-  const int port = free_port();
-  std::vector<Rank> ranks;
+std::vector<Child> start_ranks(int nproc, const std::vector<std::string>& args,
+                               const std::string& token) {
+  const int port = testing::free_port();
+  std::vector<Child> ranks;
   for (int r = 0; r < nproc; ++r) {
-    char path[] = "/tmp/test_pipeline_runtime_XXXXXX";
-    int out = ::mkstemp(path);
-    REQUIRE(out >= 0);
-    pid_t pid = ::fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::dup2(out, 1);
-      ::dup2(out, 2);
-      const std::vector<std::pair<std::string, std::string>> env = {
-          {"RANK", cat(r)},
-          {"WORLD_SIZE", cat(nproc)},
-          {"LOCAL_RANK", cat(r)},
-          {"LOCAL_WORLD_SIZE", cat(nproc)},
-          {"MASTER_ADDR", "127.0.0.1"},
-          {"MASTER_PORT", cat(port)},
-          {"TRAINER_JOB_TOKEN", token},
-          {"OMP_NUM_THREADS", "1"}};
-      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-      std::vector<std::string> argv{PIPELINE_WORKER_BINARY};
-      argv.insert(argv.end(), args.begin(), args.end());
-      std::vector<char*> c_args;
-      for (const std::string& a : argv) c_args.push_back(const_cast<char*>(a.c_str()));
-      c_args.push_back(nullptr);
-      ::execv(c_args[0], c_args.data());
-      ::_exit(127);
-    }
-    ::close(out);
-    ranks.push_back({pid, path});
+    std::vector<std::string> argv{PIPELINE_WORKER_BINARY};
+    argv.insert(argv.end(), args.begin(), args.end());
+    ranks.push_back(testing::start(argv, {{"RANK", cat(r)},
+                                          {"WORLD_SIZE", cat(nproc)},
+                                          {"LOCAL_RANK", cat(r)},
+                                          {"LOCAL_WORLD_SIZE", cat(nproc)},
+                                          {"MASTER_ADDR", "127.0.0.1"},
+                                          {"MASTER_PORT", cat(port)},
+                                          {"TRAINER_JOB_TOKEN", token},
+                                          {"OMP_NUM_THREADS", "1"}}));
   }
   return ranks;
 }
 
 // Waits for every rank, each stopped (SIGKILL to its group) after the timeout.
-std::vector<RankOutcome> finish_ranks(const std::vector<Rank>& ranks) {
+std::vector<RankOutcome> finish_ranks(const std::vector<Child>& ranks) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<RankOutcome> outcomes(ranks.size());
   std::vector<bool> done(ranks.size(), false), killed(ranks.size(), false);
@@ -131,10 +93,7 @@ std::vector<RankOutcome> finish_ranks(const std::vector<Rank>& ranks) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   for (size_t r = 0; r < ranks.size(); ++r) {
-    std::ifstream in(ranks[r].output_path);
-    std::stringstream text;
-    text << in.rdbuf();
-    outcomes[r].output = text.str();
+    outcomes[r].output = testing::output_of(ranks[r]);
     if (killed[r]) outcomes[r].output += "\n(the test stopped it after the timeout)";
     ::unlink(ranks[r].output_path.c_str());
   }
