@@ -124,6 +124,15 @@ std::vector<NamedTensor> BlockList::state(size_t first, size_t last) const {
   return collect(blocks_, first, last, /*with_buffers=*/true, /*every_name=*/true);
 }
 
+void Model::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup>) {
+  throw Error("this model has no tensor-parallel form; use parallel.tp = 1");
+}
+
+Tensor Model::output_loss(const Tensor& logits, const Tensor& targets,
+                          const CrossEntropyOptions& options) const {
+  return cross_entropy(logits, targets, options);
+}
+
 Tensor Model::forward(const Tensor& x) {
   CHECK(blocks_.boundary(0).size() == 1 && blocks_.boundary(blocks_.size()).size() == 1)
       << "forward(x) of a model with " << blocks_.boundary(0).size() << " inputs and "

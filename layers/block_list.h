@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "layers/module.h"
+#include "layers/tensor_parallel.h"
 
 namespace trainer {
 
@@ -114,6 +115,19 @@ class Model : public Module {
   const BlockList& blocks() const { return blocks_; }
   // blocks().run({x})[0], for models with one input and one output.
   Tensor forward(const Tensor& x) override;
+
+  // Tensor parallelism (layers/tensor_parallel.h): splits the model's layers
+  // over g in place, keeping this rank's part of each split parameter
+  // (parameter_splits() records how; names stay global). Every rank of g
+  // must have built the same model (same seed), so the parts fit together as
+  // the whole model of one process. Models without a tensor-parallel form
+  // throw Error; so do sizes g does not divide (naming the model.<key>).
+  virtual void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g);
+  // The training loss of the model's output: cross_entropy(logits, targets),
+  // or its vocabulary-parallel form when the output holds this rank's part
+  // of the vocabulary.
+  virtual Tensor output_loss(const Tensor& logits, const Tensor& targets,
+                             const CrossEntropyOptions& options = {}) const;
 
  protected:
   // Called once at the end of the model's constructor.

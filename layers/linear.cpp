@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/autocast.h"
+#include "core/autograd.h"
 #include "core/backend.h"
 #include "core/ops.h"
 #include "layers/init.h"
@@ -90,7 +91,68 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in
   return y.reshape(shape);
 }
 
-Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) {
+  switch (split_) {
+    case LinearSplit::none:
+      return linear(x, weight, bias);
+    case LinearSplit::column: {
+      TensorParallelGroup& g = *group_;
+      return linear(g.sequence_parallel() ? gather_sequence(x, g) : copy_to_region(x, g), weight,
+                    bias);
+    }
+    case LinearSplit::row: {
+      TensorParallelGroup& g = *group_;
+      Tensor partial = linear(x, weight, Tensor());
+      Tensor y = g.sequence_parallel() ? reduce_scatter_sequence(partial, g)
+                                       : reduce_from_region(partial, g);
+      return bias.defined() ? y + bias : y;
+    }
+  }
+  return Tensor();
+}
+
+void Linear::shard(std::shared_ptr<TensorParallelGroup> g, LinearSplit split, int parts) {
+  CHECK(split_ == LinearSplit::none && split != LinearSplit::none && g)
+      << "Linear::shard: already split, or no split";
+  const int n = g->size();
+  const int dim = split == LinearSplit::column ? 0 : 1;
+  CHECK(weight.size(dim) % (int64_t(parts) * n) == 0)
+      << "Linear::shard: " << weight.size(dim) << (dim == 0 ? " outputs" : " inputs")
+      << " do not split into " << parts << " x " << n;
+  const ParameterSplit s{.kind = ParameterSplit::Kind::sharded,
+                         .dim = dim,
+                         .parts = parts,
+                         .rank = g->rank(),
+                         .size = n};
+  {
+    autograd::NoGradGuard no_grad;
+    weight = replace_parameter("weight", shard_of(weight.detach(), s), s);
+    if (bias.defined()) {
+      if (split == LinearSplit::column) {
+        ParameterSplit b = s;
+        b.dim = 0;
+        bias = replace_parameter("bias", shard_of(bias.detach(), b), b);
+      } else if (g->sequence_parallel()) {
+        // Added to this rank's part of the sequence: its gradient is a share.
+        bias = replace_parameter(
+            "bias", bias,
+            ParameterSplit{
+                .kind = ParameterSplit::Kind::partial_gradient, .rank = g->rank(), .size = n});
+      }
+    }
+  }
+  group_ = std::move(g);
+  split_ = split;
+}
+
+void Linear::share_sharded_weight(std::shared_ptr<TensorParallelGroup> g, Tensor w,
+                                  const ParameterSplit& split) {
+  CHECK(split_ == LinearSplit::none && !bias.defined() && split.dim == 0)
+      << "Linear::share_sharded_weight: a bias-free layer split along its outputs";
+  weight = replace_parameter("weight", std::move(w), split);
+  group_ = std::move(g);
+  split_ = LinearSplit::column;
+}
 
 Dropout::Dropout(double p, Generator gen) : p_(p), gen_(gen) {
   CHECK(p >= 0.0 && p < 1.0) << "Dropout: p " << p << " outside [0, 1)";

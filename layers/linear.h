@@ -5,13 +5,25 @@
 //   Dropout drop(0.5, Generator(seed, kStreamDropout));
 #pragma once
 
+#include <memory>
+
 #include "core/rng.h"
 #include "layers/module.h"
+#include "layers/tensor_parallel.h"
 
 namespace trainer {
 
 // y = x W^T + b over the last dim: [..., in] -> [..., out]; b may be undefined.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
+
+// How a Linear is split over a tensor-parallel group (layers/tensor_parallel.h).
+// column: this rank holds out/n of the output features (rows of weight, and
+// bias) and its output stays split; its input enters the region
+// (copy_to_region, or gather_sequence under sequence parallelism). row: it
+// holds in/n of the input features (columns of weight), the partial
+// products are summed over the group (reduce_from_region, or
+// reduce_scatter_sequence) and the whole bias added after.
+enum class LinearSplit { none, column, row };
 
 // The layer computing linear(x, weight, bias). Initialised as
 // nn.Linear: weight kaiming_uniform(a = sqrt(5)) = uniform(+-1/sqrt(in)),
@@ -24,7 +36,21 @@ class Linear : public Module {
   Linear(Tensor weight, Tensor bias);
   Tensor forward(const Tensor& x) override;
 
+  // Keeps this rank's part of weight and bias (split column or row over g;
+  // column with parts = 3 splits each of q, k and v, as c_attn packs them).
+  // The whole layer must divide: out (column) or in (row) by parts x size.
+  void shard(std::shared_ptr<TensorParallelGroup> g, LinearSplit split, int parts = 1);
+  // A column-parallel layer over a weight another layer split (the LM head
+  // over the vocabulary-parallel token embedding), recorded as split like it.
+  void share_sharded_weight(std::shared_ptr<TensorParallelGroup> g, Tensor weight,
+                            const ParameterSplit& split);
+  LinearSplit split() const { return split_; }
+
   Tensor weight, bias;  // [out, in], [out] (undefined without bias)
+
+ private:
+  std::shared_ptr<TensorParallelGroup> group_;
+  LinearSplit split_ = LinearSplit::none;
 };
 
 // Zeroes each element with probability p and scales the rest by 1/(1-p) in
@@ -37,9 +63,16 @@ class Dropout : public Module {
   Tensor forward(const Tensor& x) override;
   Generator& generator() { return gen_; }
   double p() const { return p_; }
+  // Inside a tensor-parallel region (attention weights of this rank's heads,
+  // activations of its part of the sequence) each rank draws its own mask:
+  // the trainer keys the stream with stream_rank() (0 outside: the same mask
+  // on every rank), as Megatron's RNG tracker does.
+  void set_stream_rank(uint64_t r) { stream_rank_ = r; }
+  uint64_t stream_rank() const { return stream_rank_; }
 
  private:
   double p_;
+  uint64_t stream_rank_ = 0;
   Generator gen_;
 };
 

@@ -26,6 +26,30 @@ Tensor Module::register_parameter(const std::string& name, Tensor t) {
   return t;
 }
 
+Tensor Module::replace_parameter(const std::string& name, Tensor t,
+                                 std::optional<ParameterSplit> split) {
+  CHECK(t.defined()) << "parameter '" << name << "' is undefined";
+  auto it = std::find_if(params_.begin(), params_.end(),
+                         [&](const NamedTensor& p) { return p.name == name; });
+  CHECK(it != params_.end()) << "no parameter '" << name << "' to replace";
+  t.requires_grad_();
+  it->tensor = t;
+  if (split)
+    splits_[name] = *split;
+  else
+    splits_.erase(name);
+  return t;
+}
+
+std::map<std::string, ParameterSplit> Module::parameter_splits() const {
+  std::map<std::string, ParameterSplit> out;
+  for (const auto& [name, split] : splits_) out.emplace(name, split);
+  for (const auto& [prefix, child] : children_)
+    for (const auto& [name, split] : child->parameter_splits())
+      out.emplace(prefix + "." + name, split);
+  return out;
+}
+
 Tensor Module::register_buffer(const std::string& name, Tensor t) {
   CHECK(t.defined()) << "buffer '" << name << "' is undefined";
   std::vector<std::string> taken;

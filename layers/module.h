@@ -24,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,20 @@
 #include "core/tensor.h"
 
 namespace trainer {
+
+// How tensor parallelism (layers/tensor_parallel.h) splits a parameter over a
+// group of `size` ranks. sharded: along dim, in `parts` equal pieces (c_attn's
+// q, k and v: 3) each cut into size slices; rank r holds slice r of every
+// piece, concatenated, and the checkpoint the whole tensor. partial_gradient:
+// every rank holds the whole tensor, but its gradient is this rank's share of
+// the sum (LayerNorm under sequence parallelism): the group adds them up.
+struct ParameterSplit {
+  enum class Kind { sharded, partial_gradient } kind = Kind::sharded;
+  int dim = 0;
+  int parts = 1;
+  int rank = 0;
+  int size = 1;
+};
 
 class Module {
  public:
@@ -66,6 +81,10 @@ class Module {
   // Drops every parameter's gradient.
   void zero_grad();
 
+  // The parameters tensor parallelism split (by global name; the others are
+  // replicated: the same values and gradients on every rank of the group).
+  std::map<std::string, ParameterSplit> parameter_splits() const;
+
   // Calls fn on this module and every submodule, parents first (torch's apply).
   void apply(const std::function<void(Module&)>& fn);
 
@@ -82,6 +101,11 @@ class Module {
   // Marks t as trainable and records it under name; returns t.
   Tensor register_parameter(const std::string& name, Tensor t);
   Tensor register_buffer(const std::string& name, Tensor t);
+  // Puts t in the place of parameter `name` (marked trainable; its old
+  // tensor is no longer listed) and records how it was split (tensor
+  // parallelism); returns t. The layer updates its own member.
+  Tensor replace_parameter(const std::string& name, Tensor t,
+                           std::optional<ParameterSplit> split = std::nullopt);
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
     add_child(name, m);
@@ -94,6 +118,7 @@ class Module {
                std::vector<NamedTensor>& out) const;
 
   std::vector<NamedTensor> params_, buffers_;
+  std::map<std::string, ParameterSplit> splits_;  // own parameters
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
 };

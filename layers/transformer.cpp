@@ -1,5 +1,6 @@
 #include "layers/transformer.h"
 
+#include "core/autograd.h"
 #include "core/ops_transformer.h"
 #include "layers/init.h"
 
@@ -12,7 +13,36 @@ Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen) {
   normal_(weight, 0.0, 0.02, gen);
 }
 
-Tensor Embedding::forward(const Tensor& indices) { return embedding(weight, indices); }
+Tensor Embedding::forward(const Tensor& indices) {
+  if (!group_) return embedding(weight, indices);
+  Tensor partial = vocab_parallel_lookup(weight, indices, vocab_start_);
+  return group_->sequence_parallel() ? reduce_scatter_sequence(partial, *group_)
+                                     : reduce_from_region(partial, *group_);
+}
+
+void Embedding::shard_vocab(std::shared_ptr<TensorParallelGroup> g) {
+  CHECK(!group_ && weight.size(0) % g->size() == 0)
+      << "Embedding::shard_vocab: " << weight.size(0) << " rows over " << g->size() << " ranks";
+  const ParameterSplit s{.dim = 0, .rank = g->rank(), .size = g->size()};
+  autograd::NoGradGuard no_grad;
+  vocab_start_ = weight.size(0) / g->size() * g->rank();
+  weight = replace_parameter("weight", shard_of(weight.detach(), s), s);
+  group_ = std::move(g);
+}
+
+void Embedding::mark_sequence_parallel(const TensorParallelGroup& g) {
+  weight = replace_parameter(
+      "weight", weight,
+      ParameterSplit{
+          .kind = ParameterSplit::Kind::partial_gradient, .rank = g.rank(), .size = g.size()});
+}
+
+void LayerNorm::mark_sequence_parallel(const TensorParallelGroup& g) {
+  const ParameterSplit s{
+      .kind = ParameterSplit::Kind::partial_gradient, .rank = g.rank(), .size = g.size()};
+  weight = replace_parameter("weight", weight, s);
+  if (bias.defined()) bias = replace_parameter("bias", bias, s);
+}
 
 LayerNorm::LayerNorm(int64_t dim, double eps, bool with_bias) : eps_(eps) {
   CHECK(dim >= 1) << "LayerNorm: width " << dim;
@@ -50,6 +80,16 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   return (*resid_dropout)((*c_proj)(y));
 }
 
+void CausalSelfAttention::shard(std::shared_ptr<TensorParallelGroup> g) {
+  CHECK(num_heads_ % g->size() == 0)
+      << "CausalSelfAttention::shard: " << num_heads_ << " heads over " << g->size() << " ranks";
+  c_attn->shard(g, LinearSplit::column, /*parts=*/3);
+  c_proj->shard(g, LinearSplit::row);
+  num_heads_ /= g->size();
+  attn_dropout->set_stream_rank(uint64_t(g->rank()) + 1);
+  if (g->sequence_parallel()) resid_dropout->set_stream_rank(uint64_t(g->rank()) + 1);
+}
+
 FeedForward::FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site)
     : gelu_(o.gelu) {
   c_fc = register_module("c_fc", std::make_shared<Linear>(o.d_model, 4 * o.d_model, gen, o.bias));
@@ -64,6 +104,12 @@ Tensor FeedForward::forward(const Tensor& x) {
   return (*dropout)((*c_proj)(gelu((*c_fc)(x), gelu_)));
 }
 
+void FeedForward::shard(std::shared_ptr<TensorParallelGroup> g) {
+  c_fc->shard(g, LinearSplit::column);
+  c_proj->shard(g, LinearSplit::row);
+  if (g->sequence_parallel()) dropout->set_stream_rank(uint64_t(g->rank()) + 1);
+}
+
 Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index) {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(o, gen, 3 * index));
@@ -74,6 +120,15 @@ Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index) {
 Tensor Block::forward(const Tensor& x) {
   Tensor h = x + (*attn)((*ln_1)(x));
   return h + (*mlp)((*ln_2)(h));
+}
+
+void Block::shard(std::shared_ptr<TensorParallelGroup> g) {
+  if (g->sequence_parallel()) {
+    ln_1->mark_sequence_parallel(*g);
+    ln_2->mark_sequence_parallel(*g);
+  }
+  attn->shard(g);
+  mlp->shard(g);
 }
 
 }  // namespace trainer

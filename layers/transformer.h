@@ -18,6 +18,7 @@
 #include "core/ops.h"
 #include "core/rng.h"
 #include "layers/linear.h"
+#include "layers/tensor_parallel.h"
 
 namespace trainer {
 
@@ -42,7 +43,21 @@ class Embedding : public Module {
   Embedding(int64_t num_embeddings, int64_t dim, Generator& gen);
   Tensor forward(const Tensor& indices) override;
 
-  Tensor weight;  // [V, D]
+  // Vocabulary parallelism: keeps rows [rank V/n, (rank + 1) V/n); forward
+  // looks up the indices this rank holds and sums the lookups over g (under
+  // sequence parallelism reduce-scattered along dim 1 of [B, T] indices).
+  void shard_vocab(std::shared_ptr<TensorParallelGroup> g);
+  // Sequence parallelism on a replicated table (positions): each rank looks
+  // up its part of the sequence, so its gradient is a share the group adds up.
+  void mark_sequence_parallel(const TensorParallelGroup& g);
+  // The first row this rank holds (0 unless sharded).
+  int64_t vocab_start() const { return vocab_start_; }
+
+  Tensor weight;  // [V, D] (this rank's [V/n, D] when sharded)
+
+ private:
+  std::shared_ptr<TensorParallelGroup> group_;
+  int64_t vocab_start_ = 0;
 };
 
 // layer_norm over the last dim; weight ones, bias zeros (none without bias).
@@ -50,6 +65,9 @@ class LayerNorm : public Module {
  public:
   explicit LayerNorm(int64_t dim, double eps = 1e-5, bool bias = true);
   Tensor forward(const Tensor& x) override;
+  // Sequence parallelism: this rank normalises its part of the sequence,
+  // so its weight and bias gradients are shares the group adds up.
+  void mark_sequence_parallel(const TensorParallelGroup& g);
 
   Tensor weight, bias;  // [D], [D] (bias undefined without bias)
 
@@ -63,6 +81,11 @@ class CausalSelfAttention : public Module {
   // Dropout sites dropout_site and dropout_site + 1.
   CausalSelfAttention(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
   Tensor forward(const Tensor& x) override;
+  // Tensor parallelism: this rank runs num_heads / n heads (c_attn split
+  // column-wise per q, k and v, c_proj row-wise): one allreduce forward and
+  // one backward. num_heads must divide by g's size.
+  void shard(std::shared_ptr<TensorParallelGroup> g);
+  int64_t local_heads() const { return num_heads_; }
 
   std::shared_ptr<Linear> c_attn, c_proj;
   // attn_dropout holds the attention weights' dropout rate and generator
@@ -80,6 +103,8 @@ class FeedForward : public Module {
  public:
   FeedForward(const TransformerOptions& o, Generator& gen, uint64_t dropout_site);
   Tensor forward(const Tensor& x) override;
+  // Tensor parallelism: c_fc column-wise, c_proj row-wise over g.
+  void shard(std::shared_ptr<TensorParallelGroup> g);
 
   std::shared_ptr<Linear> c_fc, c_proj;
   std::shared_ptr<Dropout> dropout;
@@ -94,6 +119,10 @@ class Block : public Module {
  public:
   Block(const TransformerOptions& o, Generator& gen, uint64_t index);
   Tensor forward(const Tensor& x) override;
+  // Tensor parallelism over g (Megatron-LM): attention by heads, the MLP by
+  // its hidden width; under sequence parallelism x is this rank's
+  // [B, T/n, D] part of the sequence and ln_1, ln_2 work on it.
+  void shard(std::shared_ptr<TensorParallelGroup> g);
 
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/autograd.h"
 #include "core/ops.h"
 #include "layers/init.h"
 
@@ -76,6 +77,11 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
          CHECK(T >= 1 && T <= options_.block_size)
              << "GPT: sequence of " << T << " tokens, block size " << options_.block_size;
          Tensor pos = arange(T, DType::i64, tokens.device());
+         if (tp_ && tp_->sequence_parallel()) {
+           // This rank's part of the sequence: [B, T/n, D].
+           const int64_t part = T / tp_->size();
+           pos = pos.narrow(0, part * tp_->rank(), part);
+         }
          return TensorList{(*drop)((*wte)(tokens) + (*wpe)(pos))};  // [B, T, D]
        }});
   for (size_t i = 0; i < h.size(); ++i) {
@@ -90,7 +96,7 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
                    .inputs = {"x"},
                    .outputs = {"logits"},
                    .fn = [this](const TensorList& in) {
-                     return TensorList{linear((*ln_f)(in[0]), lm_head->weight, Tensor())};
+                     return TensorList{(*lm_head)((*ln_f)(in[0]))};
                    }});  // [B, T, V]
   set_blocks(BlockList({"tokens"}, {"logits"}, std::move(specs)));
 }
@@ -119,6 +125,50 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
                     ": lm_head.weight differs from transformer.wte.weight, but this GPT ties them "
                     "(model.tie_weights: true); load it with model.tie_weights: false"));
   }
+}
+
+void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
+  const int n = g->size();
+  CHECK(!tp_) << "GPT::shard_tensor_parallel: already split";
+  auto divisors = [](int64_t v) {
+    std::string out;
+    for (int64_t d = 1; d <= v; ++d)
+      if (v % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+    return out;
+  };
+  if (options_.n_head % n != 0)
+    throw Error(cat("model.n_head ", options_.n_head, " is not divisible by parallel.tp ", n,
+                    ": attention is split by heads; use parallel.tp of ",
+                    divisors(options_.n_head)));
+  if (options_.vocab_size % n != 0)
+    throw Error(cat(
+        "model.vocab_size ", options_.vocab_size, " is not divisible by parallel.tp ", n,
+        ": the embedding and the LM head are split by vocabulary; set "
+        "model.vocab_size to ",
+        (options_.vocab_size + n - 1) / n * n, " (rows past the corpus's symbols are never used)"));
+  if (n == 1) return;
+  wte->shard_vocab(g);
+  const ParameterSplit by_vocab{.dim = 0, .rank = g->rank(), .size = n};
+  if (options_.tie_weights) {
+    lm_head->share_sharded_weight(g, wte->weight, by_vocab);
+  } else {
+    lm_head->shard(g, LinearSplit::column);
+  }
+  for (const std::shared_ptr<Block>& b : h) b->shard(g);
+  if (g->sequence_parallel()) {
+    // wpe, the embedding dropout and ln_f work on this rank's part of the sequence.
+    autograd::NoGradGuard no_grad;
+    ln_f->mark_sequence_parallel(*g);
+    wpe->mark_sequence_parallel(*g);
+    drop->set_stream_rank(uint64_t(g->rank()) + 1);
+  }
+  tp_ = std::move(g);
+}
+
+Tensor GPT::output_loss(const Tensor& logits, const Tensor& targets,
+                        const CrossEntropyOptions& options) const {
+  if (!tp_) return cross_entropy(logits, targets, options);
+  return vocab_parallel_cross_entropy(logits, targets, wte->vocab_start(), *tp_, options);
 }
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options) { return std::make_shared<GPT>(options); }

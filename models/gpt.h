@@ -56,6 +56,15 @@ class GPT : public Model {
   // lm_head.weight equals transformer.wte.weight (or adds it when absent).
   void upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
                             const std::string& file) const override;
+  // Megatron-LM's split over g: the token embedding and the LM head by
+  // vocabulary (still tied when tie_weights), every block's attention by
+  // heads and MLP by hidden width; wpe and the LayerNorms replicated (under
+  // sequence parallelism holding T/n of the sequence). The logits are this
+  // rank's [B, T, V/n]; output_loss is the vocabulary-parallel
+  // cross-entropy. Needs n_head and vocab_size divisible by g's size.
+  void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) override;
+  Tensor output_loss(const Tensor& logits, const Tensor& targets,
+                     const CrossEntropyOptions& options = {}) const override;
 
   std::shared_ptr<ModuleDict> transformer;  // wte, wpe, drop, h, ln_f
   std::shared_ptr<Embedding> wte, wpe;
@@ -66,6 +75,7 @@ class GPT : public Model {
 
  private:
   GPTOptions options_;
+  std::shared_ptr<TensorParallelGroup> tp_;
 };
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options = {});

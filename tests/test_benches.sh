@@ -34,6 +34,18 @@ grep -Eq "^gpt +1f1b +\| +2 +1 \| +$num +$num \| +$num +$num \|" "$out" || fail 
 if "$build/bench_pipeline" --bogus > "$out" 2>&1; then fail "bench_pipeline accepted --bogus"; fi
 grep -q "usage: bench_pipeline" "$out" || fail "bench_pipeline --bogus: no usage"
 
+"$build/bench_tp" --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 \
+  --warmup 1 --no-torch > "$out"
+grep -Eq "^gpt +tp=2 +\| +$num +$num \| +$num +$num +1\.000 \|" "$out" ||
+  fail "bench_tp: no tp=2 row, or its bytes differ from the analytic count"
+grep -Eq "^gpt +dp=2 +\| +$num +$num \|" "$out" || fail "bench_tp: no dp=2 row"
+"$build/bench_tp" --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 \
+  --warmup 1 --no-torch --sequence-parallel > "$out"
+grep -Eq "^gpt +tp=2 +\| +$num +$num \| +$num +$num +1\.000 \|" "$out" ||
+  fail "bench_tp --sequence-parallel: its bytes differ from the analytic count"
+if "$build/bench_tp" --bogus > "$out" 2>&1; then fail "bench_tp accepted --bogus"; fi
+grep -q "usage: bench_tp" "$out" || fail "bench_tp --bogus: no usage"
+
 "$build/bench_train" --threads 1 --steps 1 --case small_cnn_28 --skip-torch > "$out"
 grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: no figures row"
 

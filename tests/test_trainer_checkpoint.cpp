@@ -68,8 +68,16 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
                parallel_layout(recipe_with({"parallel.pp=2", "precision=fp16"}), 2);
              }),
              Catch::Contains("use precision=bf16"));
-  CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.tp=2"}), 2); }),
-             Catch::Contains("parallel.tp = 2"));
+  CHECK(parallel_layout(recipe_with({"parallel.tp=2"}), 4).mesh ==
+        parallel::MeshShape{.dp = 2, .pp = 1, .tp = 2});
+  CHECK_THAT(error_of([] {
+               parallel_layout(recipe_with({"parallel.tp=2", "parallel.zero1=true"}), 4);
+             }),
+             Catch::Contains("parallel.zero1 with parallel.tp = 2"));
+  CHECK_THAT(error_of([] {
+               parallel_layout(recipe_with({"parallel.tp=2", "precision=fp16"}), 2);
+             }),
+             Catch::Contains("precision fp16 with parallel.tp = 2"));
   // Read by pipeline schedules only: refused, not ignored, with pp = 1.
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.micro_batches=4"}), 1); }),
              Catch::Contains("parallel.micro_batches = 4 is the number of micro-batches a "
@@ -152,7 +160,11 @@ TEST_CASE("checkpoint: resuming needs the same mesh and zero1, and says which ke
              }),
              Catch::Contains("written on the layout dp=2, pp=2, tp=1 with parallel.zero1") &&
                  Catch::Contains("parallel.pp=2 parallel.tp=1"));
-  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 2, false), dp2); }),
+  // Another tp too: the checkpoint holds whole tensors (without ZeRO-1).
+  CHECK_NOTHROW(check_resume_layout("ck", layout_of(2, 1, 2, false), dp2));
+  CHECK_THAT(error_of([&] {
+               check_resume_layout("ck", layout_of(2, 1, 2, true), layout_of(2, 1, 1, true));
+             }),
              Catch::Contains("parallel.tp=2"));
   CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 1, true), dp2); }),
              Catch::Contains("resume it with parallel.zero1=true"));

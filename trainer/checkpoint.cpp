@@ -236,9 +236,9 @@ void check_resume_layout(const std::string& dir, const ParallelLayout& saved,
                          const ParallelLayout& current) {
   const parallel::MeshShape& was = saved.mesh;
   const parallel::MeshShape& now = current.mesh;
-  // Pipeline stages re-slice a whole optimizer state by name; a sharded
-  // one is tied to its layout.
-  if (was.tp != now.tp || (was.pp != now.pp && (saved.zero1 || current.zero1)))
+  // Pipeline stages and tensor-parallel ranks re-slice a whole optimizer
+  // state by name; a sharded one is tied to its layout.
+  if ((was.tp != now.tp || was.pp != now.pp) && (saved.zero1 || current.zero1))
     throw Error(cat(dir, " was written on the layout ", parallel::to_string(was),
                     saved.zero1 || current.zero1 ? " with parallel.zero1" : "",
                     "; resume it on the same (parallel.pp=", was.pp, " parallel.tp=", was.tp,

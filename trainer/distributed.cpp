@@ -1,6 +1,7 @@
 #include "trainer/distributed.h"
 
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include "comm/bootstrap.h"
@@ -17,10 +18,27 @@ namespace trainer {
 
 ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   const ParallelRecipe& p = r.parallel;
-  if (p.tp != 1)
-    throw Error(cat(r.source, ": parallel.tp = ", p.tp,
-                    ": tensor parallelism is not built yet (the mesh lays the ranks out, but no "
-                    "tensor-parallel layer runs on it); use tp = 1"));
+  if (p.tp > 1) {
+    if (p.zero1)
+      throw Error(cat(r.source, ": parallel.zero1 with parallel.tp = ", p.tp,
+                      " is not supported (ZeRO-1 shards whole parameters over the dp ranks); "
+                      "set parallel.zero1=false"));
+    if (r.precision == "fp16")
+      throw Error(cat(r.source, ": precision fp16 with parallel.tp = ", p.tp,
+                      " is not supported (the loss scaler's overflow check sees one rank's "
+                      "part of each gradient); use precision=bf16"));
+    if (r.device == "cuda")
+      throw Error(cat(r.source, ": parallel.tp = ", p.tp,
+                      " with device cuda: tensor-parallel layers run on CPU tensors only; use "
+                      "device=cpu"));
+    const int64_t seq = r.data.seq_len > 0 ? r.data.seq_len : r.model.context;
+    if (p.sequence_parallel && seq % p.tp != 0)
+      throw Error(cat(r.source, ": parallel.sequence_parallel splits the sequence over the ", p.tp,
+                      " tensor-parallel ranks, but the ", seq,
+                      "-token windows (data.seq_len, or model.context) do not divide by "
+                      "parallel.tp; use a multiple of ",
+                      p.tp));
+  }
   const ParallelRecipe defaults;
   if (p.pp == 1) {
     // Read by pipeline schedules only; accepted at their defaults so recipes can spell them out.
@@ -74,6 +92,18 @@ Distributed join_job(const Recipe& recipe, bool dry_run) {
                         ? int(std::max<int64_t>(recipe.parallel.dp, 1) * model_ranks)
                         : boot.world_size;
   const ParallelLayout job = parallel_layout(recipe, world);
+  // The tensor-parallel group is the mesh's innermost dimension: ranks
+  // [k tp, (k + 1) tp), on one host when the host's ranks divide by tp.
+  const int tp = job.mesh.tp, local = boot.local_world_size;
+  if (tp > 1 && world == boot.world_size && tp <= local && local % tp != 0) {
+    std::string fits;
+    for (int d = 1; d <= local; ++d)
+      if (local % d == 0) fits += (fits.empty() ? "" : ", ") + std::to_string(d);
+    throw Error(cat(recipe.source, ": parallel.tp = ", tp, " with ", local,
+                    " ranks per host: some tensor-parallel groups would span two hosts, though ",
+                    tp, " ranks fit on one; use a parallel.tp dividing ", local, " (", fits,
+                    ") or start a multiple of ", tp, " ranks per host"));
+  }
   if (world != boot.world_size) return Distributed{.layout = rank_layout(job, 0)};
   Distributed d;
   d.layout = rank_layout(job, boot.rank);
@@ -121,8 +151,15 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   // Replicas synchronise over the dp ranks only (DESIGN.md "Parallel layout").
   const std::shared_ptr<comm::Communicator>& dp_comm = dist.mesh.dp_comm();
   const Recipe& recipe = session.recipe();
-  if (dist.layout.job.mesh.pp > 1) {
-    session.set_pipeline(agreed_split(session, dist), dist.layout.coord.pp);
+  // The stage split first: "auto" profiles the whole model on rank 0 alone.
+  std::optional<parallel::StageSplit> split;
+  if (dist.layout.job.mesh.pp > 1) split = agreed_split(session, dist);
+  if (dist.layout.job.mesh.tp > 1) {
+    tp_ = parallel::make_comm_group(dist.mesh.tp_comm(), recipe.parallel.sequence_parallel);
+    session.set_tensor_parallel(tp_);
+  }
+  if (split) {
+    session.set_pipeline(*split, dist.layout.coord.pp);
     if (session.shards_optimizer() && !session.tied_across_stages().empty())
       throw Error(cat(recipe.source, ": parallel.zero1 with a weight tied across pipeline stages (",
                       session.tied_across_stages()[0].name, ") is not supported yet"));
@@ -176,6 +213,8 @@ parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
 
 void DistributedRun::finish_gradients() {
   if (dp_) dp_->finish();
+  // Sequence parallelism: the LayerNorms' gradient shares added up.
+  if (tp_ && tp_->sequence_parallel()) parallel::sum_partial_gradients(session_->trained(), *tp_);
   if (!pipeline_) return;
   // Both stages compute own + other's: the same bits on both (a + b == b + a).
   const auto& tied = session_->tied_across_stages();
@@ -205,23 +244,35 @@ void DistributedRun::finish_gradients() {
   }
 }
 
-double DistributedRun::clip_pipeline_gradients(double max_norm) const {
-  CHECK(pipeline_) << "clip_pipeline_gradients without pipeline stages";
-  std::set<const TensorImpl*> mine, not_owned;
+double DistributedRun::clip_gradients(double max_norm) const {
+  CHECK(splits_model()) << "clip_gradients of a model no ranks split";
+  std::set<const TensorImpl*> mine, not_owned, split;
   for (const Tensor& p : session_->trained().parameters()) mine.insert(p.impl());
   for (const Session::TiedAcrossStages& t : session_->tied_across_stages())
     if (!t.owner) not_owned.insert(t.param.impl());
+  const auto splits = session_->model().parameter_splits();
+  for (const NamedTensor& p : session_->trained().named_parameters()) {
+    auto it = splits.find(p.name);
+    if (it != splits.end() && it->second.kind == ParameterSplit::Kind::sharded)
+      split.insert(p.tensor.impl());
+  }
+  const bool first_tp_rank = dist_.layout.coord.tp == 0;
   const std::vector<NamedTensor>& all = session_->global_parameters();
-  // One entry per parameter, set by the stage that owns it: the others add
-  // zeros, so the allreduce is exact and the total sums in one order.
+  // One entry per parameter, set by the stage that owns it (a replicated
+  // one by the first tensor-parallel rank, a split one by all): the others
+  // add zeros, so the total sums over the parameters in one order.
   std::vector<double> sums(all.size(), 0.0);
   for (size_t k = 0; k < all.size(); ++k) {
     const TensorImpl* impl = all[k].tensor.impl();
-    if (mine.count(impl) && !not_owned.count(impl))
+    if (mine.count(impl) && !not_owned.count(impl) && (first_tp_rank || split.count(impl)))
       sums[k] = optim::grad_power_sum(all[k].tensor, 2.0);
   }
-  comm::allreduce(*dist_.mesh.pp_comm(), sums.data(), sums.size(), DType::f64,
-                  {.op = comm::ReduceOp::sum});
+  if (pipeline_)
+    comm::allreduce(*dist_.mesh.pp_comm(), sums.data(), sums.size(), DType::f64,
+                    {.op = comm::ReduceOp::sum});
+  if (tp_)
+    comm::allreduce(*dist_.mesh.tp_comm(), sums.data(), sums.size(), DType::f64,
+                    {.op = comm::ReduceOp::sum});
   double total = 0;
   for (double v : sums) total += v;
   const double norm = std::sqrt(total);

@@ -27,8 +27,8 @@
 // it; the trainer exits with that message and the launcher stops the job.
 //
 // Glossary: rank/world = this process and the job size; dp rank/size = its
-// place among the data-parallel replicas (the whole world while pp = tp = 1,
-// the only layout built so far); main rank = rank 0, which logs and writes
+// place among the data-parallel replicas (the whole world while pp = tp =
+// 1); main rank = rank 0, which logs and writes
 // the replicated parts of checkpoints; shard = one rank's part of the
 // optimizer state.
 #pragma once
@@ -42,6 +42,7 @@
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/mesh.h"
+#include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
 #include "parallel/zero.h"
 #include "trainer/checkpoint.h"
@@ -120,10 +121,16 @@ class DistributedRun {
   // on a pipeline, the two stages holding a tied weight then add up their
   // gradients of it (the same sum on both).
   void finish_gradients();
-  // On a pipeline: clips the stages' gradients to a global 2-norm of
-  // max_norm, summed over every parameter in the order of the whole model's
-  // optimizer (the same norm as one process), and returns it.
-  double clip_pipeline_gradients(double max_norm) const;
+  // Whether the model is split over ranks (pipeline stages, tensor
+  // parallelism): its gradient norm is then clip_gradients'.
+  bool splits_model() const { return pipeline_ || tp_; }
+  // Clips the gradients of a split model to a global 2-norm of max_norm,
+  // summed over every parameter in the order of the whole model's optimizer
+  // (over the stages, and over the tensor-parallel ranks for split
+  // parameters, counting replicated ones once), and returns it.
+  double clip_gradients(double max_norm) const;
+  // The tensor-parallel group (parallel.tp > 1), else null.
+  parallel::CommGroup* tensor_parallel() const { return tp_.get(); }
   // Clears gradients (keeping DataParallel's bucket views). Every
   // iteration, a skipped step's too.
   void zero_grad(optim::Optimizer& optimizer);
@@ -155,6 +162,7 @@ class DistributedRun {
   Distributed dist_;
   Session* session_ = nullptr;
   std::unique_ptr<parallel::Timeline> timeline_;
+  std::shared_ptr<parallel::CommGroup> tp_;
   std::unique_ptr<PipelineRuntime> pipeline_;
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;

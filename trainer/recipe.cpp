@@ -251,6 +251,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("parallel.dp", &p.dp, 0, 1 << 20),
       int_field("parallel.pp", &p.pp, 1, 4096),
       int_field("parallel.tp", &p.tp, 1, 4096),
+      bool_field("parallel.sequence_parallel", &p.sequence_parallel),
       int_field("parallel.micro_batches", &p.micro_batches, 1, 65536),
       string_field("parallel.schedule", &p.schedule, {"gpipe", "1f1b", "interleaved", "zbh1"}),
       int_field("parallel.virtual_stages", &p.virtual_stages, 1, 1024),

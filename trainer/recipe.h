@@ -96,6 +96,9 @@ struct ParallelRecipe {
   int64_t dp = 0;  // 0: the world size divided by pp x tp
   int64_t pp = 1;
   int64_t tp = 1;
+  // Megatron-SP: LayerNorm and dropout regions split along the sequence
+  // over the tp ranks (allgather / reduce-scatter in place of allreduces).
+  bool sequence_parallel = false;
   int64_t micro_batches = 1;
   std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved | zbh1
   int64_t virtual_stages = 1;     // model chunks per stage (interleaved)

@@ -10,6 +10,7 @@
 #include "layers/linear.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
+#include "parallel/tensor_parallel.h"
 #include "trainer/device.h"
 #include "trainer/safetensors.h"
 
@@ -133,12 +134,33 @@ void Session::rekey_dropout(int64_t micro) {
   model_->apply([&](Module& m) {
     auto* d = dynamic_cast<Dropout*>(&m);
     if (!d) return;
-    // Stream: purpose in the low 8 bits, the layer above; offset: 2^32
-    // blocks per micro-step and rank, far more than any layer draws.
+    // Stream: purpose in the low 8 bits, the layer above, a tensor-parallel
+    // rank's own masks (stream_rank > 0) above bit 40; offset: 2^32 blocks
+    // per micro-step and rank, far more than any layer draws.
     const uint64_t block = uint64_t(micro) * ranks + rank;
     d->generator() =
-        Generator(uint64_t(recipe_.seed), kStreamDropout | (++layer << 8), block << 32);
+        Generator(uint64_t(recipe_.seed),
+                  kStreamDropout | (++layer << 8) | (d->stream_rank() << 40), block << 32);
   });
+}
+
+void Session::set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
+  CHECK(!tp_ && !plan_) << "set_tensor_parallel after the model was split";
+  auto* model = dynamic_cast<Model*>(model_.get());
+  if (!model)
+    throw Error(cat(recipe_.source, ": model '", recipe_.model.name,
+                    "' has no tensor-parallel form; use parallel.tp = 1"));
+  try {
+    model->shard_tensor_parallel(g);
+  } catch (const Error& e) {
+    throw Error(cat(recipe_.source, ": ", e.what()));
+  }
+  tp_ = std::move(g);
+  global_params_.clear();
+  for (const optim::ParamGroup& group : param_groups(recipe_, *model_))
+    global_params_.insert(global_params_.end(), group.params.begin(), group.params.end());
+  if (!shards_optimizer() && layout_.job.mesh.pp == 1)
+    optimizer_ = make_optimizer(recipe_, param_groups(recipe_, *model_));
 }
 
 optim::Optimizer& Session::optimizer() {
@@ -240,7 +262,26 @@ void Session::save(const std::string& dir, const TrainState& state) const {
   const bool sharded = shards_optimizer();
   const bool main = layout_.rank == 0;
   CheckpointPart part;
-  if (!plan_) {
+  if (tp_) {
+    // The split tensors gathered whole over the tensor-parallel group
+    // (collective); its first rank writes them, as one process would.
+    const bool writes = layout_.coord.dp == 0 && layout_.coord.tp == 0;
+    std::vector<NamedTensor> model =
+        parallel::gather_whole(plan_ ? stage_module_->state() : model_->state(), *model_, *tp_);
+    std::vector<NamedTensor> optim = parallel::gather_whole(optimizer_->state(), *model_, *tp_);
+    if (plan_) {
+      part.model_part = part.optimizer_part = stage_;
+      part.model_parts = part.optimizer_parts = plan_->split().stages;
+      for (const TiedAcrossStages& t : tied_)
+        if (!t.owner)
+          std::erase_if(optim,
+                        [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
+    }
+    if (writes) {
+      part.model = std::move(model);
+      part.optimizer = std::move(optim);
+    }
+  } else if (!plan_) {
     // Every rank holds the whole replicated model: rank 0 writes it.
     if (main) part.model = model_->state();
     if (sharded || main) part.optimizer = optimizer_->state();
@@ -325,6 +366,8 @@ TrainState Session::load_model(const std::string& dir) { return load_checkpoint(
 TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
   std::map<std::string, Tensor> model = read_model(dir);
   model_->upgrade_loaded_state(model, model_file(dir));
+  // Whole tensors in the file: this rank keeps its parts (tensor parallelism).
+  if (tp_) parallel::take_shards(model, *model_);
   std::vector<std::string> problems = load_named(model_->state(), model);
   if (!problems.empty())
     throw Error(cat(model_file(dir), " does not match the recipe's model:", join_lines(problems)));
@@ -338,6 +381,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
       optim_tensors.emplace(t.name, std::move(t.tensor));
     model_->upgrade_loaded_state(optim_tensors,
                                  optimizer_file(dir, shards_optimizer(), layout_.rank));
+    if (tp_) parallel::take_shards(optim_tensors, *model_);
     // A whole optimizer state (one file, or one part per stage) holds every
     // parameter's entries: a stage takes its own, whatever layout wrote them.
     if (!shards_optimizer()) {
@@ -366,6 +410,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
 void Session::init_from(const std::string& path, bool strict) {
   SafetensorsFile f = read_safetensors(path);
   model_->upgrade_loaded_state(f.tensors, path);
+  if (tp_) parallel::take_shards(f.tensors, *model_);
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);
   if (!problems.empty()) {
     if (strict)

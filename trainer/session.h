@@ -71,6 +71,18 @@ class Session {
   // pipeline (pp > 1), else training.grad_accum.
   int64_t micro_batches() const { return micro_batches_; }
 
+  // ---- tensor parallelism (tp > 1) ----
+  // Splits the model over g (Model::shard_tensor_parallel) and rebuilds the
+  // optimizer over this rank's parts. Every rank built the whole model from
+  // the same seed first, so the parts are those of one process's model.
+  // Checkpoints then gather the split tensors over g (save is collective
+  // over g) and loading keeps this rank's part of each whole tensor, so a
+  // checkpoint loads on any tp. Throws Error naming the recipe key when the
+  // model does not divide.
+  void set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g);
+  // Null unless set_tensor_parallel ran.
+  TensorParallelGroup* tensor_parallel() const { return tp_.get(); }
+
   // ---- pipeline stages (pp > 1) ----
   // Makes this rank stage `stage` of split: what it trains, optimizes and
   // saves becomes its blocks' parameters and buffers (global names). Every
@@ -159,6 +171,7 @@ class Session {
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;
   int64_t micro_batches_ = 1;
+  std::shared_ptr<TensorParallelGroup> tp_;
   std::optional<parallel::PipelinePlan> plan_;
   int stage_ = 0;
   std::shared_ptr<Module> stage_module_;

@@ -201,11 +201,12 @@ void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
     // one holds an inf/nan (the same on every rank: they are averaged).
     precision_.step(session_.trained().parameters(), [&] {
       // Sharded: the gradients are averaged into each rank's shard only, so
-      // the optimizer computes the norm. Pipeline stages sum theirs.
+      // the optimizer computes the norm. Pipeline stages and tensor-parallel
+      // ranks sum theirs.
       if (recipe.optimizer.clip_grad_norm > 0)
         // ZeRO-1 sums its shards' norms over the dp and pipeline ranks itself.
-        result.grad_norm = pipeline && !session_.shards_optimizer()
-                               ? run_.clip_pipeline_gradients(recipe.optimizer.clip_grad_norm)
+        result.grad_norm = run_.splits_model() && !session_.shards_optimizer()
+                               ? run_.clip_gradients(recipe.optimizer.clip_grad_norm)
                                : optimizer.clip_grad_norm(recipe.optimizer.clip_grad_norm);
       optimizer.set_lr(result.lr);
       optimizer.step();

@@ -23,10 +23,13 @@ namespace trainer {
 
 namespace {
 
-// Cross-entropy of logits [N, T, V] against targets [N, T] over all N x T tokens.
-Tensor token_cross_entropy(const Tensor& logits, const Tensor& targets,
+// Cross-entropy of logits [N, T, V] against targets [N, T] over all N x T
+// tokens, as the model computes its loss (vocabulary-parallel under tensor
+// parallelism, Model::output_loss).
+Tensor token_cross_entropy(const Model* model, const Tensor& logits, const Tensor& targets,
                            const CrossEntropyOptions& options = {}) {
-  return cross_entropy(logits.flatten(0, 1), targets.flatten(), options);
+  if (!model) return cross_entropy(logits.flatten(0, 1), targets.flatten(), options);
+  return model->output_loss(logits.flatten(0, 1), targets.flatten(), options);
 }
 
 class TextBatches final : public BatchSource {
@@ -36,6 +39,7 @@ class TextBatches final : public BatchSource {
   void bind(std::shared_ptr<Module> model) override {
     BatchSource::bind(model);
     lstm_ = std::dynamic_pointer_cast<LSTMLM>(model_);
+    loss_model_ = dynamic_cast<const Model*>(model_.get());
   }
   bool is_language_model() const override { return true; }
   const char* item_name() const override { return "tokens"; }
@@ -82,10 +86,11 @@ class TextBatches final : public BatchSource {
   std::unique_ptr<data::TextCorpus> corpus_;
   std::unique_ptr<data::TextWindows> train_windows_;
   std::unique_ptr<data::EvalWindows> val_windows_;
-  int64_t epoch_ = 0, position_ = 0;  // the epoch being read
-  std::shared_ptr<LSTMLM> lstm_;      // model_ when it is the LSTM LM
-  RNNState carried_;                  // its state after the last micro-batch
-  bool holds_state_ = true;           // false on a pipeline stage without the LSTM
+  int64_t epoch_ = 0, position_ = 0;   // the epoch being read
+  std::shared_ptr<LSTMLM> lstm_;       // model_ when it is the LSTM LM
+  const Model* loss_model_ = nullptr;  // model_ as a Model (its output_loss)
+  RNNState carried_;                   // its state after the last micro-batch
+  bool holds_state_ = true;            // false on a pipeline stage without the LSTM
 };
 
 TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
@@ -140,10 +145,11 @@ bool TextBatches::next(StepBatch& batch) {
 }
 
 Tensor TextBatches::loss(const StepBatch& batch) {
-  if (!carries_state()) return token_cross_entropy((*model_)(batch.inputs), batch.targets);
+  if (!carries_state())
+    return token_cross_entropy(loss_model_, (*model_)(batch.inputs), batch.targets);
   LSTMLMOutput out = lstm_->forward(batch.inputs, carried_);
   carried_ = out.state.detach();
-  return token_cross_entropy(out.logits, batch.targets);
+  return token_cross_entropy(loss_model_, out.logits, batch.targets);
 }
 
 TensorList TextBatches::model_inputs(const StepBatch& batch) {
@@ -158,7 +164,7 @@ void TextBatches::keep_outputs(const TensorList& outputs) {
 }
 
 Tensor TextBatches::loss_from(const StepBatch& batch, const TensorList& outputs) {
-  return token_cross_entropy(outputs.at(0), batch.targets);
+  return token_cross_entropy(loss_model_, outputs.at(0), batch.targets);
 }
 
 StepBatch TextBatches::probe_batch(int64_t n) {
@@ -200,14 +206,15 @@ EvalSums TextBatches::evaluate_shard() {
       } else {
         logits = (*model_)(b.inputs);
       }
-      sums.loss += token_cross_entropy(logits, b.targets, sum_loss).item<double>();
+      sums.loss += token_cross_entropy(loss_model_, logits, b.targets, sum_loss).item<double>();
       sums.samples += b.targets.numel();
     }
   } else {
     const int64_t stride = micro_batch_ * layout_.dp_size();
     for (int64_t first = micro_batch_ * layout_.dp_rank(); first < val.size(); first += stride) {
       data::TextBatch b = on_device(val.batch(first, micro_batch_));
-      sums.loss += token_cross_entropy((*model_)(b.inputs), b.targets, sum_loss).item<double>();
+      sums.loss +=
+          token_cross_entropy(loss_model_, (*model_)(b.inputs), b.targets, sum_loss).item<double>();
       sums.samples += b.targets.numel();
     }
   }

@@ -13,6 +13,7 @@
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "models/sample.h"
+#include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
 #include "trainer/checkpoint.h"
 #include "trainer/device.h"
@@ -290,6 +291,15 @@ int train_command(const TrainArgs& args) {
   }
   if (args.dry_run) {
     if (!main_rank) return 0;
+    const int tp = dist.layout.job.mesh.tp;
+    if (tp > 1) {
+      // Rank 0's part of the split model, its collectives moving nothing.
+      const int64_t whole = s.model().num_parameters();
+      s.set_tensor_parallel(parallel::shape_only_group(0, tp, r.parallel.sequence_parallel));
+      std::printf("tensor parallel: tp = %d%s; %s of the %s parameters on each rank\n", tp,
+                  r.parallel.sequence_parallel ? ", sequence parallel" : "",
+                  with_commas(s.model().num_parameters()).c_str(), with_commas(whole).c_str());
+    }
     std::printf("%s", s.summary().c_str());
     if (dist.layout.job.mesh.pp > 1) {
       // Every stage as it would run, profiled here on one micro-batch.

@@ -1,0 +1,153 @@
+#include "parallel/tensor_parallel.h"
+
+#include "comm/collectives.h"
+#include "core/autograd.h"
+#include "core/ops.h"
+
+namespace trainer::parallel {
+
+CommGroup::CommGroup(std::shared_ptr<comm::Communicator> comm, bool sequence_parallel)
+    : comm_(std::move(comm)), sequence_parallel_(sequence_parallel) {
+  CHECK(comm_) << "a tensor-parallel group needs a communicator";
+}
+
+void CommGroup::allreduce(const Tensor& t, bool max) {
+  CHECK(t.is_contiguous()) << "tensor-parallel allreduce of a non-contiguous tensor";
+  traffic_.allreduce_bytes += int64_t(t.nbytes());
+  ++traffic_.calls;
+  comm::allreduce(*comm_, t, {.op = max ? comm::ReduceOp::max : comm::ReduceOp::sum});
+}
+
+Tensor CommGroup::allgather(const Tensor& t) {
+  traffic_.allgather_bytes += int64_t(t.nbytes()) * size() / 2;
+  ++traffic_.calls;
+  return comm::allgather(*comm_, t.contiguous());
+}
+
+Tensor CommGroup::reduce_scatter(const Tensor& t) {
+  traffic_.reduce_scatter_bytes += int64_t(t.nbytes()) / 2;
+  ++traffic_.calls;
+  return comm::reduce_scatter(*comm_, t.contiguous());
+}
+
+std::shared_ptr<CommGroup> make_comm_group(std::shared_ptr<comm::Communicator> comm,
+                                           bool sequence_parallel) {
+  return std::make_shared<CommGroup>(std::move(comm), sequence_parallel);
+}
+
+namespace {
+
+class ShapeOnlyGroup final : public TensorParallelGroup {
+ public:
+  ShapeOnlyGroup(int rank, int size, bool sp) : rank_(rank), size_(size), sp_(sp) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  bool sequence_parallel() const override { return sp_; }
+  void allreduce(const Tensor&, bool) override {}
+  Tensor allgather(const Tensor& t) override {
+    return concat(TensorList(size_t(size_), t.contiguous()), 0);
+  }
+  Tensor reduce_scatter(const Tensor& t) override {
+    return t.narrow(0, 0, t.size(0) / size_).contiguous();
+  }
+
+ private:
+  int rank_, size_;
+  bool sp_;
+};
+
+}  // namespace
+
+std::shared_ptr<TensorParallelGroup> shape_only_group(int rank, int size, bool sequence_parallel) {
+  return std::make_shared<ShapeOnlyGroup>(rank, size, sequence_parallel);
+}
+
+void sum_partial_gradients(const Module& model, TensorParallelGroup& g) {
+  const std::map<std::string, ParameterSplit> splits = model.parameter_splits();
+  for (const NamedTensor& p : model.named_parameters()) {
+    auto it = splits.find(p.name);
+    if (it == splits.end() || it->second.kind != ParameterSplit::Kind::partial_gradient) continue;
+    Tensor grad = p.tensor.grad();
+    if (!grad.defined()) {
+      p.tensor.set_grad(zeros_like(p.tensor));
+      grad = p.tensor.grad();
+    }
+    // In place when the gradient is a bucket view of DataParallel's.
+    Tensor sum = grad.is_contiguous() ? grad : grad.contiguous();
+    g.allreduce(sum);
+    if (sum.impl() != grad.impl()) {
+      autograd::NoGradGuard no_grad;
+      grad.copy_(sum);
+    }
+  }
+}
+
+namespace {
+
+std::map<std::string, Shape> parameter_shapes(const Module& model) {
+  std::map<std::string, Shape> shapes;
+  for (const NamedTensor& t : model.state()) shapes.emplace(t.name, t.tensor.shape());
+  return shapes;
+}
+
+}  // namespace
+
+const ParameterSplit* split_of(const std::map<std::string, ParameterSplit>& splits,
+                               const std::map<std::string, Shape>& shapes, const std::string& name,
+                               const Shape& shape) {
+  auto it = splits.find(name);
+  if (it == splits.end()) {
+    // An optimizer slot: "<parameter>.<slot>" of the parameter's shape.
+    const size_t dot = name.rfind('.');
+    if (dot == std::string::npos) return nullptr;
+    it = splits.find(name.substr(0, dot));
+    if (it == splits.end()) return nullptr;
+    auto s = shapes.find(it->first);
+    if (s == shapes.end() || s->second != shape) return nullptr;
+  }
+  return it->second.kind == ParameterSplit::Kind::sharded ? &it->second : nullptr;
+}
+
+std::vector<NamedTensor> gather_whole(const std::vector<NamedTensor>& named, const Module& model,
+                                      TensorParallelGroup& g) {
+  const std::map<std::string, ParameterSplit> splits = model.parameter_splits();
+  const std::map<std::string, Shape> shapes = parameter_shapes(model);
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& t : named) {
+    const ParameterSplit* split = split_of(splits, shapes, t.name, t.tensor.shape());
+    if (!split) {
+      out.push_back(t);
+      continue;
+    }
+    // Each rank's part as one row: [n, numel], then back to its shape.
+    Tensor mine = t.tensor.to(Device{}).contiguous().reshape({1, t.tensor.numel()});
+    Tensor rows = g.allgather(mine);
+    TensorList parts;
+    for (int r = 0; r < g.size(); ++r) parts.push_back(rows.select(0, r).reshape(t.tensor.shape()));
+    out.push_back({t.name, unshard(parts, *split)});
+  }
+  return out;
+}
+
+void take_shards(std::map<std::string, Tensor>& tensors, const Module& model) {
+  const std::map<std::string, ParameterSplit> splits = model.parameter_splits();
+  const std::map<std::string, Shape> shapes = parameter_shapes(model);
+  for (auto& [name, t] : tensors) {
+    // Whole in the file: it has the shape of the parameter's whole tensor.
+    auto it = splits.find(name);
+    std::string param = name;
+    if (it == splits.end()) {
+      const size_t dot = name.rfind('.');
+      if (dot == std::string::npos) continue;
+      param = name.substr(0, dot);
+      it = splits.find(param);
+      if (it == splits.end()) continue;
+    }
+    if (it->second.kind != ParameterSplit::Kind::sharded) continue;
+    auto s = shapes.find(param);
+    if (s == shapes.end() || t.shape() != full_shape(s->second, it->second)) continue;
+    t = shard_of(t, it->second);
+  }
+}
+
+}  // namespace trainer::parallel

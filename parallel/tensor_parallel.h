@@ -1,0 +1,88 @@
+// Tensor parallelism over a communicator: the group the split layers
+// (layers/tensor_parallel.h) reduce over, built on the mesh's tp
+// communicator (ranks on one host: its collectives go over the shared-memory
+// channel), and what the trainer does with a split model around the layers:
+// adding up the gradient shares of sequence-parallel parameters, and
+// checkpoints that hold whole tensors under their global names.
+//
+//   auto g = make_comm_group(mesh.tp_comm(), recipe.parallel.sequence_parallel);
+//   gpt->shard_tensor_parallel(g);
+//   ... backward ...
+//   sum_partial_gradients(*gpt, *g);                        // sequence parallelism
+//   std::vector<NamedTensor> whole = gather_whole(gpt->state(), *gpt, *g);   // collective
+//   take_shards(loaded, *gpt);                               // whole tensors -> this rank's parts
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "layers/module.h"
+#include "layers/tensor_parallel.h"
+
+namespace trainer::parallel {
+
+// What a rank's collectives were over, in allreduce-equivalent bytes: an
+// allreduce of n bytes counts n whatever its algorithm moves; an allgather
+// (of an n-byte output) or a reduce-scatter (of an n-byte input) counts
+// n / 2, as each moves half of what an allreduce of n bytes does. So the
+// allgather and reduce-scatter sequence parallelism puts in place of an
+// allreduce count as much as it.
+struct TensorParallelTraffic {
+  int64_t allreduce_bytes = 0, allgather_bytes = 0, reduce_scatter_bytes = 0;
+  int64_t calls = 0;
+  int64_t total_bytes() const { return allreduce_bytes + allgather_bytes + reduce_scatter_bytes; }
+};
+
+class CommGroup final : public TensorParallelGroup {
+ public:
+  CommGroup(std::shared_ptr<comm::Communicator> comm, bool sequence_parallel);
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+  bool sequence_parallel() const override { return sequence_parallel_; }
+  void allreduce(const Tensor& t, bool max) override;
+  Tensor allgather(const Tensor& t) override;
+  Tensor reduce_scatter(const Tensor& t) override;
+
+  comm::Communicator& comm() const { return *comm_; }
+  const TensorParallelTraffic& traffic() const { return traffic_; }
+  void reset_traffic() { traffic_ = {}; }
+
+ private:
+  std::shared_ptr<comm::Communicator> comm_;
+  bool sequence_parallel_;
+  TensorParallelTraffic traffic_;
+};
+
+std::shared_ptr<CommGroup> make_comm_group(std::shared_ptr<comm::Communicator> comm,
+                                           bool sequence_parallel = false);
+
+// A group of `size` ranks that moves no data (allreduce leaves t, allgather
+// repeats it, reduce-scatter keeps block 0): the shapes and memory of
+// rank `rank`'s part of a split model, for --dry-run on one process.
+std::shared_ptr<TensorParallelGroup> shape_only_group(int rank, int size, bool sequence_parallel);
+
+// Sequence parallelism: sums the gradient shares of model's partial_gradient
+// parameters over g (in place), so every rank holds the whole gradient.
+void sum_partial_gradients(const Module& model, TensorParallelGroup& g);
+
+// The split of a named entry of model's state or of its optimizer's
+// ("<parameter>.<slot>" of the parameter's shape), or null when it is whole
+// on every rank.
+const ParameterSplit* split_of(const std::map<std::string, ParameterSplit>& splits,
+                               const std::map<std::string, Shape>& shapes, const std::string& name,
+                               const Shape& shape);
+
+// Checkpoints hold one logical model: the whole tensors of named (this
+// rank's parts under global names, in the same order on every rank of g),
+// gathered over g where model split them. Collective over g.
+std::vector<NamedTensor> gather_whole(const std::vector<NamedTensor>& named, const Module& model,
+                                      TensorParallelGroup& g);
+// The reverse, when loading: every whole tensor in tensors of a parameter
+// model split (or of its optimizer slots) is replaced by this rank's part.
+// A tensor of another shape is left alone (the loader reports it).
+void take_shards(std::map<std::string, Tensor>& tensors, const Module& model);
+
+}  // namespace trainer::parallel

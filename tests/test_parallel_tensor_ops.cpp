@@ -1,0 +1,98 @@
+// Tensor parallelism's ops and split layers (layers/tensor_parallel.h,
+// parallel/tensor_parallel.h) over groups of 2 and 4 processes, in double:
+// tests/tp_worker.cpp is the rank program. Every rank runs the
+// single-process reference itself and compares its own part: the region
+// ops against their whole-tensor definitions, the vocabulary-parallel
+// cross-entropy against cross_entropy and finite differences, a column- and
+// row-parallel Linear pair and a vocabulary-parallel Embedding, a
+// Transformer block and a small GPT against the unsplit ones, with and
+// without sequence parallelism. (The trainer at tp > 1 is
+// test_parallel_tensor's.)
+#include <regex>
+
+#include "tests/process.h"  // last: it brings Catch's CHECK
+
+using namespace trainer;
+using trainer::testing::ProcessResult;
+using trainer::testing::run_process;
+
+namespace {
+
+// A hung collective ends at the worker's 30 s comm timeout; this only
+// bounds a worker that hangs otherwise.
+constexpr double kTimeoutSeconds = 90;
+
+// `trainer launch` of nproc tp_workers in one group, one thread each (ranks
+// waiting on each other while OpenMP threads spin would oversubscribe the
+// cores).
+ProcessResult launch(int nproc, const std::string& mode) {
+  return run_process({TRAINER_BINARY, "launch", "--nproc-per-node", cat(nproc), "--program",
+                      TP_WORKER_BINARY, "--", mode},
+                     {.env = {{"OMP_NUM_THREADS", "1"}}, .timeout_s = kTimeoutSeconds});
+}
+
+// Runs mode over groups of 2 and 4: every rank passed, ran at least
+// min_checks checks and reported each of its parts compared
+// ("rank r: <part>, n = N: compared"; with sequence_parallel also
+// "rank r: <part>, n = N, sequence parallel: compared").
+void require_passed(const std::string& mode, int min_checks, const std::vector<std::string>& parts,
+                    bool sequence_parallel) {
+  for (int n : {2, 4}) {
+    INFO("group of " << n);
+    ProcessResult o = launch(n, mode);
+    trainer::testing::require_ranks_passed(o.code, o.output, n);
+    INFO(o.output);
+    for (int r = 0; r < n; ++r) {
+      // Each rank's own summary, with its checks run (not just some rank's " 0 failed").
+      std::smatch found;
+      REQUIRE(std::regex_search(o.output, found,
+                                std::regex(cat("rank ", r, ": ([0-9]+) checks, 0 failed"))));
+      CHECK(std::stoi(found[1].str()) >= min_checks);
+      for (const std::string& part : parts) {
+        const std::string line = cat("rank ", r, ": ", part, ", n = ", n);
+        CHECK(o.output.find(line + ": compared") != std::string::npos);
+        if (sequence_parallel)
+          CHECK(o.output.find(line + ", sequence parallel: compared") != std::string::npos);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "tensor parallel: copy_to_region, reduce_from_region, gather_last_dim, gather_sequence, "
+    "reduce_scatter_sequence and split_sequence give the whole-tensor op's values and "
+    "gradients",
+    "[parallel][mp]") {
+  require_passed("regions", 12, {"regions"}, false);
+}
+
+TEST_CASE(
+    "tensor parallel: vocab_parallel_cross_entropy equals cross_entropy over the gathered "
+    "logits (mean, sum, none, label smoothing, ignored rows) and finite differences",
+    "[parallel][mp]") {
+  require_passed("loss", 2 * 8 + 2, {"loss", "loss finite differences"}, false);
+}
+
+TEST_CASE(
+    "tensor parallel: a column- then row-parallel Linear pair (parts 1 and 3) and a "
+    "vocabulary-parallel Embedding equal the unsplit layers, with and without sequence "
+    "parallelism",
+    "[parallel][mp]") {
+  require_passed("linear", 40, {"linear"}, true);
+}
+
+TEST_CASE(
+    "tensor parallel: a Transformer block split by heads and hidden width equals the whole "
+    "block, with and without sequence parallelism",
+    "[parallel][mp]") {
+  require_passed("block", 2 * 30, {"block"}, true);
+}
+
+TEST_CASE(
+    "tensor parallel: a GPT split with shard_tensor_parallel gives the unsplit model's loss "
+    "and gradients, and its checkpoint state through gather_whole and take_shards",
+    "[parallel][mp]") {
+  require_passed("gpt", 100, {"gpt"}, true);
+}
