@@ -1,12 +1,15 @@
 // LSTM and GRU: the layer ops against step-by-step loops of core ops (values
 // and gradients), finite differences in f64, the CPU fast path against the
 // reference kernels, the multi-layer modules (dropout determinism, state
-// carried across calls) and a tiny LSTM language model overfitting a batch.
+// carried across calls) and a tiny LSTM language model overfitting a batch;
+// the AVX2 per-step GEMM (core/cpu/rnn_gemm_avx2.h) against a plain GEMM.
 #include "tests/lm_task.h"
 
 #include <cmath>
 #include <vector>
 
+#include "core/cpu/isa.h"
+#include "core/cpu/rnn_gemm_avx2.h"
 #include "core/cpu/threads.h"
 #include "core/ops_rnn.h"
 #include "layers/rnn.h"
@@ -193,6 +196,85 @@ TEST_CASE("recurrent fast path on several threads matches the reference kernels"
     require_close(lstm_all(l), lstm_all(l), 0, 0, "repeated lstm_layer");
   }
   set_num_threads(threads);
+}
+
+TEST_CASE("AVX2 recurrent GEMM matches a plain GEMM on odd sizes", "[rnn]") {
+  // Partial panels (N % 16), every tile height (M 1..6 and uneven splits),
+  // padded rows (lda > K, ldc > N), overwrite and accumulate. b is laid out as
+  // the forward's W_hh^T: (k, n) at w[n K + k].
+  Generator gen(10);
+  for (auto [M, K, N] : {std::array<int64_t, 3>{1, 1, 1},
+                         {2, 3, 5},
+                         {4, 16, 16},
+                         {7, 13, 17},
+                         {13, 33, 40},
+                         {32, 64, 50},
+                         {17, 100, 3}}) {
+    for (bool accumulate : {false, true}) {
+      INFO("M " << M << " K " << K << " N " << N << (accumulate ? " accumulate" : ""));
+      const int64_t lda = K + 3, ldc = N + 5;
+      Tensor a = rand_tensor({M, lda}, gen), w = rand_tensor({N, K}, gen);
+      Tensor c0 = rand_tensor({M, ldc}, gen), c = c0.clone();
+      std::vector<float> panels(size_t(cpu::rnn_packed_size(K, N)));
+      cpu::pack_rnn_panels(w.data<float>(), K, N, 1, K, panels.data());
+      cpu::rnn_gemm_avx2(a.data<float>(), M, K, lda, panels.data(), N, c.data<float>(), ldc,
+                         accumulate);
+      const float *pa = a.data<float>(), *pw = w.data<float>();
+      const float *pc0 = c0.data<float>(), *pc = c.data<float>();
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < ldc; ++n) {
+          INFO("c[" << m << ", " << n << "]");
+          if (n >= N) {  // the row padding is left alone
+            REQUIRE(pc[m * ldc + n] == pc0[m * ldc + n]);
+            continue;
+          }
+          double expected = accumulate ? pc0[m * ldc + n] : 0.0, magnitude = std::abs(expected);
+          for (int64_t k = 0; k < K; ++k) {
+            expected += double(pa[m * lda + k]) * pw[n * K + k];
+            magnitude += std::abs(double(pa[m * lda + k]) * pw[n * K + k]);
+          }
+          // One f32 FMA chain: each step rounds once.
+          REQUIRE(std::abs(pc[m * ldc + n] - expected) <= double(K + 1) * 0x1p-24 * magnitude);
+        }
+      }
+      // Row by row gives the same bits: a row's result does not depend on
+      // how the batch is split among threads.
+      Tensor rows = c0.clone();
+      for (int64_t m = 0; m < M; ++m)
+        cpu::rnn_gemm_avx2(pa + m * lda, 1, K, lda, panels.data(), N, rows.data<float>() + m * ldc,
+                           ldc, accumulate);
+      require_close(rows, c, 0, 0, "one row at a time");
+    }
+  }
+}
+
+TEST_CASE("recurrent fast path: the AVX2 and oneDNN per-step GEMMs both match the reference",
+          "[rnn][isa]") {
+  // The per-step GEMM is the AVX2 kernel where the project's loops run AVX2
+  // and a oneDNN primitive where they run AVX-512; on a CPU without AVX-512
+  // both runs take the AVX2 kernel. H 37: 4H = 148 and 3H = 111 columns end
+  // in partial panels; B 7 on 1 and 2 threads: tiles of 7, 4 and 3 rows.
+  Generator gen(11);
+  const cpu::Isa before = cpu::active_isa();
+  const int threads = num_threads();
+  const int64_t B = 7, T = 5, I = 19, H = 37;
+  TensorList l = lstm_inputs(B, T, I, H, gen, DType::f32);
+  TensorList g = gru_inputs(B, T, I, H, gen, DType::f32);
+  TensorList outputs;
+  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx512}) {
+    cpu::set_max_isa(isa);
+    for (int nt : {1, 2}) {
+      set_num_threads(nt);
+      INFO(cpu::isa_name(cpu::active_isa()) << ", " << nt << " threads");
+      check_fast_vs_reference(lstm_all, l, recurrent_reduction(B, T, I, H));
+      check_fast_vs_reference(gru_all, g, recurrent_reduction(B, T, I, H));
+    }
+    outputs.push_back(lstm_all(l));
+  }
+  set_num_threads(threads);
+  cpu::set_max_isa(before);
+  const Tolerance tol = tolerance(DType::f32, recurrent_reduction(B, T, I, H));
+  require_close(outputs[0], outputs[1], tol.rtol, tol.atol, "lstm_layer, AVX2 vs AVX-512 path");
 }
 
 TEST_CASE("LSTM and GRU modules: names, init, dropout, batch_first", "[rnn]") {

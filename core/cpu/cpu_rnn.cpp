@@ -5,9 +5,11 @@
 // whole-sequence GEMMs give grad_x, grad_weight_ih and grad_weight_hh. The
 // step loops split the batch rows among the threads, each thread running all
 // steps of its rows without synchronising (class Recurrence).
-// GEMMs are oneDNN matmul primitives, built once per shape and cached; the
-// per-step recurrent GEMM multiplies by weights reordered once per call into
-// the primitive's preferred (packed) layout. Its operands are dense (oneDNN
+// The whole-sequence GEMMs are oneDNN matmul primitives, built once per shape
+// and cached. The per-step recurrent GEMM multiplies by weights packed once
+// per call: where the project's loops run AVX2 into panels for the kernel of
+// core/cpu/rnn_gemm_avx2.h (class Recurrence says why), otherwise into a
+// oneDNN primitive's preferred layout. The oneDNN operands are dense (oneDNN
 // 2.6 runs its brgemm kernels on packed weights only for dense operands, and
 // a generic sgemm that repacks the weights every call otherwise): the states
 // it reads are kept time-major in hs [T + 1, B, H], its output goes to a
@@ -34,13 +36,16 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/isa.h"
 #include "core/cpu/loops.h"
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
+#include "core/cpu/rnn_gemm_avx2.h"
 
 namespace trainer {
 
@@ -163,13 +168,43 @@ class PackedGemm {
   Tensor storage_, scratch_;  // packed weights; this instance's scratchpad
 };
 
+// One worker's per-step GEMM c = a b (+ c) over its rows: the AVX2 kernel on
+// panels shared by all workers, or the worker's own oneDNN primitive.
+class StepGemm {
+ public:
+  struct Avx2 {
+    const float* panels;
+    int64_t rows, K, lda, N, ldc;
+    bool accumulate;
+  };
+  explicit StepGemm(const Avx2& avx2) : avx2_(avx2) {}
+  StepGemm(const PackedGemm& onednn, dnnl::stream& stream) : onednn_(&onednn), stream_(&stream) {}
+  void run(const float* a, float* c) const {
+    if (onednn_ != nullptr)
+      onednn_->run(a, c, *stream_);
+    else
+      cpu::rnn_gemm_avx2(a, avx2_.rows, avx2_.K, avx2_.lda, avx2_.panels, avx2_.N, c, avx2_.ldc,
+                         avx2_.accumulate);
+  }
+
+ private:
+  Avx2 avx2_{};
+  const PackedGemm* onednn_ = nullptr;
+  dnnl::stream* stream_ = nullptr;
+};
+
 // The per-step loop of one layer. Each batch row's recurrence is independent
 // of the others', so with n workers (threads) worker k runs every step of the
 // rows [B k / n, B (k + 1) / n) alone: no barrier between steps, the gate math
 // right after the GEMM that feeds it, on data still in the worker's cache.
-// Each worker has its own single-threaded GEMM primitive and packed weights
-// (a primitive built for n threads splits its work n ways, so it must not run
-// inside a parallel region).
+// Where the project's loops run AVX2 (cpu::use_avx512() false) the per-step
+// GEMM is core/cpu/rnn_gemm_avx2.h's kernel on weights packed once for all
+// workers: oneDNN 2.6's AVX2 sgemm ran it at 40-47 GFLOP/s on a Zen 3 core,
+// the kernel at 80-90, and its rows come out the same however the batch is
+// split (the oneDNN primitives' do not: their row count is the worker's).
+// Otherwise each worker has its own single-threaded oneDNN primitive
+// and packed weights (a primitive built for n threads splits its work n ways,
+// so it must not run inside a parallel region).
 class Recurrence {
  public:
   // a_like(b0, rows): the per-step GEMM's left operand for rows [b0, b0 + rows)
@@ -177,6 +212,20 @@ class Recurrence {
   template <class ALike>
   Recurrence(int64_t B, const ALike& a_like, const Mat& b, int64_t ldc, bool accumulate)
       : B_(B), workers_(int(std::min<int64_t>(omp_get_max_threads(), B))) {
+    if (!cpu::use_avx512()) {
+      const Mat a = a_like(0, B);
+      CHECK_EQ(a.cs, 1) << "the AVX2 recurrent GEMM reads rows of unit stride";
+      panels_ = empty({cpu::rnn_packed_size(b.rows, b.cols)}, DType::f32);
+      cpu::pack_rnn_panels(b.p, b.rows, b.cols, b.rs, b.cs, panels_.data<float>());
+      avx2_ = {.panels = panels_.data<float>(),
+               .rows = 0,
+               .K = b.rows,
+               .lda = a.rs,
+               .N = b.cols,
+               .ldc = ldc,
+               .accumulate = accumulate};
+      return;
+    }
     int threads = omp_get_max_threads();
     omp_set_num_threads(1);
     gemms_.reserve(size_t(workers_));
@@ -186,15 +235,20 @@ class Recurrence {
     omp_set_num_threads(threads);
   }
 
-  // Runs body(b0, b1, gemm, stream) for every worker's rows [b0, b1), the
-  // workers in parallel.
+  // Runs body(b0, b1, gemm) for every worker's rows [b0, b1), the workers in
+  // parallel; gemm.run(a, c) is the worker's per-step GEMM.
   template <class Body>
   void run(const Body& body) const {
 #pragma omp parallel num_threads(workers_) if (workers_ > 1)
     {
-      dnnl::stream stream = DNNL_CHECK(dnnl::stream(cpu::dnnl_engine()));
-      for (int k = omp_get_thread_num(); k < workers_; k += omp_get_num_threads())
-        body(first_row(k), first_row(k + 1), gemms_[size_t(k)], stream);
+      std::optional<dnnl::stream> stream;
+      if (!gemms_.empty()) stream.emplace(DNNL_CHECK(dnnl::stream(cpu::dnnl_engine())));
+      for (int k = omp_get_thread_num(); k < workers_; k += omp_get_num_threads()) {
+        const int64_t b0 = first_row(k), b1 = first_row(k + 1);
+        StepGemm::Avx2 avx2 = avx2_;
+        avx2.rows = b1 - b0;
+        body(b0, b1, gemms_.empty() ? StepGemm(avx2) : StepGemm(gemms_[size_t(k)], *stream));
+      }
     }
   }
 
@@ -202,7 +256,9 @@ class Recurrence {
   int64_t first_row(int k) const { return B_ * k / workers_; }
   int64_t B_;
   int workers_;
-  std::vector<PackedGemm> gemms_;
+  std::vector<PackedGemm> gemms_;  // oneDNN: one per worker
+  Tensor panels_;                  // AVX2: the packed weights
+  StepGemm::Avx2 avx2_{};
 };
 
 // exp(x) to about 2 ulp (Cephes' expf): x = k ln2 + r, exp(r) by a
@@ -378,9 +434,9 @@ Tensor CpuBackend::lstm_forward(const Tensor& x, const Tensor& h0, const Tensor&
   Recurrence recurrence(
       B, [&](int64_t b0, int64_t rows) { return rows_of(hs + b0 * H, rows, H, H); },
       rows_of(weight_hh.data<float>(), G, H, H).t(), G, /*accumulate=*/false);
-  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+  recurrence.run([&](int64_t b0, int64_t b1, const StepGemm& gemm) {
     for (int64_t t = 0; t < T; ++t) {
-      gemm.run(hs + (t * B + b0) * H, gh + b0 * G, stream);
+      gemm.run(hs + (t * B + b0) * H, gh + b0 * G);
       for (int64_t b = b0; b < b1; ++b) {
         float* a = gates + (b * T + t) * G;
         const float* cp = t == 0 ? c0.data<float>() + b * H : cs + (b * T + t - 1) * H;
@@ -436,7 +492,7 @@ void CpuBackend::lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, con
   Recurrence recurrence(
       B, [&](int64_t b0, int64_t rows) { return rows_of(dstep + b0 * G, rows, G, G); },
       rows_of(weight_hh.data<float>(), G, H, H), H, /*accumulate=*/false);
-  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+  recurrence.run([&](int64_t b0, int64_t b1, const StepGemm& gemm) {
     for (int64_t t = T - 1; t >= 0; --t) {
       for (int64_t b = b0; b < b1; ++b) {
         const float* a = gates + (b * T + t) * G;
@@ -449,7 +505,7 @@ void CpuBackend::lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, con
         lstm_cell_backward(a, c, cp, gyt, dhn, dcn, d, H);
         std::memcpy(dg + (b * T + t) * G, d, size_t(G) * sizeof(float));
       }
-      gemm.run(dstep + b0 * G, dh_next + b0 * H, stream);
+      gemm.run(dstep + b0 * G, dh_next + b0 * H);
     }
   });
   Mat dG = rows_of(dg, B * T, G, G);
@@ -488,9 +544,9 @@ Tensor CpuBackend::gru_forward(const Tensor& x, const Tensor& h0, const Tensor& 
   Recurrence recurrence(
       B, [&](int64_t b0, int64_t rows) { return rows_of(hs + b0 * H, rows, H, H); },
       rows_of(weight_hh.data<float>(), G, H, H).t(), G, /*accumulate=*/false);
-  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+  recurrence.run([&](int64_t b0, int64_t b1, const StepGemm& gemm) {
     for (int64_t t = 0; t < T; ++t) {
-      gemm.run(hs + (t * B + b0) * H, gh + b0 * G, stream);
+      gemm.run(hs + (t * B + b0) * H, gh + b0 * G);
       for (int64_t b = b0; b < b1; ++b) {
         const float* a = gi + (b * T + t) * G;
         const float* e = gh + b * G;
@@ -544,7 +600,7 @@ void CpuBackend::gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, cons
   Recurrence recurrence(
       B, [&](int64_t b0, int64_t rows) { return rows_of(dstep + b0 * G, rows, G, G); },
       rows_of(weight_hh.data<float>(), G, H, H), H, /*accumulate=*/true);
-  recurrence.run([&](int64_t b0, int64_t b1, const PackedGemm& gemm, dnnl::stream& stream) {
+  recurrence.run([&](int64_t b0, int64_t b1, const StepGemm& gemm) {
     for (int64_t t = T - 1; t >= 0; --t) {
       for (int64_t b = b0; b < b1; ++b) {
         const float* r4 = rec + (b * T + t) * 4 * H;
@@ -556,7 +612,7 @@ void CpuBackend::gru_backward(const Tensor& grad_y, const Tensor& grad_h_n, cons
         gru_cell_backward(r4, hp, gyt, dhn, di, dh_, H);
         std::memcpy(dgh + (b * T + t) * G, dh_, size_t(G) * sizeof(float));
       }
-      gemm.run(dstep + b0 * G, dh_next + b0 * H, stream);
+      gemm.run(dstep + b0 * G, dh_next + b0 * H);
     }
   });
   Mat dGi = rows_of(dgi, B * T, G, G), dGh = rows_of(dgh, B * T, G, G);
