@@ -269,6 +269,18 @@ TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads int
   CHECK(re.output.find("top1") != std::string::npos);
 }
 
+TEST_CASE("pipeline: fp16 stages skip the same overflowing steps as one process, bit for bit",
+          "[parallel][mp]") {
+  // An initial scale that overflows the first steps' gradients somewhere:
+  // every stage must skip them (the ranks agree), and S backs off alike.
+  const std::string out = check_pipeline_matches(
+      "fmnist_mlp.yaml",
+      {"training.global_batch=32", "optimizer.name=sgd", "optimizer.lr=0.05", "precision=fp16",
+       "loss_scaler.init_scale=1e7", "training.checkpoint_every=8"},
+      2, 2, "1f1b", 8);
+  CHECK(out.find("loss scale 312500 (5 steps skipped)") != std::string::npos);
+}
+
 TEST_CASE("pipeline: dp 2 x pp 2 trains as dp 2 with gradient accumulation", "[parallel][mp]") {
   const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
                                            "optimizer.lr=0.05", "training.steps=3"};

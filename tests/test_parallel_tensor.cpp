@@ -160,6 +160,31 @@ TEST_CASE("tensor parallel: GPT at tp 2 and 4, with sequence parallelism, trains
   }
 }
 
+TEST_CASE("tensor parallel: fp16 ranks agree on overflow and track one process", "[parallel][mp]") {
+  // An initial scale that overflows the first steps: both ranks must skip
+  // together (or their replicated weights would part). Near the overflow
+  // threshold f16 rounding may move the last skip by a step.
+  const std::vector<std::string> common = {"training.steps=12", "precision=fp16",
+                                           "loss_scaler.init_scale=1e9"};
+  const std::string a = run_dir("fp16_ref"), b = run_dir("fp16_tp");
+  testing::ProcessResult ra = run_ranks(1, gpt_args(a, common));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  std::vector<std::string> args = common;
+  args.insert(args.end(), {"parallel.tp=2", "parallel.sequence_parallel=true"});
+  testing::ProcessResult rb = run_ranks(2, gpt_args(b, args));
+  INFO(rb.output);
+  REQUIRE(rb.code == 0);
+  auto skipped = [](const std::string& out) {
+    const size_t at = out.rfind(" steps skipped)");
+    REQUIRE(at != std::string::npos);
+    return std::stoi(out.substr(out.rfind('(', at) + 1));
+  };
+  CHECK(skipped(rb.output) >= 10);
+  CHECK(std::abs(skipped(rb.output) - skipped(ra.output)) <= 1);
+  check_close(step_log(a).loss, step_log(b).loss, 1e-4, "loss");
+}
+
 TEST_CASE("tensor parallel: dp 2 x tp 2 trains as dp 2", "[parallel][mp]") {
   const std::vector<std::string> common = {"training.steps=8", "optimizer.name=sgd",
                                            "optimizer.lr=0.3", "training.checkpoint_every=8"};

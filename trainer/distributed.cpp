@@ -23,10 +23,6 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
       throw Error(cat(r.source, ": parallel.zero1 with parallel.tp = ", p.tp,
                       " is not supported (ZeRO-1 shards whole parameters over the dp ranks); "
                       "set parallel.zero1=false"));
-    if (r.precision == "fp16")
-      throw Error(cat(r.source, ": precision fp16 with parallel.tp = ", p.tp,
-                      " is not supported (the loss scaler's overflow check sees one rank's "
-                      "part of each gradient); use precision=bf16"));
     if (r.device == "cuda")
       throw Error(cat(r.source, ": parallel.tp = ", p.tp,
                       " with device cuda: tensor-parallel layers run on CPU tensors only; use "
@@ -61,10 +57,6 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
       throw Error(cat(r.source,
                       ": parallel.schedule=interleaved needs parallel.virtual_stages "
                       ">= 2 model chunks per stage"));
-    if (r.precision == "fp16")
-      throw Error(cat(r.source, ": precision fp16 with parallel.pp = ", p.pp,
-                      " is not supported (the loss scaler's overflow check is per stage); use "
-                      "precision=bf16"));
   }
   const int64_t model_ranks = p.pp * p.tp;
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
@@ -334,6 +326,13 @@ StepVerdict DistributedRun::agree(double loss, bool finite, bool stop, bool has_
   verdict.loss = verdict.finite ? v[0] / v[3] : std::nan("");
   verdict.stop = v[2] > 0;
   return verdict;
+}
+
+bool DistributedRun::any_rank(bool flag) const {
+  if (!dist_.active()) return flag;
+  double v = flag ? 1.0 : 0.0;
+  comm::allreduce(*dist_.world(), &v, 1, DType::f64, {.op = comm::ReduceOp::max});
+  return v > 0;
 }
 
 void DistributedRun::barrier() const {

@@ -145,6 +145,9 @@ class DistributedRun {
   // process). The loss is the mean over the ranks that hold one
   // (has_loss: a pipeline's last stage).
   StepVerdict agree(double loss, bool finite, bool stop, bool has_loss = true) const;
+  // Whether flag is set on any rank (one small allreduce over the world;
+  // flag itself on a single process).
+  bool any_rank(bool flag) const;
   // Every rank reaches this point before any continues (checkpoint commits).
   void barrier() const;
 

@@ -50,6 +50,7 @@ Precision::Precision(const Recipe& recipe, bool sharded_optimizer)
 Tensor Precision::scale_loss(const Tensor& loss) const { return scaler_.scale_loss(loss); }
 
 bool Precision::step(const TensorList& params, const std::function<void()>& optimizer_step) {
+  if (scales_loss_ && any_rank_) scaler_.set_found_inf(any_rank_(scaler_.unscale(params)));
   return scaler_.step(params, optimizer_step);
 }
 

@@ -49,6 +49,11 @@ class Precision {
   bool step(const TensorList& params, const std::function<void()>& optimizer_step);
   // Adjusts S after the step (backoff or growth); nothing outside fp16.
   void update();
+  // A model split over ranks (pipeline stages, tensor parallelism): each
+  // rank sees its part of the gradients, so whether any holds an inf/nan is
+  // decided by any(found_here) over the ranks, and every rank skips or takes
+  // the step and moves S alike.
+  void set_found_inf_across(std::function<bool(bool)> any) { any_rank_ = std::move(any); }
 
   double scale() const { return scaler_.scale(); }
   int64_t skipped_steps() const { return scaler_.skipped_steps(); }
@@ -65,6 +70,7 @@ class Precision {
   DType autocast_dtype_ = DType::f32;
   bool scales_loss_ = false;
   optim::LossScaler scaler_;
+  std::function<bool(bool)> any_rank_;
 };
 
 }  // namespace trainer

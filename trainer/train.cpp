@@ -314,6 +314,9 @@ int train_command(const TrainArgs& args) {
   DistributedRun run(dist, s, r.training.trace || args.trace);
   if (!args.init_from.empty()) s.init_from(args.init_from, args.init_strict);
   Precision precision(r, s.shards_optimizer());
+  // Split models: each rank checks its part of the gradients for overflow.
+  if (run.splits_model())
+    precision.set_found_inf_across([&run](bool f) { return run.any_rank(f); });
   TrainState state;
   if (std::optional<std::string> dir = resume_dir(args.resume, r)) {
     state = s.load(*dir);
