@@ -12,12 +12,28 @@
 //                .attrs = {.stride = {2, 2}, .padding = {3, 3}}, .bias = false}, gen);
 //   BatchNorm2d bn(64);
 //   Tensor y = conv_bn(conv, bn, x, /*relu=*/true);
+//
+// Tensor parallelism (layers/tensor_parallel.h) splits a conv by channels,
+// as Linear is split by features (layers/linear.h): over output channels
+// (column: each rank holds O/n filters and produces that shard of the
+// channels) or over input channels (row: it reads that shard of the
+// channels and the partial sums are added over the group). A batch norm
+// after a column-split conv keeps the same shard of its channels:
+//
+//   conv1.shard(g, ConvSplit::output_channels);   // [N, I, H, W] -> [N, O/n, H, W]
+//   bn1.shard(*g);                                 // its channels' gamma, beta, statistics
+//   conv2.shard(g, ConvSplit::input_channels);    // [N, O/n, H, W] -> [N, O2, H, W], summed
+//
+// In memory a channels-last activation is an NHWC buffer, so its channels
+// are the last memory dim: the collectives run on that [N, H, W, C] view.
 #pragma once
 
 #include <functional>
+#include <memory>
 
 #include "core/ops_conv.h"
 #include "layers/module.h"
+#include "layers/tensor_parallel.h"
 
 namespace trainer {
 
@@ -35,6 +51,16 @@ struct Conv2dOptions {
   ConvInit init = ConvInit::torch_default;
 };
 
+// How a Conv2d is split over a tensor-parallel group. output_channels
+// (Linear's column): this rank holds O/n filters (dim 0 of weight, and of
+// bias) and its output is that shard of the channels; its input enters the
+// region (copy_to_region: the input's gradient is summed over the group).
+// input_channels (Linear's row): it holds I/n input channels of every
+// filter (dim 1 of weight) and reads that shard of its input's channels;
+// the partial sums are added over the group (reduce_from_region), then the
+// whole bias.
+enum class ConvSplit { none, output_channels, input_channels };
+
 // y = conv2d(x, weight) + bias. Weight initialised as options.init says,
 // bias (either way) uniform(+-1/sqrt(fan_in)) as nn.Conv2d.
 class Conv2d : public Module {
@@ -43,10 +69,21 @@ class Conv2d : public Module {
   Tensor forward(const Tensor& x) override;
   const Conv2dOptions& options() const { return options_; }
 
+  // Keeps this rank's part of weight and bias (split over g as `split`
+  // says); options() keeps describing the whole layer. Needs groups = 1 and
+  // the split channels divisible by g's size.
+  void shard(std::shared_ptr<TensorParallelGroup> g, ConvSplit split);
+  ConvSplit split() const { return split_; }
+  // x as the convolution reads it: entered into the tensor-parallel region
+  // (copy_to_region) for an output-channel split, else x itself.
+  Tensor region_input(const Tensor& x) const;
+
   Tensor weight, bias;  // bias undefined without options.bias
 
  private:
   Conv2dOptions options_;
+  std::shared_ptr<TensorParallelGroup> group_;
+  ConvSplit split_ = ConvSplit::none;
 };
 
 struct BatchNormOptions {
@@ -84,6 +121,11 @@ class BatchNorm2d : public Module {
   // Replaces the batch-statistics normalisation (empty: batch_norm_train again).
   void set_batch_stats_norm(BatchStatsNorm norm) { batch_stats_norm_ = std::move(norm); }
   bool has_batch_stats_norm() const { return bool(batch_stats_norm_); }
+  // Keeps this rank's shard of the channels (after an output-channel split
+  // conv): gamma, beta, running_mean and running_var, recorded as split so
+  // checkpoints hold them whole. Batch statistics are per channel, so the
+  // shard normalises as the whole layer would, with no communication.
+  void shard(const TensorParallelGroup& g);
 
   // gamma and beta are constants 1 and 0 (not parameters) without affine.
   Tensor weight, bias;
@@ -103,7 +145,8 @@ class ReLU : public Module {
 // bn(conv(x)), then relu when asked. When bn uses running statistics the
 // three run as one convolution with bn folded into its weights and relu as a
 // post-op (conv2d_bn_eval); in training as a convolution and a batch norm
-// with relu fused into it.
+// with relu fused into it. A conv split over input channels is not folded:
+// its partial sums are added over the group before bn.
 Tensor conv_bn(Conv2d& conv, BatchNorm2d& bn, const Tensor& x, bool relu);
 
 }  // namespace trainer

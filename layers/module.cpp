@@ -41,6 +41,22 @@ Tensor Module::replace_parameter(const std::string& name, Tensor t,
   return t;
 }
 
+Tensor Module::replace_buffer(const std::string& name, Tensor t,
+                              std::optional<ParameterSplit> split) {
+  CHECK(t.defined()) << "buffer '" << name << "' is undefined";
+  CHECK(!split || split->kind == ParameterSplit::Kind::sharded)
+      << "buffer '" << name << "': only a sharded split applies to a buffer";
+  auto it = std::find_if(buffers_.begin(), buffers_.end(),
+                         [&](const NamedTensor& b) { return b.name == name; });
+  CHECK(it != buffers_.end()) << "no buffer '" << name << "' to replace";
+  it->tensor = t;
+  if (split)
+    splits_[name] = *split;
+  else
+    splits_.erase(name);
+  return t;
+}
+
 std::map<std::string, ParameterSplit> Module::parameter_splits() const {
   std::map<std::string, ParameterSplit> out;
   for (const auto& [name, split] : splits_) out.emplace(name, split);

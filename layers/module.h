@@ -33,12 +33,14 @@
 
 namespace trainer {
 
-// How tensor parallelism (layers/tensor_parallel.h) splits a parameter over a
-// group of `size` ranks. sharded: along dim, in `parts` equal pieces (c_attn's
-// q, k and v: 3) each cut into size slices; rank r holds slice r of every
-// piece, concatenated, and the checkpoint the whole tensor. partial_gradient:
-// every rank holds the whole tensor, but its gradient is this rank's share of
-// the sum (LayerNorm under sequence parallelism): the group adds them up.
+// How tensor parallelism (layers/tensor_parallel.h) splits a parameter (or a
+// buffer: a channel-split batch norm's running statistics) over a group of
+// `size` ranks. sharded: along dim, in `parts` equal pieces (c_attn's q, k
+// and v: 3) each cut into size slices; rank r holds slice r of every piece,
+// concatenated, and the checkpoint the whole tensor. partial_gradient
+// (parameters only): every rank holds the whole tensor, but its gradient is
+// this rank's share of the sum (LayerNorm under sequence parallelism): the
+// group adds them up.
 struct ParameterSplit {
   enum class Kind { sharded, partial_gradient } kind = Kind::sharded;
   int dim = 0;
@@ -81,8 +83,10 @@ class Module {
   // Drops every parameter's gradient.
   void zero_grad();
 
-  // The parameters tensor parallelism split (by global name; the others are
-  // replicated: the same values and gradients on every rank of the group).
+  // The parameters and buffers tensor parallelism split (by global name; the
+  // others are replicated: the same values and gradients on every rank of
+  // the group). Buffers are listed too so that checkpoints gather them whole
+  // (parallel::gather_whole); code after gradients looks parameters up in it.
   std::map<std::string, ParameterSplit> parameter_splits() const;
 
   // Calls fn on this module and every submodule, parents first (torch's apply).
@@ -106,6 +110,9 @@ class Module {
   // parallelism); returns t. The layer updates its own member.
   Tensor replace_parameter(const std::string& name, Tensor t,
                            std::optional<ParameterSplit> split = std::nullopt);
+  // The same for buffer `name` (kept untrained); split must be sharded.
+  Tensor replace_buffer(const std::string& name, Tensor t,
+                        std::optional<ParameterSplit> split = std::nullopt);
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
     add_child(name, m);
@@ -118,7 +125,7 @@ class Module {
                std::vector<NamedTensor>& out) const;
 
   std::vector<NamedTensor> params_, buffers_;
-  std::map<std::string, ParameterSplit> splits_;  // own parameters
+  std::map<std::string, ParameterSplit> splits_;  // own parameters and buffers
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
 };

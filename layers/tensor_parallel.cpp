@@ -353,6 +353,13 @@ Tensor vocab_parallel_lookup(const Tensor& weight, const Tensor& indices, int64_
   return embedding(weight, local.to(weight.device())) * mask.to(weight.device()).unsqueeze(-1);
 }
 
+std::string divisors_of(int64_t n) {
+  std::string out;
+  for (int64_t d = 1; d <= n; ++d)
+    if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+  return out;
+}
+
 Shape full_shape(const Shape& shard, const ParameterSplit& split) {
   Shape full = shard;
   if (split.kind == ParameterSplit::Kind::sharded) full[size_t(split.dim)] *= split.size;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "core/ops.h"
 #include "layers/module.h"
@@ -84,6 +85,9 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
 // outside the range give zeros, so the sum over the group (reduce_from_region
 // after it) is the whole lookup.
 Tensor vocab_parallel_lookup(const Tensor& weight, const Tensor& indices, int64_t vocab_start);
+
+// "1, 2, 4, 8": the group sizes that divide n, for errors about sizes that do not.
+std::string divisors_of(int64_t n);
 
 // ---- shards ----
 // Rank split.rank's part of the whole tensor `full` (a copy), or the whole

@@ -130,16 +130,10 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
 void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
   const int n = g->size();
   CHECK(!tp_) << "GPT::shard_tensor_parallel: already split";
-  auto divisors = [](int64_t v) {
-    std::string out;
-    for (int64_t d = 1; d <= v; ++d)
-      if (v % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
-    return out;
-  };
   if (options_.n_head % n != 0)
     throw Error(cat("model.n_head ", options_.n_head, " is not divisible by parallel.tp ", n,
                     ": attention is split by heads; use parallel.tp of ",
-                    divisors(options_.n_head)));
+                    divisors_of(options_.n_head)));
   if (options_.vocab_size % n != 0)
     throw Error(cat(
         "model.vocab_size ", options_.vocab_size, " is not divisible by parallel.tp ", n,

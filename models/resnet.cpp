@@ -1,5 +1,7 @@
 #include "models/resnet.h"
 
+#include <string>
+
 #include "core/check.h"
 
 namespace trainer {
@@ -47,6 +49,14 @@ Tensor BasicBlock::forward(const Tensor& x) {
   return residual_relu(out, x, downsample);
 }
 
+// One allreduce each way per block: conv2's partial sums forward, the
+// gradient of conv1's input (copy_to_region) backward.
+void BasicBlock::shard(const std::shared_ptr<TensorParallelGroup>& g) {
+  conv1->shard(g, ConvSplit::output_channels);
+  bn1->shard(*g);
+  conv2->shard(g, ConvSplit::input_channels);
+}
+
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen) {
   conv1 = register_module("conv1", conv(in_planes, planes, 1, 1, gen));
   bn1 = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
@@ -63,6 +73,21 @@ Tensor Bottleneck::forward(const Tensor& x) {
   out = conv_bn(*conv2, *bn2, out, /*relu=*/true);
   out = conv_bn(*conv3, *bn3, out, /*relu=*/false);
   return residual_relu(out, x, downsample);
+}
+
+// The pair conv1 (1x1) -> conv2 (3x3) is split, as a BasicBlock's pair: one
+// allreduce each way. Of the three convs' 4p^2, 9p^2 and 4p^2 weights (p
+// planes), the 3x3 must be split; splitting conv3 as well (over output channels) would
+// leave bn3's output a channel shard, and the residual sum needs it whole:
+// an allgather forward and an allreduce backward more per block. Keeping
+// conv3 rather than conv1 whole (conv2 over output channels, conv3 over
+// input channels, the other pair) is the cheaper of the two: conv3 runs
+// after conv2's stride, so at a quarter of conv1's positions in the first
+// block of layers 2 to 4, and the same elsewhere.
+void Bottleneck::shard(const std::shared_ptr<TensorParallelGroup>& g) {
+  conv1->shard(g, ConvSplit::output_channels);
+  bn1->shard(*g);
+  conv2->shard(g, ConvSplit::input_channels);
 }
 
 template <class Block>
@@ -141,6 +166,28 @@ ResNet::ResNet(const ResNetOptions& o) : options_(o) {
                      return TensorList{(*fc_)((*avgpool_)(in[0]).flatten(1))};
                    }});
   set_blocks(BlockList({"x"}, {"logits"}, std::move(specs)));
+}
+
+void ResNet::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
+  CHECK(!tp_) << "ResNet::shard_tensor_parallel: already split";
+  const int n = g->size();
+  if (g->sequence_parallel())
+    throw Error(
+        "parallel.sequence_parallel splits a Transformer's sequence; a ResNet has none: set it "
+        "to false");
+  if (options_.width % n != 0)
+    throw Error(cat("the ResNet's width ", options_.width,
+                    " (the channels of its stem and layer1; the later layers double it) is not "
+                    "divisible by parallel.tp ",
+                    n, ": its blocks are split by channels; use parallel.tp of ",
+                    divisors_of(options_.width)));
+  if (n == 1) return;
+  for (const std::shared_ptr<Sequential>& layer : layers_)
+    for (const auto& [index, block] : layer->children()) {
+      if (auto* basic = dynamic_cast<BasicBlock*>(block.get())) basic->shard(g);
+      if (auto* bottleneck = dynamic_cast<Bottleneck*>(block.get())) bottleneck->shard(g);
+    }
+  tp_ = std::move(g);
 }
 
 std::shared_ptr<ResNet> resnet(const ResNetOptions& options) {

@@ -23,6 +23,17 @@
 // Blocks (layers/block_list.h), each x -> x but the last: "stem" (conv1, bn1,
 // relu, max-pool), one per residual block ("layer1.0" ... "layer4.<n-1>"),
 // "head" (average pool, flatten, fc: x -> logits).
+//
+// Tensor parallelism (shard_tensor_parallel) is the classic model-parallel
+// split of a CNN by channels, inside each residual block only: the block's
+// first conv over output channels, its batch norm on that shard, the next
+// conv over input channels, whose partial sums one allreduce adds up (and
+// one allreduce of the block input's gradient backward). Everything
+// between blocks is whole on every rank: the stem, the downsample
+// branches, the closing batch norm and the residual sum, and fc (the
+// logits are whole, so the loss is the plain cross-entropy; fc holds 4% of
+// ResNet-18's weights at 1000 classes, and a split would need the class
+// count to divide).
 #pragma once
 
 #include <memory>
@@ -52,6 +63,9 @@ class BasicBlock : public Module {
   static constexpr int64_t kExpansion = 1;
   BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen);
   Tensor forward(const Tensor& x) override;
+  // conv1 over output channels, bn1 on its shard, conv2 over input
+  // channels (summed over g); bn2 and downsample whole.
+  void shard(const std::shared_ptr<TensorParallelGroup>& g);
 
   std::shared_ptr<Conv2d> conv1, conv2;
   std::shared_ptr<BatchNorm2d> bn1, bn2;
@@ -65,6 +79,10 @@ class Bottleneck : public Module {
   static constexpr int64_t kExpansion = 4;
   Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, Generator& gen);
   Tensor forward(const Tensor& x) override;
+  // conv1 over output channels, bn1 on its shard, conv2 over input
+  // channels (summed over g); conv3, bn2, bn3 and downsample whole (why:
+  // resnet.cpp).
+  void shard(const std::shared_ptr<TensorParallelGroup>& g);
 
   std::shared_ptr<Conv2d> conv1, conv2, conv3;
   std::shared_ptr<BatchNorm2d> bn1, bn2, bn3;
@@ -76,6 +94,10 @@ class ResNet : public Model {
  public:
   explicit ResNet(const ResNetOptions& options);
   const ResNetOptions& options() const { return options_; }
+  // Splits every residual block over g (BasicBlock::shard,
+  // Bottleneck::shard). Needs width divisible by g's size: every split
+  // channel count is a multiple of it.
+  void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) override;
 
  private:
   template <class Block>
@@ -88,6 +110,7 @@ class ResNet : public Model {
   std::shared_ptr<Sequential> layers_[4];
   std::shared_ptr<AdaptiveAvgPool2d> avgpool_;
   std::shared_ptr<Linear> fc_;
+  std::shared_ptr<TensorParallelGroup> tp_;
 };
 
 std::shared_ptr<ResNet> resnet(const ResNetOptions& options);

@@ -77,11 +77,14 @@ const ParameterSplit* split_of(const std::map<std::string, ParameterSplit>& spli
 
 // Checkpoints hold one logical model: the whole tensors of named (this
 // rank's parts under global names, in the same order on every rank of g),
-// gathered over g where model split them. Collective over g.
+// gathered over g where model split them (parameters, their optimizer
+// slots, and buffers: Module::parameter_splits lists split buffers too).
+// Collective over g.
 std::vector<NamedTensor> gather_whole(const std::vector<NamedTensor>& named, const Module& model,
                                       TensorParallelGroup& g);
 // The reverse, when loading: every whole tensor in tensors of a parameter
-// model split (or of its optimizer slots) is replaced by this rank's part.
+// or buffer model split (or of a parameter's optimizer slots) is replaced
+// by this rank's part.
 // A tensor of another shape is left alone (the loader reports it).
 void take_shards(std::map<std::string, Tensor>& tensors, const Module& model);
 

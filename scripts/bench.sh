@@ -5,7 +5,7 @@
 # against the peer measured in the same run) and, with matplotlib, the
 # allreduce and data-parallel figures.
 #
-#   scripts/bench.sh                    # all: train dp allreduce matmul loader
+#   scripts/bench.sh                    # all: train dp allreduce matmul loader pipeline tp
 #   scripts/bench.sh train dp           # the named ones
 #   scripts/bench.sh --quick            # smallest sizes: checks that all run, figures not meaningful
 #   scripts/bench.sh --out DIR ...      # default bench/results/<UTC date>-<commit>
@@ -14,12 +14,13 @@
 #   PyTorch, torchvision, matplotlib:  pip install -r bench/requirements.txt
 #   OpenMPI (allreduce):               apt-get install openmpi-bin libopenmpi-dev, then scripts/setup.sh
 # Without them the figures of ours are still measured and the peer columns read "-".
-# The full suite takes about 30 minutes on 2 cores; two ranks on a 2-core
-# machine need both cores free, so run it on an otherwise idle machine.
+# train dp allreduce matmul loader take about 30 minutes on 2 cores, pipeline
+# and tp (two ranks each, with PyTorch's runs) add to that; two ranks on a
+# 2-core machine need both cores free, so run it on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-ALL=(train dp allreduce matmul loader)
+ALL=(train dp allreduce matmul loader pipeline tp)
 
 quick=0
 out=""
@@ -28,16 +29,26 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
     --out) out=$2; shift ;;
-    -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    train | dp | allreduce | matmul | loader) names+=("$1") ;;
+    -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    train | dp | allreduce | matmul | loader | pipeline | tp) names+=("$1") ;;
     *) echo "bench.sh: unknown argument '$1' (benchmarks: ${ALL[*]}; options: --quick, --out DIR)" >&2; exit 2 ;;
   esac
   shift
 done
 [ ${#names[@]} -gt 0 ] || names=("${ALL[@]}")
 
-for b in bench_train bench_dp bench_allreduce bench_matmul bench_loader trainer; do
-  [ -x "$BUILD_DIR/$b" ] || { echo "bench.sh: $BUILD_DIR/$b not built: run scripts/setup.sh first" >&2; exit 1; }
+# The binaries each benchmark runs: allreduce and pipeline start their ranks
+# with the trainer's launcher.
+binaries_of() {
+  case "$1" in
+    allreduce | pipeline) echo "bench_$1 trainer" ;;
+    *) echo "bench_$1" ;;
+  esac
+}
+for name in "${names[@]}"; do
+  for b in $(binaries_of "$name"); do
+    [ -x "$BUILD_DIR/$b" ] || { echo "bench.sh: $BUILD_DIR/$b not built: run scripts/setup.sh first" >&2; exit 1; }
+  done
 done
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -89,6 +100,10 @@ commands_of() {
     matmul:1) echo "$b/bench_matmul --quick" ;;
     loader:0) echo "$b/bench_loader" ;;
     loader:1) echo "$b/bench_loader --images 16 --epochs 1" ;;
+    pipeline:0) echo "$b/bench_pipeline" ;;
+    pipeline:1) echo "$b/bench_pipeline --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 --schedule 1f1b" ;;
+    tp:0) echo "$b/bench_tp" ;;
+    tp:1) echo "$b/bench_tp --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 --warmup 1" ;;
   esac
 }
 

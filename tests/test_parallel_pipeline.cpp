@@ -13,13 +13,12 @@
 #include "core/ops.h"
 #include "layers/linear.h"
 #include "parallel/pipeline.h"
-#include "tests/process.h"  // last: it brings Catch's CHECK
-#include "trainer/checkpoint.h"
+#include "tests/runs.h"  // last: it brings Catch's CHECK
 
 namespace fs = std::filesystem;
 using namespace trainer;
 using namespace trainer::parallel;
-using trainer::testing::run_process;
+using namespace trainer::testing;
 
 namespace {
 
@@ -55,49 +54,6 @@ std::vector<std::string> trainer_args(const std::string& recipe, const std::stri
   return a;
 }
 
-testing::ProcessResult run_single(const std::vector<std::string>& args) {
-  std::vector<std::string> argv{TRAINER_BINARY};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_process(argv, {.timeout_s = 300});
-}
-
-testing::ProcessResult run_launched(int nproc, const std::vector<std::string>& args,
-                                    const testing::ProcessOptions& options = {.timeout_s = 300}) {
-  std::vector<std::string> argv{TRAINER_BINARY, "launch", "--nproc-per-node", std::to_string(nproc),
-                                "--"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_process(argv, options);
-}
-
-std::map<std::string, Tensor> model_at(const std::string& run, int64_t step) {
-  return read_model(run + "/checkpoints/" + CheckpointDir::step_name(step));
-}
-
-// Every tensor of a equal to b's: bitwise, or within tolerance (relative to
-// the tensor's largest magnitude, or absolute below 1).
-void check_models(const std::map<std::string, Tensor>& a, const std::map<std::string, Tensor>& b,
-                  double tolerance = 0) {
-  REQUIRE(a.size() == b.size());
-  for (const auto& [name, t] : a) {
-    INFO(name);
-    REQUIRE(b.count(name) == 1);
-    const Tensor& u = b.at(name);
-    REQUIRE(t.shape() == u.shape());
-    if (t.dtype() != DType::f32) continue;
-    std::vector<float> x = t.to_vector<float>(), y = u.to_vector<float>();
-    if (tolerance == 0) {
-      CHECK(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
-      continue;
-    }
-    double worst = 0, scale = 1e-12;
-    for (size_t i = 0; i < x.size(); ++i) {
-      worst = std::max(worst, double(std::fabs(x[i] - y[i])));
-      scale = std::max(scale, double(std::fabs(x[i])));
-    }
-    CHECK(worst <= tolerance * std::max(scale, 1.0));
-  }
-}
-
 // pp = P with M micro-batches against pp = 1 with grad_accum = M; returns
 // the pipeline run's output.
 std::string check_pipeline_matches(const std::string& recipe, std::vector<std::string> common,
@@ -111,10 +67,10 @@ std::string check_pipeline_matches(const std::string& recipe, std::vector<std::s
                {cat("parallel.pp=", pp), cat("parallel.micro_batches=", micro_batches),
                 "parallel.schedule=" + schedule, cat("parallel.virtual_stages=", chunks)});
   const std::string a = run_dir(tag + "_ref"), b = run_dir(tag);
-  testing::ProcessResult ra = run_single(trainer_args(recipe, a, one));
+  testing::ProcessResult ra = run_ranks(1, trainer_args(recipe, a, one));
   INFO(ra.output);
   REQUIRE(ra.code == 0);
-  testing::ProcessResult rb = run_launched(pp, trainer_args(recipe, b, piped));
+  testing::ProcessResult rb = run_ranks(pp, trainer_args(recipe, b, piped));
   INFO(rb.output);
   REQUIRE(rb.code == 0);
   CHECK(rb.output.find(cat("pp=", pp)) != std::string::npos);
@@ -234,16 +190,16 @@ TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads int
   one.insert(one.end(), {"training.grad_accum=2", "training.steps=6"});
   const std::string a = run_dir("resume_ref"), b = run_dir("resume");
   // Uninterrupted, pp = 2.
-  testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_mlp.yaml", a, piped));
+  testing::ProcessResult ra = run_ranks(2, trainer_args("fmnist_mlp.yaml", a, piped));
   INFO(ra.output);
   REQUIRE(ra.code == 0);
   // Stopped after step 2's checkpoint and resumed under pp = 2: the same bits.
-  testing::ProcessResult rb1 = run_launched(2, trainer_args("fmnist_mlp.yaml", b, piped),
-                                            {.stop_after = "step 3/6", .timeout_s = 300});
+  testing::ProcessResult rb1 = run_ranks(2, trainer_args("fmnist_mlp.yaml", b, piped),
+                                         {.stop_after = "step 3/6", .timeout_s = 300});
   INFO(rb1.output);
   std::vector<std::string> resumed = trainer_args("fmnist_mlp.yaml", b, piped);
   resumed.push_back("--resume=auto");
-  testing::ProcessResult rb2 = run_launched(2, resumed);
+  testing::ProcessResult rb2 = run_ranks(2, resumed);
   INFO(rb2.output);
   REQUIRE(rb2.code == 0);
   CHECK(rb2.output.find("resumed from") != std::string::npos);
@@ -255,7 +211,7 @@ TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads int
            c + "/checkpoints/" + CheckpointDir::step_name(2), fs::copy_options::recursive);
   std::vector<std::string> cont = trainer_args("fmnist_mlp.yaml", c, one);
   cont.push_back("--resume=auto");
-  testing::ProcessResult rc = run_single(cont);
+  testing::ProcessResult rc = run_ranks(1, cont);
   INFO(rc.output);
   REQUIRE(rc.code == 0);
   check_models(model_at(a, 6), model_at(c, 6));
@@ -288,10 +244,10 @@ TEST_CASE("pipeline: dp 2 x pp 2 trains as dp 2 with gradient accumulation", "[p
   dp.push_back("training.grad_accum=2");
   dppp.insert(dppp.end(), {"parallel.pp=2", "parallel.dp=2", "parallel.micro_batches=2"});
   const std::string a = run_dir("dp_ref"), b = run_dir("dp_pp");
-  testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_mlp.yaml", a, dp));
+  testing::ProcessResult ra = run_ranks(2, trainer_args("fmnist_mlp.yaml", a, dp));
   INFO(ra.output);
   REQUIRE(ra.code == 0);
-  testing::ProcessResult rb = run_launched(4, trainer_args("fmnist_mlp.yaml", b, dppp));
+  testing::ProcessResult rb = run_ranks(4, trainer_args("fmnist_mlp.yaml", b, dppp));
   INFO(rb.output);
   REQUIRE(rb.code == 0);
   CHECK(rb.output.find("dp=2, pp=2") != std::string::npos);
@@ -299,22 +255,22 @@ TEST_CASE("pipeline: dp 2 x pp 2 trains as dp 2 with gradient accumulation", "[p
 }
 
 TEST_CASE("pipeline: --dry-run prints each stage, bad splits and keys are errors", "[parallel]") {
-  testing::ProcessResult r = run_single(trainer_args(
-      "fmnist_cnn.yaml", run_dir("dry"),
-      {"parallel.pp=2", "parallel.micro_batches=2", "parallel.stages=auto", "--dry-run"}));
+  testing::ProcessResult r = run_ranks(1, trainer_args("fmnist_cnn.yaml", run_dir("dry"),
+                                                       {"parallel.pp=2", "parallel.micro_batches=2",
+                                                        "parallel.stages=auto", "--dry-run"}));
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK(r.output.find("stage 0: conv1") != std::string::npos);
   CHECK(r.output.find("stage 1:") != std::string::npos);
   CHECK(r.output.find("predicted") != std::string::npos);
   testing::ProcessResult bad =
-      run_single(trainer_args("fmnist_cnn.yaml", run_dir("dry_bad"),
-                              {"parallel.pp=2", "parallel.stages=[9]", "--dry-run"}));
+      run_ranks(1, trainer_args("fmnist_cnn.yaml", run_dir("dry_bad"),
+                                {"parallel.pp=2", "parallel.stages=[9]", "--dry-run"}));
   CHECK(bad.code == 1);
   CHECK(bad.output.find("parallel.stages: boundary 9") != std::string::npos);
   testing::ProcessResult accum =
-      run_single(trainer_args("fmnist_cnn.yaml", run_dir("dry_accum"),
-                              {"parallel.pp=2", "training.grad_accum=2", "--dry-run"}));
+      run_ranks(1, trainer_args("fmnist_cnn.yaml", run_dir("dry_accum"),
+                                {"parallel.pp=2", "training.grad_accum=2", "--dry-run"}));
   CHECK(accum.code == 1);
   CHECK(accum.output.find("parallel.micro_batches=2") != std::string::npos);
 }
@@ -349,10 +305,10 @@ TEST_CASE(
       dppp.insert(dppp.end(), {"parallel.pp=2", "parallel.dp=2", "parallel.micro_batches=2"});
       const std::string tag = std::string(extra).substr(10, 4);
       const std::string a = run_dir("dp_ref_" + tag), b = run_dir("dp_pp_" + tag);
-      testing::ProcessResult ra = run_launched(2, trainer_args("fmnist_cnn.yaml", a, dp));
+      testing::ProcessResult ra = run_ranks(2, trainer_args("fmnist_cnn.yaml", a, dp));
       INFO(ra.output);
       REQUIRE(ra.code == 0);
-      testing::ProcessResult rb = run_launched(4, trainer_args("fmnist_cnn.yaml", b, dppp));
+      testing::ProcessResult rb = run_ranks(4, trainer_args("fmnist_cnn.yaml", b, dppp));
       INFO(rb.output);
       REQUIRE(rb.code == 0);
       check_models(model_at(a, 3), model_at(b, 3), 1e-6);
@@ -363,7 +319,7 @@ TEST_CASE(
 TEST_CASE("pipeline: the trace shows every stage's actions, messages and gradient sync",
           "[parallel][mp]") {
   const std::string out = run_dir("trace");
-  testing::ProcessResult r = run_launched(
+  testing::ProcessResult r = run_ranks(
       2, trainer_args("fmnist_mlp.yaml", out,
                       {"parallel.pp=2", "parallel.micro_batches=2", "parallel.schedule=zbh1",
                        "training.steps=2", "training.global_batch=32", "--trace"}));

@@ -9,19 +9,13 @@
 // products over the ranks, so the additions happen in another order than
 // one process's GEMM. The losses of a step agree to ~1e-6 relative; over 50
 // SGD steps the weights drift apart by a few float ulps per step.
-#include <cmath>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <map>
-#include <nlohmann/json.hpp>
 
-#include "tests/process.h"  // last: it brings Catch's CHECK
-#include "trainer/checkpoint.h"
+#include "tests/runs.h"  // last: it brings Catch's CHECK
 
 namespace fs = std::filesystem;
 using namespace trainer;
-using trainer::testing::run_process;
+using namespace trainer::testing;
 
 namespace {
 
@@ -52,76 +46,6 @@ std::vector<std::string> gpt_args(const std::string& out, std::vector<std::strin
                              "schedule.warmup_steps=0"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
-}
-
-testing::ProcessResult run_ranks(int nproc, const std::vector<std::string>& args,
-                                 const testing::ProcessOptions& options = {.timeout_s = 300}) {
-  std::vector<std::string> argv{TRAINER_BINARY};
-  if (nproc > 1) {
-    for (const char* a : {"launch", "--nproc-per-node"}) argv.push_back(a);
-    argv.push_back(std::to_string(nproc));
-    argv.push_back("--");
-  }
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_process(argv, options);
-}
-
-// The run's training losses and gradient norms by step, from metrics.jsonl.
-struct StepLog {
-  std::map<int64_t, double> loss, grad_norm;
-};
-StepLog step_log(const std::string& run) {
-  StepLog log;
-  std::ifstream in(run + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.value("split", "") != "train") continue;
-    log.loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
-    if (j.contains("grad_norm")) log.grad_norm[j["step"].get<int64_t>()] = j["grad_norm"];
-  }
-  return log;
-}
-
-void check_close(const std::map<int64_t, double>& a, const std::map<int64_t, double>& b,
-                 double relative, const char* what) {
-  REQUIRE(!a.empty());
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (const auto& [step, v] : a) {
-    REQUIRE(b.count(step) == 1);
-    worst = std::max(worst, std::fabs(v - b.at(step)) / std::max(std::fabs(v), 1e-12));
-  }
-  INFO(what << ": worst relative difference " << worst);
-  CHECK(worst <= relative);
-}
-
-std::map<std::string, Tensor> model_at(const std::string& run, int64_t step) {
-  return read_model(run + "/checkpoints/" + CheckpointDir::step_name(step));
-}
-
-// Every tensor of a equal to b's: bitwise (tolerance 0), or within
-// tolerance of the tensor's largest magnitude (at least 1).
-void check_models(const std::map<std::string, Tensor>& a, const std::map<std::string, Tensor>& b,
-                  double tolerance) {
-  REQUIRE(a.size() == b.size());
-  for (const auto& [name, t] : a) {
-    INFO(name);
-    REQUIRE(b.count(name) == 1);
-    const Tensor& u = b.at(name);
-    REQUIRE(t.shape() == u.shape());
-    if (t.dtype() != DType::f32) continue;
-    std::vector<float> x = t.to_vector<float>(), y = u.to_vector<float>();
-    if (tolerance == 0) {
-      CHECK(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
-      continue;
-    }
-    double worst = 0, scale = 1;
-    for (size_t i = 0; i < x.size(); ++i) {
-      worst = std::max(worst, double(std::fabs(x[i] - y[i])));
-      scale = std::max(scale, double(std::fabs(x[i])));
-    }
-    CHECK(worst <= tolerance * scale);
-  }
 }
 
 }  // namespace
