@@ -202,26 +202,10 @@ bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined
     pid_t pid = fork();
     if (pid == 0) {
       close(fd[0]);
-      if (const std::vector<int> cores = allowed_cores(); s.bind && !cores.empty()) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(cores[size_t(r) % cores.size()], &set);
-        sched_setaffinity(0, sizeof set, &set);
-      }
+      if (s.bind) bind_to_core(r);
       set_num_threads(1);
       std::shared_ptr<comm::Communicator> world;
-      if (joined && processes > 1) {
-        comm::Bootstrap boot;
-        boot.launcher = comm::Launcher::torchrun;
-        boot.rank = r;
-        boot.world_size = processes;
-        boot.local_rank = r;
-        boot.local_world_size = processes;
-        boot.master_port = port;
-        boot.job_token = "bench_dp";
-        boot.log_level = comm::LogLevel::warn;
-        world = comm::init_world(boot);
-      }
+      if (joined && processes > 1) world = join_bench_world(r, processes, port, "bench_dp");
       const std::pair<int, RankResult> res{r, run_rank(c, s, world)};
       if (write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
       _exit(0);

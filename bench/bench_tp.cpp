@@ -206,27 +206,10 @@ bool run_layout(const std::string& model, Layout layout, const Settings& s, Rank
     pid_t pid = fork();
     if (pid == 0) {
       close(fd[0]);
-      if (const std::vector<int> cores = allowed_cores();
-          s.bind && processes > 1 && !cores.empty()) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(cores[size_t(r) % cores.size()], &set);
-        sched_setaffinity(0, sizeof set, &set);
-      }
+      if (s.bind && processes > 1) bind_to_core(r);
       set_num_threads(processes == 1 ? 2 : 1);
       std::shared_ptr<comm::Communicator> world;
-      if (processes > 1) {
-        comm::Bootstrap boot;
-        boot.launcher = comm::Launcher::torchrun;
-        boot.rank = r;
-        boot.world_size = processes;
-        boot.local_rank = r;
-        boot.local_world_size = processes;
-        boot.master_port = port;
-        boot.job_token = "bench_tp";
-        boot.log_level = comm::LogLevel::warn;
-        world = comm::init_world(boot);
-      }
+      if (processes > 1) world = join_bench_world(r, processes, port, "bench_tp");
       const RankResult res = run_rank(model, layout, s, world);
       if (r == 0 && write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
       _exit(0);

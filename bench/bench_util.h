@@ -4,12 +4,17 @@
 // executable.
 #pragma once
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <vector>
 
+#include "comm/bootstrap.h"
+#include "comm/communicator.h"
+#include "core/cpu/threads.h"
 #include "models/registry.h"
 #include "optim/optimizer.h"
 
@@ -35,6 +40,33 @@ inline const optim::SGDOptions kBenchSgd{0.01, 0.9, 0, false, 1e-4};
 // kBenchSgd over every parameter of model.
 inline optim::SGD make_sgd(const Module& model) {
   return optim::SGD({optim::ParamGroup{model.named_parameters()}}, kBenchSgd);
+}
+
+// In a benchmark's forked child: runs this process on the r-th core it may use.
+inline void bind_to_core(int r) {
+  const std::vector<int> cores = allowed_cores();
+  if (cores.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cores[size_t(r) % cores.size()], &set);
+  sched_setaffinity(0, sizeof set, &set);
+}
+
+// Joins forked child r to its siblings as rank r of a world of `size`, over
+// a store on port of this host (torchrun-style, as `trainer launch` would
+// start them); the job token names the benchmark.
+inline std::shared_ptr<comm::Communicator> join_bench_world(int r, int size, int port,
+                                                            const char* token) {
+  comm::Bootstrap boot;
+  boot.launcher = comm::Launcher::torchrun;
+  boot.rank = r;
+  boot.world_size = size;
+  boot.local_rank = r;
+  boot.local_world_size = size;
+  boot.master_port = port;
+  boot.job_token = token;
+  boot.log_level = comm::LogLevel::warn;
+  return comm::init_world(boot);
 }
 
 inline double median(std::vector<double> v) {

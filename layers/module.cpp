@@ -26,13 +26,13 @@ Tensor Module::register_parameter(const std::string& name, Tensor t) {
   return t;
 }
 
-Tensor Module::replace_parameter(const std::string& name, Tensor t,
-                                 std::optional<ParameterSplit> split) {
-  CHECK(t.defined()) << "parameter '" << name << "' is undefined";
-  auto it = std::find_if(params_.begin(), params_.end(),
-                         [&](const NamedTensor& p) { return p.name == name; });
-  CHECK(it != params_.end()) << "no parameter '" << name << "' to replace";
-  t.requires_grad_();
+Tensor Module::replace_member(std::vector<NamedTensor>& members, const char* kind,
+                              const std::string& name, Tensor t,
+                              const std::optional<ParameterSplit>& split) {
+  CHECK(t.defined()) << kind << " '" << name << "' is undefined";
+  auto it = std::find_if(members.begin(), members.end(),
+                         [&](const NamedTensor& m) { return m.name == name; });
+  CHECK(it != members.end()) << "no " << kind << " '" << name << "' to replace";
   it->tensor = t;
   if (split)
     splits_[name] = *split;
@@ -41,20 +41,17 @@ Tensor Module::replace_parameter(const std::string& name, Tensor t,
   return t;
 }
 
+Tensor Module::replace_parameter(const std::string& name, Tensor t,
+                                 std::optional<ParameterSplit> split) {
+  if (t.defined()) t.requires_grad_();
+  return replace_member(params_, "parameter", name, std::move(t), split);
+}
+
 Tensor Module::replace_buffer(const std::string& name, Tensor t,
                               std::optional<ParameterSplit> split) {
-  CHECK(t.defined()) << "buffer '" << name << "' is undefined";
   CHECK(!split || split->kind == ParameterSplit::Kind::sharded)
       << "buffer '" << name << "': only a sharded split applies to a buffer";
-  auto it = std::find_if(buffers_.begin(), buffers_.end(),
-                         [&](const NamedTensor& b) { return b.name == name; });
-  CHECK(it != buffers_.end()) << "no buffer '" << name << "' to replace";
-  it->tensor = t;
-  if (split)
-    splits_[name] = *split;
-  else
-    splits_.erase(name);
-  return t;
+  return replace_member(buffers_, "buffer", name, std::move(t), split);
 }
 
 std::map<std::string, ParameterSplit> Module::parameter_splits() const {

@@ -121,6 +121,10 @@ class Module {
 
  private:
   void add_child(const std::string& name, std::shared_ptr<Module> m);
+  // replace_parameter and replace_buffer over their list of members.
+  Tensor replace_member(std::vector<NamedTensor>& members, const char* kind,
+                        const std::string& name, Tensor t,
+                        const std::optional<ParameterSplit>& split);
   void collect(const std::string& prefix, bool params, bool buffers,
                std::vector<NamedTensor>& out) const;
 

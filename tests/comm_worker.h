@@ -12,14 +12,15 @@
 
 #include "comm/communicator.h"
 #include "comm/reduce.h"
+#include "tests/worker_checks.h"
 
 namespace trainer::comm_test {
 
 using comm::ReduceOp;
 
-inline int g_rank = 0;
-inline int g_checks = 0;
-inline int g_failures = 0;
+using testing::g_checks;
+using testing::g_failures;
+using testing::g_rank;
 
 // Rank r's element i: (r + 1) + i % 7, exact in every dtype for the sizes used.
 inline double input_value(int rank, size_t i) { return double(rank + 1) + double(i % 7); }

@@ -45,23 +45,13 @@
 #include "parallel/ddp.h"
 #include "parallel/device_staging.h"
 #include "parallel/mesh.h"
+#include "tests/worker_checks.h"
 
 using namespace trainer;
+using namespace trainer::testing;
 using namespace trainer::parallel;
 
 namespace {
-
-int g_rank = 0;
-int g_checks = 0;
-int g_failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++g_checks;
-  if (!ok) {
-    std::printf("rank %d: %s\n", g_rank, what.c_str());
-    ++g_failures;
-  }
-}
 
 constexpr int64_t kIn = 20, kClasses = 5, kBatch = 3;
 
@@ -283,8 +273,7 @@ int run_reducer(const std::shared_ptr<comm::Communicator>& world) {
   expect(readies == 3 * int(direct.buckets().size()),
          cat(readies, " ready calls for 3 steps of ", direct.buckets().size(), " buckets"));
   expect(n == 1 || calls->reduce > 0, "direct_reduce used the reducer");
-  std::printf("rank %d: %d checks, %d failed\n", rank, g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return testing::report_checks();
 }
 
 int run_kill(const std::shared_ptr<comm::Communicator>& world, int victim) {

@@ -43,23 +43,14 @@
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
 #include "parallel/schedule.h"
+#include "tests/worker_checks.h"
 #include "trainer/pipeline_runtime.h"
 
 using namespace trainer;
+using namespace trainer::testing;
 using namespace trainer::parallel;
 
 namespace {
-
-int g_rank = 0;
-int g_checks = 0;
-int g_failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++g_checks;
-  if (ok) return;
-  std::printf("rank %d: %s: failed\n", g_rank, what.c_str());
-  ++g_failures;
-}
 
 // actual and expected hold the same bits; the first differing element is reported.
 void expect_same_bits(const std::string& what, const Tensor& actual, const Tensor& expected) {
@@ -282,8 +273,7 @@ int run_equiv(comm::Communicator& world, const std::shared_ptr<comm::Communicato
     // The next schedule's messages reuse the tags: start it together.
     comm::barrier(world);
   }
-  std::printf("rank %d: %d checks, %d failed\n", g_rank, g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return report_checks();
 }
 
 // ---- failures ----

@@ -49,8 +49,10 @@
 #include "parallel/mesh.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/comparison.h"
+#include "tests/worker_checks.h"
 
 using namespace trainer;
+using namespace trainer::testing;
 
 namespace {
 
@@ -80,17 +82,6 @@ constexpr int64_t kBatch = 2;
 constexpr int64_t kSeq = 8;  // divides over groups of 2 and 4 (sequence parallelism)
 constexpr int64_t kEmbeddingDim = 8;
 constexpr int64_t kBlockDim = 16, kHeads = 4;  // heads divide over 2 and 4
-
-int g_rank = 0;
-int g_checks = 0;
-int g_failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++g_checks;
-  if (ok) return;
-  std::printf("rank %d: %s: failed\n", g_rank, what.c_str());
-  ++g_failures;
-}
 
 double max_abs(const Tensor& t) {
   double m = 0;
@@ -638,6 +629,5 @@ int main(int argc, char** argv) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());
     return 2;
   }
-  std::printf("rank %d: %d checks, %d failed\n", g_rank, g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return report_checks();
 }

@@ -30,15 +30,13 @@
 #include "optim/clip.h"
 #include "parallel/sync_batchnorm.h"
 #include "parallel/zero.h"
+#include "tests/worker_checks.h"
 
 using namespace trainer;
+using namespace trainer::testing;
 using namespace trainer::parallel;
 
 namespace {
-
-int g_rank = 0;
-int g_checks = 0;
-int g_failures = 0;
 
 // |actual - expected| <= atol + rtol |expected| elementwise; reports the first failure.
 void expect_close(const std::string& what, const Tensor& actual, const Tensor& expected,
@@ -60,12 +58,7 @@ void expect_close(const std::string& what, const Tensor& actual, const Tensor& e
     }
 }
 
-void expect_true(const std::string& what, bool ok) {
-  ++g_checks;
-  if (ok) return;
-  std::printf("rank %d: %s: failed\n", g_rank, what.c_str());
-  ++g_failures;
-}
+void expect_true(const std::string& what, bool ok) { expect(ok, what); }
 
 // fn must throw an Error whose message contains needle.
 void expect_error(const std::string& what, const std::function<void()>& fn,
@@ -528,6 +521,5 @@ int main(int argc, char** argv) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());
     return 4;
   }
-  std::printf("rank %d: %d checks, %d failed\n", g_rank, g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return report_checks();
 }
