@@ -6,7 +6,7 @@
 // split over 2 give the whole model's loss, every gradient, the running
 // statistics, the evaluation output, and whole tensors through gather_whole
 // and back through take_shards. In the trainer (`trainer launch`):
-// resnet18_small at tp = 2 against one process, with dp = 2 and
+// resnet18_small at tp = 2 and 4 against one process, with dp = 2 and
 // SyncBatchNorm, checkpoints that hold whole tensors and continue at tp 2
 // (bit for bit) and at tp 1, and the error for a width tp does not divide.
 //
@@ -264,26 +264,32 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("tensor parallel cnn: resnet18_small at tp 2 trains as one process", "[parallel][mp]") {
+TEST_CASE("tensor parallel cnn: resnet18_small at tp 2 and 4 trains as one process",
+          "[parallel][mp]") {
   const std::vector<std::string> common = {"training.steps=3", "training.checkpoint_every=3",
                                            "training.eval_every=3"};
-  const std::string ref = run_dir("ref"), run = run_dir("tp2");
+  const std::string ref = run_dir("ref");
   testing::ProcessResult r1 = run_ranks(1, resnet_args(ref, common));
   INFO(r1.output);
   REQUIRE(r1.code == 0);
-  std::vector<std::string> split = common;
-  split.push_back("parallel.tp=2");
-  testing::ProcessResult r2 = run_ranks(2, resnet_args(run, split));
-  INFO(r2.output);
-  REQUIRE(r2.code == 0);
-  CHECK(r2.output.find("dp=1, pp=1, tp=2") != std::string::npos);
-  const StepLog expected = step_log(ref), got = step_log(run);
-  check_close(expected.loss, got.loss, 1e-5, "loss");
-  // The clip sums the split parameters' norms over the ranks, the
-  // replicated ones once: a miscount is a factor, not 1e-3.
-  check_close(expected.grad_norm, got.grad_norm, 1e-3, "gradient norm");
-  check_close(expected.val_loss, got.val_loss, 1e-5, "evaluation loss");
-  check_models(model_at(ref, 3), model_at(run, 3), kWeightTolerance);
+  for (int tp : {2, 4}) {
+    DYNAMIC_SECTION("tp " << tp) {
+      const std::string run = run_dir(cat("tp", tp));
+      std::vector<std::string> split = common;
+      split.push_back(cat("parallel.tp=", tp));
+      testing::ProcessResult r2 = run_ranks(tp, resnet_args(run, split));
+      INFO(r2.output);
+      REQUIRE(r2.code == 0);
+      CHECK(r2.output.find(cat("dp=1, pp=1, tp=", tp)) != std::string::npos);
+      const StepLog expected = step_log(ref), got = step_log(run);
+      check_close(expected.loss, got.loss, 1e-5, "loss");
+      // The clip sums the split parameters' norms over the ranks, the
+      // replicated ones once: a miscount is a factor, not 1e-3.
+      check_close(expected.grad_norm, got.grad_norm, 1e-3, "gradient norm");
+      check_close(expected.val_loss, got.val_loss, 1e-5, "evaluation loss");
+      check_models(model_at(ref, 3), model_at(run, 3), kWeightTolerance);
+    }
+  }
 }
 
 TEST_CASE("tensor parallel cnn: dp 2 x tp 2 with SyncBatchNorm trains as dp 2", "[parallel][mp]") {
