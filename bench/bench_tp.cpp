@@ -163,6 +163,8 @@ RankResult run_rank(const std::string& model_name, Layout layout, const Settings
     targets = normal({mine, s.mlp_width}, 0, 1, gen);
   }
   auto* as_gpt = dynamic_cast<GPT*>(model.get());
+  const TensorList shares =
+      parallel::parameters_split_as(*model, ParameterSplit::Kind::partial_gradient);
   std::vector<double> times;
   for (int i = 0; i < s.warmup + s.steps; ++i) {
     if (i == s.warmup) {
@@ -180,7 +182,7 @@ RankResult run_rank(const std::string& model_name, Layout layout, const Settings
     }
     loss.backward();
     if (dp) dp->finish();
-    if (group && group->sequence_parallel()) parallel::sum_partial_gradients(*model, *group);
+    if (group && group->sequence_parallel()) parallel::sum_partial_gradients(shares, *group);
     opt->step();
     if (dp)
       dp->zero_grad();

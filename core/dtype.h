@@ -200,6 +200,14 @@ decltype(auto) dispatch_floating(DType t, const char* what, Fn&& fn) {
       dtype_unsupported(t, what);
   }
 }
+// As dispatch_floating, for the two dtypes kernels that accumulate in double
+// take (f32, f64); another is an Error naming `what`.
+template <class Fn>
+decltype(auto) dispatch_f32_f64(DType t, const char* what, Fn&& fn) {
+  if (t == DType::f64) return fn(TypeTag<double>{});
+  if (t != DType::f32) dtype_unsupported(t, what);
+  return fn(TypeTag<float>{});
+}
 // As dispatch_floating, for every dtype.
 template <class Fn>
 decltype(auto) dispatch_all(DType t, const char* what, Fn&& fn) {

@@ -17,19 +17,6 @@ void check_cpu(const Tensor& x, const char* what) {
                              << x.device();
 }
 
-template <class Fn>
-void dispatch_f32_f64(DType dtype, Fn&& fn) {
-  CHECK(dtype == DType::f32 || dtype == DType::f64)
-      << "vocab_parallel_cross_entropy takes f32 or f64 logits, got " << dtype;
-  if (dtype == DType::f64)
-    fn(TypeTag<double>{});
-  else
-    fn(TypeTag<float>{});
-}
-
-// A contiguous copy the collective may overwrite (never the caller's tensor).
-Tensor owned_copy(const Tensor& x) { return x.contiguous().clone(); }
-
 // [B, T, ...] blocks of the sequence: [n, B, T / n, ...] -> [B, T, ...].
 Tensor blocks_to_sequence(const Tensor& blocks, int n, const Shape& local) {
   std::vector<int> order(size_t(blocks.dim()));
@@ -71,99 +58,87 @@ Tensor reduce_scatter_seq(const Tensor& x, TensorParallelGroup& g) {
   return g.reduce_scatter(blocks.reshape(flat));  // [B, T / n, ...]
 }
 
-struct CopyToRegionFn {
+// x summed over the group, in a copy (never the caller's tensor).
+Tensor summed(const Tensor& x, TensorParallelGroup& g) {
+  Tensor out = x.is_contiguous() ? x.clone() : x.contiguous();
+  g.allreduce(out);
+  return out;
+}
+
+// [..., k] -> [..., n k], rank r's values at [r k, (r + 1) k): gathered
+// along dim 0 as [n, rows, k], then put side by side.
+Tensor gather_last(const Tensor& x, TensorParallelGroup& g) {
+  Tensor rows = x.contiguous().reshape({-1, x.size(-1)});
+  Tensor all = g.allgather(rows).reshape({g.size(), rows.size(0), x.size(-1)});
+  Shape shape = x.shape();
+  shape.back() *= g.size();
+  return all.permute({1, 0, 2}).contiguous().reshape(shape);
+}
+
+// This rank's part of dim `dim` of x (contiguous).
+Tensor own_part(const Tensor& x, int dim, TensorParallelGroup& g) {
+  CHECK(x.size(dim) % g.size() == 0) << "tensor parallelism: dim " << dim << " of " << x.shape_str()
+                                     << " does not split over " << g.size() << " ranks";
+  const int64_t k = x.size(dim) / g.size();
+  return x.narrow(dim, g.rank() * k, k).contiguous();
+}
+
+// The ops that move activations in and out of the split region: forward
+// and backward each a function of one tensor and the group (Moves names
+// them), as autograd ops.
+template <class Moves>
+struct RegionFn {
   struct Saved {
     TensorParallelGroup* g = nullptr;
   };
+  static constexpr const char* name = Moves::name;
+  static Tensor forward(Saved& s, const Tensor& x, TensorParallelGroup* g) {
+    s.g = g;
+    return Moves::forward(x, *g);
+  }
+  static TensorList backward(Saved& s, const TensorList& grad, const autograd::GradMask&) {
+    return {Moves::backward(grad[0], *s.g)};
+  }
+};
+
+struct CopyToRegion {
   static constexpr const char* name = "tp_copy_to_region";
-  static Tensor forward(Saved& s, const Tensor& x, TensorParallelGroup* g) {
-    s.g = g;
-    return x;
-  }
-  static TensorList backward(Saved& s, const TensorList& grad, const autograd::GradMask&) {
-    Tensor out = owned_copy(grad[0]);
-    s.g->allreduce(out);
-    return {out};
-  }
+  static Tensor forward(const Tensor& x, TensorParallelGroup&) { return x; }
+  static Tensor backward(const Tensor& g, TensorParallelGroup& group) { return summed(g, group); }
 };
-
-struct ReduceFromRegionFn {
-  struct Saved {};
+struct ReduceFromRegion {
   static constexpr const char* name = "tp_reduce_from_region";
-  static Tensor forward(Saved&, const Tensor& x, TensorParallelGroup* g) {
-    Tensor out = owned_copy(x);
-    g->allreduce(out);
-    return out;
-  }
-  static TensorList backward(Saved&, const TensorList& grad, const autograd::GradMask&) {
-    return {grad[0]};
-  }
+  static Tensor forward(const Tensor& x, TensorParallelGroup& group) { return summed(x, group); }
+  static Tensor backward(const Tensor& g, TensorParallelGroup&) { return g; }
 };
-
-struct GatherLastDimFn {
-  struct Saved {
-    int rank = 0;
-    int64_t width = 0;
-  };
+struct GatherLastDim {
   static constexpr const char* name = "tp_gather_last_dim";
-  static Tensor forward(Saved& s, const Tensor& x, TensorParallelGroup* g) {
-    s = Saved{g->rank(), x.size(-1)};
-    // Gathered along dim 0 as [n, rows, k], then put side by side: [rows, n k].
-    Tensor rows = x.contiguous().reshape({-1, x.size(-1)});
-    Tensor all = g->allgather(rows).reshape({g->size(), rows.size(0), x.size(-1)});
-    Shape shape = x.shape();
-    shape.back() *= g->size();
-    return all.permute({1, 0, 2}).contiguous().reshape(shape);
-  }
-  static TensorList backward(Saved& s, const TensorList& grad, const autograd::GradMask&) {
-    return {grad[0].narrow(-1, s.rank * s.width, s.width).contiguous()};
+  static Tensor forward(const Tensor& x, TensorParallelGroup& g) { return gather_last(x, g); }
+  static Tensor backward(const Tensor& grad, TensorParallelGroup& g) {
+    return own_part(grad, grad.dim() - 1, g);
   }
 };
-
-struct GatherSequenceFn {
-  struct Saved {
-    TensorParallelGroup* g = nullptr;
-  };
+struct GatherSequence {
   static constexpr const char* name = "tp_gather_sequence";
-  static Tensor forward(Saved& s, const Tensor& x, TensorParallelGroup* g) {
-    s.g = g;
-    return gather_seq(x, *g);
-  }
-  static TensorList backward(Saved& s, const TensorList& grad, const autograd::GradMask&) {
-    return {reduce_scatter_seq(grad[0], *s.g)};
+  static Tensor forward(const Tensor& x, TensorParallelGroup& g) { return gather_seq(x, g); }
+  static Tensor backward(const Tensor& grad, TensorParallelGroup& g) {
+    return reduce_scatter_seq(grad, g);
   }
 };
-
-struct ReduceScatterSequenceFn {
-  struct Saved {
-    TensorParallelGroup* g = nullptr;
-  };
+struct ReduceScatterSequence {
   static constexpr const char* name = "tp_reduce_scatter_sequence";
-  static Tensor forward(Saved& s, const Tensor& x, TensorParallelGroup* g) {
-    s.g = g;
-    return reduce_scatter_seq(x, *g);
+  static Tensor forward(const Tensor& x, TensorParallelGroup& g) {
+    return reduce_scatter_seq(x, g);
   }
-  static TensorList backward(Saved& s, const TensorList& grad, const autograd::GradMask&) {
-    return {gather_seq(grad[0], *s.g)};
-  }
+  static Tensor backward(const Tensor& grad, TensorParallelGroup& g) { return gather_seq(grad, g); }
 };
-
-struct SplitSequenceFn {
-  struct Saved {
-    TensorParallelGroup* g = nullptr;
-  };
+struct SplitSequence {
   static constexpr const char* name = "tp_split_sequence";
-  static Tensor forward(Saved& s, const Tensor& x, TensorParallelGroup* g) {
-    s.g = g;
-    CHECK(x.dim() >= 2 && x.size(1) % g->size() == 0)
-        << "sequence parallelism: the sequence of " << x.shape_str() << " does not split over "
-        << g->size() << " ranks";
-    const int64_t k = x.size(1) / g->size();
-    return x.narrow(1, g->rank() * k, k).contiguous();
+  static Tensor forward(const Tensor& x, TensorParallelGroup& g) {
+    CHECK(x.dim() >= 2) << "sequence parallelism: " << x.shape_str() << " has no sequence dim";
+    return own_part(x, 1, g);
   }
-  static TensorList backward(Saved& s, const TensorList& grad, const autograd::GradMask&) {
-    return {gather_seq(grad[0], *s.g)};
-  }
+  static Tensor backward(const Tensor& grad, TensorParallelGroup& g) { return gather_seq(grad, g); }
 };
 
 // Per row n of logits [N, Vl] (this rank's columns [v0, v0 + Vl) of V):
@@ -192,7 +167,7 @@ struct VocabParallelCrossEntropyFn {
     Tensor sums = zeros({3, N}, DType::f64);  // s, t, u
     Tensor lse = empty({N}, DType::f64);
     double* m = maxima.data<double>();
-    dispatch_f32_f64(logits.dtype(), [&](auto tag) {
+    dispatch_f32_f64(logits.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
       const T* x = logits.data<T>();
       cpu::parallel_for(N, 16, [&](int64_t n0, int64_t n1) {
@@ -265,7 +240,7 @@ struct VocabParallelCrossEntropyFn {
     Tensor gx = empty(x_t.shape(), x_t.dtype());
     const double eps = s.options.label_smoothing, uniform = eps / double(s.vocab);
     const double* lse = s.lse.data<double>();
-    dispatch_f32_f64(x_t.dtype(), [&](auto tag) {
+    dispatch_f32_f64(x_t.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
       const T* x = x_t.data<T>();
       T* out = gx.data<T>();
@@ -289,32 +264,32 @@ struct VocabParallelCrossEntropyFn {
 
 Tensor copy_to_region(const Tensor& x, TensorParallelGroup& g) {
   check_cpu(x, "copy_to_region");
-  return autograd::apply<CopyToRegionFn>(x, &g);
+  return autograd::apply<RegionFn<CopyToRegion>>(x, &g);
 }
 
 Tensor reduce_from_region(const Tensor& x, TensorParallelGroup& g) {
   check_cpu(x, "reduce_from_region");
-  return autograd::apply<ReduceFromRegionFn>(x, &g);
+  return autograd::apply<RegionFn<ReduceFromRegion>>(x, &g);
 }
 
 Tensor gather_last_dim(const Tensor& x, TensorParallelGroup& g) {
   check_cpu(x, "gather_last_dim");
-  return autograd::apply<GatherLastDimFn>(x, &g);
+  return autograd::apply<RegionFn<GatherLastDim>>(x, &g);
 }
 
 Tensor gather_sequence(const Tensor& x, TensorParallelGroup& g) {
   check_cpu(x, "gather_sequence");
-  return autograd::apply<GatherSequenceFn>(x, &g);
+  return autograd::apply<RegionFn<GatherSequence>>(x, &g);
 }
 
 Tensor reduce_scatter_sequence(const Tensor& x, TensorParallelGroup& g) {
   check_cpu(x, "reduce_scatter_sequence");
-  return autograd::apply<ReduceScatterSequenceFn>(x, &g);
+  return autograd::apply<RegionFn<ReduceScatterSequence>>(x, &g);
 }
 
 Tensor split_sequence(const Tensor& x, TensorParallelGroup& g) {
   check_cpu(x, "split_sequence");
-  return autograd::apply<SplitSequenceFn>(x, &g);
+  return autograd::apply<RegionFn<SplitSequence>>(x, &g);
 }
 
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,

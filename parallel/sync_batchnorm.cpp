@@ -36,16 +36,6 @@ std::vector<double> sum_rows(int64_t rows, int64_t width, RowFn&& row) {
   return out;
 }
 
-template <class Fn>
-void dispatch_norm_dtype(DType dtype, Fn&& fn) {
-  CHECK(dtype == DType::f32 || dtype == DType::f64)
-      << "sync_batch_norm takes f32 or f64, got " << dtype;
-  if (dtype == DType::f64)
-    fn(TypeTag<double>{});
-  else
-    fn(TypeTag<float>{});
-}
-
 // out = (x - mean) * invstd * gamma + beta, with mean and the biased variance
 // over the M values per channel of every rank: sum x, sum x^2 and M are
 // all-reduced. Backward (mean and var depend on every rank's x):
@@ -67,7 +57,7 @@ struct SyncBatchNormFn {
     Tensor mean = empty({C}, DType::f64), invstd = empty({C}, DType::f64);
     Tensor mean_out = empty({C}, x.dtype()), var_out = empty({C}, x.dtype());
     double count = 0;
-    dispatch_norm_dtype(x.dtype(), [&](auto tag) {
+    dispatch_f32_f64(x.dtype(), "sync_batch_norm", [&](auto tag) {
       using T = typename decltype(tag)::type;
       const T* px = x.data<T>();
       std::vector<double> stats = sum_rows(M, 2 * C, [&](int64_t m, double* acc) {
@@ -119,7 +109,7 @@ struct SyncBatchNormFn {
     if (needs[0]) gx = empty_channels_last(x.shape(), x.dtype(), x.device());
     const double* pm = s.mean.data<double>();
     const double* pi = s.invstd.data<double>();
-    dispatch_norm_dtype(x.dtype(), [&](auto tag) {
+    dispatch_f32_f64(x.dtype(), "sync_batch_norm", [&](auto tag) {
       using T = typename decltype(tag)::type;
       const T* px = x.data<T>();
       const T* pg = go.data<T>();

@@ -62,15 +62,22 @@ std::shared_ptr<TensorParallelGroup> shape_only_group(int rank, int size, bool s
   return std::make_shared<ShapeOnlyGroup>(rank, size, sequence_parallel);
 }
 
-void sum_partial_gradients(const Module& model, TensorParallelGroup& g) {
+TensorList parameters_split_as(const Module& model, ParameterSplit::Kind kind) {
   const std::map<std::string, ParameterSplit> splits = model.parameter_splits();
+  TensorList out;
   for (const NamedTensor& p : model.named_parameters()) {
     auto it = splits.find(p.name);
-    if (it == splits.end() || it->second.kind != ParameterSplit::Kind::partial_gradient) continue;
-    Tensor grad = p.tensor.grad();
+    if (it != splits.end() && it->second.kind == kind) out.push_back(p.tensor);
+  }
+  return out;
+}
+
+void sum_partial_gradients(const TensorList& params, TensorParallelGroup& g) {
+  for (const Tensor& p : params) {
+    Tensor grad = p.grad();
     if (!grad.defined()) {
-      p.tensor.set_grad(zeros_like(p.tensor));
-      grad = p.tensor.grad();
+      p.set_grad(zeros_like(p));
+      grad = p.grad();
     }
     // In place when the gradient is a bucket view of DataParallel's.
     Tensor sum = grad.is_contiguous() ? grad : grad.contiguous();

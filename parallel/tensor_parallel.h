@@ -8,7 +8,8 @@
 //   auto g = make_comm_group(mesh.tp_comm(), recipe.parallel.sequence_parallel);
 //   gpt->shard_tensor_parallel(g);
 //   ... backward ...
-//   sum_partial_gradients(*gpt, *g);                        // sequence parallelism
+//   TensorList shares = parameters_split_as(*gpt, ParameterSplit::Kind::partial_gradient);
+//   sum_partial_gradients(shares, *g);                      // sequence parallelism, per step
 //   std::vector<NamedTensor> whole = gather_whole(gpt->state(), *gpt, *g);   // collective
 //   take_shards(loaded, *gpt);                               // whole tensors -> this rank's parts
 #pragma once
@@ -64,9 +65,14 @@ std::shared_ptr<CommGroup> make_comm_group(std::shared_ptr<comm::Communicator> c
 // rank `rank`'s part of a split model, for --dry-run on one process.
 std::shared_ptr<TensorParallelGroup> shape_only_group(int rank, int size, bool sequence_parallel);
 
-// Sequence parallelism: sums the gradient shares of model's partial_gradient
-// parameters over g (in place), so every rank holds the whole gradient.
-void sum_partial_gradients(const Module& model, TensorParallelGroup& g);
+// The parameters of model split as kind (Module::parameter_splits), in
+// named_parameters() order: sharded ones, or partial_gradient ones.
+TensorList parameters_split_as(const Module& model, ParameterSplit::Kind kind);
+
+// Sequence parallelism: sums the gradient shares of params (the model's
+// partial_gradient parameters) over g in place, so every rank holds the
+// whole gradient.
+void sum_partial_gradients(const TensorList& params, TensorParallelGroup& g);
 
 // The split of a named entry of model's state or of its optimizer's
 // ("<parameter>.<slot>" of the parameter's shape), or null when it is whole

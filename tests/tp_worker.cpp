@@ -213,7 +213,8 @@ void expect_splits(const std::string& what, const Module& m,
 // added up the shares). Collective (sum_partial_gradients).
 void compare_parameters(const std::string& what, const Module& split, const Module& whole,
                         TensorParallelGroup& g) {
-  parallel::sum_partial_gradients(split, g);
+  parallel::sum_partial_gradients(
+      parallel::parameters_split_as(split, ParameterSplit::Kind::partial_gradient), g);
   const std::map<std::string, ParameterSplit> splits = split.parameter_splits();
   const std::map<std::string, Tensor> reference = by_name(whole.named_parameters());
   const std::vector<NamedTensor> params = split.named_parameters();

@@ -160,6 +160,13 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
                                           dist.mesh.pp_comm(), session.blocks(), timeline_.get());
   }
   std::shared_ptr<Module> model = session.trained_ptr();
+  if (tp_) {
+    for (const Tensor& p : parallel::parameters_split_as(*model, ParameterSplit::Kind::sharded))
+      sharded_.insert(p.impl());
+    if (tp_->sequence_parallel())
+      gradient_shares_ =
+          parallel::parameters_split_as(*model, ParameterSplit::Kind::partial_gradient);
+  }
   // One replica: nothing to synchronise (a pipeline's stages alone).
   if (dp_comm->size() == 1) return;
   // Before DataParallel registers its hooks: the converted layers keep their
@@ -206,7 +213,7 @@ parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
 void DistributedRun::finish_gradients() {
   if (dp_) dp_->finish();
   // Sequence parallelism: the LayerNorms' gradient shares added up.
-  if (tp_ && tp_->sequence_parallel()) parallel::sum_partial_gradients(session_->trained(), *tp_);
+  if (!gradient_shares_.empty()) parallel::sum_partial_gradients(gradient_shares_, *tp_);
   if (!pipeline_) return;
   // Both stages compute own + other's: the same bits on both (a + b == b + a).
   const auto& tied = session_->tied_across_stages();
@@ -238,16 +245,10 @@ void DistributedRun::finish_gradients() {
 
 double DistributedRun::clip_gradients(double max_norm) const {
   CHECK(splits_model()) << "clip_gradients of a model no ranks split";
-  std::set<const TensorImpl*> mine, not_owned, split;
+  std::set<const TensorImpl*> mine, not_owned;
   for (const Tensor& p : session_->trained().parameters()) mine.insert(p.impl());
   for (const Session::TiedAcrossStages& t : session_->tied_across_stages())
     if (!t.owner) not_owned.insert(t.param.impl());
-  const auto splits = session_->model().parameter_splits();
-  for (const NamedTensor& p : session_->trained().named_parameters()) {
-    auto it = splits.find(p.name);
-    if (it != splits.end() && it->second.kind == ParameterSplit::Kind::sharded)
-      split.insert(p.tensor.impl());
-  }
   const bool first_tp_rank = dist_.layout.coord.tp == 0;
   const std::vector<NamedTensor>& all = session_->global_parameters();
   // One entry per parameter, set by the stage that owns it (a replicated
@@ -256,7 +257,7 @@ double DistributedRun::clip_gradients(double max_norm) const {
   std::vector<double> sums(all.size(), 0.0);
   for (size_t k = 0; k < all.size(); ++k) {
     const TensorImpl* impl = all[k].tensor.impl();
-    if (mine.count(impl) && !not_owned.count(impl) && (first_tp_rank || split.count(impl)))
+    if (mine.count(impl) && !not_owned.count(impl) && (first_tp_rank || sharded_.count(impl)))
       sums[k] = optim::grad_power_sum(all[k].tensor, 2.0);
   }
   if (pipeline_)

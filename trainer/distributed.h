@@ -34,6 +34,7 @@
 #pragma once
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -166,6 +167,10 @@ class DistributedRun {
   Session* session_ = nullptr;
   std::unique_ptr<parallel::Timeline> timeline_;
   std::shared_ptr<parallel::CommGroup> tp_;
+  // Of what this rank trains: the parameters tensor parallelism shards, and
+  // those whose gradients are shares to sum (sequence parallelism).
+  std::set<const TensorImpl*> sharded_;
+  TensorList gradient_shares_;
   std::unique_ptr<PipelineRuntime> pipeline_;
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;
