@@ -25,12 +25,20 @@
 //   peak RSS      each rank's VmHWM, read from /proc while it runs: the
 //                 whole process (every rank builds the whole model)
 //
+// The LSTM LM case (lstm) runs a layer per stage as a wavefront: its M
+// micro-batches are M time chunks of one batch (parallel.time_chunks,
+// schedule wavefront, the only schedule it takes); torch.distributed.pipelining
+// has no state carried between micro-batches, so it has no torch column.
+// Instead the same batch is timed in one process with 2 threads (the same
+// cores, no pipeline), printed below the table with the ratio.
+//
 // When python3 can import torch, bench/bench_pipeline_torch.py runs the same
 // model shapes, stages, micro-batches and optimizer under
 // torch.distributed.pipelining (gloo, ScheduleGPipe / Schedule1F1B, one
 // thread per rank) and the table prints its step time and torch/ours.
 //
-//   bench_pipeline                                   # both cases, gpipe 1f1b zbh1
+//   bench_pipeline                                   # every case, gpipe 1f1b zbh1 (lstm:
+//   wavefront) bench_pipeline --case lstm --micro-batches 8     # the wavefront over 8 time chunks
 //   bench_pipeline --case gpt --schedule 1f1b --micro-batches 8 --steps 6
 //   bench_pipeline --seq 64 --batch 2 --no-torch     # GPT context, micro-batch size
 //   bench_pipeline --keep                            # leave the runs' traces, print where
@@ -88,6 +96,9 @@ struct PipelineCase {
   std::string describe;                 // printed above the table
   std::vector<std::string> overrides;   // the model and data keys
   std::vector<std::string> torch_args;  // bench_pipeline_torch.py's model arguments
+  // The micro-batches are time chunks of one batch of micro_batch windows
+  // (the LSTM LM's wavefront), run by that schedule only.
+  bool time_chunks = false;
 };
 
 // What each stage's actions cost in one run, as the simulator takes them:
@@ -172,8 +183,21 @@ std::vector<PipelineCase> make_cases(const Settings& s, const std::string& work)
        "data.name=fashion_mnist", "data.root=" + work + "/fmnist", "data.image_size=28",
        "data.workers=1"},
       {"--model", "resnet18_small", "--size", "28", "--channels", "1", "--classes", "10"}};
+  const int64_t lstm_batch = s.batch > 0 ? s.batch : 16;
+  PipelineCase lstm{
+      "lstm",
+      src + "/recipes/lstm_kjv.yaml",
+      lstm_batch,
+      cat("lstm: LSTM LM 2 layers x 512, embedding 512, char vocabulary 73 (KJV), batch ",
+          lstm_batch, " x ", s.seq,
+          " tokens cut into M time chunks; AdamW, clip 1; a layer per stage [embed, rnn.0] "
+          "[rnn.1, decoder], wavefront"),
+      {"data.path=" + src + "/datasets/kjv.txt", "model.n_layer=2", "model.d_model=512",
+       "model.hidden=512", "model.tie_weights=false", "data.seq_len=" + seq, "data.val_windows=4"},
+      {},
+      true};
   std::vector<PipelineCase> out;
-  for (const PipelineCase& c : {gpt, resnet})
+  for (const PipelineCase& c : {gpt, resnet, lstm})
     if (s.only_case.empty() || s.only_case == c.name) out.push_back(c);
   return out;
 }
@@ -184,10 +208,11 @@ std::vector<std::string> train_args(const PipelineCase& c, const Settings& s,
   std::vector<std::string> a{"train", c.recipe};
   a.insert(a.end(), c.overrides.begin(), c.overrides.end());
   const int total = s.warmup + s.steps;
+  const int chunks = c.time_chunks ? s.micro_batches : 1;
   for (std::string kv :
-       {cat("parallel.pp=", kStages), cat("parallel.micro_batches=", s.micro_batches),
-        "parallel.schedule=" + schedule,
-        cat("training.global_batch=", c.micro_batch * s.micro_batches),
+       {cat("parallel.pp=", kStages), cat("parallel.micro_batches=", s.micro_batches / chunks),
+        cat("parallel.time_chunks=", chunks), "parallel.schedule=" + schedule,
+        cat("training.global_batch=", c.micro_batch * s.micro_batches / chunks),
         cat("training.steps=", total), std::string("training.threads=1"),
         // Evaluation and checkpoints only once, after the last step.
         cat("training.eval_every=", total), cat("training.checkpoint_every=", total),
@@ -252,7 +277,8 @@ std::string tail_of(const std::string& path, int lines) {
 std::vector<double> dry_run_activations(const PipelineCase& c, const Settings& s,
                                         const std::string& trainer, const std::string& work) {
   std::vector<std::string> argv{trainer};
-  for (const std::string& a : train_args(c, s, "1f1b", work + "/dry")) argv.push_back(a);
+  for (const std::string& a : train_args(c, s, c.time_chunks ? "wavefront" : "1f1b", work + "/dry"))
+    argv.push_back(a);
   argv.push_back("--dry-run");
   const std::string log = work + "/dry.log";
   double unused[kStages] = {};
@@ -266,7 +292,10 @@ std::vector<double> dry_run_activations(const PipelineCase& c, const Settings& s
         stage < 0 || stage >= kStages)
       continue;
     const size_t from = line.rfind(" and ", at);
-    if (from != std::string::npos) mib[size_t(stage)] = std::atof(line.c_str() + from + 5);
+    // The dry run profiles whole windows; a time chunk holds its share.
+    if (from != std::string::npos)
+      mib[size_t(stage)] =
+          std::atof(line.c_str() + from + 5) / (c.time_chunks ? s.micro_batches : 1);
   }
   return mib;
 }
@@ -303,6 +332,24 @@ std::vector<std::vector<Span>> read_trace(const std::string& path) {
     std::sort(spans.begin(), spans.end(),
               [](const Span& a, const Span& b) { return a.begin_ms < b.begin_ms; });
   return ranks;
+}
+
+// The median step period of a one-process run's trace (pid 0's optimizer
+// spans), after the warm-up.
+double one_process_step_ms(const std::string& path, const Settings& s) {
+  std::ifstream f(path);
+  if (!f) throw Error(cat(path, ": no trace written"));
+  const nlohmann::json doc = nlohmann::json::parse(f);
+  std::vector<double> ends;
+  for (const nlohmann::json& e : doc.at("traceEvents"))
+    if (e.value("ph", "") == "X" && e.value("name", "") == "optimizer")
+      ends.push_back((e.at("ts").get<double>() + e.at("dur").get<double>()) * 1e-3);
+  std::sort(ends.begin(), ends.end());
+  if (int(ends.size()) != s.warmup + s.steps)
+    throw Error(cat(path, ": ", ends.size(), " optimizer steps of ", s.warmup + s.steps));
+  std::vector<double> periods;
+  for (size_t k = size_t(s.warmup); k < ends.size(); ++k) periods.push_back(ends[k] - ends[k - 1]);
+  return middle(periods);
 }
 
 // The figures of one run from its trace (rank r runs stage r: dp = 1).
@@ -409,7 +456,7 @@ std::string verdict(double ratio) {
 // e.g. a core shared with other work, lift the mean above the median).
 void print_header() {
   const char* format =
-      "%-15s %-6s %2s | %8s %8s %5s %-11s %8s | %6s %6s | %7s %7s %7s %7s | %8s %6s\n";
+      "%-15s %-9s %2s | %8s %8s %5s %-11s %8s | %6s %6s | %7s %7s %7s %7s | %8s %6s\n";
   std::printf(format, "case", "sched", "M", "step ms", "pred ms", "meas/", "", "pred ms", "bubble",
               "pred", "F0 ms", "B0 ms", "F1 ms", "B1 ms", "torch ms", "torch/");
   std::printf(format, "", "", "", "", "", "pred", "", "of means", "", "", "", "", "", "", "",
@@ -424,7 +471,7 @@ void print_row(const PipelineCase& c, const Settings& s, const Row& row) {
     std::snprintf(torch_cols, sizeof torch_cols, "%8.1f %6.2f", row.torch_ms,
                   row.torch_ms / m.step_ms);
   std::printf(
-      "%-15s %-6s %2d | %8.1f %8.1f %5.2f %-11s %8.1f | %5.1f%% %5.1f%% | %7.1f %7.1f %7.1f "
+      "%-15s %-9s %2d | %8.1f %8.1f %5.2f %-11s %8.1f | %5.1f%% %5.1f%% | %7.1f %7.1f %7.1f "
       "%7.1f | %s\n",
       c.name.c_str(), row.schedule.c_str(), s.micro_batches, m.step_ms, row.sim.step_time, ratio,
       verdict(ratio).c_str(), row.sim_of_means.step_time, 100.0 * m.bubble,
@@ -434,7 +481,7 @@ void print_row(const PipelineCase& c, const Settings& s, const Row& row) {
 
 void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
                   const std::vector<double>& act_mib) {
-  const char* format = "%-15s %-6s | %9s %9s | %7s %7s | %8s %8s | %8s %8s\n";
+  const char* format = "%-15s %-9s | %9s %9s | %7s %7s | %8s %8s | %8s %8s\n";
   std::printf(format, "case", "sched", "in flight", "", "act MiB", "", "peak RSS", "MiB", "torch",
               "RSS MiB");
   std::printf(format, "", "", "s0", "s1", "s0", "s1", "s0", "s1", "s0", "s1");
@@ -453,7 +500,7 @@ void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
       act[r] = figure(mib >= 0 ? mib * row.in_flight[size_t(r)] : -1.0, "%.1f");
       torch_rss[r] = figure(row.torch_rss_mib[r], "%.0f");
     }
-    std::printf("%-15s %-6s | %9s %9s | %7s %7s | %8.0f %8.0f | %8s %8s\n", c.name.c_str(),
+    std::printf("%-15s %-9s | %9s %9s | %7s %7s | %8.0f %8.0f | %8s %8s\n", c.name.c_str(),
                 row.schedule.c_str(), in_flight[0].c_str(), in_flight[1].c_str(), act[0].c_str(),
                 act[1].c_str(), row.m.peak_rss_mib[0], row.m.peak_rss_mib[1], torch_rss[0].c_str(),
                 torch_rss[1].c_str());
@@ -462,7 +509,7 @@ void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
 
 int usage() {
   std::fprintf(stderr,
-               "usage: bench_pipeline [--case gpt|resnet18_small] [--schedule NAME[,NAME...]] "
+               "usage: bench_pipeline [--case gpt|resnet18_small|lstm] [--schedule NAME[,NAME...]] "
                "[--micro-batches M] [--steps N] [--warmup N] [--seq T] [--batch N] "
                "[--no-torch] [--keep]\n");
   return 2;
@@ -506,8 +553,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (const std::string& name : s.schedules)
-    if (name != "gpipe" && name != "1f1b" && name != "zbh1") {
-      std::fprintf(stderr, "bench_pipeline: --schedule %s: gpipe, 1f1b or zbh1\n", name.c_str());
+    if (name != "gpipe" && name != "1f1b" && name != "zbh1" && name != "wavefront") {
+      std::fprintf(stderr, "bench_pipeline: --schedule %s: gpipe, 1f1b, zbh1 or wavefront\n",
+                   name.c_str());
       return 2;
     }
 
@@ -520,6 +568,10 @@ int main(int argc, char** argv) {
   if (!mkdtemp(work_template)) return 1;
   const std::string work = work_template;
   const std::vector<PipelineCase> cases = make_cases(s, work);
+  // The LSTM case runs the wavefront whichever schedules were asked for.
+  if (std::none_of(s.schedules.begin(), s.schedules.end(),
+                   [](const std::string& n) { return n == "wavefront"; }))
+    s.schedules.push_back("wavefront");
   if (cases.empty()) return usage();
   write_fake_fashion_mnist(work + "/fmnist", 64 * s.micro_batches * 16, 32);
 
@@ -544,6 +596,8 @@ int main(int argc, char** argv) {
   bool failed = false;
   for (const PipelineCase& c : cases) {
     for (const std::string& schedule : s.schedules) {
+      // The wavefront is for time chunks, and time chunks take only it.
+      if (c.time_chunks != (schedule == "wavefront")) continue;
       Row row;
       row.schedule = schedule;
       const std::string out_dir = cat(work, "/", c.name, "_", schedule);
@@ -572,8 +626,31 @@ int main(int argc, char** argv) {
       row.in_flight = parallel::peak_in_flight(table);
       row.in_flight_until_w =
           parallel::peak_in_flight(table, parallel::InFlightUntil::backward_weight);
-      if (s.torch && schedule != "zbh1") measure_torch(c, s, work, row);
+      if (s.torch && schedule != "zbh1" && !c.time_chunks) measure_torch(c, s, work, row);
       print_row(c, s, row);
+      if (c.time_chunks) {
+        // The same batch in one process on both cores.
+        const std::string one_dir = cat(work, "/", c.name, "_one");
+        std::vector<std::string> one{trainer};
+        for (std::string a : train_args(c, s, schedule, one_dir)) {
+          if (a.rfind("parallel.", 0) == 0) continue;
+          one.push_back(a == "training.threads=1" ? cat("training.threads=", kStages) : a);
+        }
+        one.push_back("--trace");
+        double unused[kStages] = {};
+        try {
+          if (!run_logged(one, one_dir + ".log", unused))
+            throw Error(cat("the trainer failed; see ", one_dir, ".log"));
+          const double ms = one_process_step_ms(one_dir + "/trace.json", s);
+          std::printf(
+              "  %s in one process, %d threads: %.1f ms per step; wavefront / one "
+              "process %.2fx the speed\n",
+              c.name.c_str(), kStages, ms, ms / row.m.step_ms);
+        } catch (const std::exception& e) {
+          std::printf("  %s in one process: %s\n", c.name.c_str(), e.what());
+          failed = true;
+        }
+      }
       if (!row.torch_note.empty())
         std::printf("  torch %s: %s\n", schedule.c_str(), row.torch_note.c_str());
       std::fflush(stdout);

@@ -166,4 +166,13 @@ WeightDecaySplit split_weight_decay(const Module& m) {
   return split;
 }
 
+ModulePart::ModulePart(const std::vector<NamedTensor>& parameters) {
+  for (const NamedTensor& p : parameters) register_parameter(p.name, p.tensor);
+}
+
+Tensor ModulePart::forward(const Tensor&) {
+  CHECK(false) << "a module part holds parameters only; its module computes with them";
+  return {};
+}
+
 }  // namespace trainer

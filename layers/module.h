@@ -164,4 +164,16 @@ struct WeightDecaySplit {
 };
 WeightDecaySplit split_weight_decay(const Module& m);
 
+// Some of another module's parameters under their names there, as a module
+// of their own: a block member for part of a module (layer k of a stacked
+// LSTM, whose parameters PyTorch names rnn.weight_ih_l{k} with no module of
+// their own). A pipeline stage holding several parts of one module lists
+// them under one prefix (parallel/pipeline.h StageModule).
+class ModulePart : public Module {
+ public:
+  explicit ModulePart(const std::vector<NamedTensor>& parameters);
+  // A part has no computation of its own: CHECK-fails.
+  Tensor forward(const Tensor& x) override;
+};
+
 }  // namespace trainer

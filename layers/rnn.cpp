@@ -61,25 +61,42 @@ void RNNBase::check_input(const Tensor& x, const RNNState& state, bool needs_c) 
 
 Tensor RNNBase::dropout_between(const Tensor& y, size_t layer) { return (*dropouts_[layer])(y); }
 
+std::shared_ptr<ModulePart> RNNBase::layer_part(size_t k) const {
+  CHECK_LT(k, weight_ih.size()) << "RNN layer";
+  const std::string suffix = "_l" + std::to_string(k);
+  std::vector<NamedTensor> mine;
+  for (const NamedTensor& p : named_parameters())
+    if (p.name.size() > suffix.size() &&
+        p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      mine.push_back(p);
+  return std::make_shared<ModulePart>(mine);
+}
+
 LSTM::LSTM(const RNNOptions& o, Generator& gen) : RNNBase(o, 4, gen) {}
 
 std::pair<Tensor, RNNState> LSTM::forward(const Tensor& input, const RNNState& state) {
   Tensor x = options_.batch_first ? input : input.transpose(0, 1);
   check_input(x, state, /*needs_c=*/true);
-  int64_t B = x.size(0), H = options_.hidden_size;
-  Tensor zero = zeros({B, H}, x.dtype(), x.device());
   TensorList hs, cs;
   for (size_t k = 0; k < weight_ih.size(); ++k) {
-    if (k > 0) x = dropout_between(x, k - 1);
-    Tensor h0 = state.defined() ? state.h.select(0, int64_t(k)) : zero;
-    Tensor c0 = state.defined() ? state.c.select(0, int64_t(k)) : zero;
-    LSTMOutput out = lstm_layer(x, h0, c0, weight_ih[k], weight_hh[k], bias_ih[k], bias_hh[k]);
+    LSTMOutput out = forward_layer(k, x, state.defined() ? state.h.select(0, int64_t(k)) : Tensor(),
+                                   state.defined() ? state.c.select(0, int64_t(k)) : Tensor());
     x = out.y;
     hs.push_back(out.h);
     cs.push_back(out.c);
   }
   Tensor y = options_.batch_first ? x : x.transpose(0, 1);
   return {y, RNNState{stack(hs, 0), stack(cs, 0)}};
+}
+
+LSTMOutput LSTM::forward_layer(size_t k, const Tensor& input, const Tensor& h0, const Tensor& c0) {
+  CHECK_LT(k, weight_ih.size()) << "LSTM layer";
+  Tensor x = k > 0 ? dropout_between(input, k - 1) : input;
+  Tensor zero;
+  if (!h0.defined() || !c0.defined())
+    zero = zeros({x.size(0), options_.hidden_size}, x.dtype(), x.device());
+  return lstm_layer(x, h0.defined() ? h0 : zero, c0.defined() ? c0 : zero, weight_ih[k],
+                    weight_hh[k], bias_ih[k], bias_hh[k]);
 }
 
 GRU::GRU(const RNNOptions& o, Generator& gen) : RNNBase(o, 3, gen) {}

@@ -64,6 +64,9 @@ class RNNBase : public Module {
   // Per layer k: weight_ih_l{k}, weight_hh_l{k}, bias_ih_l{k}, bias_hh_l{k}
   // (biases undefined without bias).
   std::vector<Tensor> weight_ih, weight_hh, bias_ih, bias_hh;
+  // Layer k's parameters under their names here, as one module (a block
+  // member of a model cut into one block per layer).
+  std::shared_ptr<ModulePart> layer_part(size_t k) const;
 
  protected:
   RNNBase(const RNNOptions& o, int64_t gates, Generator& gen);
@@ -83,6 +86,10 @@ class LSTM : public RNNBase {
   LSTM(const RNNOptions& o, Generator& gen);
   using RNNBase::forward;
   std::pair<Tensor, RNNState> forward(const Tensor& x, const RNNState& state) override;
+  // Layer k alone, as forward runs it: x [B, T, I_k] batch-first (after the
+  // dropout between layers for k > 0) from h0 and c0 [B, H] (undefined:
+  // zeros). forward is this for k = 0 .. num_layers - 1, bit for bit.
+  LSTMOutput forward_layer(size_t k, const Tensor& x, const Tensor& h0, const Tensor& c0);
 };
 
 class GRU : public RNNBase {

@@ -55,39 +55,56 @@ LSTMLM::LSTMLM(const LSTMLMOptions& o) : options_(o) {
     decoder_bias_ = decoder->bias;
   }
 
+  // One block per LSTM layer, the embedding in the first and the decoder in
+  // the last, so that a pipeline of num_layers stages runs a layer per rank.
   std::shared_ptr<Module> decoder_module = children().back().second;
+  const size_t L = size_t(o.num_layers);
+  std::vector<std::string> model_inputs = {"tokens"}, model_outputs = {"logits"};
   std::vector<BlockSpec> specs;
-  specs.push_back({.name = "embed",
-                   .members = {{"encoder", encoder}, {"drop", drop}},
-                   .inputs = {"tokens"},
-                   .outputs = {"x"},
-                   .fn = [this](const TensorList& in) {
-                     const Tensor& tokens = in[0];
-                     CHECK(tokens.dim() == 2)
-                         << "LSTMLM expects tokens [B, T], got " << tokens.shape_str();
-                     return TensorList{(*drop)((*encoder)(tokens))};  // [B, T, E]
-                   }});
-  specs.push_back({.name = "rnn",
-                   .members = {{"rnn", rnn}},
-                   .inputs = {"x", "h", "c"},
-                   .outputs = {"x", "h", "c"},
-                   .fn = [this](const TensorList& in) {
-                     auto [y, next] = rnn->forward(in[0], RNNState{in[1], in[2]});  // [B, T, H]
-                     return TensorList{y, next.h, next.c};
-                   }});
-  specs.push_back({.name = "head",
-                   .members = {{"drop", drop}, {"decoder", decoder_module}},
-                   .inputs = {"x"},
-                   .outputs = {"logits"},
-                   .fn = [this](const TensorList& in) {
-                     return TensorList{linear((*drop)(in[0]), decoder_weight_, decoder_bias_)};
-                   }});  // [B, T, V]
-  set_blocks(BlockList({"tokens", "h", "c"}, {"logits", "h", "c"}, std::move(specs)));
+  for (size_t k = 0; k < L; ++k) {
+    const std::string h = cat("h", k), c = cat("c", k);
+    model_inputs.insert(model_inputs.end(), {h, c});
+    model_outputs.insert(model_outputs.end(), {h, c});
+    BlockSpec spec{.name = cat("rnn.", k),
+                   .members = {},
+                   .inputs = {k == 0 ? "tokens" : "x", h, c},
+                   .outputs = {k + 1 == L ? "logits" : "x", h, c},
+                   .fn = [this, k, L](const TensorList& in) {
+                     Tensor x = in[0];
+                     if (k == 0) {
+                       CHECK(x.dim() == 2) << "LSTMLM expects tokens [B, T], got " << x.shape_str();
+                       x = (*drop)((*encoder)(x));  // [B, T, E]
+                     }
+                     LSTMOutput out = rnn->forward_layer(k, x, in[1], in[2]);  // [B, T, H]
+                     Tensor y = out.y;
+                     if (k + 1 == L) y = linear((*drop)(y), decoder_weight_, decoder_bias_);
+                     return TensorList{y, out.h, out.c};
+                   }};
+    if (k == 0) spec.members.insert(spec.members.end(), {{"encoder", encoder}, {"drop", drop}});
+    spec.members.push_back({"rnn", rnn->layer_part(k)});
+    if (k + 1 == L) {
+      if (k > 0) spec.members.push_back({"drop", drop});
+      spec.members.push_back({"decoder", decoder_module});
+    }
+    specs.push_back(std::move(spec));
+  }
+  set_blocks(BlockList(std::move(model_inputs), std::move(model_outputs), std::move(specs)));
 }
 
 LSTMLMOutput LSTMLM::forward(const Tensor& tokens, const RNNState& state) {
-  TensorList out = blocks().run({tokens, state.h, state.c});
-  return {out[0], RNNState{out[1], out[2]}};
+  const int64_t L = options_.num_layers;
+  TensorList in = {tokens};
+  for (int64_t k = 0; k < L; ++k) {
+    in.push_back(state.defined() ? state.h.select(0, k) : Tensor());
+    in.push_back(state.defined() ? state.c.select(0, k) : Tensor());
+  }
+  TensorList out = blocks().run(in);
+  TensorList hs, cs;
+  for (int64_t k = 0; k < L; ++k) {
+    hs.push_back(out[size_t(1 + 2 * k)]);
+    cs.push_back(out[size_t(2 + 2 * k)]);
+  }
+  return {out[0], RNNState{stack(hs, 0), stack(cs, 0)}};
 }
 
 std::shared_ptr<LSTMLM> make_lstm_lm(const LSTMLMOptions& options) {

@@ -19,10 +19,14 @@
 // Generator(seed, kStreamInit): encoder and decoder weights uniform(-0.1, 0.1),
 // decoder bias 0 (as word_language_model), LSTM as torch.nn.LSTM.
 //
-// Blocks (layers/block_list.h), over model inputs tokens, h, c and outputs
-// logits, h, c: "embed" (tokens -> x), "rnn" (x, h, c -> x, h, c: the state
-// flows in and out of the LSTM block, so the stage holding it carries it),
-// "head" (x -> logits).
+// Blocks (layers/block_list.h): one per LSTM layer, "rnn.0" .. "rnn.{L-1}",
+// over model inputs tokens, h0, c0, .., h{L-1}, c{L-1} and outputs logits,
+// h0, c0, ..: block k reads x (block 0: the tokens, embedded) and its layer's
+// state h{k}, c{k} [B, H], and writes x (the last block: the decoder's
+// logits) and its layer's state. Each layer's state stays with the stage
+// holding that layer, so a pipeline of L stages runs a layer per rank, and
+// with time chunks as its micro-batches (parallel.time_chunks) the layers
+// work as a wavefront over the sequence.
 #pragma once
 
 #include <memory>

@@ -209,6 +209,11 @@ class Container : public Module {
       }
     register_module(name, std::move(m));
   }
+  // A module part's parameters, under this node's name for them (the parts
+  // of one module, e.g. an LSTM's layers, meet here).
+  void add_part(const ModulePart& part) {
+    for (const NamedTensor& p : part.named_parameters()) register_parameter(p.name, p.tensor);
+  }
 };
 
 }  // namespace
@@ -223,7 +228,10 @@ StageModule::StageModule(const BlockList& blocks,
         std::string rest = m.prefix;
         for (size_t dot; (dot = rest.find('.')) != std::string::npos; rest = rest.substr(dot + 1))
           node = static_cast<Container*>(&node->child(rest.substr(0, dot)));
-        node->add(rest, m.module);
+        if (const auto* part = dynamic_cast<const ModulePart*>(m.module.get()))
+          static_cast<Container&>(node->child(rest)).add_part(*part);
+        else
+          node->add(rest, m.module);
       }
   for (const auto& [name, child] : root->children()) register_module(name, child);
 }

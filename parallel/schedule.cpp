@@ -475,8 +475,19 @@ Schedule zero_bubble_h1_schedule(int stages, int micro_batches) {
   });
 }
 
+Schedule wavefront_schedule(int stages, int micro_batches) {
+  require_shape("wavefront", stages, micro_batches, 1);
+  return make_table("wavefront", stages, micro_batches, 1, [&](int) {
+    ComputeOrder order;
+    for (int m = 0; m < micro_batches; ++m) order.push_back(compute(ActionKind::forward, m));
+    for (int m = micro_batches - 1; m >= 0; --m) order.push_back(compute(ActionKind::backward, m));
+    return order;
+  });
+}
+
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved", "zbh1"};
+  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved", "zbh1",
+                                                 "wavefront"};
   return names;
 }
 
@@ -495,6 +506,7 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
   if (name == "interleaved") return interleaved_schedule(stages, micro_batches, chunks);
+  if (name == "wavefront") return wavefront_schedule(stages, micro_batches);
   return zero_bubble_h1_schedule(stages, micro_batches);
 }
 

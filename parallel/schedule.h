@@ -31,10 +31,16 @@
 //                 weight half W; stage s holds back s weight halves and runs
 //                 them where 1F1B idles (ZB-H1 of Qi et al. 2023, "Zero
 //                 Bubble Pipeline Parallelism")
+//   wavefront     every forward, then every backward in reverse order: for
+//                 micro-batches that are consecutive time chunks of one
+//                 sequence (parallel.time_chunks), where chunk m's backward
+//                 needs the gradient of the state chunk m + 1 started from
+//                 (a recurrent layer per stage, as a wavefront over time)
 //
-// In every table the backwards of one chunk run in micro-batch order (and
-// so do the weight halves), so gradients accumulate in the order of
-// gradient accumulation and a pipeline step gives the same bits. Messages
+// In every table but the wavefront the backwards of one chunk run in
+// micro-batch order (and so do the weight halves), so gradients accumulate
+// in the order of gradient accumulation and a pipeline step gives the same
+// bits. Messages
 // sit next to the compute they serve: recvA before its F, sendA right after
 // it, recvG before its B or I, sendG right after it. The runtime treats
 // sends as non-blocking and receives as blocking until the data has arrived
@@ -96,8 +102,10 @@ Schedule gpipe_schedule(int stages, int micro_batches);
 Schedule one_f_one_b_schedule(int stages, int micro_batches);
 Schedule interleaved_schedule(int stages, int micro_batches, int chunks);
 Schedule zero_bubble_h1_schedule(int stages, int micro_batches);
+Schedule wavefront_schedule(int stages, int micro_batches);
 
-// "gpipe", "1f1b", "interleaved", "zbh1": the names make_schedule() takes.
+// "gpipe", "1f1b", "interleaved", "zbh1", "wavefront": the names
+// make_schedule() takes.
 const std::vector<std::string>& schedule_names();
 // The generator of that name. chunks > 1 is for "interleaved" only (the
 // others throw). One stage is gradient accumulation (one_stage_schedule)

@@ -31,6 +31,10 @@ grep -q "usage: bench_dp" "$out" || fail "bench_dp --bogus: no usage"
 grep -Eq "^gpt +1f1b +2 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \| +$num +$num +$num +$num \|" "$out" ||
   fail "bench_pipeline: no figures row"
 grep -Eq "^gpt +1f1b +\| +2 +1 \| +$num +$num \| +$num +$num \|" "$out" || fail "bench_pipeline: no memory row"
+"$build/bench_pipeline" --case lstm --seq 16 --batch 2 --micro-batches 4 --steps 1 --warmup 1 \
+  > "$out"
+grep -Eq "^lstm +wavefront +4 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \|" "$out" ||
+  fail "bench_pipeline --case lstm: no wavefront row"
 if "$build/bench_pipeline" --bogus > "$out" 2>&1; then fail "bench_pipeline accepted --bogus"; fi
 grep -q "usage: bench_pipeline" "$out" || fail "bench_pipeline --bogus: no usage"
 

@@ -72,13 +72,24 @@ Tensor gpt_by_hand(GPT& gpt, const Tensor& tokens) {
   return linear((*gpt.ln_f)(x), gpt.lm_head_weight(), Tensor());
 }
 
+// in: tokens, h0, c0, h1, c1, .. [B, H]; out: logits, h0, c0, ..
 TensorList lstm_by_hand(LSTMLM& lm, const TensorList& in) {
   Tensor x = (*lm.drop)((*lm.encoder)(in[0]));
-  auto [y, next] = lm.rnn->forward(x, RNNState{in[1], in[2]});
+  TensorList hs, cs;
+  for (size_t k = 1; k < in.size(); k += 2) {
+    hs.push_back(in[k]);
+    cs.push_back(in[k + 1]);
+  }
+  auto [y, next] = lm.rnn->forward(x, RNNState{stack(hs, 0), stack(cs, 0)});
   Tensor bias;
   for (const NamedTensor& p : lm.named_parameters())
     if (p.name == "decoder.bias") bias = p.tensor;
-  return {linear((*lm.drop)(y), lm.decoder_weight(), bias), next.h, next.c};
+  TensorList out = {linear((*lm.drop)(y), lm.decoder_weight(), bias)};
+  for (int64_t k = 0; k < next.h.size(0); ++k) {
+    out.push_back(next.h.select(0, k));
+    out.push_back(next.c.select(0, k));
+  }
+  return out;
 }
 
 using Forward = std::function<TensorList(const TensorList&)>;
@@ -228,7 +239,8 @@ TEST_CASE("blocks: GPT runs bit for bit as its hand-written forward, tied or not
   }
 }
 
-TEST_CASE("blocks: the LSTM LM carries its state through its rnn block", "[models][blocks]") {
+TEST_CASE("blocks: the LSTM LM is a block per layer, each carrying its layer's state",
+          "[models][blocks]") {
   for (bool tie : {false, true}) {
     INFO("tie_weights " << tie);
     auto lm = std::dynamic_pointer_cast<LSTMLM>(make_model("lstm_lm", {.dropout = 0.0,
@@ -239,21 +251,37 @@ TEST_CASE("blocks: the LSTM LM carries its state through its rnn block", "[model
                                                                        .tie_weights = tie}));
     REQUIRE(lm);
     Generator gen(3);
-    const TensorList inputs = {tokens(2, 5, 9), rand_tensor({2, 2, 6}, gen),
-                               rand_tensor({2, 2, 6}, gen)};
+    const TensorList inputs = {tokens(2, 5, 9), rand_tensor({2, 6}, gen), rand_tensor({2, 6}, gen),
+                               rand_tensor({2, 6}, gen), rand_tensor({2, 6}, gen)};
     check_model(
         *lm, [&](const TensorList& in) { return lstm_by_hand(*lm, in); }, inputs);
     const BlockList& b = lm->blocks();
-    CHECK(b.boundary(0) == std::vector<std::string>{"tokens", "h", "c"});
-    // The state passes the embedding's stage to reach the LSTM's.
-    CHECK(b.boundary(1) == std::vector<std::string>{"h", "c", "x"});
-    CHECK(b.boundary(2) == std::vector<std::string>{"h", "c", "x"});
-    CHECK(b.boundary(3) == std::vector<std::string>{"logits", "h", "c"});
+    REQUIRE(b.size() == 2);
+    CHECK(b[0].name == "rnn.0");
+    CHECK(b[1].name == "rnn.1");
+    CHECK(b.boundary(0) == std::vector<std::string>{"tokens", "h0", "c0", "h1", "c1"});
+    // Layer 1's state passes layer 0's stage untouched; layer 0's stays there.
+    CHECK(b.boundary(1) == std::vector<std::string>{"h0", "c0", "h1", "c1", "x"});
+    CHECK(b.boundary(2) == std::vector<std::string>{"logits", "h0", "c0", "h1", "c1"});
+    // Each block owns only its layer's LSTM weights (and the embedding or decoder).
+    std::vector<std::string> first, second;
+    for (const NamedTensor& p : b.named_parameters(0, 1)) first.push_back(p.name);
+    for (const NamedTensor& p : b.named_parameters(1, 2)) second.push_back(p.name);
+    CHECK(first == std::vector<std::string>{"encoder.weight", "rnn.weight_ih_l0",
+                                            "rnn.weight_hh_l0", "rnn.bias_ih_l0",
+                                            "rnn.bias_hh_l0"});
+    if (tie)
+      CHECK(second == std::vector<std::string>{"rnn.weight_ih_l1", "rnn.weight_hh_l1",
+                                               "rnn.bias_ih_l1", "rnn.bias_hh_l1", "decoder.bias"});
+    else
+      CHECK(second == std::vector<std::string>{"rnn.weight_ih_l1", "rnn.weight_hh_l1",
+                                               "rnn.bias_ih_l1", "rnn.bias_hh_l1", "decoder.weight",
+                                               "decoder.bias"});
     // An undefined state means zeros, as before.
     LSTMLMOutput zero_state = lm->forward(inputs[0], RNNState{});
-    Tensor zeros_in = zeros({2, 2, 6});
-    require_close(zero_state.logits, lstm_by_hand(*lm, {inputs[0], zeros_in, zeros_in})[0], 0.0,
-                  0.0, "zero state");
+    Tensor z = zeros({2, 6});
+    require_close(zero_state.logits, lstm_by_hand(*lm, {inputs[0], z, z, z, z})[0], 0.0, 0.0,
+                  "zero state");
   }
 }
 

@@ -14,6 +14,7 @@
 #include "layers/linear.h"
 #include "parallel/pipeline.h"
 #include "tests/runs.h"  // last: it brings Catch's CHECK
+#include "trainer/safetensors.h"
 
 namespace fs = std::filesystem;
 using namespace trainer;
@@ -179,6 +180,126 @@ TEST_CASE(
                                          "model.tie_weights=false"};
   SECTION("lstm_lm, gpipe") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "gpipe", 3); }
   SECTION("lstm_lm, zbh1") { check_pipeline_matches("lstm_kjv.yaml", lstm, 2, 2, "zbh1", 2); }
+}
+
+// The LSTM LM with a layer per stage, each step's windows cut into time
+// chunks that flow through the layers as a wavefront, carrying every
+// layer's state from chunk to chunk and (contiguous streams) from batch to
+// batch. The chunk losses are averaged in another order than one process's
+// mean over the whole window, so the two agree within float tolerance.
+std::vector<std::string> wavefront_args(int layers, std::vector<std::string> extra) {
+  std::vector<std::string> a = {
+      "data.path=" + std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt",
+      "training.global_batch=4",
+      "training.log_every=1",
+      "training.eval_every=0",
+      cat("model.n_layer=", layers),
+      "model.hidden=32",
+      "model.d_model=32",
+      "model.dropout=0",
+      "model.tie_weights=false",
+      "data.seq_len=32",
+      "data.sampling=contiguous",
+      "data.val_windows=8",
+      "optimizer.name=sgd",
+      "optimizer.lr=1.0",
+      "optimizer.momentum=0.9",
+      "optimizer.clip_grad_norm=0.5",
+      "schedule.name=constant",
+      "schedule.warmup_steps=0"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+TEST_CASE(
+    "pipeline: the LSTM LM as a wavefront over time chunks, a layer per stage, trains as "
+    "one process",
+    "[parallel][mp]") {
+  struct Layout {
+    int layers, chunks;
+  };
+  for (Layout l : {Layout{2, 4}, Layout{4, 8}}) {
+    DYNAMIC_SECTION(l.layers << " layers on " << l.layers << " stages, " << l.chunks
+                             << " time chunks") {
+      const std::vector<std::string> common =
+          wavefront_args(l.layers, {"training.steps=50", "training.checkpoint_every=50"});
+      const std::string a = run_dir(cat("wave_ref", l.layers)), b = run_dir(cat("wave", l.layers));
+      testing::ProcessResult ra = run_ranks(1, trainer_args("lstm_kjv.yaml", a, common));
+      INFO(ra.output);
+      REQUIRE(ra.code == 0);
+      std::vector<std::string> piped = common;
+      piped.insert(piped.end(), {cat("parallel.pp=", l.layers), "parallel.schedule=wavefront",
+                                 cat("parallel.time_chunks=", l.chunks)});
+      testing::ProcessResult rb = run_ranks(l.layers, trainer_args("lstm_kjv.yaml", b, piped));
+      INFO(rb.output);
+      REQUIRE(rb.code == 0);
+      CHECK(rb.output.find(cat("pp=", l.layers)) != std::string::npos);
+      const StepLog expected = step_log(a), got = step_log(b);
+      REQUIRE(expected.loss.size() == 50);
+      check_close(expected.loss, got.loss, 1e-5, "loss");
+      check_close(expected.grad_norm, got.grad_norm, 1e-4, "gradient norm");
+      check_models(model_at(a, 50), model_at(b, 50), 1e-5);
+    }
+  }
+}
+
+TEST_CASE("pipeline: a wavefront run resumes bit for bit with every stage's carried state",
+          "[parallel][mp]") {
+  const std::vector<std::string> piped =
+      wavefront_args(2, {"training.steps=6", "training.checkpoint_every=2", "parallel.pp=2",
+                         "parallel.schedule=wavefront", "parallel.time_chunks=4"});
+  const std::string a = run_dir("wave_resume_ref"), b = run_dir("wave_resume");
+  testing::ProcessResult ra = run_ranks(2, trainer_args("lstm_kjv.yaml", a, piped));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  testing::ProcessResult rb1 = run_ranks(2, trainer_args("lstm_kjv.yaml", b, piped),
+                                         {.stop_after = "step 3/6", .timeout_s = 300});
+  INFO(rb1.output);
+  std::vector<std::string> resumed = trainer_args("lstm_kjv.yaml", b, piped);
+  resumed.push_back("--resume=auto");
+  testing::ProcessResult rb2 = run_ranks(2, resumed);
+  INFO(rb2.output);
+  REQUIRE(rb2.code == 0);
+  CHECK(rb2.output.find("resumed from") != std::string::npos);
+  check_models(model_at(a, 6), model_at(b, 6));
+  // Each stage saved its own layer's state, and it is not zeros.
+  const std::string step2 = a + "/checkpoints/" + CheckpointDir::step_name(2);
+  for (int rank : {0, 1}) {
+    SafetensorsFile f = read_safetensors(cat(step2, "/stream_state.rank", rank, ".safetensors"));
+    INFO("rank " << rank);
+    REQUIRE(f.tensors.count(cat("h", rank)) == 1);
+    CHECK(f.tensors.count(cat("h", 1 - rank)) == 0);
+    CHECK(f.tensors.at(cat("c", rank)).shape() == Shape{4, 32});
+    double sum = 0;
+    for (float v : f.tensors.at(cat("c", rank)).to_vector<float>()) sum += std::fabs(v);
+    CHECK(sum > 0.1);
+  }
+}
+
+TEST_CASE("pipeline: the wavefront's keys are checked against each other and the model",
+          "[parallel]") {
+  auto error_of = [](const std::string& recipe, std::vector<std::string> extra) {
+    extra.push_back("--dry-run");
+    testing::ProcessResult r =
+        run_ranks(1, trainer_args(recipe, run_dir("wave_errors"), wavefront_args(2, extra)));
+    CHECK(r.code == 1);
+    return r.output;
+  };
+  CHECK(error_of("gpt_kjv.yaml", {"model.name=gpt", "parallel.pp=2", "parallel.schedule=wavefront",
+                                  "parallel.time_chunks=4"})
+            .find("gpt needs whole sequences") != std::string::npos);
+  CHECK(error_of("lstm_kjv.yaml", {"parallel.pp=2", "parallel.time_chunks=4"})
+            .find("needs all three") != std::string::npos);
+  CHECK(error_of("lstm_kjv.yaml",
+                 {"parallel.pp=2", "parallel.schedule=wavefront", "parallel.time_chunks=5"})
+            .find("use a divisor of 32") != std::string::npos);
+  CHECK(error_of("lstm_kjv.yaml", {"parallel.pp=2", "parallel.schedule=wavefront",
+                                   "parallel.time_chunks=4", "parallel.micro_batches=2"})
+            .find("set parallel.micro_batches=1") != std::string::npos);
+  CHECK(error_of("lstm_kjv.yaml", {"parallel.tp=2"})
+            .find("parallel.pp=2 parallel.schedule=wavefront") != std::string::npos);
+  CHECK(error_of("lstm_kjv.yaml", {"parallel.pp=2", "model.tie_weights=true"})
+            .find("set model.tie_weights=false") != std::string::npos);
 }
 
 TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads into one process",

@@ -124,13 +124,18 @@ TEST_CASE("schedule: every generator's table checks clean for P in {1,2,3,4,8}, 
   }
 }
 
-TEST_CASE("schedule: GPipe, 1F1B and ZB-H1 run their actions in the published order",
+TEST_CASE("schedule: GPipe, 1F1B, ZB-H1 and the wavefront run their actions in the published order",
           "[parallel]") {
   // GPipe: every forward, then every backward in micro-batch order.
   const Schedule gpipe = gpipe_schedule(2, 3);
   CHECK(to_string(gpipe) ==
         "stage 0: F0 sendA0 F1 sendA1 F2 sendA2 recvG0 B0 recvG1 B1 recvG2 B2 sync step\n"
         "stage 1: recvA0 F0 recvA1 F1 recvA2 F2 B0 sendG0 B1 sendG1 B2 sendG2 sync step");
+  // The wavefront: GPipe's forwards, then the backwards from the last time chunk to the first.
+  CHECK(to_string(wavefront_schedule(2, 3)) ==
+        "stage 0: F0 sendA0 F1 sendA1 F2 sendA2 recvG2 B2 recvG1 B1 recvG0 B0 sync step\n"
+        "stage 1: recvA0 F0 recvA1 F1 recvA2 F2 B2 sendG2 B1 sendG1 B0 sendG0 sync step");
+  CHECK(peak_in_flight(wavefront_schedule(4, 6)) == std::vector<int>{6, 6, 6, 6});
   // 1F1B: stage s warms up with min(P-s-1, M) forwards.
   const Schedule one_f_one_b = one_f_one_b_schedule(4, 6);
   CHECK(compute_only(one_f_one_b, 0) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
@@ -276,10 +281,9 @@ TEST_CASE("pipeline sim: GPipe and 1F1B take (M + P - 1)(t_f + t_b), busy M / (M
   for (const auto& [t_f, t_b] : {std::pair{1.0, 2.0}, std::pair{0.75, 1.25}})
     for (int p : {1, 2, 3, 4, 8})
       for (int m = 1; m <= 12; ++m)
-        for (const char* name : {"gpipe", "1f1b"}) {
+        for (const char* name : {"gpipe", "1f1b", "wavefront"}) {
           INFO(name << " P=" << p << " M=" << m << " t_f=" << t_f << " t_b=" << t_b);
-          const Schedule s =
-              name == std::string("gpipe") ? gpipe_schedule(p, m) : one_f_one_b_schedule(p, m);
+          const Schedule s = make_schedule(name, p, m);
           const SimResult r = simulate(s, uniform(t_f, t_b));
           CHECK(r.step_time == (m + p - 1) * (t_f + t_b));
           CHECK(r.ideal_time == m * (t_f + t_b));

@@ -19,6 +19,13 @@ namespace trainer {
 ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   const ParallelRecipe& p = r.parallel;
   if (p.tp > 1) {
+    if (r.model.name == "lstm_lm")
+      throw Error(cat(r.source, ": parallel.tp = ", p.tp,
+                      ": the LSTM LM is split by layers, not within them: run a layer per rank "
+                      "with parallel.tp=1 parallel.pp=",
+                      std::min<int64_t>(p.tp, r.model.n_layer),
+                      " parallel.schedule=wavefront parallel.time_chunks=4 (the sequence cut "
+                      "into time chunks that flow through the layers as a wavefront)"));
     if (p.zero1)
       throw Error(cat(r.source, ": parallel.zero1 with parallel.tp = ", p.tp,
                       " is not supported (ZeRO-1 shards whole parameters over the dp ranks); "
@@ -35,7 +42,36 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                       "parallel.tp; use a multiple of ",
                       p.tp));
   }
+  if (r.model.name == "lstm_lm" && p.pp > 1 && r.model.tie_weights)
+    throw Error(cat(r.source, ": parallel.pp = ", p.pp,
+                    " with model.tie_weights: the LSTM LM's decoder would share the embedding "
+                    "of another stage, which is not supported; set model.tie_weights=false"));
   const ParallelRecipe defaults;
+  if (p.time_chunks > 1 || p.schedule == "wavefront") {
+    const int64_t seq = r.data.seq_len > 0 ? r.data.seq_len : r.model.context;
+    const std::string what =
+        cat(": parallel.time_chunks = ", p.time_chunks, " with parallel.schedule = ", p.schedule);
+    if (r.model.name != "lstm_lm")
+      throw Error(cat(r.source, what, ": time chunks are the LSTM LM's wavefront (model.name = ",
+                      "lstm_lm); ", r.model.name,
+                      " needs whole sequences: leave parallel.time_chunks at 1 and choose gpipe, "
+                      "1f1b, interleaved or zbh1"));
+    if (p.time_chunks < 2 || p.schedule != "wavefront" || p.pp < 2)
+      throw Error(cat(r.source, what, ", parallel.pp = ", p.pp,
+                      ": the LSTM LM's wavefront needs all three: parallel.pp >= 2 stages (up to "
+                      "model.n_layer = ",
+                      r.model.n_layer,
+                      ", one layer each), parallel.schedule=wavefront and parallel.time_chunks >= "
+                      "2"));
+    if (p.micro_batches != 1)
+      throw Error(cat(r.source, what, ": the time chunks are the wavefront's micro-batches; set ",
+                      "parallel.micro_batches=1 (parallel.micro_batches = ", p.micro_batches, ")"));
+    if (seq % p.time_chunks != 0)
+      throw Error(cat(r.source, what, ": the ", seq,
+                      "-token windows (data.seq_len) do not divide into parallel.time_chunks; use "
+                      "a divisor of ",
+                      seq));
+  }
   if (p.pp == 1) {
     // Read by pipeline schedules only; accepted at their defaults so recipes can spell them out.
     if (p.micro_batches != defaults.micro_batches)

@@ -200,6 +200,15 @@ TensorList PipelineRuntime::forward(int m, int chunk, const TensorList& model_in
       size_t i = 0;
       while (i < names.size() && names[i] != name) ++i;
       CHECK(i < names.size()) << "model input '" << name << "'";
+      Tensor previous = carry_state_ && m > 0 ? carried_output(m - 1, chunk, name) : Tensor();
+      if (previous.defined()) {
+        // The state the previous time chunk ended in, its gradient to come back.
+        Tensor leaf = previous.detach();
+        if (is_floating(leaf.dtype())) leaf.requires_grad_();
+        f.carried_in[k] = leaf;
+        f.inputs.push_back(leaf);
+        continue;
+      }
       f.inputs.push_back(model_inputs.at(i));
     } else {
       auto it = f.received.find(source);
@@ -221,6 +230,15 @@ TensorList PipelineRuntime::forward(int m, int chunk, const TensorList& model_in
       for (size_t j = 0; j < model_outputs.size(); ++j)
         if (model_outputs[j] == here[k]) kept[j] = f.outputs[k];
   return kept;
+}
+
+Tensor PipelineRuntime::carried_output(int m, int chunk, const std::string& name) {
+  const parallel::Piece& p = piece(chunk);
+  const InFlight& f = in_flight(m, chunk);
+  const std::vector<std::string>& here = blocks_.boundary(p.last);
+  for (size_t j = 0; j < f.outputs.size(); ++j)
+    if (p.output_kept[j] && here[j] == name) return f.outputs[j];
+  return Tensor();
 }
 
 void PipelineRuntime::send_activation(int m, int chunk) {
@@ -267,6 +285,12 @@ void PipelineRuntime::backward_roots(InFlight& f, int chunk, TensorList& roots,
       roots.push_back(f.outputs[k]);
       grads.push_back(it->second);
     }
+  // Time chunks: the state this micro-batch ended in, as the next one used it.
+  for (const auto& [k, grad] : f.carried_grad)
+    if (grad.defined() && f.outputs.at(k).requires_grad()) {
+      roots.push_back(f.outputs[k]);
+      grads.push_back(grad);
+    }
 }
 
 void PipelineRuntime::collect_input_grads(InFlight& f, int chunk, const TensorList* grads) {
@@ -287,6 +311,18 @@ void PipelineRuntime::backward(int m, int chunk) {
   if (!roots.empty()) autograd::run_backward(roots, grads, false);
   record(cat("B", m, chunk ? cat(".c", chunk) : std::string()), parallel::Track::compute, begin);
   collect_input_grads(f, chunk);
+  if (!f.carried_in.empty()) {
+    // To the previous time chunk's backward, by the name of the state.
+    const parallel::Piece& p = piece(chunk);
+    const std::vector<std::string>& in_names = blocks_.boundary(p.first);
+    const std::vector<std::string>& out_names = blocks_.boundary(p.last);
+    InFlight& previous = in_flight(m - 1, chunk);
+    for (const auto& [k, leaf] : f.carried_in)
+      for (size_t j = 0; j < out_names.size(); ++j)
+        if (p.output_kept[j] && out_names[j] == in_names[k]) previous.carried_grad[j] = leaf.grad();
+    f.carried_in.clear();
+  }
+  f.carried_grad.clear();
   f.outputs.clear();
   f.loss = Tensor();
   f.grad_in.clear();
@@ -294,6 +330,8 @@ void PipelineRuntime::backward(int m, int chunk) {
 }
 
 void PipelineRuntime::backward_input(int m, int chunk) {
+  CHECK(!carry_state_)
+      << "time chunks run whole backwards (the wavefront schedule), not split ones";
   InFlight& f = in_flight(m, chunk);
   TensorList roots, grads, inputs;
   backward_roots(f, chunk, roots, grads);

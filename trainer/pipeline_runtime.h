@@ -26,6 +26,13 @@
 // Split backward (zero-bubble schedules): backward_input computes only the
 // gradients of the piece's received inputs, backward_weight later the
 // weights' (core/autograd.h run_backward_input).
+//
+// Time chunks (the LSTM LM's wavefront, set_carry_state): the micro-batches
+// are consecutive pieces of one sequence, so micro-batch m > 0 starts its
+// carried state (names both model input and model output, e.g. h0, c0)
+// from the state micro-batch m - 1 ended in on this stage, not from the
+// batch; backward(m) hands the gradient of that state back to backward(m - 1),
+// which the wavefront schedule runs next (backwards in reverse order).
 #pragma once
 
 #include <map>
@@ -51,6 +58,9 @@ class PipelineRuntime {
   // Whether chunk runs the model's last piece (the loss) / its first.
   bool is_last_piece(int chunk) const;
   bool is_first_piece(int chunk) const;
+
+  // Micro-batches continue each other's carried state (time chunks).
+  void set_carry_state(bool carry) { carry_state_ = carry; }
 
   // Runs the whole model on model_inputs under autocast_dtype (no
   // gradients) and records each transfer's shape and dtype.
@@ -90,6 +100,11 @@ class PipelineRuntime {
     std::map<int, Tensor> grad_out;  // receive transfer -> its gradient to send upstream
     Tensor loss;
     std::optional<autograd::DeferredWeightGrads> deferred;
+    // Time chunks: boundary(first) index -> the leaf made from the previous
+    // micro-batch's state; boundary(last) index -> the gradient of this
+    // micro-batch's state from the next one's backward.
+    std::map<size_t, Tensor> carried_in;
+    std::map<size_t, Tensor> carried_grad;
   };
   InFlight& in_flight(int m, int chunk) { return in_flight_[{m, chunk}]; }
   const parallel::Piece& piece(int chunk) const {
@@ -101,6 +116,8 @@ class PipelineRuntime {
   // Error naming this stage, the action, the tensor and the peer when the
   // transport refuses, e.g. a peer already known dead).
   comm::Work message(bool sending, const Tensor& bytes, int t, const parallel::Action& a);
+  // Micro-batch m's kept output `name` on this stage (undefined: none).
+  Tensor carried_output(int m, int chunk, const std::string& name);
   // Posts the receive of actions_[i] (a recv action), once.
   void post(size_t i);
   // Waits for the receive of action a (posted if it was not), then posts the next one.
@@ -118,6 +135,7 @@ class PipelineRuntime {
   const BlockList& blocks_;
   parallel::Timeline* timeline_;
   std::map<std::pair<int, int>, InFlight> in_flight_;
+  bool carry_state_ = false;
 
   // The step's receives: posted (action index -> buffers and works).
   struct Posted {

@@ -137,6 +137,16 @@ std::string describe_stages(const Session& session, const parallel::StageSplit& 
                     ms, act / double(1 << 20));
     out += cat("  stage ", s, ": ", names, ", ", with_commas(params), " parameters", line, "\n");
   }
+  const ParallelRecipe& p = session.recipe().parallel;
+  if (p.time_chunks > 1) {
+    const int64_t T = session.recipe().data.seq_len > 0 ? session.recipe().data.seq_len
+                                                        : session.recipe().model.context;
+    out += cat("wavefront: each micro-batch's ", T, "-token windows cut into ", p.time_chunks,
+               " time chunks of ", T / p.time_chunks,
+               " tokens, the schedule's micro-batches; each stage carries its layers' state "
+               "from chunk to chunk",
+               profile ? " (the predictions above are for the whole window)" : "", "\n");
+  }
   return out;
 }
 

@@ -100,8 +100,11 @@ struct ParallelRecipe {
   // over the tp ranks (allgather / reduce-scatter in place of allreduces).
   bool sequence_parallel = false;
   int64_t micro_batches = 1;
-  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved | zbh1
+  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved | zbh1 | wavefront
   int64_t virtual_stages = 1;     // model chunks per stage (interleaved)
+  // The LSTM LM's wavefront: each step's sequence cut into this many time
+  // chunks, the pipeline's micro-batches (schedule wavefront, one layer per stage).
+  int64_t time_chunks = 1;
   // How the blocks are cut into stages: "even" (by count), "auto" (by
   // measured time, within stage_memory_mb), or "list": stage_starts, the
   // first block of every piece after the first.

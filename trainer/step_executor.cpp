@@ -12,11 +12,28 @@ namespace trainer {
 using parallel::Action;
 using parallel::ActionKind;
 
+namespace {
+
+// Time chunk m of K of a batch of token windows: its columns [m T/K, (m + 1) T/K).
+StepBatch time_chunk(const StepBatch& batch, int m, int K) {
+  if (K == 1) return batch;
+  const int64_t T = batch.inputs.size(1), width = T / K;
+  CHECK_EQ(width * K, T) << "time chunks of a window";
+  StepBatch chunk = batch;
+  chunk.inputs = batch.inputs.narrow(1, m * width, width).contiguous();
+  chunk.targets = batch.targets.narrow(1, m * width, width).contiguous();
+  return chunk;
+}
+
+}  // namespace
+
 parallel::Schedule training_schedule(const Recipe& recipe, const RankLayout& layout) {
   if (layout.job.mesh.pp == 1) return parallel::one_stage_schedule(int(recipe.training.grad_accum));
+  // The LSTM LM's wavefront: the time chunks are the micro-batches.
+  const int64_t micro_batches =
+      recipe.parallel.time_chunks > 1 ? recipe.parallel.time_chunks : recipe.parallel.micro_batches;
   try {
-    return parallel::make_schedule(recipe.parallel.schedule, layout.job.mesh.pp,
-                                   int(recipe.parallel.micro_batches),
+    return parallel::make_schedule(recipe.parallel.schedule, layout.job.mesh.pp, int(micro_batches),
                                    int(recipe.parallel.virtual_stages));
   } catch (const Error& e) {
     throw Error(cat(recipe.source, ": ", e.what()));
@@ -29,7 +46,8 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
       run_(run),
       precision_(precision),
       schedule_(std::move(schedule)),
-      actions_(schedule_.stages.at(run.pipeline() ? size_t(run.pipeline()->stage()) : 0)) {
+      actions_(schedule_.stages.at(run.pipeline() ? size_t(run.pipeline()->stage()) : 0)),
+      time_chunks_(run.pipeline() ? int(session.recipe().parallel.time_chunks) : 1) {
   parallel::check_schedule(schedule_);
   PipelineRuntime* pipeline = run_.pipeline();
   if (!pipeline)
@@ -49,8 +67,10 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
     std::vector<NamedTensor> buffers = session_.model().named_buffers();
     std::vector<Tensor> kept;
     for (const NamedTensor& b : buffers) kept.push_back(b.tensor.clone());
+    pipeline->set_carry_state(time_chunks_ > 1);
     BatchSource& source = session_.data();
-    pipeline->probe(source.model_inputs(source.probe_batch(session_.micro_batch())),
+    pipeline->probe(source.model_inputs(
+                        time_chunk(source.probe_batch(session_.micro_batch()), 0, time_chunks_)),
                     precision_.autocast_dtype());
     autograd::NoGradGuard no_grad;
     for (size_t k = 0; k < buffers.size(); ++k) buffers[k].tensor.copy_(kept[k]);
@@ -160,7 +180,8 @@ StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
 
 bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
   PipelineRuntime& rt = *run_.pipeline();
-  std::optional<StepBatch>& batch = in_flight.batches[size_t(m)];
+  // Time chunks are pieces of one batch, read once per step.
+  std::optional<StepBatch>& batch = in_flight.batches[time_chunks_ > 1 ? 0 : size_t(m)];
   if (!batch) {
     StepBatch b;
     if (!session_.next_batch(b)) return false;
@@ -171,10 +192,11 @@ bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
   session_.rekey_dropout(in_flight.step * schedule_.micro_batches + m);
   AutocastGuard autocast(precision_.autocast_dtype());
   BatchSource& source = session_.data();
-  TensorList outputs = rt.forward(m, chunk, source.model_inputs(*batch));
+  const StepBatch piece = time_chunk(*batch, time_chunks_ > 1 ? m : 0, time_chunks_);
+  TensorList outputs = rt.forward(m, chunk, source.model_inputs(piece));
   source.keep_outputs(outputs);
   if (!rt.is_last_piece(chunk)) return true;
-  Tensor loss = source.loss_from(*batch, outputs);
+  Tensor loss = source.loss_from(piece, outputs);
   const double v = loss.item<double>();
   in_flight.finite = in_flight.finite && std::isfinite(v);
   in_flight.loss_sum += v;

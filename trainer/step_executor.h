@@ -34,6 +34,13 @@
 // Gradients accumulate in micro-batch order on every stage, so a pipeline
 // trains bit for bit as pp = 1 with training.grad_accum = M (a weight tied
 // across stages aside: its two halves add in another order).
+//
+// The LSTM LM's wavefront (parallel.time_chunks = K, schedule wavefront):
+// each step reads one batch and its K time chunks are the micro-batches;
+// every stage carries its layers' state from chunk to chunk
+// (PipelineRuntime::set_carry_state) and runs the backwards in reverse
+// order, so the step computes the gradient of the whole sequence, as one
+// process does, with the loss of chunk m scaled by 1/K.
 #pragma once
 
 #include <cstdint>
@@ -100,6 +107,9 @@ class StepExecutor {
   parallel::Schedule schedule_;
   const std::vector<parallel::Action>& actions_;  // this rank's stage
   size_t last_backward_ = 0;  // index of the step's last action computing weight gradients
+  // parallel.time_chunks: the micro-batches are time chunks of one batch
+  // (the LSTM LM's wavefront); 1 otherwise.
+  int time_chunks_ = 1;
 };
 
 }  // namespace trainer

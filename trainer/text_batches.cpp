@@ -40,6 +40,7 @@ class TextBatches final : public BatchSource {
     BatchSource::bind(model);
     lstm_ = std::dynamic_pointer_cast<LSTMLM>(model_);
     loss_model_ = dynamic_cast<const Model*>(model_.get());
+    carried_.assign(lstm_ ? size_t(2 * lstm_->options().num_layers) : 0, Tensor());
   }
   bool is_language_model() const override { return true; }
   const char* item_name() const override { return "tokens"; }
@@ -57,7 +58,7 @@ class TextBatches final : public BatchSource {
     epoch_ = epoch;
     position_ = position;
     // A new epoch's streams start from zeros; a resumed one from the saved state.
-    if (position == 0) carried_ = RNNState{};
+    if (position == 0) carried_.assign(carried_.size(), Tensor());
   }
   bool next(StepBatch& batch) override;
   Tensor loss(const StepBatch& batch) override;
@@ -80,6 +81,10 @@ class TextBatches final : public BatchSource {
   bool carries_state() const {
     return lstm_ != nullptr && train_windows_->contiguous() && holds_state_;
   }
+  // The carried state of every layer as the LSTM LM takes it (undefined
+  // until each layer has some), and back.
+  RNNState whole_state() const;
+  void set_whole_state(const RNNState& state);
 
   const RankLayout layout_;
   const int64_t micro_batch_;
@@ -89,8 +94,10 @@ class TextBatches final : public BatchSource {
   int64_t epoch_ = 0, position_ = 0;   // the epoch being read
   std::shared_ptr<LSTMLM> lstm_;       // model_ when it is the LSTM LM
   const Model* loss_model_ = nullptr;  // model_ as a Model (its output_loss)
-  RNNState carried_;                   // its state after the last micro-batch
-  bool holds_state_ = true;            // false on a pipeline stage without the LSTM
+  // Its state after the last micro-batch: h0, c0, h1, c1, .. [B, H] (the
+  // model inputs after the tokens); on a pipeline stage only its layers'.
+  std::vector<Tensor> carried_;
+  bool holds_state_ = true;  // false on a pipeline stage without the LSTM
 };
 
 TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
@@ -147,20 +154,40 @@ bool TextBatches::next(StepBatch& batch) {
 Tensor TextBatches::loss(const StepBatch& batch) {
   if (!carries_state())
     return token_cross_entropy(loss_model_, (*model_)(batch.inputs), batch.targets);
-  LSTMLMOutput out = lstm_->forward(batch.inputs, carried_);
-  carried_ = out.state.detach();
+  LSTMLMOutput out = lstm_->forward(batch.inputs, whole_state());
+  set_whole_state(out.state.detach());
   return token_cross_entropy(loss_model_, out.logits, batch.targets);
 }
 
+RNNState TextBatches::whole_state() const {
+  for (const Tensor& t : carried_)
+    if (!t.defined()) return {};
+  TensorList hs, cs;
+  for (size_t k = 0; k < carried_.size(); k += 2) {
+    hs.push_back(carried_[k]);
+    cs.push_back(carried_[k + 1]);
+  }
+  return {stack(hs, 0), stack(cs, 0)};
+}
+
+void TextBatches::set_whole_state(const RNNState& state) {
+  for (size_t k = 0; k < carried_.size(); k += 2) {
+    carried_[k] = state.defined() ? state.h.select(0, int64_t(k / 2)) : Tensor();
+    carried_[k + 1] = state.defined() ? state.c.select(0, int64_t(k / 2)) : Tensor();
+  }
+}
+
 TensorList TextBatches::model_inputs(const StepBatch& batch) {
-  if (!lstm_) return {batch.inputs};
-  if (!carries_state()) return {batch.inputs, Tensor(), Tensor()};
-  return {batch.inputs, carried_.h, carried_.c};
+  TensorList in = {batch.inputs};
+  if (!lstm_) return in;
+  for (const Tensor& t : carried_) in.push_back(carries_state() ? t : Tensor());
+  return in;
 }
 
 void TextBatches::keep_outputs(const TensorList& outputs) {
-  if (!carries_state() || !outputs.at(1).defined()) return;
-  carried_ = RNNState{outputs[1], outputs[2]}.detach();
+  if (!carries_state()) return;
+  for (size_t k = 0; k < carried_.size(); ++k)
+    if (outputs.at(k + 1).defined()) carried_[k] = outputs[k + 1].detach();
 }
 
 Tensor TextBatches::loss_from(const StepBatch& batch, const TensorList& outputs) {
@@ -175,7 +202,7 @@ StepBatch TextBatches::probe_batch(int64_t n) {
 }
 
 Tensor TextBatches::probe_loss(int64_t n) {
-  RNNState kept = carried_;  // the probe must not become the carried state
+  std::vector<Tensor> kept = carried_;  // the probe must not become the carried state
   Tensor l = loss(probe_batch(n));
   carried_ = kept;
   return l;
@@ -224,8 +251,13 @@ EvalSums TextBatches::evaluate_shard() {
 
 std::optional<std::vector<NamedTensor>> TextBatches::stream_state() const {
   if (!carries_state()) return std::nullopt;
+  // Every layer's: h and c [L, B, H]; a pipeline stage's: h<k> and c<k>
+  // [B, H] of its layers.
   std::vector<NamedTensor> state;
-  if (carried_.defined()) state = {{"h", carried_.h}, {"c", carried_.c}};
+  const RNNState whole = whole_state();
+  if (whole.defined()) return std::vector<NamedTensor>{{"h", whole.h}, {"c", whole.c}};
+  for (size_t k = 0; k < carried_.size(); ++k)
+    if (carried_[k].defined()) state.push_back({cat(k % 2 ? "c" : "h", k / 2), carried_[k]});
   return state;
 }
 
@@ -233,22 +265,40 @@ void TextBatches::load_stream_state(const std::string& dir, int64_t position) {
   if (!carries_state()) return;
   const std::string path = stream_state_file(dir, layout_.rank);
   std::map<std::string, Tensor> saved = read_stream_state(dir, layout_.rank);
-  carried_ = RNNState{};
+  carried_.assign(carried_.size(), Tensor());
   if (saved.empty()) {
     if (position != 0)
       throw Error(cat(path, " holds no state, but the checkpoint is ", position,
                       " windows into an epoch; use an earlier checkpoint"));
     return;
   }
-  auto h = saved.find("h"), c = saved.find("c");
-  const Shape expected{lstm_->options().num_layers, micro_batch_, lstm_->options().hidden_size};
-  if (h == saved.end() || c == saved.end() || h->second.shape() != expected ||
-      c->second.shape() != expected || h->second.dtype() != DType::f32 ||
-      c->second.dtype() != DType::f32)
-    throw Error(cat(path, " is not the carried LSTM state (h and c, f32 ", shape_str(expected),
-                    "); was it written with another model, batch or world size?"));
   const Device device = module_device(*model_);
-  carried_ = RNNState{to_device(h->second, device), to_device(c->second, device)};
+  const int64_t L = lstm_->options().num_layers, H = lstm_->options().hidden_size;
+  auto fits = [](const Tensor& t, const Shape& shape) {
+    return t.shape() == shape && t.dtype() == DType::f32;
+  };
+  auto h = saved.find("h"), c = saved.find("c");
+  const Shape whole{L, micro_batch_, H}, layer{micro_batch_, H};
+  if (h != saved.end() && c != saved.end() && saved.size() == 2 && fits(h->second, whole) &&
+      fits(c->second, whole)) {
+    set_whole_state({to_device(h->second, device), to_device(c->second, device)});
+    return;
+  }
+  // A pipeline stage's layers.
+  for (const auto& [name, t] : saved) {
+    size_t k = carried_.size();
+    if (name.size() > 1 && (name[0] == 'h' || name[0] == 'c') &&
+        name.find_first_not_of("0123456789", 1) == std::string::npos) {
+      const size_t layer_index = std::stoul(name.substr(1));
+      if (layer_index < size_t(L)) k = 2 * layer_index + (name[0] == 'c');
+    }
+    if (k >= carried_.size() || !fits(t, layer))
+      throw Error(cat(path, " is not the carried LSTM state (h and c, f32 ", shape_str(whole),
+                      ", or a pipeline stage's h<k> and c<k>, f32 ", shape_str(layer), "; found '",
+                      name, "' ", t.shape_str(),
+                      "); was it written with another model, batch or world size?"));
+    carried_[k] = to_device(t, device);
+  }
 }
 
 void TextBatches::check_vocab(const std::string& state_path,
