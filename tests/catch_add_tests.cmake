@@ -30,6 +30,13 @@ function(add_group spec prefix)
   if(NOT result MATCHES "^[0-9]+$")
     message(FATAL_ERROR "cannot list the tests of ${TEST_EXECUTABLE}: ${result}\n${output}")
   endif()
+  # A ';' would split a name in two (CMake lists): ctest would run a spec
+  # matching no case, which passes without testing anything.
+  if(output MATCHES ";")
+    string(REGEX MATCH "[^\n]*;[^\n]*" bad "${output}")
+    message(FATAL_ERROR "${TEST_EXECUTABLE}: the test case \"${bad}\" has a ';' in its name; "
+                        "ctest cannot register it (use a comma)")
+  endif()
   string(REPLACE "\n" ";" names "${output}")
   foreach(name IN LISTS names)
     if(name STREQUAL "")

@@ -47,6 +47,12 @@ grep -Eq "^gpt +dp=2 +\| +$num +$num \|" "$out" || fail "bench_tp: no dp=2 row"
   --warmup 1 --no-torch --sequence-parallel > "$out"
 grep -Eq "^gpt +tp=2 +\| +$num +$num \| +$num +$num +1\.000 \|" "$out" ||
   fail "bench_tp --sequence-parallel: its bytes differ from the analytic count"
+"$build/bench_planner" --quick > "$out"
+grep -Eq "^175B +a100-80gb +1024 \| +[0-9]+ x [0-9]+ x [0-9]+ " "$out" || fail "bench_planner: no 175B x 1024 row"
+grep -q "Narayanan et al. 2021" "$out" || fail "bench_planner: no published comparison"
+if "$build/bench_planner" --bogus > "$out" 2>&1; then fail "bench_planner accepted --bogus"; fi
+grep -q "usage: bench_planner" "$out" || fail "bench_planner --bogus: no usage"
+
 if "$build/bench_tp" --bogus > "$out" 2>&1; then fail "bench_tp accepted --bogus"; fi
 grep -q "usage: bench_tp" "$out" || fail "bench_tp --bogus: no usage"
 

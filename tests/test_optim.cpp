@@ -287,7 +287,7 @@ TEST_CASE("optimizer: options and parameters are validated with named errors", "
   require_error([&] { opt.step(); }, {"gradient of 'w'", "[2]"});
 }
 
-TEST_CASE("optimizer: state round trip continues bit for bit; bad states are rejected", "[optim]") {
+TEST_CASE("optimizer: state round trip continues bit for bit, bad states are rejected", "[optim]") {
   Generator gen(11, 2);
   Tensor w0 = rand_f64({3, 5}, gen), b0 = rand_f64({5}, gen);
   std::vector<Tensor> grads;

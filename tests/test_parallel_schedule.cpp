@@ -432,7 +432,7 @@ TEST_CASE("pipeline sim: the Chrome trace has one thread per stage and an event 
   CHECK(first_forward["ts"].get<double>() == 0.0);
 }
 
-TEST_CASE("trainer plan: prints the schedule, its swimlane and figures; bad requests exit 1",
+TEST_CASE("trainer plan: prints the schedule, its swimlane and figures, bad requests exit 1",
           "[parallel]") {
   using testing::run_trainer;
   const std::filesystem::path dir = testing::temp_path("plan");

@@ -220,7 +220,7 @@ TEST_CASE("tensor parallel: a tp 2 checkpoint resumes bit for bit and loads at t
   }
 }
 
-TEST_CASE("tensor parallel: layouts that do not divide are errors naming the keys; --dry-run",
+TEST_CASE("tensor parallel: layouts that do not divide are errors naming the keys, and --dry-run",
           "[parallel]") {
   auto dry = [](std::vector<std::string> extra) {
     std::vector<std::string> args = gpt_args(run_dir("dry"), std::move(extra));

@@ -219,7 +219,7 @@ TEST_CASE("train: an LSTM LM carrying its state over contiguous streams resumes 
   REQUIRE(sum > 0.1);
 }
 
-TEST_CASE("train: a language model logs bits per character; sample is deterministic",
+TEST_CASE("train: a language model logs bits per character, and sample is deterministic",
           "[train][lm]") {
   fs::path dir = fresh("bpc");
   fs::path recipe = tiny_recipe(dir, "gpt");

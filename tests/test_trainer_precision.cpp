@@ -66,7 +66,7 @@ TEST_CASE("precision: modes and their autocast dtypes", "[precision]") {
   REQUIRE_THROWS_WITH(Precision(h, false), Catch::Contains("backoff_factor"));
 }
 
-TEST_CASE("precision: an inf gradient skips the step and backs off; growth after the interval",
+TEST_CASE("precision: an inf gradient skips the step and backs off, growth after the interval",
           "[precision]") {
   Precision p(fp16_recipe(3), false);
   int updates = 0;
@@ -132,7 +132,7 @@ TEST_CASE("precision: the scaler's state resumes exactly from a checkpoint", "[p
   REQUIRE_THROWS_WITH(b.load(other.string()), Catch::Contains("loss_scaler.safetensors: missing"));
 }
 
-TEST_CASE("train: precision bf16 and fp16 train the MLP; fp16 logs its scale", "[train]") {
+TEST_CASE("train: precision bf16 and fp16 train the MLP, fp16 logs its scale", "[train]") {
   for (std::string precision : {"bf16", "fp16"}) {
     INFO(precision);
     fs::path out = fresh("mlp_" + precision);

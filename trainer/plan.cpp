@@ -1,9 +1,13 @@
 #include "trainer/plan.h"
 
+#include <yaml-cpp/yaml.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "core/check.h"
 #include "parallel/pipeline_sim.h"
@@ -66,7 +70,9 @@ double swimlane_unit(const parallel::Schedule& schedule, const parallel::SimResu
 
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& args) {
   CLI::App* cmd = app.add_subcommand(
-      "plan", "draw and time a pipeline schedule: swimlane, step time, bubble, memory");
+      "plan",
+      "draw and time a pipeline schedule: swimlane, step time, bubble, memory; with --nodes, "
+      "rank the dp x pp x tp plans of a cluster");
   cmd->add_option("recipe", args.recipe, "recipe YAML file (its parallel section gives defaults)")
       ->required();
   cmd->add_option("overrides", args.overrides, "key=value overrides of recipe keys");
@@ -90,10 +96,24 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& args) {
                   "stage separated by commas (default: 2)")
       ->delimiter(',');
   cmd->add_option("--trace", args.trace, "write the simulated timeline as a Chrome trace here");
+  cmd->add_option("--nodes", args.nodes,
+                  "plan the whole cluster: nodes N (ranks every dp x pp x tp layout)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--per-node", args.per_node, "GPUs per node G (default: the device's, 8)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--device", args.device,
+                  "a100-40gb, a100-80gb (default) or h100-80gb (with --nodes)");
+  cmd->add_option("--cluster", args.cluster,
+                  "YAML file describing the device and links (docs/planner.md)");
+  cmd->add_option("--top", args.top, "rows of the ranked plan table (default 10)")
+      ->check(CLI::PositiveNumber);
   return cmd;
 }
 
 std::string plan_report(const PlanArgs& args) {
+  if (args.nodes > 0) return cluster_plan_report(args);
+  if (args.per_node > 0 || !args.device.empty() || !args.cluster.empty())
+    throw Error("--per-node, --device and --cluster plan a cluster: give --nodes N too");
   const Recipe recipe = load_recipe(args.recipe, args.overrides);
   const int stages = args.pp > 0 ? args.pp : int(recipe.parallel.pp);
   const int micro_batches =
@@ -149,6 +169,183 @@ std::string plan_report(const PlanArgs& args) {
     write_file_atomic(args.trace, parallel::chrome_trace_json(schedule, result));
     out += cat("trace written to ", args.trace, " (ui.perfetto.dev opens it)\n");
   }
+  return out;
+}
+
+namespace {
+
+// The cluster planner's device when neither --device nor a cluster file names one.
+constexpr const char* kDefaultDevice = "a100-80gb";
+
+// Planning a text recipe whose vocabulary the data would give.
+constexpr int64_t kDefaultPlanningVocab = 50257;  // GPT-2's BPE
+
+int64_t planning_vocab(const Recipe& recipe, std::vector<std::string>* notes) {
+  if (recipe.model.vocab_size > 0) return recipe.model.vocab_size;
+  int64_t vocab = kDefaultPlanningVocab;
+  std::string why = "the data's tokenizer";
+  if (recipe.data.vocab == "byte" || recipe.data.vocab == "char") {
+    vocab = 256;
+    why = recipe.data.vocab == "byte" ? "one id per byte" : "at most one id per distinct byte";
+  }
+  notes->push_back(cat("vocabulary from the data: planned with V=", vocab, " (", why,
+                       "; set model.vocab_size to plan another)"));
+  return vocab;
+}
+
+}  // namespace
+
+parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::string>* notes) {
+  const ModelRecipe& model = recipe.model;
+  const std::string& name = model.name;
+  const int64_t sequence = recipe.data.seq_len > 0 ? recipe.data.seq_len : model.context;
+  if (name == "gpt")
+    return parallel::gpt_model({.n_layer = model.n_layer,
+                                .n_head = model.n_head,
+                                .d_model = model.d_model,
+                                .context = sequence,
+                                .vocab = planning_vocab(recipe, notes),
+                                .pad_vocab_to = 1,
+                                .tie_weights = model.tie_weights});
+  if (name == "lstm_lm")
+    return parallel::lstm_lm_model(planning_vocab(recipe, notes), model.d_model, model.hidden,
+                                   model.n_layer, sequence, model.tie_weights);
+  if (name == "mlp")
+    return parallel::mlp_model(recipe.data.image_size * recipe.data.image_size * model.in_channels,
+                               {256, 128}, model.num_classes);
+  if (name == "small_cnn")
+    return parallel::small_cnn_model(model.in_channels, recipe.data.image_size, model.num_classes);
+  if (name.rfind("resnet", 0) == 0) {
+    const bool small = name.size() > 6 && name.find("_small") != std::string::npos;
+    return parallel::resnet_model({.depth = std::stoi(name.substr(6)),
+                                   .num_classes = model.num_classes,
+                                   .in_channels = model.in_channels,
+                                   .image_size = recipe.data.image_size,
+                                   .small = small});
+  }
+  throw Error(cat("model.name '", name, "': the planner has no cost model for it"));
+}
+
+namespace {
+
+double positive_number(const YAML::Node& value, const std::string& where, const std::string& key) {
+  double number = 0;
+  bool ok = value.IsScalar();
+  if (ok) {
+    try {
+      number = value.as<double>();
+    } catch (const YAML::Exception&) {
+      ok = false;
+    }
+  }
+  if (!ok || !(number > 0) || !std::isfinite(number))
+    throw Error(cat(where, ": key '", key, "' expects a number > 0, got ",
+                    value.IsScalar() ? "'" + value.Scalar() + "'" : "a map or list"));
+  return number;
+}
+
+}  // namespace
+
+parallel::ClusterSpec load_cluster_file(const std::string& path, parallel::ClusterSpec base) {
+  std::ifstream in(path);
+  if (!in) throw Error(cat("cannot open cluster file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  YAML::Node root;
+  try {
+    root = YAML::Load(text.str());
+  } catch (const YAML::Exception& e) {
+    throw Error(cat(path, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));
+  }
+  if (root.IsNull()) return base;
+  if (!root.IsMap()) throw Error(cat(path, ": a cluster file is a YAML map of keys"));
+  const char* const kKeys =
+      "device, peak_tflops, memory_gib, per_node, achievable, intra.alpha_us, intra.gbps, "
+      "inter.alpha_us, inter.gbps";
+  auto where = [&](const YAML::Node& node) {
+    return node.Mark().line >= 0 ? cat(path, ":", node.Mark().line + 1) : path;
+  };
+  auto unknown = [&](const YAML::Node& node, const std::string& key) {
+    return Error(cat(where(node), ": unknown key '", key, "'; the keys are ", kKeys));
+  };
+  // The device first: the other keys change its figures.
+  if (const YAML::Node device = root["device"]) {
+    if (!device.IsScalar())
+      throw Error(cat(where(device), ": key 'device' expects a device name, e.g. h100-80gb"));
+    const int nodes = base.nodes, per_node = base.per_node;
+    base = parallel::cluster_for(device.Scalar(), nodes);
+    base.per_node = per_node;
+  }
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    const std::string key = it->first.as<std::string>();
+    const YAML::Node& value = it->second;
+    const std::string at = where(it->first);
+    if (key == "device") continue;
+    if (key == "peak_tflops") {
+      base.device.peak_tflops = positive_number(value, at, key);
+    } else if (key == "memory_gib") {
+      base.device.memory_gib = positive_number(value, at, key);
+    } else if (key == "per_node") {
+      const double per_node = positive_number(value, at, key);
+      if (per_node != std::floor(per_node) || per_node > 1024)
+        throw Error(cat(at, ": key 'per_node' expects a whole number of GPUs, got ", per_node));
+      base.per_node = int(per_node);
+    } else if (key == "achievable") {
+      base.device.achievable = std::min(1.0, positive_number(value, at, key));
+    } else if (key == "intra" || key == "inter") {
+      parallel::LinkSpec& link = key == "intra" ? base.intra : base.inter;
+      if (!value.IsMap()) throw Error(cat(at, ": key '", key, "' expects a map {alpha_us, gbps}"));
+      for (auto field = value.begin(); field != value.end(); ++field) {
+        const std::string name = field->first.as<std::string>();
+        const std::string full = key + "." + name;
+        const std::string field_at = where(field->first);
+        if (name == "alpha_us")
+          link.alpha_us = positive_number(field->second, field_at, full);
+        else if (name == "gbps")
+          link.gbps = positive_number(field->second, field_at, full);
+        else
+          throw unknown(field->first, full);
+      }
+    } else {
+      throw unknown(it->first, key);
+    }
+  }
+  base.device.name = root["device"] ? base.device.name : base.device.name + " (cluster file)";
+  return base;
+}
+
+std::string cluster_plan_report(const PlanArgs& args) {
+  const Recipe recipe = load_recipe(args.recipe, args.overrides);
+  std::vector<std::string> notes;
+  const parallel::ModelDesc model = model_for_planning(recipe, &notes);
+  parallel::ClusterSpec cluster = parallel::cluster_for(
+      args.device.empty() ? kDefaultDevice : args.device, args.nodes, args.per_node);
+  if (!args.cluster.empty()) {
+    cluster = load_cluster_file(args.cluster, cluster);
+    if (args.per_node > 0) cluster.per_node = args.per_node;
+  }
+  parallel::PlanRequest request{.cluster = cluster, .global_batch = recipe.training.global_batch};
+  request.precision = recipe.precision;
+  request.bucket_mb = double(recipe.parallel.bucket_mb);
+  const double peak_scale = request.precision == "fp32" ? 0.5 : 1.0;
+  const parallel::FlopBlockTimer timer(cluster.device, peak_scale);
+  const parallel::PlanResult result = parallel::plan_cluster(model, request, timer);
+
+  std::string out = cat("model ", model.name, ": ", number(model.params() / 1e6), "M parameters, ",
+                        number(model.forward_flops() / 1e9), " GFLOP forward per sample\n");
+  for (const std::string& note : notes) out += note + "\n";
+  out += cat("cluster: ", cluster.nodes, " nodes x ", cluster.per_node, " ", cluster.device.name,
+             " (", number(cluster.device.peak_tflops), " TFLOP/s bf16, ",
+             number(cluster.device.memory_gib), " GiB); intra-node ", number(cluster.intra.gbps),
+             " Gb/s + ", number(cluster.intra.alpha_us), " us, inter-node ",
+             number(cluster.inter.gbps), " Gb/s + ", number(cluster.inter.alpha_us), " us\n");
+  out += cat("compute: ", timer.describe(), "; global batch ", request.global_batch,
+             model.language_model ? " sequences, " : " samples, ", "precision ", request.precision,
+             "\n\n");
+  out += parallel::plan_table(result, args.top, model);
+  if (!result.ranked.empty())
+    out += cat("\nbest plan as recipe overrides:\n  ", parallel::plan_overrides(result.ranked[0]),
+               "\n");
   return out;
 }
 

@@ -14,10 +14,22 @@
 // micro-batch's forward and backward through a whole stage (one value: every
 // stage; default 1 and 2 ms); with V chunks each chunk takes 1/V of it.
 // Split backwards (zbh1) take half of it for each of I and W.
+//
+// With --nodes it is the cluster planner instead (parallel/planner.h,
+// docs/planner.md): every dp x pp x tp layout of N x G GPUs, micro-batch
+// count, schedule, ZeRO-1 and recomputation scored by a cost model, ranked,
+// the rejected ones grouped by reason, the best as recipe overrides. The
+// data set need not be on disk.
+//
+//   trainer plan recipes/gpt_kjv.yaml --nodes 2 --per-node 8
+//   trainer plan big.yaml --nodes 128 --device h100-80gb --top 20
+//   trainer plan big.yaml --nodes 16 --cluster my_cluster.yaml
 #pragma once
 
 #include <string>
 #include <vector>
+
+#include "parallel/planner.h"
 
 namespace CLI {
 class App;
@@ -35,7 +47,28 @@ struct PlanArgs {
   std::vector<double> fwd_ms;          // per stage, or one for all; empty: 1
   std::vector<double> bwd_ms;          // per stage, or one for all; empty: 2
   std::string trace;                   // "": no Chrome trace file
+  // The cluster planner (nodes > 0).
+  int nodes = 0;
+  int per_node = 0;     // 0: the device's (8)
+  std::string device;   // a row of parallel::device_table(); "": a100-80gb
+  std::string cluster;  // "": no cluster file
+  int top = 10;         // rows of the ranked table
 };
+
+struct Recipe;
+
+// A cluster file (YAML) applied over `base`: device, peak_tflops,
+// memory_gib, per_node, achievable, intra {alpha_us, gbps}, inter
+// {alpha_us, gbps}. An unknown key or a bad value throws Error naming the
+// file, the line and the key.
+parallel::ClusterSpec load_cluster_file(const std::string& path, parallel::ClusterSpec base);
+
+// The planner's description of the recipe's model; what was assumed (a
+// vocabulary the data would give) is appended to `notes`.
+parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::string>* notes);
+
+// The cluster planner's report (args.nodes > 0).
+std::string cluster_plan_report(const PlanArgs& args);
 
 // Registers the subcommand; its options fill `args`.
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& args);

@@ -1,0 +1,856 @@
+#include "parallel/planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+
+#include "core/check.h"
+
+namespace trainer::parallel {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// Per-message latencies: an NCCL ring step over NVLink costs a few
+// microseconds, one over InfiniBand (through the NIC and a switch) more.
+constexpr double kNvlinkAlphaUs = 3.0;
+constexpr double kInfinibandAlphaUs = 8.0;
+
+struct DeviceLinks {
+  const char* device;
+  double nvlink_gbps, ib_gbps;
+};
+// NVLink per GPU and direction: A100 300 GB/s, H100 450 GB/s; one HDR
+// (200 Gb/s) or NDR (400 Gb/s) InfiniBand port per GPU, as DGX A100 / H100.
+constexpr DeviceLinks kLinks[] = {
+    {"a100-40gb", 300 * 8, 200}, {"a100-80gb", 300 * 8, 200}, {"h100-80gb", 450 * 8, 400}};
+
+std::string fixed(double value, int digits) {
+  char text[48];
+  std::snprintf(text, sizeof text, "%.*f", digits, value);
+  return text;
+}
+
+std::vector<int> divisors(int n) {
+  std::vector<int> out;
+  for (int d = 1; d <= n; ++d)
+    if (n % d == 0) out.push_back(d);
+  return out;
+}
+
+// A ring allreduce over n ranks: reduce-scatter then all-gather, 2(n - 1)
+// steps each moving bytes / n, so 2(n-1)/n x bytes / bandwidth + 2(n-1) alpha.
+double ring_allreduce(const LinkSpec& link, int ranks, double bytes) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  return 2.0 * (ranks - 1) * link.seconds(bytes / ranks);
+}
+// Its all-gather half alone (ZeRO-1's parameter gather after the step).
+double ring_allgather(const LinkSpec& link, int ranks, double bytes) {
+  return 0.5 * ring_allreduce(link, ranks, bytes);
+}
+
+// Bytes a value takes in the step's precision, relative to 16 bits.
+double value_scale(const std::string& precision) { return precision == "fp32" ? 2.0 : 1.0; }
+
+std::string plan_label(const Plan& plan) {
+  std::string label = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp,
+                          " M=", plan.micro_batches, " b=", plan.micro_batch_size);
+  if (plan.pp > 1) label += " " + plan.schedule;
+  if (plan.chunks > 1) label += cat(" V=", plan.chunks);
+  if (plan.zero1) label += " zero1";
+  if (plan.recompute != Recompute::none) label += " recompute=" + to_string(plan.recompute);
+  return label;
+}
+
+}  // namespace
+
+// ---- devices ----
+
+const std::vector<DeviceSpec>& device_table() {
+  static const std::vector<DeviceSpec> table = {
+      {.name = "a100-40gb", .peak_tflops = 312, .memory_gib = 40, .per_node = 8},
+      {.name = "a100-80gb", .peak_tflops = 312, .memory_gib = 80, .per_node = 8},
+      {.name = "h100-80gb", .peak_tflops = 989, .memory_gib = 80, .per_node = 8},
+  };
+  return table;
+}
+
+ClusterSpec cluster_for(const std::string& device, int nodes, int per_node) {
+  for (const DeviceSpec& spec : device_table()) {
+    if (spec.name != device) continue;
+    ClusterSpec cluster;
+    cluster.device = spec;
+    cluster.nodes = nodes;
+    cluster.per_node = per_node > 0 ? per_node : spec.per_node;
+    for (const DeviceLinks& links : kLinks)
+      if (device == links.device) {
+        cluster.intra = {kNvlinkAlphaUs, links.nvlink_gbps};
+        cluster.inter = {kInfinibandAlphaUs, links.ib_gbps};
+      }
+    return cluster;
+  }
+  std::string names;
+  for (const DeviceSpec& spec : device_table()) names += (names.empty() ? "" : ", ") + spec.name;
+  throw Error(cat("unknown device '", device, "'; the devices are ", names,
+                  " (or describe one in a --cluster file)"));
+}
+
+// ---- models ----
+
+double ModelDesc::params() const {
+  double sum = 0;
+  for (const BlockCost& block : blocks) sum += block.params;
+  return sum;
+}
+
+double ModelDesc::forward_flops() const {
+  double sum = 0;
+  for (const BlockCost& block : blocks) sum += block.forward_flops;
+  return sum;
+}
+
+ModelDesc gpt_model(const GptShape& shape) {
+  const double T = double(shape.context), d = double(shape.d_model), a = double(shape.n_head);
+  const int64_t pad = std::max<int64_t>(1, shape.pad_vocab_to);
+  const int64_t vocab = (shape.vocab + pad - 1) / pad * pad;
+  const double V = double(vocab);
+  ModelDesc model;
+  model.name = cat("gpt L=", shape.n_layer, " d=", shape.d_model, " a=", shape.n_head,
+                   " T=", shape.context, " V=", vocab);
+  model.tokens_per_sample = T;
+  model.language_model = true;
+  model.n_head = shape.n_head;
+  model.d_model = shape.d_model;
+  model.vocab = vocab;
+  model.n_layer = shape.n_layer;
+  // Token and position embeddings; the token one is split over tp by vocabulary
+  // (one allreduce of its output forward).
+  model.blocks.push_back({.name = "embed",
+                          .params = V * d + T * d,
+                          .output_bytes = 2 * T * d,
+                          .tp_allreduces = 1,
+                          .tp_allreduces_fwd = 1,
+                          .gemm_rows = T,
+                          .gemm_width = d,
+                          .tp_split = true});
+  for (int64_t layer = 0; layer < shape.n_layer; ++layer)
+    model.blocks.push_back({
+        .name = cat("h.", layer),
+        .params = 12 * d * d + 13 * d,  // QKV, proj, 2 MLP matrices; biases, 2 layer norms
+        .forward_flops = T * (24 * d * d + 4 * T * d),
+        .selective_flops = T * 4 * T * d,  // scores and their product with V
+        .act_replicated = 10 * T * d,      // layer-norm inputs, residual, dropout masks
+        .act_sharded = 24 * T * d + 5 * a * T * T,
+        .act_selective = 5 * a * T * T,  // softmax, its dropout mask, the scores
+        .input_bytes = 2 * T * d,
+        .output_bytes = 2 * T * d,
+        .tp_allreduces = 4,  // attention and MLP outputs forward, their inputs' gradients backward
+        .tp_allreduces_fwd = 2,
+        .gemm_rows = T,
+        .gemm_width = d,
+        .tp_split = true,
+        .is_layer = true,
+    });
+  // Final layer norm and the logits (vocabulary-parallel, fp32 softmax kept for backward).
+  model.blocks.push_back({.name = "head",
+                          .params = shape.tie_weights ? 2 * d : V * d + 2 * d,
+                          .forward_flops = 2 * T * d * V,
+                          .act_replicated = 4 * T * d,
+                          .act_sharded = 4 * T * V,
+                          .input_bytes = 2 * T * d,
+                          .output_bytes = 4 * T,
+                          .gemm_rows = T,
+                          .gemm_width = V,
+                          .tp_split = true});
+  if (shape.tie_weights) model.tied_params = V * d;
+  return model;
+}
+
+namespace {
+
+// A convolution's parameters (no bias: a batch norm follows) and its output elements.
+struct ConvCost {
+  double params = 0, flops = 0, out_elements = 0;
+};
+ConvCost conv(int64_t in, int64_t out, int64_t kernel, int64_t out_side) {
+  const double params = double(kernel * kernel * in * out);
+  const double positions = double(out_side * out_side);
+  return {params + 2.0 * double(out), 2 * params * positions, double(out) * positions};
+}
+
+// A block made of convolutions: conv output, batch-norm output and ReLU mask
+// saved per conv (3 values of 16 bits per output element).
+void add_convs(BlockCost& block, std::initializer_list<ConvCost> convs) {
+  for (const ConvCost& c : convs) {
+    block.params += c.params;
+    block.forward_flops += c.flops;
+    block.act_replicated += 3 * 2 * c.out_elements;
+  }
+}
+
+}  // namespace
+
+ModelDesc resnet_model(const ResNetShape& shape) {
+  static const std::map<int, std::vector<int>> kBlocks = {{18, {2, 2, 2, 2}},
+                                                          {34, {3, 4, 6, 3}},
+                                                          {50, {3, 4, 6, 3}},
+                                                          {101, {3, 4, 23, 3}},
+                                                          {152, {3, 8, 36, 3}}};
+  auto it = kBlocks.find(shape.depth);
+  if (it == kBlocks.end()) throw Error(cat("resnet depth ", shape.depth, " is not 18 .. 152"));
+  const bool bottleneck = shape.depth >= 50;
+  const int64_t expansion = bottleneck ? 4 : 1;
+  ModelDesc model;
+  model.name = cat("resnet", shape.depth, shape.small ? "_small" : "", " ", shape.image_size, "px");
+  int64_t side = shape.small ? shape.image_size : (shape.image_size + 1) / 2;
+  BlockCost stem{
+      .name = "stem",
+      .input_bytes = 2.0 * double(shape.in_channels * shape.image_size * shape.image_size)};
+  add_convs(stem, {conv(shape.in_channels, shape.width, shape.small ? 3 : 7, side)});
+  if (!shape.small) side = (side + 1) / 2;  // max-pool
+  stem.output_bytes = 2.0 * double(shape.width * side * side);
+  stem.gemm_rows = double(side * side);
+  stem.gemm_width = double(shape.width);
+  model.blocks.push_back(stem);
+  int64_t in = shape.width;
+  for (int stage = 0; stage < 4; ++stage) {
+    const int64_t c = shape.width << stage;
+    for (int index = 0; index < it->second[size_t(stage)]; ++index) {
+      const int stride = stage > 0 && index == 0 ? 2 : 1;
+      const int64_t in_side = side;
+      side = (side + stride - 1) / stride;
+      const int64_t out = c * expansion;
+      BlockCost block{.name = cat("layer", stage + 1, ".", index),
+                      .input_bytes = 2.0 * double(in * in_side * in_side),
+                      .output_bytes = 2.0 * double(out * side * side),
+                      .gemm_rows = double(side * side),
+                      .gemm_width = double(c)};
+      if (bottleneck)
+        add_convs(block, {conv(in, c, 1, in_side), conv(c, c, 3, side), conv(c, out, 1, side)});
+      else
+        add_convs(block, {conv(in, c, 3, side), conv(c, c, 3, side)});
+      if (stride != 1 || in != out) add_convs(block, {conv(in, out, 1, side)});
+      model.blocks.push_back(block);
+      in = out;
+    }
+  }
+  const double features = double(in), classes = double(shape.num_classes);
+  model.blocks.push_back({.name = "head",
+                          .params = features * classes + classes,
+                          .forward_flops = 2 * features * classes,
+                          .act_replicated = 2 * features,
+                          .input_bytes = 2.0 * double(in * side * side),
+                          .output_bytes = 4 * classes,
+                          .gemm_width = classes});
+  return model;
+}
+
+ModelDesc lstm_lm_model(int64_t vocab, int64_t embedding, int64_t hidden, int64_t layers,
+                        int64_t sequence, bool tie_weights) {
+  const double V = double(vocab), E = double(embedding), H = double(hidden), T = double(sequence);
+  ModelDesc model;
+  model.name = cat("lstm_lm L=", layers, " E=", embedding, " H=", hidden, " V=", vocab);
+  model.tokens_per_sample = T;
+  model.language_model = true;
+  model.blocks.push_back({.name = "embed",
+                          .params = V * E,
+                          .output_bytes = 2 * T * E,
+                          .gemm_rows = T,
+                          .gemm_width = E});
+  BlockCost rnn{.name = "rnn",
+                .input_bytes = 2 * T * E,
+                .output_bytes = 2 * T * H,
+                .gemm_width = 4 * H};  // one time step: a GEMM of b rows
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const double in = layer == 0 ? E : H;
+    rnn.params += 4 * H * (in + H) + 8 * H;
+    rnn.forward_flops += T * 2 * 4 * H * (in + H);
+    rnn.act_replicated += 2 * T * (4 * H + 2 * H + in);  // gates, c and h, the input
+  }
+  model.blocks.push_back(rnn);
+  model.blocks.push_back({.name = "head",
+                          .params = (tie_weights ? 0 : V * H) + V,
+                          .forward_flops = 2 * T * H * V,
+                          .act_replicated = 4 * T * V,
+                          .input_bytes = 2 * T * H,
+                          .output_bytes = 4 * T,
+                          .gemm_rows = T,
+                          .gemm_width = V});
+  if (tie_weights) model.tied_params = V * E;
+  return model;
+}
+
+ModelDesc mlp_model(int64_t in_features, const std::vector<int64_t>& hidden, int64_t classes) {
+  ModelDesc model;
+  model.name = cat("mlp ", in_features, " inputs");
+  std::vector<int64_t> widths{in_features};
+  widths.insert(widths.end(), hidden.begin(), hidden.end());
+  widths.push_back(classes);
+  for (size_t i = 0; i + 1 < widths.size(); ++i) {
+    const double in = double(widths[i]), out = double(widths[i + 1]);
+    model.blocks.push_back({.name = cat("fc", i + 1),
+                            .params = in * out + out,
+                            .forward_flops = 2 * in * out,
+                            .act_replicated = 2 * in + 2 * out,
+                            .input_bytes = 2 * in,
+                            .output_bytes = 2 * out,
+                            .gemm_width = out});
+  }
+  return model;
+}
+
+ModelDesc small_cnn_model(int64_t in_channels, int64_t image_size, int64_t classes) {
+  ModelDesc model;
+  model.name = cat("small_cnn ", image_size, "px");
+  const int64_t side = image_size;
+  BlockCost conv1{.name = "conv1",
+                  .input_bytes = 2.0 * double(in_channels * side * side),
+                  .output_bytes = 2.0 * double(32 * (side / 2) * (side / 2)),
+                  .gemm_rows = double(side * side),
+                  .gemm_width = 32};
+  add_convs(conv1, {conv(in_channels, 32, 3, side)});
+  BlockCost conv2{.name = "conv2",
+                  .input_bytes = conv1.output_bytes,
+                  .output_bytes = 2.0 * double(64 * (side / 4) * (side / 4)),
+                  .gemm_rows = double((side / 2) * (side / 2)),
+                  .gemm_width = 64};
+  add_convs(conv2, {conv(32, 64, 3, side / 2)});
+  model.blocks = {conv1, conv2};
+  const double flat = double(64 * (side / 4) * (side / 4)), c = double(classes);
+  model.blocks.push_back({.name = "fc1",
+                          .params = flat * 128 + 128,
+                          .forward_flops = 2 * flat * 128,
+                          .act_replicated = 2 * (flat + 128),
+                          .input_bytes = 2 * flat,
+                          .output_bytes = 2 * 128,
+                          .gemm_width = 128});
+  model.blocks.push_back({.name = "fc2",
+                          .params = 128 * c + c,
+                          .forward_flops = 2 * 128 * c,
+                          .act_replicated = 2 * 128,
+                          .input_bytes = 2 * 128,
+                          .output_bytes = 4 * c,
+                          .gemm_width = c});
+  return model;
+}
+
+// ---- block timers ----
+
+FlopBlockTimer::FlopBlockTimer(DeviceSpec device, double peak_scale, double knee)
+    : device_(std::move(device)), peak_scale_(peak_scale), knee_(knee) {}
+
+double FlopBlockTimer::rate(const BlockCost& block, int64_t samples, int tp) const {
+  const int split = block.tp_split ? tp : 1;
+  const double rows = block.gemm_rows * double(samples);
+  const double width = block.gemm_width / split;
+  const double small = std::min(rows, width);
+  return device_.peak_tflops * 1e12 * peak_scale_ * device_.achievable * small / (small + knee_);
+}
+
+BlockTime FlopBlockTimer::time(const ModelDesc& model, size_t index, int64_t samples,
+                               int tp) const {
+  const BlockCost& block = model.blocks[index];
+  const int split = block.tp_split ? tp : 1;
+  const double forward = block.forward_flops * double(samples) / split / rate(block, samples, tp);
+  return {forward, 2 * forward};
+}
+
+std::string FlopBlockTimer::describe() const {
+  return cat("FLOPs at ", fixed(device_.achievable * 100, 0), "% of ",
+             fixed(device_.peak_tflops * peak_scale_, 0), " TFLOP/s (", device_.name,
+             "), less for GEMMs under ", fixed(knee_, 0), " rows or columns");
+}
+
+MeasuredBlockTimer::MeasuredBlockTimer(std::vector<BlockTime> per_sample)
+    : per_sample_(std::move(per_sample)) {}
+
+BlockTime MeasuredBlockTimer::time(const ModelDesc& model, size_t index, int64_t samples,
+                                   int tp) const {
+  CHECK(index < per_sample_.size())
+      << "a measured time for block " << index << " of " << model.blocks.size();
+  const double scale = double(samples) / (model.blocks[index].tp_split ? tp : 1);
+  return {per_sample_[index].forward * scale, per_sample_[index].backward * scale};
+}
+
+std::string MeasuredBlockTimer::describe() const { return "measured block times"; }
+
+// ---- pipeline closed forms ----
+
+double pipeline_step_time(const std::string& schedule, int stages, int micro_batches, int chunks,
+                          double forward, double backward) {
+  const double P = stages, M = micro_batches, V = chunks;
+  if (schedule == "none" || stages == 1) return M * (forward + backward);
+  if (schedule == "interleaved") return (M + (P - 1) / V) * (forward + backward);
+  // (P - 1)(t_f + t_i - t_w) with I = W = t_b / 2 while t_i <= t_f; a
+  // longer I holds the fill back by its excess on each of the P - 1 hops.
+  if (schedule == "zbh1")
+    return M * (forward + backward) + (P - 1) * std::max(forward, backward / 2);
+  return (M + P - 1) * (forward + backward);  // gpipe, 1f1b
+}
+
+double activations_in_flight(const std::string& schedule, int stages, int stage, int micro_batches,
+                             int chunks) {
+  if (schedule == "gpipe") return micro_batches;
+  if (schedule == "interleaved") {
+    const int units =
+        std::min(micro_batches * chunks, 2 * (stages - stage - 1) + (chunks - 1) * stages + 1);
+    return double(units) / chunks;
+  }
+  if (schedule == "none" || stages == 1) return 1;
+  return std::min(stages - stage, micro_batches);  // 1f1b, zbh1 (until I)
+}
+
+std::vector<size_t> balanced_split(const std::vector<double>& cost, int stages) {
+  const size_t n = cost.size();
+  CHECK(stages >= 1 && size_t(stages) <= n) << stages << " stages over " << n << " blocks";
+  std::vector<double> prefix(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: the slowest stage when blocks [0, i) form k stages; cut[k][i] its last start.
+  std::vector<std::vector<double>> best(size_t(stages) + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<size_t>> cut(size_t(stages) + 1, std::vector<size_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (size_t k = 1; k <= size_t(stages); ++k)
+    for (size_t i = k; i <= n - (size_t(stages) - k); ++i)
+      for (size_t j = k - 1; j < i; ++j) {
+        const double slowest = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (slowest < best[k][i]) best[k][i] = slowest, cut[k][i] = j;
+      }
+  std::vector<size_t> starts(static_cast<size_t>(stages), 0);
+  size_t end = n;
+  for (size_t k = size_t(stages); k >= 1; --k) {
+    starts[k - 1] = cut[k][end];
+    end = starts[k - 1];
+  }
+  return starts;
+}
+
+// ---- plans ----
+
+std::string to_string(Recompute recompute) {
+  switch (recompute) {
+    case Recompute::none:
+      return "none";
+    case Recompute::selective:
+      return "selective";
+    case Recompute::blocks:
+      return "blocks";
+  }
+  return "?";
+}
+
+std::string Plan::layout() const { return cat(dp, " x ", pp, " x ", tp); }
+
+namespace {
+
+size_t stage_end(const ModelDesc& model, const Plan& plan, int stage) {
+  return size_t(stage) + 1 < plan.stage_starts.size() ? plan.stage_starts[size_t(stage) + 1]
+                                                      : model.blocks.size();
+}
+
+// Saved activations of one block for one sample, bytes at 16 bits.
+double block_activations(const BlockCost& block, const Plan& plan) {
+  const double tp = block.tp_split ? plan.tp : 1;
+  const double replicated_split = plan.sequence_parallel ? tp : 1;
+  if (plan.recompute == Recompute::blocks) return block.input_bytes / replicated_split;
+  double sharded = block.act_sharded;
+  if (plan.recompute == Recompute::selective) sharded -= block.act_selective;
+  return block.act_replicated / replicated_split + sharded / tp;
+}
+
+// The stage's block boundaries for the plan: interleaved chunks of equal
+// layer counts (the whole stage: L / P layers, embed on stage 0, head on the
+// last), else the balanced split of forward FLOPs.
+std::vector<size_t> split_for(const ModelDesc& model, int stages, bool even_layers) {
+  if (!even_layers) {
+    std::vector<double> cost;
+    for (const BlockCost& block : model.blocks) cost.push_back(block.forward_flops + 1.0);
+    return balanced_split(cost, stages);
+  }
+  std::vector<size_t> starts{0};
+  const int64_t per_stage = model.n_layer / stages;
+  for (int s = 1; s < stages; ++s) starts.push_back(size_t(1 + s * per_stage));
+  return starts;
+}
+
+}  // namespace
+
+std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest& request,
+                                      const Plan& plan) {
+  const bool fp32 = request.precision == "fp32";
+  const double weight_bytes = fp32 ? 4 : 2, grad_bytes = weight_bytes;
+  // AdamW's two fp32 moments, plus fp32 master weights under 16-bit training.
+  const double optimizer_bytes = fp32 ? 8 : 12;
+  const double scale = value_scale(request.precision);
+  std::vector<StageMemory> memory(size_t(plan.pp));
+  for (int stage = 0; stage < plan.pp; ++stage) {
+    double params = 0, per_sample = 0, largest = 0;
+    for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
+      const BlockCost& block = model.blocks[i];
+      params += block.params / (block.tp_split ? plan.tp : 1);
+      per_sample += block_activations(block, plan);
+      if (plan.recompute == Recompute::blocks) {
+        Plan whole = plan;
+        whole.recompute = Recompute::none;
+        largest = std::max(largest, block_activations(block, whole));
+      }
+    }
+    if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
+    StageMemory& m = memory[size_t(stage)];
+    m.params = params * weight_bytes;
+    m.grads = params * grad_bytes;
+    m.optimizer = params * optimizer_bytes / (plan.zero1 ? plan.dp : 1);
+    const double in_flight =
+        activations_in_flight(plan.schedule, plan.pp, stage, plan.micro_batches, plan.chunks);
+    // Under recomputation one block's whole activations live again during its backward.
+    m.activations = (in_flight * per_sample + largest) * double(plan.micro_batch_size) * scale;
+    m.workspace = request.workspace_gib * kGiB;
+  }
+  return memory;
+}
+
+Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
+                   Plan plan, std::string* why) {
+  const ClusterSpec& cluster = request.cluster;
+  const double scale = value_scale(request.precision);
+  if (plan.stage_starts.empty())
+    plan.stage_starts = split_for(model, plan.pp, plan.schedule == "interleaved");
+  const LinkSpec& tp_link = cluster.intra;
+  const int64_t b = plan.micro_batch_size;
+
+  // The slowest stage: one micro-batch's forward and backward, compute and tp allreduces.
+  double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0, slowest = -1;
+  double stage_params_max = 0, message_bytes = 0;
+  for (int stage = 0; stage < plan.pp; ++stage) {
+    double f = 0, bw = 0, cf = 0, cb = 0, params = 0;
+    for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
+      const BlockCost& block = model.blocks[i];
+      const BlockTime t = timer.time(model, i, b, plan.tp);
+      double extra = 0;
+      if (plan.recompute == Recompute::blocks) extra = t.forward;
+      if (plan.recompute == Recompute::selective && block.forward_flops > 0)
+        extra = t.forward * block.selective_flops / block.forward_flops;
+      f += t.forward;
+      bw += t.backward + extra;
+      params += block.params / (block.tp_split ? plan.tp : 1);
+      if (block.tp_split && plan.tp > 1) {
+        const double allreduce =
+            ring_allreduce(tp_link, plan.tp, block.output_bytes * double(b) * scale);
+        const double again = plan.recompute == Recompute::blocks ? block.tp_allreduces_fwd : 0;
+        cf += block.tp_allreduces_fwd * allreduce;
+        cb += (block.tp_allreduces - block.tp_allreduces_fwd + again) * allreduce;
+      }
+    }
+    if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
+    stage_params_max = std::max(stage_params_max, params);
+    if (f + bw + cf + cb > slowest) {
+      slowest = f + bw + cf + cb;
+      forward = f, backward = bw, tp_forward = cf, tp_backward = cb;
+    }
+    if (stage + 1 < plan.pp) {
+      const BlockCost& last = model.blocks[stage_end(model, plan, stage) - 1];
+      // Megatron's scatter-gather: each tp rank sends 1/tp of the activation.
+      const double split = last.tp_split ? plan.tp : 1;
+      message_bytes = std::max(message_bytes, last.output_bytes * double(b) * scale / split);
+    }
+  }
+
+  const int M = plan.micro_batches;
+  StepTerms& terms = plan.terms;
+  const double pipeline = pipeline_step_time(plan.schedule, plan.pp, M, plan.chunks,
+                                             forward + tp_forward, backward + tp_backward);
+  terms.compute = M * (forward + backward);
+  terms.tp_comm = M * (tp_forward + tp_backward);
+  terms.bubble = std::max(0.0, pipeline - terms.compute - terms.tp_comm);
+  if (plan.pp > 1) {
+    const LinkSpec& link = plan.tp * plan.pp > cluster.per_node ? cluster.inter : cluster.intra;
+    // Each micro-batch crosses V chunk boundaries per stage both ways; the
+    // pipeline's fill and drain add P - 1 more of each to the critical path.
+    terms.pp_comm = 2 * link.seconds(message_bytes) * (double(M) * plan.chunks + plan.pp - 1);
+  }
+  if (plan.dp > 1) {
+    const LinkSpec& link =
+        plan.tp * plan.pp * plan.dp > cluster.per_node ? cluster.inter : cluster.intra;
+    const double grad_bytes = stage_params_max * (request.precision == "fp32" ? 4 : 2);
+    const double sync = ring_allreduce(link, plan.dp, grad_bytes);
+    const double last_bucket =
+        ring_allreduce(link, plan.dp, std::min(grad_bytes, request.bucket_mb * kMiB));
+    // Buckets reduce while the last micro-batch's backward runs; the last one after it.
+    terms.dp_exposed = std::max(last_bucket, sync - (backward + tp_backward));
+    if (plan.zero1) terms.dp_exposed += ring_allgather(link, plan.dp, grad_bytes);
+  }
+
+  const std::vector<StageMemory> memory = stage_memory(model, request, plan);
+  plan.memory = 0;
+  for (int stage = 0; stage < plan.pp; ++stage)
+    if (memory[size_t(stage)].total() > plan.memory) {
+      plan.memory = memory[size_t(stage)].total();
+      plan.memory_stage = stage;
+    }
+  const double limit = cluster.device.memory_gib * kGiB;
+  if (why) {
+    why->clear();
+    if (plan.memory > limit)
+      *why = cat("stage ", plan.memory_stage, " needs ", fixed(plan.memory / kGiB, 1), " GiB of ",
+                 fixed(cluster.device.memory_gib, 0));
+  }
+
+  const double step = terms.total();
+  const double batch = double(plan.dp) * M * double(b);
+  plan.samples_per_second = batch / step;
+  plan.tokens_per_second = plan.samples_per_second * model.tokens_per_sample;
+  const double peak = cluster.device.peak_tflops * 1e12 * (request.precision == "fp32" ? 0.5 : 1);
+  const double model_flops = 3 * model.forward_flops() * batch;
+  double recomputed = 0;
+  for (const BlockCost& block : model.blocks)
+    recomputed += plan.recompute == Recompute::blocks      ? block.forward_flops
+                  : plan.recompute == Recompute::selective ? block.selective_flops
+                                                           : 0;
+  plan.model_flops_utilisation = model_flops / (step * cluster.world() * peak);
+  plan.hardware_flops_per_gpu = (model_flops + recomputed * batch) / (step * cluster.world());
+  return plan;
+}
+
+namespace {
+
+// Rejections grouped by reason, each with one example: the first, or the
+// one of the smallest `excess` (the plan closest to fitting in memory).
+class Rejections {
+ public:
+  void add(const std::string& reason, const std::string& example, double excess = 0) {
+    auto [it, fresh] = index_.try_emplace(reason, list_.size());
+    if (fresh) {
+      list_.push_back({reason, example, 0});
+      excess_.push_back(excess);
+    } else if (excess < excess_[it->second]) {
+      list_[it->second].example = example;
+      excess_[it->second] = excess;
+    }
+    list_[it->second].count += 1;
+  }
+  std::vector<Rejection> take() { return std::move(list_); }
+
+ private:
+  std::map<std::string, size_t> index_;
+  std::vector<Rejection> list_;
+  std::vector<double> excess_;
+};
+
+// Why tp cannot split the model, or "".
+std::string tp_problem(const ModelDesc& model, const ClusterSpec& cluster, int tp,
+                       std::string* reason) {
+  if (tp == 1) return "";
+  if (tp > cluster.per_node) {
+    *reason = "tp crosses hosts";
+    return cat("tp=", tp, " > ", cluster.per_node, " GPUs per node");
+  }
+  if (cluster.per_node % tp != 0) {
+    *reason = "tp does not divide the GPUs of a node";
+    return cat("tp=", tp, " does not divide ", cluster.per_node);
+  }
+  if (model.n_head == 0) {
+    *reason = "tp splits transformer layers only";
+    return cat("tp=", tp, ": ", model.name, " plans dp x pp");
+  }
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"n_head", model.n_head}, {"d_model", model.d_model}, {"vocab", model.vocab}};
+  for (const auto& [key, size] : sizes)
+    if (size % tp != 0) {
+      *reason = cat("tp does not divide ", key);
+      return cat("tp=", tp, " does not divide ", key, " ", size);
+    }
+  return "";
+}
+
+}  // namespace
+
+PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
+                        const BlockTimer& timer) {
+  const auto start = std::chrono::steady_clock::now();
+  const ClusterSpec& cluster = request.cluster;
+  if (cluster.world() < 1) throw Error("the cluster has no GPUs: give --nodes and --per-node >= 1");
+  if (request.global_batch < 1) throw Error("training.global_batch must be at least 1");
+  PlanResult result;
+  Rejections rejected;
+  const int world = cluster.world();
+  const int blocks = int(model.blocks.size());
+  std::map<int, std::vector<size_t>> balanced;  // per pp
+
+  for (int tp : divisors(world)) {
+    std::string reason;
+    const std::string problem = tp_problem(model, cluster, tp, &reason);
+    if (!problem.empty()) {
+      rejected.add(reason, problem);
+      continue;
+    }
+    for (int pp : divisors(world / tp)) {
+      const int dp = world / tp / pp;
+      const std::string layout = cat("dp=", dp, " pp=", pp, " tp=", tp);
+      if (pp > blocks) {
+        rejected.add("more stages than blocks",
+                     cat(layout, ": ", blocks, " blocks cannot fill ", pp, " stages"));
+        continue;
+      }
+      if (request.global_batch % dp != 0) {
+        rejected.add(
+            "dp does not divide training.global_batch",
+            cat(layout, ": global_batch ", request.global_batch, " over ", dp, " replicas"));
+        continue;
+      }
+      if (!balanced.count(pp)) balanced[pp] = split_for(model, pp, false);
+      const int per_replica = int(request.global_batch / dp);
+      for (int M : divisors(per_replica)) {
+        // (schedule, chunks) pairs for this P and M.
+        std::vector<std::pair<std::string, int>> schedules;
+        if (pp == 1) {
+          schedules.push_back({"none", 1});
+        } else {
+          schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zbh1", 1}};
+          if (M % pp == 0 && model.n_layer > 0)
+            for (int v = 2; v <= request.max_chunks; ++v)
+              if (model.n_layer % (int64_t(pp) * v) == 0) schedules.push_back({"interleaved", v});
+        }
+        for (const auto& [schedule, chunks] : schedules) {
+          // A plan that fits makes every slower-and-smaller variant of it
+          // (more recomputation, ZeRO-1 on) dominated: those are skipped.
+          bool fits[3][2] = {};
+          for (Recompute recompute : {Recompute::none, Recompute::selective, Recompute::blocks}) {
+            const int level = int(recompute);
+            if (recompute == Recompute::selective && !model.language_model) continue;
+            if (recompute != Recompute::none && !request.allow_recompute) continue;
+            for (int zero1 = 0; zero1 < 2; ++zero1) {
+              if (zero1 && (dp == 1 || !request.allow_zero1)) continue;
+              bool dominated = false;
+              for (int l = 0; l <= level; ++l)
+                for (int z = 0; z <= zero1; ++z) dominated = dominated || fits[l][z];
+              if (dominated) {
+                ++result.pruned;
+                continue;
+              }
+              Plan plan;
+              plan.dp = dp, plan.pp = pp, plan.tp = tp;
+              plan.micro_batches = M;
+              plan.micro_batch_size = per_replica / M;
+              plan.schedule = schedule;
+              plan.chunks = chunks;
+              plan.zero1 = zero1 != 0;
+              // Sequence parallelism moves the same bytes (reduce-scatter +
+              // all-gather = allreduce) and saves memory: always on with tp.
+              plan.sequence_parallel = tp > 1 && model.n_head > 0;
+              plan.recompute = recompute;
+              if (schedule != "interleaved") plan.stage_starts = balanced[pp];
+              std::string why;
+              Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
+              ++result.evaluated;
+              if (!why.empty()) {
+                rejected.add("over device memory", cat(plan_label(scored), ": ", why),
+                             scored.memory);
+                continue;
+              }
+              fits[level][zero1] = true;
+              result.ranked.push_back(std::move(scored));
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Plan& x, const Plan& y) {
+    const double tx = x.terms.total(), ty = y.terms.total();
+    return tx != ty ? tx < ty : x.memory < y.memory;
+  });
+  result.rejected = rejected.take();
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+// ---- printing ----
+
+namespace {
+
+std::string ms(double seconds) {
+  const double millis = seconds * 1e3;
+  return fixed(millis, millis < 1 ? 3 : millis < 100 ? 2 : 1);
+}
+
+std::string rate_text(double per_second) {
+  if (per_second >= 1e6) return fixed(per_second / 1e6, 2) + "M";
+  if (per_second >= 1e3) return fixed(per_second / 1e3, 1) + "k";
+  return fixed(per_second, 1);
+}
+
+}  // namespace
+
+std::string plan_table(const PlanResult& result, int top, const ModelDesc& model) {
+  const bool tokens = model.language_model;
+  std::string out;
+  char line[256];
+  std::snprintf(
+      line, sizeof line, "%4s  %-14s %5s %5s %-14s %-5s %-9s %9s %9s %5s %8s %7s %8s %8s %8s\n",
+      "rank", "dp x pp x tp", "M", "b", "schedule", "zero1", "recompute", "step ms",
+      tokens ? "tokens/s" : "samples/s", "MFU", "mem GiB", "bubble", "tp ms", "pp ms", "dp ms");
+  out += line;
+  const int rows = std::min<int>(top, int(result.ranked.size()));
+  for (int i = 0; i < rows; ++i) {
+    const Plan& plan = result.ranked[size_t(i)];
+    const std::string schedule =
+        plan.chunks > 1 ? cat(plan.schedule, " V=", plan.chunks) : plan.schedule;
+    const double step = plan.terms.total();
+    std::snprintf(line, sizeof line,
+                  "%4d  %-14s %5d %5lld %-14s %-5s %-9s %9s %9s %4.1f%% %8.1f %6.1f%% %8s %8s "
+                  "%8s\n",
+                  i + 1, plan.layout().c_str(), plan.micro_batches,
+                  static_cast<long long>(plan.micro_batch_size), schedule.c_str(),
+                  plan.zero1 ? "on" : "off", to_string(plan.recompute).c_str(), ms(step).c_str(),
+                  rate_text(tokens ? plan.tokens_per_second : plan.samples_per_second).c_str(),
+                  100 * plan.model_flops_utilisation, plan.memory / kGiB,
+                  100 * plan.terms.bubble / step, ms(plan.terms.tp_comm).c_str(),
+                  ms(plan.terms.pp_comm).c_str(), ms(plan.terms.dp_exposed).c_str());
+    out += line;
+  }
+  if (result.ranked.empty()) out += "  (no plan fits)\n";
+  out += cat("\n", result.ranked.size(), " plans fit, ", result.evaluated, " scored, ",
+             result.pruned, " skipped as dominated, in ", fixed(result.seconds * 1e3, 1), " ms\n");
+  if (!result.rejected.empty()) {
+    out += "rejected:\n";
+    for (const Rejection& r : result.rejected)
+      out += cat("  ", r.count, " x ", r.reason, ", e.g. ", r.example, "\n");
+  }
+  if (!result.ranked.empty()) {
+    const Plan& best = result.ranked[0];
+    const StepTerms& t = best.terms;
+    out += cat("\nbest: ", plan_label(best), ": step ", ms(t.total()), " ms = compute ",
+               ms(t.compute), " + bubble ", ms(t.bubble), " + tp comm ", ms(t.tp_comm),
+               " + pp comm ", ms(t.pp_comm), " + dp comm exposed ", ms(t.dp_exposed), " ms\n");
+    out += cat("      ", fixed(best.memory / kGiB, 1), " GiB on the fullest rank (stage ",
+               best.memory_stage, "), MFU ", fixed(100 * best.model_flops_utilisation, 1), "%, ",
+               fixed(best.hardware_flops_per_gpu / 1e12, 1),
+               " TFLOP/s per GPU counting recomputation\n");
+  }
+  return out;
+}
+
+std::string plan_overrides(const Plan& plan) {
+  std::string out = cat("parallel.dp=", plan.dp, " parallel.pp=", plan.pp, " parallel.tp=", plan.tp,
+                        " parallel.micro_batches=", plan.micro_batches);
+  if (plan.pp > 1) out += " parallel.schedule=" + plan.schedule;
+  if (plan.chunks > 1) out += cat(" parallel.virtual_stages=", plan.chunks);
+  if (plan.pp > 1 && plan.schedule != "interleaved") {
+    out += " parallel.stages=list parallel.stage_starts=[";
+    for (size_t s = 1; s < plan.stage_starts.size(); ++s)
+      out += cat(s > 1 ? "," : "", plan.stage_starts[s]);
+    out += "]";
+  }
+  out += cat(" parallel.zero1=", plan.zero1 ? "true" : "false");
+  if (plan.tp > 1)
+    out += cat(" parallel.sequence_parallel=", plan.sequence_parallel ? "true" : "false");
+  out += " parallel.recompute=" + to_string(plan.recompute);
+  return out;
+}
+
+}  // namespace trainer::parallel

@@ -1,0 +1,326 @@
+// The cluster planner (parallel/planner.h): its pipeline closed forms against
+// the simulator, the memory model against a hand computation, the stage
+// split against exhaustive search, the constraints (tp inside a node,
+// dividing the heads), known answers on small clusters, its speed at 1024
+// GPUs, the cluster file's errors, and `trainer plan --nodes` on a recipe
+// whose data is not on disk.
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <limits>
+
+#include "core/check.h"
+#include "parallel/pipeline_sim.h"
+#include "parallel/planner.h"
+#include "parallel/schedule.h"
+#include "tests/process.h"
+#include "trainer/plan.h"
+
+using namespace trainer;
+using namespace trainer::parallel;
+
+namespace {
+
+const GptShape kGpt1_3B{.n_layer = 24, .n_head = 16, .d_model = 2048, .context = 2048};
+const GptShape kGpt13B{.n_layer = 40, .n_head = 40, .d_model = 5120, .context = 2048};
+const GptShape kGpt175B{.n_layer = 96, .n_head = 96, .d_model = 12288, .context = 2048};
+
+PlanResult plan_gpt(const GptShape& shape, const std::string& device, int nodes, int per_node,
+                    int64_t global_batch) {
+  PlanRequest request{.cluster = cluster_for(device, nodes, per_node),
+                      .global_batch = global_batch};
+  return plan_cluster(gpt_model(shape), request, FlopBlockTimer(request.cluster.device));
+}
+
+bool rejected_for(const PlanResult& result, const std::string& reason) {
+  for (const Rejection& r : result.rejected)
+    if (r.reason == reason) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("planner: the closed-form step times are parallel::simulate's on uniform stages",
+          "[parallel]") {
+  const double forward = 1.5, backward = 3.25;  // one micro-batch through a whole stage
+  for (int stages : {2, 3, 4, 8})
+    for (int micro_batches : {stages, 2 * stages, 3 * stages + 1, 24}) {
+      std::vector<std::pair<std::string, int>> schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zbh1", 1}};
+      if (micro_batches % stages == 0)
+        for (int chunks : {2, 3}) schedules.push_back({"interleaved", chunks});
+      for (const auto& [name, chunks] : schedules) {
+        INFO(name << " P=" << stages << " M=" << micro_batches << " V=" << chunks);
+        const Schedule schedule = make_schedule(name, stages, micro_batches, chunks);
+        const SimResult sim = simulate(schedule, PipelineCosts{.forward = {forward / chunks},
+                                                               .backward = {backward / chunks}});
+        const double closed =
+            pipeline_step_time(name, stages, micro_batches, chunks, forward, backward);
+        CHECK(closed == Approx(sim.step_time).epsilon(1e-9));
+        // Activations in flight as the schedule's tables count them ((micro-batch,
+        // chunk) pairs until I; a chunk holds 1/V of the stage's activations).
+        const std::vector<int> peak = peak_in_flight(schedule);
+        for (int stage = 0; stage < stages; ++stage)
+          CHECK(activations_in_flight(name, stages, stage, micro_batches, chunks) * chunks ==
+                peak[size_t(stage)]);
+      }
+    }
+  CHECK(pipeline_step_time("none", 1, 8, 1, forward, backward) == 8 * (forward + backward));
+}
+
+TEST_CASE("planner: the balanced split is the best contiguous split (exhaustive search)",
+          "[parallel]") {
+  CHECK(balanced_split({5, 1, 1, 1, 1, 5}, 3) == std::vector<size_t>{0, 1, 5});
+  CHECK(balanced_split({1, 1, 1, 1}, 4) == std::vector<size_t>{0, 1, 2, 3});
+  uint64_t state = 12345;
+  auto next = [&] {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return double((state >> 33) % 100 + 1);
+  };
+  for (int trial = 0; trial < 60; ++trial) {
+    const size_t n = 3 + size_t(trial % 7);
+    std::vector<double> cost;
+    for (size_t i = 0; i < n; ++i) cost.push_back(next());
+    for (int stages = 1; stages <= int(n); ++stages) {
+      auto slowest = [&](const std::vector<size_t>& starts) {
+        double worst = 0;
+        for (size_t s = 0; s < starts.size(); ++s) {
+          const size_t end = s + 1 < starts.size() ? starts[s + 1] : n;
+          double sum = 0;
+          for (size_t i = starts[s]; i < end; ++i) sum += cost[i];
+          worst = std::max(worst, sum);
+        }
+        return worst;
+      };
+      // Every way of choosing stages - 1 cuts among the n - 1 gaps.
+      double best = std::numeric_limits<double>::infinity();
+      std::vector<size_t> starts{0};
+      std::function<void(size_t)> search = [&](size_t from) {
+        if (int(starts.size()) == stages) {
+          best = std::min(best, slowest(starts));
+          return;
+        }
+        for (size_t cut = from; cut < n; ++cut) {
+          starts.push_back(cut);
+          search(cut + 1);
+          starts.pop_back();
+        }
+      };
+      search(1);
+      const std::vector<size_t> split = balanced_split(cost, stages);
+      INFO("n=" << n << " stages=" << stages);
+      REQUIRE(split.size() == size_t(stages));
+      CHECK(slowest(split) == best);
+    }
+  }
+}
+
+TEST_CASE("planner: memory per rank for a hand-computed GPT case", "[parallel]") {
+  // L = 4, d = 64, a = 4, T = 32, V = 128, tied head.
+  const ModelDesc model = gpt_model(
+      {.n_layer = 4, .n_head = 4, .d_model = 64, .context = 32, .vocab = 128, .pad_vocab_to = 1});
+  CHECK(model.params() == 12 * 4 * 64 * 64 + 128 * 64 + 32 * 64 + 4 * 13 * 64 + 2 * 64);
+  PlanRequest request{.cluster = cluster_for("a100-80gb", 1), .global_batch = 16};
+  request.workspace_gib = 0;
+  SECTION("one layer, one sample, no tp: T d (34 + 5 a T / d) bytes (Korthikanti et al. 2022)") {
+    Plan plan;
+    plan.pp = 1, plan.micro_batch_size = 1;
+    plan.stage_starts = {0};
+    ModelDesc one_layer = model;
+    one_layer.blocks = {model.blocks[1]};
+    one_layer.tied_params = 0;
+    const StageMemory m = stage_memory(one_layer, request, plan)[0];
+    CHECK(m.activations == 32 * 64 * (34 + 5 * 4 * 32 / 64));
+    CHECK(m.params == 2 * (12 * 64 * 64 + 13 * 64));
+    CHECK(m.optimizer == 12 * (12 * 64 * 64 + 13 * 64));
+  }
+  SECTION("dp 2, pp 2, tp 2 with SP, ZeRO-1, 1F1B, M = 4 of b = 2") {
+    Plan plan;
+    plan.dp = 2, plan.pp = 2, plan.tp = 2;
+    plan.micro_batches = 4, plan.micro_batch_size = 2;
+    plan.schedule = "1f1b";
+    plan.zero1 = true;
+    plan.sequence_parallel = true;
+    std::string why;
+    plan = evaluate_plan(model, request, FlopBlockTimer(request.cluster.device), plan, &why);
+    CHECK(why.empty());
+    // FLOPs per block: embed 0, layers 3.4M, head 0.5M: embed + 2 layers | 2 layers + head.
+    REQUIRE(plan.stage_starts == std::vector<size_t>{0, 3});
+    const std::vector<StageMemory> memory = stage_memory(model, request, plan);
+    // Stage 0: (V d + T d) / 2 + 2 (12 d^2 + 13 d) / 2 = 5120 + 2 x 24992 parameters.
+    const double params0 = 5120 + 2 * 24992;
+    CHECK(memory[0].params == 2 * params0);
+    CHECK(memory[0].grads == 2 * params0);
+    CHECK(memory[0].optimizer == 12 * params0 / 2);
+    // Per layer and sample with SP over 2: (34 T d + 5 a T^2) / 2 = 45056 bytes;
+    // 1F1B holds P - 0 = 2 micro-batches of 2 samples on stage 0.
+    CHECK(memory[0].activations == 2 * 45056.0 * 2 * 2);
+    CHECK(memory[0].total() == 911488);
+    // Stage 1: two layers, the head's layer norm and the tied V x d copy, each split by tp.
+    const double params1 = 2 * 24992 + 64 + 4096;
+    CHECK(memory[1].params == 2 * params1);
+    CHECK(memory[1].optimizer == 12 * params1 / 2);
+    // Two layers plus the head (4 T d / 2 + 4 T V / 2), one micro-batch in flight.
+    CHECK(memory[1].activations == (2 * 45056.0 + 4096 + 8192) * 1 * 2);
+    CHECK(plan.memory == 911488);
+    CHECK(plan.memory_stage == 0);
+    SECTION("selective recomputation drops 5 a T^2; blocks keep only their inputs") {
+      plan.recompute = Recompute::selective;
+      CHECK(stage_memory(model, request, plan)[0].activations == 2 * (34 * 2048 / 2.0) * 2 * 2);
+      plan.recompute = Recompute::blocks;
+      // The inputs (2 T d / 2 per layer) of what is in flight, plus one layer recomputed.
+      CHECK(stage_memory(model, request, plan)[0].activations ==
+            (2 * 2 * (2 * 2048 / 2.0) + 45056.0) * 2);
+    }
+  }
+}
+
+TEST_CASE("planner: ResNet descriptions count torchvision's parameters", "[parallel]") {
+  CHECK(resnet_model({.depth = 18}).params() == 11689512);
+  CHECK(resnet_model({.depth = 50}).params() == 25557032);
+  CHECK(resnet_model({.depth = 152}).params() == 60192808);
+  CHECK(resnet_model({.depth = 50}).forward_flops() == Approx(2 * 4.09e9).epsilon(0.02));
+  CHECK(mlp_model(784, {256, 128}, 10).params() == 235146);
+}
+
+TEST_CASE("planner: tp stays inside a node and divides the heads", "[parallel]") {
+  const PlanResult result = plan_gpt(kGpt13B, "a100-40gb", 4, 4, 64);
+  REQUIRE(!result.ranked.empty());
+  for (const Plan& plan : result.ranked) {
+    CHECK(plan.tp <= 4);
+    CHECK(plan.dp * plan.pp * plan.tp == 16);
+    CHECK(int64_t(plan.dp) * plan.micro_batches * plan.micro_batch_size == 64);
+  }
+  CHECK(rejected_for(result, "tp crosses hosts"));
+  GptShape odd = kGpt1_3B;
+  odd.n_head = 12, odd.d_model = 1536;  // heads of 128: 8 does not divide 12
+  const PlanResult odd_result = plan_gpt(odd, "a100-80gb", 2, 8, 64);
+  CHECK(rejected_for(odd_result, "tp does not divide n_head"));
+  for (const Plan& plan : odd_result.ranked) CHECK(12 % plan.tp == 0);
+}
+
+TEST_CASE("planner: known answers on small clusters", "[parallel]") {
+  SECTION("a model that fits on one GPU trains pure data parallel") {
+    const PlanResult result = plan_gpt(kGpt1_3B, "a100-80gb", 1, 8, 512);
+    REQUIRE(!result.ranked.empty());
+    const Plan& best = result.ranked[0];
+    INFO(plan_table(result, 5, gpt_model(kGpt1_3B)));
+    CHECK(best.dp == 8);
+    CHECK(best.pp == 1);
+    CHECK(best.tp == 1);
+  }
+  SECTION("a model that does not fit one GPU splits by tp inside the node") {
+    const PlanResult result = plan_gpt(kGpt13B, "a100-40gb", 2, 8, 64);
+    REQUIRE(!result.ranked.empty());
+    INFO(plan_table(result, 5, gpt_model(kGpt13B)));
+    CHECK(rejected_for(result, "over device memory"));
+    for (const Plan& plan : result.ranked) CHECK(plan.pp * plan.tp > 1);  // no pure dp fits
+    const Plan& best = result.ranked[0];
+    CHECK(best.tp > 1);
+    CHECK(best.tp <= 8);
+  }
+  SECTION("the best plan as recipe overrides") {
+    const PlanResult result = plan_gpt(kGpt1_3B, "a100-80gb", 1, 8, 512);
+    REQUIRE(!result.ranked.empty());
+    const std::string overrides = plan_overrides(result.ranked[0]);
+    CHECK(overrides.find("parallel.dp=8 parallel.pp=1 parallel.tp=1 parallel.micro_batches=") == 0);
+    CHECK(overrides.find("parallel.recompute=") != std::string::npos);
+  }
+}
+
+TEST_CASE("planner: 175B on 1024 A100 plans in under a second", "[parallel]") {
+  const auto start = std::chrono::steady_clock::now();
+  const PlanResult result = plan_gpt(kGpt175B, "a100-80gb", 128, 8, 1536);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WARN("175B x 1024 GPUs: " << result.evaluated << " plans scored in " << seconds * 1e3 << " ms");
+  CHECK(seconds < 1.0);
+  REQUIRE(!result.ranked.empty());
+  const Plan& best = result.ranked[0];
+  CHECK(best.tp <= 8);
+  CHECK(best.memory <= 80.0 * 1024 * 1024 * 1024);
+  // Within sight of the published 45% of peak (Narayanan et al. 2021).
+  CHECK(best.model_flops_utilisation > 0.3);
+  CHECK(best.model_flops_utilisation < 0.55);
+  CHECK(best.terms.total() == Approx(best.terms.compute + best.terms.bubble + best.terms.tp_comm +
+                                     best.terms.pp_comm + best.terms.dp_exposed));
+}
+
+TEST_CASE("planner: measured block times feed the same cost model", "[parallel]") {
+  const ModelDesc model = mlp_model(784, {256, 128}, 10);
+  PlanRequest request{.cluster = cluster_for("a100-80gb", 1), .global_batch = 64};
+  const MeasuredBlockTimer timer({{1e-3, 2e-3}, {0.5e-3, 1e-3}, {0.25e-3, 0.5e-3}});
+  Plan plan;
+  plan.dp = 8, plan.micro_batches = 2, plan.micro_batch_size = 4;
+  std::string why;
+  plan = evaluate_plan(model, request, timer, plan, &why);
+  CHECK(why.empty());
+  // 2 micro-batches x 4 samples x (1.75 + 3.5) ms.
+  CHECK(plan.terms.compute == Approx(2 * 4 * 5.25e-3));
+  CHECK(plan.terms.bubble == Approx(0).margin(1e-12));
+}
+
+TEST_CASE("planner: the cluster file sets figures and a bad key names file, line and key",
+          "[parallel]") {
+  const std::filesystem::path dir = testing::fresh_temp_dir("planner_cluster");
+  const std::string path = (dir / "cluster.yaml").string();
+  auto write = [&](const std::string& text) { std::ofstream(path) << text; };
+  const ClusterSpec base = cluster_for("a100-80gb", 4);
+  write("device: h100-80gb\npeak_tflops: 900\nper_node: 4\nintra:\n  alpha_us: 2\n  gbps: 1000\n");
+  const ClusterSpec cluster = load_cluster_file(path, base);
+  CHECK(cluster.device.peak_tflops == 900);
+  CHECK(cluster.device.memory_gib == 80);
+  CHECK(cluster.per_node == 4);
+  CHECK(cluster.nodes == 4);
+  CHECK(cluster.intra.alpha_us == 2);
+  CHECK(cluster.intra.gbps == 1000);
+  CHECK(cluster.inter.gbps == 400);  // h100-80gb's
+
+  write("device: h100-80gb\nintra:\n  alpha_us: 2\n  gbsp: 100\n");
+  CHECK_THROWS_WITH(load_cluster_file(path, base),
+                    Catch::Contains(path + ":4: unknown key 'intra.gbsp'"));
+  write("peak_tflops: 300\nmemory_gib: lots\n");
+  CHECK_THROWS_WITH(
+      load_cluster_file(path, base),
+      Catch::Contains(path + ":2: key 'memory_gib' expects a number > 0, got 'lots'"));
+  write("peak_tflops: 300\nnvlink: 5\n");
+  CHECK_THROWS_WITH(load_cluster_file(path, base),
+                    Catch::Contains(path + ":2: unknown key 'nvlink'"));
+  write("per_node: 2.5\n");
+  CHECK_THROWS_WITH(load_cluster_file(path, base),
+                    Catch::Contains(path + ":1: key 'per_node' expects a whole number"));
+  write("device: tpu-v9\n");
+  CHECK_THROWS_WITH(load_cluster_file(path, base), Catch::Contains("unknown device 'tpu-v9'"));
+}
+
+TEST_CASE("trainer plan --nodes: plans recipes/gpt_kjv.yaml without its data set", "[parallel]") {
+  using testing::run_trainer;
+  const std::string recipe = std::string(TRAINER_SOURCE_DIR) + "/recipes/gpt_kjv.yaml";
+  // The recipe's data.path is relative and does not resolve from the test's directory.
+  REQUIRE(!std::filesystem::exists("datasets/kjv.txt"));
+  testing::ProcessResult r = run_trainer({"plan", recipe, "--nodes", "2", "--per-node", "8"});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  r = run_trainer(
+      {"plan", recipe, "data.path=/nonexistent/kjv.txt", "--nodes", "2", "--per-node", "8"});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("vocabulary from the data: planned with V=256") != std::string::npos);
+  CHECK(r.output.find("cluster: 2 nodes x 8 a100-80gb") != std::string::npos);
+  CHECK(r.output.find("rank  dp x pp x tp") != std::string::npos);
+  CHECK(r.output.find("tp does not divide n_head, e.g. tp=8 does not divide n_head 4") !=
+        std::string::npos);
+  CHECK(r.output.find("best plan as recipe overrides:\n  parallel.dp=") != std::string::npos);
+
+  const std::filesystem::path dir = testing::fresh_temp_dir("planner_cli");
+  const std::string cluster = (dir / "c.yaml").string();
+  std::ofstream(cluster) << "device: h100-80gb\ninter:\n  alpha_us: 5\n  gbs: 400\n";
+  r = run_trainer({"plan", recipe, "--nodes", "2", "--cluster", cluster});
+  CHECK(r.code == 1);
+  CHECK(r.output.find(cluster + ":4: unknown key 'inter.gbs'") != std::string::npos);
+  r = run_trainer({"plan", recipe, "--per-node", "4"});
+  CHECK(r.code == 1);
+  CHECK(r.output.find("give --nodes N too") != std::string::npos);
+  r = run_trainer({"plan", recipe, "--nodes", "2", "--device", "v100"});
+  CHECK(r.code == 1);
+  CHECK(r.output.find("unknown device 'v100'") != std::string::npos);
+}
