@@ -29,6 +29,7 @@
 //   - backward runs with grad mode off (no double backward).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -220,6 +221,38 @@ struct SplitBackward {
 // scalar loss); retain_graph keeps every node's saved tensors after W.
 SplitBackward run_backward_input(const TensorList& roots, const TensorList& grads,
                                  const TensorList& inputs, bool retain_graph = false);
+
+// ---- activation checkpointing ----
+//
+// checkpoint(options, inputs) runs options.fn(inputs), keeps its outputs'
+// values and only its inputs, and records one node for it; the node's
+// backward runs fn again (grad mode on, under the first run's autocast
+// dtype) from the inputs as fresh leaves and backpropagates the output
+// gradients through that graph, as torch.utils.checkpoint does. The first
+// run records its graph like a plain one (the same kernels, so the recompute
+// gives the same bits: an LSTM's inference kernel would not) and drops it
+// when checkpoint returns, so one function's activations are alive at a
+// time. The parameters that graph reaches become inputs of the node: the
+// nested pass returns their gradients to the engine instead of accumulating
+// them, so they are summed with other contributions (a tied weight) and
+// accumulated, hooks firing, as without the checkpoint: the same bits.
+//
+//   TensorList y = autograd::checkpoint({.fn = block_fn, .save_state = save_generators}, {x});
+//
+// fn must compute the same outputs when run again from the same inputs; the
+// state it reads or changes besides them (dropout generators, batch norm's
+// running statistics) is save_state's: called before the first run and again
+// right before the recompute, it returns a function that puts that state back
+// as it was then. The recompute so draws the first run's dropout masks and
+// leaves every generator and buffer as it found it. fn reads no tensor with
+// a graph other than its inputs (a CHECK fails otherwise). A split backward
+// (run_backward_input) recomputes the function in each half.
+struct CheckpointOptions {
+  std::function<TensorList(const TensorList&)> fn = {};
+  std::function<std::function<void()>()> save_state = {};
+};
+// Without grad mode: fn(inputs), recording nothing.
+TensorList checkpoint(const CheckpointOptions& options, const TensorList& inputs);
 
 // ---- defining ops ----
 

@@ -4,6 +4,9 @@
 #include <map>
 #include <set>
 
+#include "core/autograd.h"
+#include "layers/linear.h"
+
 namespace trainer {
 
 namespace {
@@ -30,6 +33,33 @@ std::vector<NamedTensor> collect(const std::vector<BlockSpec>& blocks, size_t fi
         if (seen.insert(t.tensor.impl()).second || every_name)
           out.push_back({m.prefix + "." + t.name, t.tensor});
   return out;
+}
+
+// The state block reads or changes besides its inputs, saved now: the
+// generators of the dropout layers under root (the whole model: a block may
+// run a layer's dropout without listing it, as the LSTM's layers do), or
+// its members' without a root, and its members' buffers (batch norm's
+// running statistics). The function returned puts them back.
+std::function<void()> save_block_state(const BlockSpec& block, Module* root) {
+  std::vector<std::pair<Dropout*, Generator>> generators;
+  std::vector<std::pair<Tensor, Tensor>> buffers;  // the buffer, its value now
+  auto add_generators = [&](Module& module) {
+    if (auto* d = dynamic_cast<Dropout*>(&module)) generators.emplace_back(d, d->generator());
+  };
+  if (root) root->apply(add_generators);
+  for (const BlockMember& m : block.members) {
+    if (!root) m.module->apply(add_generators);
+    for (const NamedTensor& b : m.module->named_buffers())
+      buffers.emplace_back(b.tensor, b.tensor.clone());
+  }
+  return [generators = std::move(generators), buffers = std::move(buffers)] {
+    for (const auto& [dropout, generator] : generators) dropout->generator() = generator;
+    autograd::NoGradGuard no_grad;
+    for (const auto& [buffer, value] : buffers) {
+      Tensor target = buffer;  // a handle on the module's tensor
+      target.copy_(value);
+    }
+  };
 }
 
 }  // namespace
@@ -105,7 +135,14 @@ TensorList BlockList::run(size_t first, size_t last, const TensorList& inputs) c
     const Slots& s = slots_[b];
     block_in.clear();
     for (size_t k : s.in) block_in.push_back(slots[k]);
-    TensorList block_out = blocks_[b].fn(block_in);
+    TensorList block_out =
+        recompute_ && autograd::grad_enabled()
+            ? autograd::checkpoint(
+                  {.fn = blocks_[b].fn,
+                   .save_state = [&block = blocks_[b],
+                                  root = dropout_root_] { return save_block_state(block, root); }},
+                  block_in)
+            : blocks_[b].fn(block_in);
     CHECK(block_out.size() == s.out.size())
         << "block '" << blocks_[b].name << "' returned " << block_out.size()
         << " tensors, declares " << s.out.size();

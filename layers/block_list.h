@@ -91,6 +91,19 @@ class BlockList {
   // Parameters held by several blocks under different names.
   const std::vector<TiedParameter>& tied() const { return tied_; }
 
+  // Activation checkpointing: with recompute on, run() keeps of each block
+  // only its inputs when it records a graph, and the backward runs the block
+  // again (autograd::checkpoint) with the first run's dropout masks, leaving
+  // generators and buffers (batch norm's running statistics) as they were:
+  // the same gradients, bit for bit, for one block's activations at a time.
+  // The masks are those of the Dropout layers under dropout_root (the
+  // model), or without one those in the blocks' members.
+  void set_recompute(bool on, Module* dropout_root = nullptr) {
+    recompute_ = on;
+    dropout_root_ = dropout_root;
+  }
+  bool recompute() const { return recompute_; }
+
  private:
   struct Boundary {
     std::vector<std::string> names;
@@ -105,6 +118,8 @@ class BlockList {
   std::vector<Boundary> boundaries_;  // size() + 1
   size_t num_slots_ = 0;
   std::vector<TiedParameter> tied_;
+  bool recompute_ = false;
+  Module* dropout_root_ = nullptr;
 };
 
 // A model: a Module whose forward is its block list. Single-input,
@@ -128,6 +143,8 @@ class Model : public Module {
   // of the vocabulary.
   virtual Tensor output_loss(const Tensor& logits, const Tensor& targets,
                              const CrossEntropyOptions& options = {}) const;
+  // BlockList::set_recompute on the model's blocks (parallel.recompute: blocks).
+  void set_recompute(bool on) { blocks_.set_recompute(on, this); }
 
  protected:
   // Called once at the end of the model's constructor.

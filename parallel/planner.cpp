@@ -30,6 +30,14 @@ struct DeviceLinks {
 constexpr DeviceLinks kLinks[] = {
     {"a100-40gb", 300 * 8, 200}, {"a100-80gb", 300 * 8, 200}, {"h100-80gb", 450 * 8, 400}};
 
+// CPU ranks on one host: collectives through the communicator's
+// shared-memory channel, point-to-point through UCX's shared-memory
+// transports; `trainer plan --calibrate` on the 2-core dev VM, 2026-11-25
+// (docs/planner.md). Between hosts: TCP over 10 Gb/s Ethernet, a guess.
+constexpr LinkSpec kCpuSharedMemory{.alpha_us = 0.17, .gbps = 73};
+constexpr LinkSpec kCpuSharedMemoryP2p{.alpha_us = 4.0, .gbps = 43};
+constexpr LinkSpec kCpuEthernet{.alpha_us = 30, .gbps = 10};
+
 std::string fixed(double value, int digits) {
   char text[48];
   std::snprintf(text, sizeof text, "%.*f", digits, value);
@@ -100,243 +108,20 @@ ClusterSpec cluster_for(const std::string& device, int nodes, int per_node) {
                   " (or describe one in a --cluster file)"));
 }
 
-// ---- models ----
-
-double ModelDesc::params() const {
-  double sum = 0;
-  for (const BlockCost& block : blocks) sum += block.params;
-  return sum;
-}
-
-double ModelDesc::forward_flops() const {
-  double sum = 0;
-  for (const BlockCost& block : blocks) sum += block.forward_flops;
-  return sum;
-}
-
-ModelDesc gpt_model(const GptShape& shape) {
-  const double T = double(shape.context), d = double(shape.d_model), a = double(shape.n_head);
-  const int64_t pad = std::max<int64_t>(1, shape.pad_vocab_to);
-  const int64_t vocab = (shape.vocab + pad - 1) / pad * pad;
-  const double V = double(vocab);
-  ModelDesc model;
-  model.name = cat("gpt L=", shape.n_layer, " d=", shape.d_model, " a=", shape.n_head,
-                   " T=", shape.context, " V=", vocab);
-  model.tokens_per_sample = T;
-  model.language_model = true;
-  model.n_head = shape.n_head;
-  model.d_model = shape.d_model;
-  model.vocab = vocab;
-  model.n_layer = shape.n_layer;
-  // Token and position embeddings; the token one is split over tp by vocabulary
-  // (one allreduce of its output forward).
-  model.blocks.push_back({.name = "embed",
-                          .params = V * d + T * d,
-                          .output_bytes = 2 * T * d,
-                          .tp_allreduces = 1,
-                          .tp_allreduces_fwd = 1,
-                          .gemm_rows = T,
-                          .gemm_width = d,
-                          .tp_split = true});
-  for (int64_t layer = 0; layer < shape.n_layer; ++layer)
-    model.blocks.push_back({
-        .name = cat("h.", layer),
-        .params = 12 * d * d + 13 * d,  // QKV, proj, 2 MLP matrices; biases, 2 layer norms
-        .forward_flops = T * (24 * d * d + 4 * T * d),
-        .selective_flops = T * 4 * T * d,  // scores and their product with V
-        .act_replicated = 10 * T * d,      // layer-norm inputs, residual, dropout masks
-        .act_sharded = 24 * T * d + 5 * a * T * T,
-        .act_selective = 5 * a * T * T,  // softmax, its dropout mask, the scores
-        .input_bytes = 2 * T * d,
-        .output_bytes = 2 * T * d,
-        .tp_allreduces = 4,  // attention and MLP outputs forward, their inputs' gradients backward
-        .tp_allreduces_fwd = 2,
-        .gemm_rows = T,
-        .gemm_width = d,
-        .tp_split = true,
-        .is_layer = true,
-    });
-  // Final layer norm and the logits (vocabulary-parallel, fp32 softmax kept for backward).
-  model.blocks.push_back({.name = "head",
-                          .params = shape.tie_weights ? 2 * d : V * d + 2 * d,
-                          .forward_flops = 2 * T * d * V,
-                          .act_replicated = 4 * T * d,
-                          .act_sharded = 4 * T * V,
-                          .input_bytes = 2 * T * d,
-                          .output_bytes = 4 * T,
-                          .gemm_rows = T,
-                          .gemm_width = V,
-                          .tp_split = true});
-  if (shape.tie_weights) model.tied_params = V * d;
-  return model;
-}
-
-namespace {
-
-// A convolution's parameters (no bias: a batch norm follows) and its output elements.
-struct ConvCost {
-  double params = 0, flops = 0, out_elements = 0;
-};
-ConvCost conv(int64_t in, int64_t out, int64_t kernel, int64_t out_side) {
-  const double params = double(kernel * kernel * in * out);
-  const double positions = double(out_side * out_side);
-  return {params + 2.0 * double(out), 2 * params * positions, double(out) * positions};
-}
-
-// A block made of convolutions: conv output, batch-norm output and ReLU mask
-// saved per conv (3 values of 16 bits per output element).
-void add_convs(BlockCost& block, std::initializer_list<ConvCost> convs) {
-  for (const ConvCost& c : convs) {
-    block.params += c.params;
-    block.forward_flops += c.flops;
-    block.act_replicated += 3 * 2 * c.out_elements;
-  }
-}
-
-}  // namespace
-
-ModelDesc resnet_model(const ResNetShape& shape) {
-  static const std::map<int, std::vector<int>> kBlocks = {{18, {2, 2, 2, 2}},
-                                                          {34, {3, 4, 6, 3}},
-                                                          {50, {3, 4, 6, 3}},
-                                                          {101, {3, 4, 23, 3}},
-                                                          {152, {3, 8, 36, 3}}};
-  auto it = kBlocks.find(shape.depth);
-  if (it == kBlocks.end()) throw Error(cat("resnet depth ", shape.depth, " is not 18 .. 152"));
-  const bool bottleneck = shape.depth >= 50;
-  const int64_t expansion = bottleneck ? 4 : 1;
-  ModelDesc model;
-  model.name = cat("resnet", shape.depth, shape.small ? "_small" : "", " ", shape.image_size, "px");
-  int64_t side = shape.small ? shape.image_size : (shape.image_size + 1) / 2;
-  BlockCost stem{
-      .name = "stem",
-      .input_bytes = 2.0 * double(shape.in_channels * shape.image_size * shape.image_size)};
-  add_convs(stem, {conv(shape.in_channels, shape.width, shape.small ? 3 : 7, side)});
-  if (!shape.small) side = (side + 1) / 2;  // max-pool
-  stem.output_bytes = 2.0 * double(shape.width * side * side);
-  stem.gemm_rows = double(side * side);
-  stem.gemm_width = double(shape.width);
-  model.blocks.push_back(stem);
-  int64_t in = shape.width;
-  for (int stage = 0; stage < 4; ++stage) {
-    const int64_t c = shape.width << stage;
-    for (int index = 0; index < it->second[size_t(stage)]; ++index) {
-      const int stride = stage > 0 && index == 0 ? 2 : 1;
-      const int64_t in_side = side;
-      side = (side + stride - 1) / stride;
-      const int64_t out = c * expansion;
-      BlockCost block{.name = cat("layer", stage + 1, ".", index),
-                      .input_bytes = 2.0 * double(in * in_side * in_side),
-                      .output_bytes = 2.0 * double(out * side * side),
-                      .gemm_rows = double(side * side),
-                      .gemm_width = double(c)};
-      if (bottleneck)
-        add_convs(block, {conv(in, c, 1, in_side), conv(c, c, 3, side), conv(c, out, 1, side)});
-      else
-        add_convs(block, {conv(in, c, 3, side), conv(c, c, 3, side)});
-      if (stride != 1 || in != out) add_convs(block, {conv(in, out, 1, side)});
-      model.blocks.push_back(block);
-      in = out;
-    }
-  }
-  const double features = double(in), classes = double(shape.num_classes);
-  model.blocks.push_back({.name = "head",
-                          .params = features * classes + classes,
-                          .forward_flops = 2 * features * classes,
-                          .act_replicated = 2 * features,
-                          .input_bytes = 2.0 * double(in * side * side),
-                          .output_bytes = 4 * classes,
-                          .gemm_width = classes});
-  return model;
-}
-
-ModelDesc lstm_lm_model(int64_t vocab, int64_t embedding, int64_t hidden, int64_t layers,
-                        int64_t sequence, bool tie_weights) {
-  const double V = double(vocab), E = double(embedding), H = double(hidden), T = double(sequence);
-  ModelDesc model;
-  model.name = cat("lstm_lm L=", layers, " E=", embedding, " H=", hidden, " V=", vocab);
-  model.tokens_per_sample = T;
-  model.language_model = true;
-  model.blocks.push_back({.name = "embed",
-                          .params = V * E,
-                          .output_bytes = 2 * T * E,
-                          .gemm_rows = T,
-                          .gemm_width = E});
-  BlockCost rnn{.name = "rnn",
-                .input_bytes = 2 * T * E,
-                .output_bytes = 2 * T * H,
-                .gemm_width = 4 * H};  // one time step: a GEMM of b rows
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const double in = layer == 0 ? E : H;
-    rnn.params += 4 * H * (in + H) + 8 * H;
-    rnn.forward_flops += T * 2 * 4 * H * (in + H);
-    rnn.act_replicated += 2 * T * (4 * H + 2 * H + in);  // gates, c and h, the input
-  }
-  model.blocks.push_back(rnn);
-  model.blocks.push_back({.name = "head",
-                          .params = (tie_weights ? 0 : V * H) + V,
-                          .forward_flops = 2 * T * H * V,
-                          .act_replicated = 4 * T * V,
-                          .input_bytes = 2 * T * H,
-                          .output_bytes = 4 * T,
-                          .gemm_rows = T,
-                          .gemm_width = V});
-  if (tie_weights) model.tied_params = V * E;
-  return model;
-}
-
-ModelDesc mlp_model(int64_t in_features, const std::vector<int64_t>& hidden, int64_t classes) {
-  ModelDesc model;
-  model.name = cat("mlp ", in_features, " inputs");
-  std::vector<int64_t> widths{in_features};
-  widths.insert(widths.end(), hidden.begin(), hidden.end());
-  widths.push_back(classes);
-  for (size_t i = 0; i + 1 < widths.size(); ++i) {
-    const double in = double(widths[i]), out = double(widths[i + 1]);
-    model.blocks.push_back({.name = cat("fc", i + 1),
-                            .params = in * out + out,
-                            .forward_flops = 2 * in * out,
-                            .act_replicated = 2 * in + 2 * out,
-                            .input_bytes = 2 * in,
-                            .output_bytes = 2 * out,
-                            .gemm_width = out});
-  }
-  return model;
-}
-
-ModelDesc small_cnn_model(int64_t in_channels, int64_t image_size, int64_t classes) {
-  ModelDesc model;
-  model.name = cat("small_cnn ", image_size, "px");
-  const int64_t side = image_size;
-  BlockCost conv1{.name = "conv1",
-                  .input_bytes = 2.0 * double(in_channels * side * side),
-                  .output_bytes = 2.0 * double(32 * (side / 2) * (side / 2)),
-                  .gemm_rows = double(side * side),
-                  .gemm_width = 32};
-  add_convs(conv1, {conv(in_channels, 32, 3, side)});
-  BlockCost conv2{.name = "conv2",
-                  .input_bytes = conv1.output_bytes,
-                  .output_bytes = 2.0 * double(64 * (side / 4) * (side / 4)),
-                  .gemm_rows = double((side / 2) * (side / 2)),
-                  .gemm_width = 64};
-  add_convs(conv2, {conv(32, 64, 3, side / 2)});
-  model.blocks = {conv1, conv2};
-  const double flat = double(64 * (side / 4) * (side / 4)), c = double(classes);
-  model.blocks.push_back({.name = "fc1",
-                          .params = flat * 128 + 128,
-                          .forward_flops = 2 * flat * 128,
-                          .act_replicated = 2 * (flat + 128),
-                          .input_bytes = 2 * flat,
-                          .output_bytes = 2 * 128,
-                          .gemm_width = 128});
-  model.blocks.push_back({.name = "fc2",
-                          .params = 128 * c + c,
-                          .forward_flops = 2 * 128 * c,
-                          .act_replicated = 2 * 128,
-                          .input_bytes = 2 * 128,
-                          .output_bytes = 4 * c,
-                          .gemm_width = c});
-  return model;
+ClusterSpec cpu_cluster(int nodes, int per_node, double ram_gib) {
+  CHECK(per_node >= 1) << per_node;
+  ClusterSpec cluster;
+  cluster.device = {.name = kCpuDevice,
+                    .peak_tflops = 0,
+                    .memory_gib = ram_gib / per_node,
+                    .per_node = per_node,
+                    .achievable = 1};
+  cluster.nodes = nodes;
+  cluster.per_node = per_node;
+  cluster.intra = kCpuSharedMemory;
+  cluster.intra_p2p = kCpuSharedMemoryP2p;
+  cluster.inter = kCpuEthernet;
+  return cluster;
 }
 
 // ---- block timers ----
@@ -366,18 +151,78 @@ std::string FlopBlockTimer::describe() const {
              "), less for GEMMs under ", fixed(knee_, 0), " rows or columns");
 }
 
+double BlockTimer::split_cost(const ModelDesc& model, size_t index) const {
+  return model.blocks[index].forward_flops + 1.0;
+}
+
 MeasuredBlockTimer::MeasuredBlockTimer(std::vector<BlockTime> per_sample)
-    : per_sample_(std::move(per_sample)) {}
+    : MeasuredBlockTimer(std::vector<MeasuredProfile>{{.blocks = std::move(per_sample)}}, "") {}
+
+MeasuredBlockTimer::MeasuredBlockTimer(std::vector<MeasuredProfile> profiles, std::string source)
+    : profiles_(std::move(profiles)), source_(std::move(source)) {
+  CHECK(!profiles_.empty()) << "a measured block timer needs a profile";
+  for (const MeasuredProfile& p : profiles_)
+    CHECK(p.samples >= 1 && p.tp >= 1 && p.blocks.size() == profiles_[0].blocks.size())
+        << "profile tp=" << p.tp << " samples=" << p.samples << ": " << p.blocks.size()
+        << " blocks";
+  std::sort(profiles_.begin(), profiles_.end(),
+            [](const MeasuredProfile& x, const MeasuredProfile& y) {
+              return x.tp != y.tp ? x.tp < y.tp : x.samples < y.samples;
+            });
+}
 
 BlockTime MeasuredBlockTimer::time(const ModelDesc& model, size_t index, int64_t samples,
                                    int tp) const {
-  CHECK(index < per_sample_.size())
+  CHECK(index < profiles_[0].blocks.size())
       << "a measured time for block " << index << " of " << model.blocks.size();
-  const double scale = double(samples) / (model.blocks[index].tp_split ? tp : 1);
-  return {per_sample_[index].forward * scale, per_sample_[index].backward * scale};
+  // This tp's profiles, or tp = 1's divided by tp for the blocks tp splits.
+  std::vector<const MeasuredProfile*> at;
+  for (const MeasuredProfile& p : profiles_)
+    if (p.tp == tp) at.push_back(&p);
+  double divide = 1;
+  if (at.empty()) {
+    for (const MeasuredProfile& p : profiles_)
+      if (p.tp == 1) at.push_back(&p);
+    divide = model.blocks[index].tp_split ? tp : 1;
+  }
+  CHECK(!at.empty()) << "no tp=1 profile for tp=" << tp;
+  const double n = double(samples);
+  if (at.size() == 1) {
+    const BlockTime& t = at[0]->blocks[index];
+    const double scale = n / double(at[0]->samples) / divide;
+    return {t.forward * scale, t.backward * scale};
+  }
+  // The two nearest sizes: those around n, or the two at the end n lies beyond.
+  size_t hi = 1;
+  while (hi + 1 < at.size() && double(at[hi]->samples) < n) ++hi;
+  const MeasuredProfile &lo_p = *at[hi - 1], &hi_p = *at[hi];
+  const double w = (n - double(lo_p.samples)) / double(hi_p.samples - lo_p.samples);
+  auto line = [&](double a, double b) {
+    const double v = a + w * (b - a);
+    // Below the smallest size, a line can cross zero; with a fixed cost per
+    // micro-batch the time is at least the smaller size's in proportion.
+    if (n < double(lo_p.samples)) return std::max(v, a * n / double(lo_p.samples)) / divide;
+    return std::max(v, 0.0) / divide;
+  };
+  const BlockTime &a = lo_p.blocks[index], &b = hi_p.blocks[index];
+  return {line(a.forward, b.forward), line(a.backward, b.backward)};
 }
 
-std::string MeasuredBlockTimer::describe() const { return "measured block times"; }
+std::string MeasuredBlockTimer::describe() const {
+  std::string sizes;
+  for (const MeasuredProfile& p : profiles_)
+    sizes += cat(sizes.empty() ? "" : ", ", p.tp > 1 ? cat("tp=", p.tp, " ") : "", "b=", p.samples);
+  return cat("measured block times", source_.empty() ? "" : " (" + source_ + ")", " at ", sizes,
+             ", linear in b between them");
+}
+
+double MeasuredBlockTimer::split_cost(const ModelDesc& model, size_t index) const {
+  const MeasuredProfile* largest = nullptr;
+  for (const MeasuredProfile& p : profiles_)
+    if (p.tp == 1) largest = &p;
+  if (!largest) return BlockTimer::split_cost(model, index);
+  return largest->blocks[index].forward + largest->blocks[index].backward;
+}
 
 // ---- pipeline closed forms ----
 
@@ -466,10 +311,11 @@ double block_activations(const BlockCost& block, const Plan& plan) {
 // The stage's block boundaries for the plan: interleaved chunks of equal
 // layer counts (the whole stage: L / P layers, embed on stage 0, head on the
 // last), else the balanced split of forward FLOPs.
-std::vector<size_t> split_for(const ModelDesc& model, int stages, bool even_layers) {
+std::vector<size_t> split_for(const ModelDesc& model, const BlockTimer& timer, int stages,
+                              bool even_layers) {
   if (!even_layers) {
     std::vector<double> cost;
-    for (const BlockCost& block : model.blocks) cost.push_back(block.forward_flops + 1.0);
+    for (size_t i = 0; i < model.blocks.size(); ++i) cost.push_back(timer.split_cost(model, i));
     return balanced_split(cost, stages);
   }
   std::vector<size_t> starts{0};
@@ -519,7 +365,7 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   const ClusterSpec& cluster = request.cluster;
   const double scale = value_scale(request.precision);
   if (plan.stage_starts.empty())
-    plan.stage_starts = split_for(model, plan.pp, plan.schedule == "interleaved");
+    plan.stage_starts = split_for(model, timer, plan.pp, plan.schedule == "interleaved");
   const LinkSpec& tp_link = cluster.intra;
   const int64_t b = plan.micro_batch_size;
 
@@ -568,7 +414,8 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   terms.tp_comm = M * (tp_forward + tp_backward);
   terms.bubble = std::max(0.0, pipeline - terms.compute - terms.tp_comm);
   if (plan.pp > 1) {
-    const LinkSpec& link = plan.tp * plan.pp > cluster.per_node ? cluster.inter : cluster.intra;
+    const LinkSpec& link =
+        plan.tp * plan.pp > cluster.per_node ? cluster.inter : cluster.p2p_inside();
     // Each micro-batch crosses V chunk boundaries per stage both ways; the
     // pipeline's fill and drain add P - 1 more of each to the critical path.
     terms.pp_comm = 2 * link.seconds(message_bytes) * (double(M) * plan.chunks + plan.pp - 1);
@@ -581,9 +428,12 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
     const double last_bucket =
         ring_allreduce(link, plan.dp, std::min(grad_bytes, request.bucket_mb * kMiB));
     // Buckets reduce while the last micro-batch's backward runs; the last one after it.
-    terms.dp_exposed = std::max(last_bucket, sync - (backward + tp_backward));
+    terms.dp_exposed =
+        request.overlap_dp ? std::max(last_bucket, sync - (backward + tp_backward)) : sync;
     if (plan.zero1) terms.dp_exposed += ring_allgather(link, plan.dp, grad_bytes);
   }
+  terms.optimizer =
+      request.optimizer_seconds_per_param * stage_params_max / (plan.zero1 ? plan.dp : 1);
 
   const std::vector<StageMemory> memory = stage_memory(model, request, plan);
   plan.memory = 0;
@@ -611,7 +461,7 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
     recomputed += plan.recompute == Recompute::blocks      ? block.forward_flops
                   : plan.recompute == Recompute::selective ? block.selective_flops
                                                            : 0;
-  plan.model_flops_utilisation = model_flops / (step * cluster.world() * peak);
+  plan.model_flops_utilisation = peak > 0 ? model_flops / (step * cluster.world() * peak) : 0;
   plan.hardware_flops_per_gpu = (model_flops + recomputed * batch) / (step * cluster.world());
   return plan;
 }
@@ -653,12 +503,13 @@ std::string tp_problem(const ModelDesc& model, const ClusterSpec& cluster, int t
     *reason = "tp does not divide the GPUs of a node";
     return cat("tp=", tp, " does not divide ", cluster.per_node);
   }
-  if (model.n_head == 0) {
-    *reason = "tp splits transformer layers only";
+  if (model.n_head == 0 && model.tp_channels == 0) {
+    *reason = "tp splits transformer layers and ResNet blocks only";
     return cat("tp=", tp, ": ", model.name, " plans dp x pp");
   }
-  const std::pair<const char*, int64_t> sizes[] = {
-      {"n_head", model.n_head}, {"d_model", model.d_model}, {"vocab", model.vocab}};
+  std::vector<std::pair<const char*, int64_t>> sizes = {{"channels", model.tp_channels}};
+  if (model.n_head > 0)
+    sizes = {{"n_head", model.n_head}, {"d_model", model.d_model}, {"vocab", model.vocab}};
   for (const auto& [key, size] : sizes)
     if (size % tp != 0) {
       *reason = cat("tp does not divide ", key);
@@ -702,7 +553,7 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
             cat(layout, ": global_batch ", request.global_batch, " over ", dp, " replicas"));
         continue;
       }
-      if (!balanced.count(pp)) balanced[pp] = split_for(model, pp, false);
+      if (!balanced.count(pp)) balanced[pp] = split_for(model, timer, pp, false);
       const int per_replica = int(request.global_batch / dp);
       for (int M : divisors(per_replica)) {
         // (schedule, chunks) pairs for this P and M.
@@ -826,7 +677,8 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
     const StepTerms& t = best.terms;
     out += cat("\nbest: ", plan_label(best), ": step ", ms(t.total()), " ms = compute ",
                ms(t.compute), " + bubble ", ms(t.bubble), " + tp comm ", ms(t.tp_comm),
-               " + pp comm ", ms(t.pp_comm), " + dp comm exposed ", ms(t.dp_exposed), " ms\n");
+               " + pp comm ", ms(t.pp_comm), " + dp comm exposed ", ms(t.dp_exposed),
+               t.optimizer > 0 ? " + optimizer " + ms(t.optimizer) : std::string(), " ms\n");
     out += cat("      ", fixed(best.memory / kGiB, 1), " GiB on the fullest rank (stage ",
                best.memory_stage, "), MFU ", fixed(100 * best.model_flops_utilisation, 1), "%, ",
                fixed(best.hardware_flops_per_gpu / 1e12, 1),
@@ -841,7 +693,7 @@ std::string plan_overrides(const Plan& plan) {
   if (plan.pp > 1) out += " parallel.schedule=" + plan.schedule;
   if (plan.chunks > 1) out += cat(" parallel.virtual_stages=", plan.chunks);
   if (plan.pp > 1 && plan.schedule != "interleaved") {
-    out += " parallel.stages=list parallel.stage_starts=[";
+    out += " parallel.stages=[";
     for (size_t s = 1; s < plan.stage_starts.size(); ++s)
       out += cat(s > 1 ? "," : "", plan.stage_starts[s]);
     out += "]";

@@ -15,8 +15,14 @@
 //   PlanResult result = plan_cluster(gpt, request, timer);
 //   std::cout << plan_table(result, 10) << plan_overrides(result.ranked[0]);
 //
+// CPU ranks of one core each plan the same way on cpu_cluster(), their
+// block times measured (MeasuredBlockTimer over profiles at several
+// micro-batch sizes and tp, trainer/plan.h), the optimizer step timed
+// (PlanRequest::optimizer_seconds_per_param) and dp not hidden behind
+// backward (PlanRequest::overlap_dp).
+//
 // The cost model, per rank of the slowest pipeline stage (docs/planner.md):
-//   step = pipeline(t_f + c_f, t_b + c_b) + pp_comm + dp_exposed
+//   step = pipeline(t_f + c_f, t_b + c_b) + pp_comm + dp_exposed + optimizer
 // where t_f, t_b are one micro-batch's forward and backward through the
 // stage (from a BlockTimer: FLOPs over the device's achievable rate, or
 // measured), c_f, c_b the stage's tensor-parallel allreduces, pipeline() the
@@ -24,7 +30,8 @@
 // simulates it), pp_comm the activation and gradient messages between
 // stages, dp_exposed the part of the gradient allreduce that backward does
 // not hide. The printed terms: compute M (t_f + t_b), tp comm M (c_f + c_b),
-// bubble (the rest of pipeline()), pp comm, dp comm exposed.
+// bubble (the rest of pipeline()), pp comm, dp comm exposed, optimizer (the
+// step over the rank's parameters, when the request times it).
 //
 // Glossary: N nodes, G GPUs per node, dp/pp/tp the three degrees (tp
 // innermost, so a tp group sits on one node), P = pp stages, M micro-batches
@@ -67,11 +74,23 @@ struct ClusterSpec {
   int per_node = 8;  // GPUs per node
   LinkSpec intra;    // inside a node (NVLink)
   LinkSpec inter;    // between nodes (InfiniBand)
+  // Point-to-point messages inside a node when they differ from the
+  // collectives' figures (CPU: UCX send/recv vs the shared-memory channel's
+  // allreduce); gbps 0: intra's.
+  LinkSpec intra_p2p;
   int world() const { return nodes * per_node; }
+  const LinkSpec& p2p_inside() const { return intra_p2p.gbps > 0 ? intra_p2p : intra; }
 };
 
 // The built-in devices: a100-40gb, a100-80gb, h100-80gb.
 const std::vector<DeviceSpec>& device_table();
+// The device name of CPU mode: one rank per core, no fixed peak (block times
+// come from a MeasuredBlockTimer), memory = the machine's RAM / ranks per node.
+inline constexpr const char* kCpuDevice = "cpu";
+// A cluster of CPU ranks: `ram_gib` per node shared by per_node ranks; the
+// links default to the shared-memory channel's figures measured on the dev
+// VM (docs/planner.md; `trainer plan --calibrate` measures them here).
+ClusterSpec cpu_cluster(int nodes, int per_node, double ram_gib);
 // A cluster of `nodes` nodes of the named device (per_node 0: the device's),
 // with its NVLink and InfiniBand figures; throws Error naming the devices on
 // an unknown name.
@@ -109,6 +128,8 @@ struct ModelDesc {
   // Tensor parallelism needs these divisible by tp (0: tp not supported).
   int64_t n_head = 0, d_model = 0, vocab = 0;
   int64_t n_layer = 0;
+  // CNNs: the channels tp splits inside residual blocks (0: none); tp must divide it.
+  int64_t tp_channels = 0;
   double tied_params = 0;  // a tied head: a second copy on the last stage when pp > 1
   double params() const;
   double forward_flops() const;  // per sample
@@ -151,6 +172,8 @@ class BlockTimer {
   // One micro-batch of `samples` samples through model.blocks[index], split tp ways.
   virtual BlockTime time(const ModelDesc& model, size_t index, int64_t samples, int tp) const = 0;
   virtual std::string describe() const = 0;
+  // The cost balanced_split() evens out over stages (default: forward FLOPs).
+  virtual double split_cost(const ModelDesc& model, size_t index) const;
 };
 
 // FLOPs / (peak x achievable x rows / (rows + knee)): a GEMM of fewer rows
@@ -168,16 +191,33 @@ class FlopBlockTimer : public BlockTimer {
   double peak_scale_, knee_;
 };
 
-// Measured per-sample times per block (a profile), scaled linearly by the
-// samples and divided by tp for the blocks tp splits.
+// One profile of every block: one micro-batch of `samples` samples through
+// each, on rank 0's part of the model split tp ways.
+struct MeasuredProfile {
+  int tp = 1;
+  int64_t samples = 1;
+  std::vector<BlockTime> blocks;
+};
+
+// Block times from measured profiles (trainer/pipeline_split.h's
+// profile_blocks). With one profile at a tp, times scale in proportion to
+// the samples; with several, they are interpolated linearly between the two
+// nearest sizes (extrapolated from the two nearest outside them), so a
+// fixed per-micro-batch cost is kept. A tp without a profile takes tp = 1's
+// divided by tp for the blocks tp splits.
 class MeasuredBlockTimer : public BlockTimer {
  public:
+  // Per-sample times per block (one profile, tp = 1, one sample).
   explicit MeasuredBlockTimer(std::vector<BlockTime> per_sample);
+  MeasuredBlockTimer(std::vector<MeasuredProfile> profiles, std::string source);
   BlockTime time(const ModelDesc& model, size_t index, int64_t samples, int tp) const override;
   std::string describe() const override;
+  // Forward + backward of the largest tp = 1 profile.
+  double split_cost(const ModelDesc& model, size_t index) const override;
 
  private:
-  std::vector<BlockTime> per_sample_;
+  std::vector<MeasuredProfile> profiles_;  // by tp, then samples
+  std::string source_;
 };
 
 // ---- the pipeline's closed forms ----
@@ -212,6 +252,13 @@ struct PlanRequest {
   double bucket_mb = 25;           // DP gradient bucket: the last one is exposed
   double workspace_gib = 2.0;      // CUDA context, cuBLAS workspace, allocator slack
   int max_chunks = 8;              // interleaved: V up to this
+  // The optimizer step per parameter a rank updates (0: not timed); CPU
+  // mode measures it. ZeRO-1 divides the parameters by dp.
+  double optimizer_seconds_per_param = 0;
+  // Gradient buckets reduce during backward. False when a rank has one core
+  // (CPU mode): the progress thread's copies and sums take the core
+  // backward runs on, so the whole allreduce adds to the step.
+  bool overlap_dp = true;
   bool allow_recompute = true;
   bool allow_zero1 = true;
 };
@@ -222,7 +269,8 @@ struct StepTerms {
   double tp_comm = 0;     // M (c_f + c_b)
   double pp_comm = 0;     // activation and gradient messages between stages
   double dp_exposed = 0;  // the gradient sync backward does not hide
-  double total() const { return compute + bubble + tp_comm + pp_comm + dp_exposed; }
+  double optimizer = 0;   // the optimizer step over the fullest stage's parameters
+  double total() const { return compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer; }
 };
 
 struct Plan {

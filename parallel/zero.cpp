@@ -388,6 +388,35 @@ std::vector<std::pair<std::string, std::string>> ZeroOptimizer::state_names() co
   return out;
 }
 
+void ZeroOptimizer::load_whole_state(const std::map<std::string, Tensor>& whole) {
+  std::vector<NamedTensor> inner = optimizer_->state();
+  std::vector<NamedTensor> inner_state;
+  if (pieces_.empty()) return;
+  const size_t per_piece = inner.size() / pieces_.size();
+  for (size_t i = 0; i < inner.size(); ++i) {
+    const Piece& p = pieces_[i / per_piece];
+    const NamedTensor& param = segments_[size_t(p.segment)].params[size_t(p.param)];
+    auto it = whole.find(inner[i].name);
+    if (it == whole.end())
+      throw Error(cat("optimizer state: no entry '", inner[i].name, "' for ZeRO-1 rank ", rank(),
+                      "'s shard (was it saved with another optimizer or model?)"));
+    const Tensor& t = it->second;
+    if (inner[i].tensor.dim() == 0) {  // the step count
+      if (t.numel() != 1)
+        throw Error(cat("optimizer state: entry '", inner[i].name, "' is ", t.shape_str(),
+                        ", expected a step count"));
+      inner_state.push_back({inner[i].name, t.reshape({})});
+      continue;
+    }
+    if (t.numel() != param.tensor.numel())
+      throw Error(cat("optimizer state: entry '", inner[i].name, "' has ", t.numel(),
+                      " elements, parameter '", param.name, "' ", param.tensor.numel()));
+    inner_state.push_back(
+        {inner[i].name, t.contiguous().reshape({-1}).narrow(0, p.begin, p.end - p.begin)});
+  }
+  optimizer_->load_state(inner_state);
+}
+
 std::vector<NamedTensor> ZeroOptimizer::state() const {
   std::vector<NamedTensor> inner = optimizer_->state();
   std::vector<std::pair<std::string, std::string>> names = state_names();

@@ -58,6 +58,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -157,6 +158,11 @@ class ZeroOptimizer final : public optim::Optimizer {
   // Restores a state saved by state() on the same layout and rank; otherwise
   // throws Error saying what differs and changes nothing.
   void load_state(const std::vector<NamedTensor>& state) override;
+  // Restores this rank's shard from a whole state ("<param>.<slot>" of the
+  // parameter's shape, "<param>.step"), as one process or any other sharding
+  // saved it: each piece takes its elements. Error naming a missing or
+  // misshapen entry, changing nothing.
+  void load_whole_state(const std::map<std::string, Tensor>& whole);
 
   // The reduction of one DataParallel bucket: its gradients reduce-scattered
   // (averaged) into this rank's block. Used through zero_bucket_reduce().

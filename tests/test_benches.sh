@@ -52,9 +52,27 @@ grep -Eq "^175B +a100-80gb +1024 \| +[0-9]+ x [0-9]+ x [0-9]+ " "$out" || fail "
 grep -q "Narayanan et al. 2021" "$out" || fail "bench_planner: no published comparison"
 if "$build/bench_planner" --bogus > "$out" 2>&1; then fail "bench_planner accepted --bogus"; fi
 grep -q "usage: bench_planner" "$out" || fail "bench_planner --bogus: no usage"
+if [ -f "$(dirname "$0")/../datasets/kjv.txt" ]; then
+  "$build/bench_planner" --local --quick > "$out"
+  for row in "dp=2 pp=1 tp=1 M=1" "dp=1 pp=2 tp=1 M=2 1f1b" "dp=1 pp=1 tp=2 M=1"; do
+    grep -Eq "^gpt +$row +\| +$num +$num +[+-]$num% +$num \|" "$out" || fail "bench_planner --local: no $row row"
+  done
+  grep -Eq "^Spearman rank correlation -?$num over 3 configurations" "$out" ||
+    fail "bench_planner --local: no rank correlation"
+  grep -Eq "^gpt: first choice .* (within|NOT within) 10%" "$out" || fail "bench_planner --local: no choice"
+fi
 
 if "$build/bench_tp" --bogus > "$out" 2>&1; then fail "bench_tp accepted --bogus"; fi
 grep -q "usage: bench_tp" "$out" || fail "bench_tp --bogus: no usage"
+
+"$build/bench_recompute" --layers 2 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 > "$out"
+for row in none blocks; do
+  grep -Eq "^gpt +$row +\| +$num +$num +$num \| +$num$" "$out" || fail "bench_recompute: no $row row"
+done
+grep -Eq "^blocks/none: step time ${num}x, peak RSS ${num}x, alloc peak ${num}x; loss identical" "$out" ||
+  fail "bench_recompute: no ratios, or the losses differ"
+if "$build/bench_recompute" --bogus > "$out" 2>&1; then fail "bench_recompute accepted --bogus"; fi
+grep -q "usage: bench_recompute" "$out" || fail "bench_recompute --bogus: no usage"
 
 "$build/bench_train" --threads 1 --steps 1 --case small_cnn_28 --skip-torch > "$out"
 grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: no figures row"

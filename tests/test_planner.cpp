@@ -4,7 +4,9 @@
 // dividing the heads), known answers on small clusters, its speed at 1024
 // GPUs, the cluster file's errors, and `trainer plan --nodes` on a recipe
 // whose data is not on disk.
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -323,4 +325,190 @@ TEST_CASE("trainer plan --nodes: plans recipes/gpt_kjv.yaml without its data set
   r = run_trainer({"plan", recipe, "--nodes", "2", "--device", "v100"});
   CHECK(r.code == 1);
   CHECK(r.output.find("unknown device 'v100'") != std::string::npos);
+}
+
+// ---- CPU mode: block times measured on this machine ----
+
+TEST_CASE("planner: measured profiles interpolate in the micro-batch and take tp's own",
+          "[parallel]") {
+  const ModelDesc model = gpt_model(
+      {.n_layer = 1, .n_head = 2, .d_model = 64, .context = 16, .vocab = 128, .pad_vocab_to = 1});
+  const size_t n = model.blocks.size();  // embed, h.0, head
+  auto profile = [&](int tp, int64_t samples, double forward) {
+    return MeasuredProfile{
+        .tp = tp, .samples = samples, .blocks = std::vector<BlockTime>(n, {forward, 2 * forward})};
+  };
+  // 1 ms fixed + 1 ms per sample at tp = 1; tp = 2 profiled at b = 4 only.
+  const MeasuredBlockTimer timer({profile(1, 2, 3e-3), profile(1, 8, 9e-3), profile(2, 4, 3e-3)},
+                                 "");
+  CHECK(timer.time(model, 1, 4, 1).forward == Approx(5e-3));
+  CHECK(timer.time(model, 1, 4, 1).backward == Approx(10e-3));
+  CHECK(timer.time(model, 1, 16, 1).forward == Approx(17e-3));  // extrapolated
+  // Below the smallest size: the line (2 ms at b = 1) but not under 3 ms x 1/2.
+  CHECK(timer.time(model, 1, 1, 1).forward == Approx(2e-3));
+  CHECK(timer.time(model, 1, 2, 2).forward == Approx(1.5e-3));  // tp = 2's, in proportion
+  // A tp without a profile: tp = 1's divided for the blocks tp splits.
+  CHECK(timer.time(model, 1, 8, 4).forward == Approx(9e-3 / 4));
+  CHECK(timer.describe().find("b=2, b=8, tp=2 b=4") != std::string::npos);
+  CHECK(timer.split_cost(model, 1) == Approx(27e-3));
+}
+
+TEST_CASE("planner: a CPU cluster times the optimizer and does not hide dp on one core",
+          "[parallel]") {
+  const ModelDesc model = mlp_model(784, {256, 128}, 10);
+  PlanRequest request{.cluster = cpu_cluster(1, 2, 16), .global_batch = 64};
+  CHECK(request.cluster.device.memory_gib == 8);
+  CHECK(request.cluster.device.peak_tflops == 0);
+  request.precision = "fp32";
+  request.optimizer_seconds_per_param = 1e-9;
+  request.overlap_dp = false;
+  const MeasuredBlockTimer timer({{1e-3, 2e-3}, {0.5e-3, 1e-3}, {0.25e-3, 0.5e-3}});
+  Plan plan;
+  plan.dp = 2, plan.micro_batches = 1, plan.micro_batch_size = 32;
+  std::string why;
+  plan = evaluate_plan(model, request, timer, plan, &why);
+  CHECK(why.empty());
+  CHECK(plan.terms.optimizer == Approx(model.params() * 1e-9));
+  // The whole allreduce of 4-byte gradients over 2 ranks: 2 (alpha + bytes / 2 / bandwidth).
+  const LinkSpec& link = request.cluster.intra;
+  CHECK(plan.terms.dp_exposed == Approx(2 * link.seconds(model.params() * 4 / 2)).epsilon(1e-6));
+  CHECK(plan.model_flops_utilisation == 0);
+  CHECK(plan.terms.total() ==
+        Approx(plan.terms.compute + plan.terms.dp_exposed + plan.terms.optimizer));
+}
+
+TEST_CASE("planner: ResNets split by tp inside residual blocks, overrides name the stages",
+          "[parallel]") {
+  const ModelDesc resnet = resnet_model(
+      {.depth = 18, .num_classes = 10, .in_channels = 1, .image_size = 28, .small = true});
+  CHECK(resnet.tp_channels == 64);
+  PlanRequest request{.cluster = cluster_for("a100-80gb", 1, 2), .global_batch = 16};
+  const PlanResult result = plan_cluster(resnet, request, FlopBlockTimer(request.cluster.device));
+  bool tp2 = false, pp2 = false;
+  for (const Plan& plan : result.ranked) {
+    tp2 = tp2 || plan.tp == 2;
+    if (plan.pp == 2 && plan.schedule == "1f1b" && !pp2) {
+      pp2 = true;
+      CHECK(plan_overrides(plan).find(cat("parallel.stages=[", plan.stage_starts[1], "]")) !=
+            std::string::npos);
+    }
+  }
+  CHECK(tp2);
+  CHECK(pp2);
+}
+
+TEST_CASE("trainer plan --calibrate writes a cluster file --cluster reads", "[parallel][mp]") {
+  using testing::run_trainer;
+  const std::filesystem::path dir = testing::fresh_temp_dir("planner_calibrate");
+  const std::string file = (dir / "cpu.yaml").string();
+  testing::ProcessResult r = run_trainer({"plan", "--calibrate", "--out", file});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const ClusterSpec cluster = load_cluster_file(file, this_machine_cluster(1, 2));
+  CHECK(cluster.device.name.find("cpu") == 0);
+  CHECK(cluster.intra.gbps > 0.1);
+  CHECK(cluster.intra.alpha_us > 0);
+  CHECK(cluster.intra_p2p.gbps > 0.1);
+  CHECK(cluster.intra_p2p.alpha_us > 0);
+  // Round trip: the figures written are those read.
+  std::ofstream(file) << "device: cpu\nintra:\n  alpha_us: 1.5\n  gbps: 80\np2p:\n  alpha_us: 3\n"
+                         "  gbps: 40\n";
+  const ClusterSpec again = load_cluster_file(file, this_machine_cluster(1, 2));
+  CHECK(again.intra.alpha_us == 1.5);
+  CHECK(again.intra.gbps == 80);
+  CHECK(again.p2p_inside().alpha_us == 3);
+  CHECK(again.p2p_inside().gbps == 40);
+  CHECK(again.per_node == 2);
+}
+
+TEST_CASE("trainer plan --device cpu: a tiny GPT profiled here, every layout of 2 ranks",
+          "[parallel]") {
+  using testing::run_trainer;
+  const std::string src = TRAINER_SOURCE_DIR;
+  const std::vector<std::string> recipe = {"plan",
+                                           src + "/recipes/gpt_kjv.yaml",
+                                           "data.path=" + src + "/datasets/kjv.txt",
+                                           "model.n_layer=2",
+                                           "model.d_model=32",
+                                           "model.n_head=2",
+                                           "model.context=16",
+                                           "data.seq_len=16",
+                                           "model.vocab_size=128",
+                                           "training.global_batch=4",
+                                           "--nodes",
+                                           "1",
+                                           "--per-node",
+                                           "2",
+                                           "--device",
+                                           "cpu"};
+  if (!std::filesystem::exists(src + "/datasets/kjv.txt")) {
+    WARN("no datasets/kjv.txt (scripts/setup.sh writes it): not run");
+    return;
+  }
+  testing::ProcessResult r = run_trainer(recipe);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("cluster: 1 nodes x 2 cpu ranks (one core each") != std::string::npos);
+  CHECK(r.output.find("measured block times (1 thread) at b=1, b=2, b=4, tp=2 b=1, tp=2 b=2, "
+                      "tp=2 b=4") != std::string::npos);
+  CHECK(r.output.find("optimizer adamw") != std::string::npos);
+  CHECK(r.output.find("best: dp=") != std::string::npos);
+  CHECK(r.output.find("+ optimizer ") != std::string::npos);
+  std::vector<std::string> tsv = recipe;
+  tsv.insert(tsv.end(), {"--format", "tsv"});
+  r = run_trainer(tsv);
+  REQUIRE(r.code == 0);
+  // A header, dp=2 (M 1, 2), pp=2 (gpipe, 1f1b, zbh1 at M 1, 2, 4; 2 layers make no
+  // interleaved chunks), tp=2 (M 1, 2, 4).
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1 + 2 + 9 + 3);
+  CHECK(r.output.find("\n1\t2\t1\t2\t2\t1f1b\t1\t0\t") != std::string::npos);
+}
+
+TEST_CASE("parallel.auto: 2 ranks plan their layout, agree on it and train", "[parallel][mp]") {
+  using testing::run_trainer;
+  const std::string src = TRAINER_SOURCE_DIR;
+  if (!std::filesystem::exists(src + "/datasets/kjv.txt")) {
+    WARN("no datasets/kjv.txt (scripts/setup.sh writes it): not run");
+    return;
+  }
+  const std::filesystem::path dir = testing::fresh_temp_dir("planner_auto");
+  const std::vector<std::string> train = {"train",
+                                          src + "/recipes/gpt_kjv.yaml",
+                                          "data.path=" + src + "/datasets/kjv.txt",
+                                          "model.n_layer=2",
+                                          "model.d_model=32",
+                                          "model.n_head=2",
+                                          "model.context=16",
+                                          "data.seq_len=16",
+                                          "data.val_windows=2",
+                                          "model.vocab_size=128",
+                                          "training.global_batch=4",
+                                          "training.steps=2",
+                                          "training.eval_every=2",
+                                          "training.checkpoint_every=2",
+                                          "training.threads=1",
+                                          "output_dir=" + (dir / "run").string(),
+                                          "parallel.auto=true"};
+  std::vector<std::string> launch = {"launch", "--nproc-per-node", "2", "--"};
+  launch.insert(launch.end(), train.begin(), train.end());
+  testing::ProcessResult r = run_trainer(launch);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const size_t at = r.output.find("parallel.auto: dp=");
+  REQUIRE(at != std::string::npos);
+  CHECK(r.output.find("(runner-up dp=", at) != std::string::npos);
+  // The layout trained is the one printed.
+  int dp = 0, pp = 0, tp = 0;
+  REQUIRE(std::sscanf(r.output.c_str() + at, "parallel.auto: dp=%d pp=%d tp=%d", &dp, &pp, &tp) ==
+          3);
+  CHECK(dp * pp * tp == 2);
+  CHECK(r.output.find(cat("parallel layout: world 2 (dp=", dp, ", pp=", pp, ", tp=", tp)) !=
+        std::string::npos);
+  CHECK(r.output.find("done: 2 steps") != std::string::npos);
+
+  std::vector<std::string> dry = train;
+  dry.push_back("--dry-run");
+  r = run_trainer(dry);
+  CHECK(r.code == 1);
+  CHECK(r.output.find("parallel.auto is not supported with --dry-run") != std::string::npos);
 }

@@ -140,29 +140,13 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
              Catch::Contains("trainer_state.json: missing or wrong field"));
 }
 
-TEST_CASE("checkpoint: resuming needs the same mesh and zero1, and says which keys to set",
-          "[checkpoint]") {
+TEST_CASE("checkpoint: resharding says what a resume changes of the layout", "[checkpoint]") {
   const ParallelLayout dp2 = layout_of(2, 1, 1, false);
-  CHECK_NOTHROW(check_resume_layout("ck", dp2, dp2));
-  CHECK_THAT(error_of([&] { check_resume_layout("ck", dp2, layout_of(1, 1, 1, false)); }),
-             Catch::Contains("ck was written by 2 data-parallel ranks; resume it on as many "
-                             "(parallel.dp=2), not 1"));
-  // Another pp re-slices a whole optimizer state by name; a sharded one cannot.
-  const ParallelLayout pp2 = layout_of(2, 2, 1, false);
-  CHECK_NOTHROW(check_resume_layout("ck", pp2, dp2));
-  CHECK_THAT(error_of([&] {
-               check_resume_layout("ck", layout_of(2, 2, 1, true), layout_of(2, 1, 1, true));
-             }),
-             Catch::Contains("written on the layout dp=2, pp=2, tp=1 with parallel.zero1") &&
-                 Catch::Contains("parallel.pp=2 parallel.tp=1"));
-  // Another tp too: the checkpoint holds whole tensors (without ZeRO-1).
-  CHECK_NOTHROW(check_resume_layout("ck", layout_of(2, 1, 2, false), dp2));
-  CHECK_THAT(error_of([&] {
-               check_resume_layout("ck", layout_of(2, 1, 2, true), layout_of(2, 1, 1, true));
-             }),
-             Catch::Contains("parallel.tp=2"));
-  CHECK_THAT(error_of([&] { check_resume_layout("ck", layout_of(2, 1, 1, true), dp2); }),
-             Catch::Contains("resume it with parallel.zero1=true"));
+  CHECK(resharding(dp2, dp2).empty());
+  CHECK(resharding(dp2, layout_of(1, 1, 1, false)) == "dp 2 -> 1");
+  CHECK(resharding(layout_of(2, 2, 1, true), layout_of(2, 1, 1, true)) == "pp 2 -> 1");
+  CHECK(resharding(layout_of(2, 1, 2, false), layout_of(4, 1, 1, true)) ==
+        "dp 2 -> 4, tp 2 -> 1, zero1 off -> on");
 }
 
 TEST_CASE("checkpoint: ranks contribute tensors of one logical model, read back merged",

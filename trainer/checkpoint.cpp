@@ -232,26 +232,68 @@ TrainerStateFile read_trainer_state(const std::string& dir) {
   return file;
 }
 
-void check_resume_layout(const std::string& dir, const ParallelLayout& saved,
-                         const ParallelLayout& current) {
-  const parallel::MeshShape& was = saved.mesh;
-  const parallel::MeshShape& now = current.mesh;
-  // Pipeline stages and tensor-parallel ranks re-slice a whole optimizer
-  // state by name; a sharded one is tied to its layout.
-  if ((was.tp != now.tp || was.pp != now.pp) && (saved.zero1 || current.zero1))
-    throw Error(cat(dir, " was written on the layout ", parallel::to_string(was),
-                    saved.zero1 || current.zero1 ? " with parallel.zero1" : "",
-                    "; resume it on the same (parallel.pp=", was.pp, " parallel.tp=", was.tp,
-                    "), not ", parallel::to_string(now)));
-  if (was.dp != now.dp)
-    throw Error(cat(dir, " was written by ", was.dp, " data-parallel ranks; resume it on as many ",
-                    "(parallel.dp=", was.dp, "), not ", now.dp));
-  if (saved.zero1 != current.zero1) {
-    const char* flag = saved.zero1 ? "true" : "false";
-    throw Error(cat(dir, " was written with parallel.zero1=", flag, " (the optimizer state ",
-                    saved.zero1 ? "sharded over the ranks" : "whole on every rank",
-                    "); resume it with parallel.zero1=", flag));
+std::string resharding(const ParallelLayout& saved, const ParallelLayout& current) {
+  std::string out;
+  auto change = [&](const char* what, auto was, auto now) {
+    if (was == now) return;
+    out += cat(out.empty() ? "" : ", ", what, " ", was, " -> ", now);
+  };
+  change("dp", saved.mesh.dp, current.mesh.dp);
+  change("pp", saved.mesh.pp, current.mesh.pp);
+  change("tp", saved.mesh.tp, current.mesh.tp);
+  change("zero1", saved.zero1 ? "on" : "off", current.zero1 ? "on" : "off");
+  return out;
+}
+
+std::map<std::string, Tensor> read_sharded_optimizer_whole(
+    const std::string& dir, const std::map<std::string, Shape>& shapes) {
+  std::map<std::string, Tensor> whole;
+  std::map<std::string, int64_t> covered;  // elements received per entry
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string file = e.path().filename().string();
+    const std::string prefix = "optimizer.rank", suffix = ".safetensors";
+    if (file.size() <= prefix.size() + suffix.size() || file.rfind(prefix, 0) != 0 ||
+        file.compare(file.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    ++files;
+    const std::string path = e.path().string();
+    for (const auto& [name, t] : read_safetensors(path).tensors) {
+      if (name.rfind("zero1.rank", 0) == 0) continue;  // the shard's layout record
+      const size_t open = name.rfind('[');
+      long long begin = 0, end = 0;
+      if (open == std::string::npos ||
+          std::sscanf(name.c_str() + open, "[%lld:%lld]", &begin, &end) != 2 || end < begin)
+        throw Error(cat(path, ": entry '", name, "' is not a ZeRO-1 shard (<param>.<slot>[b:e])"));
+      const std::string entry = name.substr(0, open);
+      const size_t dot = entry.rfind('.');
+      auto shape = dot == std::string::npos ? shapes.end() : shapes.find(entry.substr(0, dot));
+      if (shape == shapes.end())
+        throw Error(cat(path, ": entry '", name, "' is of no parameter of this model"));
+      if (t.dim() == 0) {  // a step count: the same in every shard
+        whole[entry] = t;
+        continue;
+      }
+      const int64_t numel = shape_numel(shape->second);
+      if (end > numel || t.numel() != end - begin)
+        throw Error(cat(path, ": entry '", name, "' does not fit parameter '", entry.substr(0, dot),
+                        "' of ", numel, " elements"));
+      Tensor& w = whole[entry];
+      if (!w.defined()) w = zeros({numel}, t.dtype());
+      w.narrow(0, begin, end - begin).copy_(t.reshape({-1}));
+      covered[entry] += end - begin;
+    }
   }
+  if (files == 0) throw Error(cat(dir, ": no optimizer.rank<r>.safetensors (ZeRO-1 shards)"));
+  for (auto& [entry, t] : whole) {
+    if (t.dim() == 0) continue;
+    const Shape& shape = shapes.at(entry.substr(0, entry.rfind('.')));
+    if (covered[entry] != shape_numel(shape))
+      throw Error(cat(dir, ": the ZeRO-1 shards of '", entry, "' cover ", covered[entry], " of ",
+                      shape_numel(shape), " elements; is a rank's optimizer file missing?"));
+    t = t.reshape(shape);
+  }
+  return whole;
 }
 
 // ---- tensors ----

@@ -87,10 +87,19 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file);
 // Throws Error naming the file on bad JSON or a missing or negative field.
 // A checkpoint without a "parallel" record was written by one process.
 TrainerStateFile read_trainer_state(const std::string& dir);
-// Throws Error saying which recipe keys to set when a checkpoint of saved
-// cannot resume on current (another mesh or zero1).
-void check_resume_layout(const std::string& dir, const ParallelLayout& saved,
-                         const ParallelLayout& current);
+// What changes when a checkpoint written on `saved` resumes on `current`
+// (every layout resumes on every other): "" for nothing, else e.g.
+// "dp 2 -> 4, zero1 on -> off".
+std::string resharding(const ParallelLayout& saved, const ParallelLayout& current);
+
+// A ZeRO-1 checkpoint's optimizer state as whole tensors: the shards of
+// every rank's optimizer.rank<r>.safetensors ("<param>.<slot>[b:e]") joined
+// into "<param>.<slot>" of the parameter's shape (from `shapes`, by name),
+// step counts as they are. Error naming the file for a shard of an unknown
+// parameter, or when the shards leave a parameter's elements uncovered (a
+// rank's file missing).
+std::map<std::string, Tensor> read_sharded_optimizer_whole(
+    const std::string& dir, const std::map<std::string, Shape>& shapes);
 
 // One rank's tensors of a checkpoint.
 struct CheckpointPart {

@@ -37,6 +37,7 @@ BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
   p.forward_ms.assign(n, 1e300);
   p.backward_ms.assign(n, 1e300);
   p.activation_bytes.assign(n, 0);
+  p.recompute_bytes.assign(n, 0);
   p.parameter_bytes.assign(n, 0);
   for (size_t b = 0; b < n; ++b)
     for (const NamedTensor& t : blocks.named_parameters(b, b + 1))
@@ -64,6 +65,13 @@ BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
       }
       p.forward_ms[b] = std::min(p.forward_ms[b], ms_since(t0));
       p.activation_bytes[b] = double(std::max<int64_t>(0, a.stats().current_bytes - before));
+      if (blocks.recompute() && rep == 0) {
+        // What the recompute holds: the block's forward with its whole graph.
+        AutocastGuard guard(autocast);
+        const int64_t start = a.stats().current_bytes;
+        TensorList whole = blocks[b].fn(in);
+        p.recompute_bytes[b] = double(std::max<int64_t>(0, a.stats().current_bytes - start));
+      }
       TensorList roots, grads;
       for (const Tensor& t : out)
         if (t.defined() && t.requires_grad()) {
@@ -97,7 +105,10 @@ parallel::StageSplit choose_split(const Session& session, const BlockProfile* pr
     for (size_t b = 0; b < n; ++b) {
       cost[b] = profile->forward_ms[b] + profile->backward_ms[b];
       // 1F1B keeps up to pp micro-batches' activations on the first stage.
-      memory[b] = profile->parameter_bytes[b] * per_param + profile->activation_bytes[b] * stages;
+      // With recompute, a block's whole graph while its backward recomputes it
+      // (counted per block: an upper bound on the one alive at a time).
+      memory[b] = profile->parameter_bytes[b] * per_param + profile->activation_bytes[b] * stages +
+                  profile->recompute_bytes[b];
     }
     return parallel::balanced_split(cost, memory, p.stage_memory_mb * double(1 << 20), stages,
                                     chunks);
@@ -115,7 +126,7 @@ std::string describe_stages(const Session& session, const parallel::StageSplit& 
                         " (parallel.stages: ", session.recipe().parallel.stages, ")\n");
   for (int s = 0; s < split.stages; ++s) {
     int64_t params = 0;
-    double ms = 0, act = 0;
+    double ms = 0, act = 0, recomputed = 0;
     std::string names;
     for (int c = 0; c < split.chunks; ++c) {
       const int v = split.piece(s, c);
@@ -127,14 +138,16 @@ std::string describe_stages(const Session& session, const parallel::StageSplit& 
         for (size_t b = first; b < last; ++b) {
           ms += profile->forward_ms[b] + profile->backward_ms[b];
           act += profile->activation_bytes[b];
+          recomputed = std::max(recomputed, profile->recompute_bytes[b]);
         }
     }
-    char line[160] = "";
+    char line[256] = "";
     if (profile)
       std::snprintf(line, sizeof line,
                     ", predicted %.2f ms forward+backward and %.1f MiB of "
-                    "activations per micro-batch",
-                    ms, act / double(1 << 20));
+                    "activations per micro-batch%s",
+                    ms, (act + recomputed) / double(1 << 20),
+                    blocks.recompute() ? " (recompute: block inputs + one block recomputed)" : "");
     out += cat("  stage ", s, ": ", names, ", ", with_commas(params), " parameters", line, "\n");
   }
   const ParallelRecipe& p = session.recipe().parallel;

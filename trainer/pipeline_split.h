@@ -20,6 +20,9 @@ namespace trainer {
 struct BlockProfile {
   std::vector<double> forward_ms, backward_ms;
   std::vector<double> activation_bytes;  // the allocator's growth over the block's forward
+  // With recompute (BlockList::recompute): the growth over the block's forward
+  // recording its whole graph, held while its backward recomputes it; else 0.
+  std::vector<double> recompute_bytes;
   std::vector<double> parameter_bytes;
 };
 // Times each block's forward and backward on a micro-batch of zeros under

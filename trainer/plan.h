@@ -24,12 +24,24 @@
 //   trainer plan recipes/gpt_kjv.yaml --nodes 2 --per-node 8
 //   trainer plan big.yaml --nodes 128 --device h100-80gb --top 20
 //   trainer plan big.yaml --nodes 16 --cluster my_cluster.yaml
+//
+// --device cpu plans CPU ranks (one core each) of this machine: block times
+// are measured here by profile_blocks() (trainer/pipeline_split.h) at the
+// plans' micro-batch sizes, one thread, on rank 0's part of each tp split,
+// and the optimizer step is timed too; so the recipe's data must be on
+// disk. --calibrate measures the links between 2 local ranks (p2p and
+// allreduce over the shared-memory channel) and writes them as a cluster
+// file that --cluster reads.
+//
+//   trainer plan recipes/gpt_kjv.yaml --nodes 1 --per-node 2 --device cpu
+//   trainer plan recipes/gpt_kjv.yaml --calibrate --out cpu.yaml
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "parallel/planner.h"
+#include "trainer/distributed.h"
 
 namespace CLI {
 class App;
@@ -49,10 +61,15 @@ struct PlanArgs {
   std::string trace;                   // "": no Chrome trace file
   // The cluster planner (nodes > 0).
   int nodes = 0;
-  int per_node = 0;     // 0: the device's (8)
-  std::string device;   // a row of parallel::device_table(); "": a100-80gb
-  std::string cluster;  // "": no cluster file
-  int top = 10;         // rows of the ranked table
+  int per_node = 0;              // 0: the device's (8)
+  std::string device;            // a row of parallel::device_table(); "": a100-80gb
+  std::string cluster;           // "": no cluster file
+  int top = 10;                  // rows of the ranked table
+  std::string format = "table";  // table | tsv (one line per ranked plan, for benchmarks)
+  // --calibrate: measure the local links, write them to `out` ("": stdout only).
+  bool calibrate = false;
+  std::string out;
+  bool calibrate_rank = false;  // internal: this process is a rank of --calibrate
 };
 
 struct Recipe;
@@ -69,6 +86,30 @@ parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::st
 
 // The cluster planner's report (args.nodes > 0).
 std::string cluster_plan_report(const PlanArgs& args);
+
+// CPU mode's measured figures for a recipe: block profiles at each needed
+// micro-batch size and tp (one thread), and the optimizer step per parameter.
+struct CpuProfile {
+  std::vector<parallel::MeasuredProfile> profiles;
+  double optimizer_seconds_per_param = 0;
+  double seconds = 0;  // spent profiling
+};
+// Profiles `recipe` for plans of `world` ranks, `per_node` on a host, at
+// the micro-batch sizes those plans need (at most three, interpolated between).
+CpuProfile profile_for_cpu_plans(const Recipe& recipe, const parallel::ModelDesc& model, int world,
+                                 int per_node);
+// The CPU cluster of this machine: nodes x per_node ranks (0: one per core),
+// the RAM shared among a node's ranks.
+parallel::ClusterSpec this_machine_cluster(int nodes, int per_node);
+
+// parallel.auto: joins the job as pure data parallelism, and on world
+// rank 0 plans the recipe for the job's ranks in CPU mode (block times
+// profiled there, ranks per node from the launcher), prints the choice and
+// the runner-up, and broadcasts it; every rank then sets recipe.parallel
+// (and training.grad_accum) to it and gets the job on that layout. Throws
+// Error "parallel.auto is not supported with ..." for --dry-run, CUDA,
+// parallel.zero1 and the LSTM LM's wavefront.
+Distributed join_job_planned(Recipe& recipe, bool dry_run);
 
 // Registers the subcommand; its options fill `args`.
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& args);

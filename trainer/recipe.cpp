@@ -263,6 +263,8 @@ std::vector<Field> schema(Recipe& r) {
       bool_field("parallel.overlap", &p.overlap),
       bool_field("parallel.zero1", &p.zero1),
       bool_field("parallel.sync_bn", &p.sync_bn),
+      bool_field("parallel.auto", &p.auto_plan),
+      string_field("parallel.recompute", &p.recompute, {"none", "blocks", "selective"}),
       string_field("parallel.gpu_direct", &p.gpu_direct, {"auto", "on", "off"}),
 
       string_field("precision", &r.precision, {"fp32", "bf16", "fp16"}),

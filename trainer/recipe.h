@@ -115,6 +115,11 @@ struct ParallelRecipe {
   bool overlap = true;  // allreduce buckets during backward (false: after it)
   bool zero1 = false;
   bool sync_bn = false;
+  bool auto_plan = false;  // parallel.auto: the layout planned at start-up (trainer/plan.h)
+  // Activation checkpointing: "blocks" keeps each block's inputs only and
+  // runs its forward again in backward; "selective" recomputes nothing more
+  // than "none" here (the fused attention keeps no T x T scores).
+  std::string recompute = "none";  // none | blocks | selective
   // GPU gradient buckets handed to UCX as device memory (reduced by a CUDA
   // kernel) instead of staged through pinned host buffers: auto | on | off.
   std::string gpu_direct = "off";

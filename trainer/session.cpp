@@ -11,6 +11,7 @@
 #include "models/lstm_lm.h"
 #include "models/registry.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/zero.h"
 #include "trainer/device.h"
 #include "trainer/safetensors.h"
 
@@ -42,6 +43,14 @@ std::shared_ptr<Module> build_model(const Recipe& r, int64_t vocab) {
   } catch (const Error& e) {
     throw Error(cat(r.source, ": ", e.what()));  // the message names the model.<key>
   }
+}
+
+// What the activation figure of the memory estimate counts under parallel.recompute.
+const char* recompute_note(const std::string& recompute) {
+  if (recompute == "blocks") return ", recompute blocks: block inputs + one block recomputed";
+  if (recompute == "selective")
+    return ", recompute selective: as none, the fused attention keeps no T x T scores";
+  return "";
 }
 
 int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
@@ -101,6 +110,13 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
 
   // ---- model and optimizer ----
   model_ = build_model(r, source_->vocab_size());
+  if (r.parallel.recompute == "blocks") {
+    auto* blocks = dynamic_cast<Model*>(model_.get());
+    if (!blocks)
+      throw Error(cat(r.source, ": parallel.recompute = blocks: model '", r.model.name,
+                      "' is not built from blocks; use parallel.recompute = none"));
+    blocks->set_recompute(true);
+  }
   move_module(*model_, device);  // before the optimizer builds its state beside the parameters
   for (const optim::ParamGroup& g : param_groups(r, *model_))
     global_params_.insert(global_params_.end(), g.params.begin(), g.params.end());
@@ -373,14 +389,50 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     throw Error(cat(model_file(dir), " does not match the recipe's model:", join_lines(problems)));
   TrainerStateFile file = read_trainer_state(dir);
   if (!file.vocab.empty()) source_->check_vocab(trainer_state_file(dir), file.vocab);
+  TrainState state = file.state;
+  resharded_.clear();
   if (with_optimizer) {
-    check_resume_layout(dir, file.state.layout, layout_.job);
+    const ParallelLayout& saved = file.state.layout;
+    const std::string changes = resharding(saved, layout_.job);
+    // The data position: the samples every dp rank consumed, dealt out again.
+    // The windows and images of an epoch are dealt to the ranks in turn (r,
+    // r + dp, ...), so the first k samples of each of D ranks are the
+    // epoch's first k D, under any D.
+    if (saved.mesh.dp != layout_.dp_size() && state.position > 0) {
+      const int64_t consumed = state.position * saved.mesh.dp;
+      const int64_t per_step = micro_batch_ * micro_batches_ * layout_.dp_size();
+      if (consumed % per_step != 0)
+        throw Error(cat(dir, " stopped ", consumed, " samples into epoch ", state.epoch,
+                        ", which is not a whole number of steps of training.global_batch = ",
+                        recipe_.training.global_batch,
+                        "; resume with the global batch it was written with"));
+      state.position = consumed / layout_.dp_size();
+    }
+    if (!changes.empty() && state.position > 0 && recipe_.data.sampling == "contiguous" &&
+        recipe_.model.name == "lstm_lm")
+      throw Error(cat(dir, " carries the LSTM state of each rank's text streams ", state.position,
+                      " windows into epoch ", state.epoch, "; the streams and the state's rows ",
+                      "belong to its layout (", parallel::to_string(saved.mesh),
+                      "): resume it on that layout, or from a checkpoint at an epoch's end"));
     // Entries are named <parameter>.<slot>: the model's renames apply to them too.
     std::map<std::string, Tensor> optim_tensors;
-    for (NamedTensor& t : read_optimizer(dir, shards_optimizer(), layout_.rank))
-      optim_tensors.emplace(t.name, std::move(t.tensor));
-    model_->upgrade_loaded_state(optim_tensors,
-                                 optimizer_file(dir, shards_optimizer(), layout_.rank));
+    std::string optim_file;
+    if (saved.zero1 && changes.empty()) {
+      optim_file = optimizer_file(dir, true, layout_.rank);
+      for (NamedTensor& t : read_optimizer(dir, true, layout_.rank))
+        optim_tensors.emplace(t.name, std::move(t.tensor));
+    } else if (saved.zero1) {
+      // Every rank's shard, joined into whole tensors.
+      std::map<std::string, Shape> shapes;
+      for (const NamedTensor& p : global_params_) shapes[p.name] = p.tensor.shape();
+      optim_file = dir + "/optimizer.rank*.safetensors";
+      optim_tensors = read_sharded_optimizer_whole(dir, shapes);
+    } else {
+      optim_file = optimizer_file(dir, false, layout_.rank);
+      for (NamedTensor& t : read_optimizer(dir, false, layout_.rank))
+        optim_tensors.emplace(t.name, std::move(t.tensor));
+    }
+    model_->upgrade_loaded_state(optim_tensors, optim_file);
     if (tp_) parallel::take_shards(optim_tensors, *model_);
     // A whole optimizer state (one file, or one part per stage) holds every
     // parameter's entries: a stage takes its own, whatever layout wrote them.
@@ -400,11 +452,25 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     std::vector<NamedTensor> optim_state;
     for (auto& [name, t] : optim_tensors) optim_state.push_back({name, t});
     // Everything validated: now change the optimizer (it refuses another layout) and the model.
-    optimizer().load_state(optim_state);
-    source_->load_stream_state(dir, file.state.position);
+    auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(optimizer_.get());
+    if (zero && !(saved.zero1 && changes.empty()))
+      zero->load_whole_state(optim_tensors);  // re-sliced for this rank's shard
+    else
+      optimizer().load_state(optim_state);
+    source_->load_stream_state(dir, state.position);
+    if (!changes.empty())
+      resharded_ =
+          cat(changes,
+              saved.zero1 || layout_.job.zero1 ? "; the optimizer state re-sliced by parameter name"
+                                               : "",
+              saved.mesh.dp != layout_.dp_size() && state.position > 0
+                  ? cat("; the epoch's data position kept: ", file.state.position,
+                        " samples on each of ", saved.mesh.dp, " ranks -> ", state.position,
+                        " on each of ", layout_.dp_size())
+                  : "");
   }
   copy_named(model_->state(), model);
-  return file.state;
+  return state;
 }
 
 void Session::init_from(const std::string& path, bool strict) {
@@ -434,7 +500,8 @@ std::string Session::summary() {
   // Memory: parameters, gradients (as the parameters) and optimizer state
   // (this rank's, sharded or not) exactly, from their dtypes; activations
   // measured as the allocator's peak over one training step at batch 2,
-  // scaled to the micro-batch.
+  // scaled to the micro-batch (with recompute: the blocks' inputs plus the
+  // block being recomputed, as the step runs).
   int64_t param_bytes = 0;
   for (const Tensor& p : model_->parameters()) param_bytes += int64_t(p.nbytes());
   // Before DistributedRun built the shard, a full optimizer tells its size.
@@ -453,11 +520,12 @@ std::string Session::summary() {
   std::snprintf(
       buf, sizeof buf,
       "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB%s, "
-      "activations %.1f MiB (micro-batch %lld)\n",
+      "activations %.1f MiB (micro-batch %lld%s)\n",
       double(param_bytes) * mib, double(param_bytes) * mib, double(state_bytes) * mib,
       shards_optimizer() ? cat(" (zero1: sharded, 1/", layout_.dp_size(), " per rank)").c_str()
                          : "",
-      double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_);
+      double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_,
+      recompute_note(recipe_.parallel.recompute));
   out << buf;
   return out.str();
 }

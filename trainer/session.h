@@ -146,10 +146,14 @@ class Session {
   // when sharded every rank its shard; every rank its stream state. Every
   // rank calls it, once dir exists.
   void save(const std::string& dir, const TrainState& state) const;
-  // Resumes: restores model, optimizer (this rank's file) and state from a
-  // checkpoint written on the same layout (mesh, zero1); otherwise throws
-  // Error saying what differs.
+  // Resumes: restores model, optimizer and state from a checkpoint written
+  // on any layout (mesh, zero1): the optimizer state is re-sliced by
+  // parameter name (ZeRO-1 shards joined first) and the epoch's data
+  // position converted to this dp size (throws Error when it is not a whole
+  // number of this layout's steps, or for an LSTM's carried stream state).
   TrainState load(const std::string& dir);
+  // What the last load() changed of the layout ("" for nothing): "dp 2 -> 4; ...".
+  const std::string& resharded() const { return resharded_; }
   // Restores the model and the state alone (evaluation, sampling: any layout).
   TrainState load_model(const std::string& dir);
   // Loads parameters and buffers by name from a safetensors file; strict:
@@ -168,6 +172,7 @@ class Session {
   std::unique_ptr<BatchSource> source_;
   std::shared_ptr<Module> model_;
   std::shared_ptr<optim::Optimizer> optimizer_;
+  std::string resharded_;
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;
   int64_t micro_batches_ = 1;

@@ -20,6 +20,7 @@
 #include "trainer/distributed.h"
 #include "trainer/metrics.h"
 #include "trainer/pipeline_split.h"
+#include "trainer/plan.h"
 #include "trainer/precision.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
@@ -264,7 +265,9 @@ class TrainLoop {
 int train_command(const TrainArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
   apply_threads(r);
-  Distributed dist = join_job(r, args.dry_run);
+  // parallel.auto: the layout planned for the launched ranks (trainer/plan.h).
+  Distributed dist =
+      r.parallel.auto_plan ? join_job_planned(r, args.dry_run) : join_job(r, args.dry_run);
   // Only rank 0 prints; the others' stdout stays quiet (errors still go to stderr).
   const bool main_rank = dist.is_main();
   if (main_rank)
@@ -321,9 +324,11 @@ int train_command(const TrainArgs& args) {
   if (std::optional<std::string> dir = resume_dir(args.resume, r)) {
     state = s.load(*dir);
     precision.load(*dir);
-    if (main_rank)
+    if (main_rank) {
       std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
                   (long long)state.step, (long long)state.epoch, (long long)state.position);
+      if (!s.resharded().empty()) std::printf("resharded: %s\n", s.resharded().c_str());
+    }
   } else if (args.resume == "auto" && main_rank) {
     std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
   }
