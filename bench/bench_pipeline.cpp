@@ -61,6 +61,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/fake_data.h"
 #include "core/check.h"
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
@@ -130,31 +131,6 @@ struct Row {
 };
 
 std::string self_dir() { return fs::read_symlink("/proc/self/exe").parent_path().string(); }
-
-// Fashion-MNIST's IDX files for `train` and `val` images of random pixels,
-// so the ResNet case needs no dataset and evaluates in no time.
-void write_fake_fashion_mnist(const std::string& dir, int64_t train, int64_t val) {
-  fs::create_directories(dir);
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  auto next = [&] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return uint8_t(state >> 56);
-  };
-  auto be32 = [](std::ofstream& f, uint32_t v) {
-    const char b[4] = {char(v >> 24), char(v >> 16), char(v >> 8), char(v)};
-    f.write(b, 4);
-  };
-  for (auto [prefix, n] : {std::pair<const char*, int64_t>{"train", train}, {"t10k", val}}) {
-    std::ofstream images(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
-    be32(images, 0x00000803);
-    for (uint32_t d : {uint32_t(n), 28u, 28u}) be32(images, d);
-    for (int64_t i = 0; i < n * 28 * 28; ++i) images.put(char(next()));
-    std::ofstream labels(dir + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary);
-    be32(labels, 0x00000801);
-    be32(labels, uint32_t(n));
-    for (int64_t i = 0; i < n; ++i) labels.put(char(i % 10));
-  }
-}
 
 std::vector<PipelineCase> make_cases(const Settings& s, const std::string& work) {
   const std::string src = TRAINER_SOURCE_DIR;
@@ -573,7 +549,7 @@ int main(int argc, char** argv) {
                    [](const std::string& n) { return n == "wavefront"; }))
     s.schedules.push_back("wavefront");
   if (cases.empty()) return usage();
-  write_fake_fashion_mnist(work + "/fmnist", 64 * s.micro_batches * 16, 32);
+  bench::write_fake_fashion_mnist(work + "/fmnist", 64 * s.micro_batches * 16, 32);
 
   std::string torch_state = "off (--no-torch)";
   if (s.torch) {

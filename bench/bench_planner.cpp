@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/fake_data.h"
 #include "core/check.h"
 #include "core/cpu/isa.h"
 #include "parallel/planner.h"
@@ -205,31 +206,6 @@ struct Outcome {
 };
 
 std::string self_dir() { return fs::read_symlink("/proc/self/exe").parent_path().string(); }
-
-// Fashion-MNIST's IDX files of `train` and `val` random images (as
-// bench_pipeline writes them), so ResNet-18 needs no dataset.
-void write_fake_fashion_mnist(const std::string& dir, int64_t train, int64_t val) {
-  fs::create_directories(dir);
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  auto next = [&] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return uint8_t(state >> 56);
-  };
-  auto be32 = [](std::ofstream& f, uint32_t v) {
-    const char b[4] = {char(v >> 24), char(v >> 16), char(v >> 8), char(v)};
-    f.write(b, 4);
-  };
-  for (auto [prefix, n] : {std::pair<const char*, int64_t>{"train", train}, {"t10k", val}}) {
-    std::ofstream images(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
-    be32(images, 0x00000803);
-    for (uint32_t d : {uint32_t(n), 28u, 28u}) be32(images, d);
-    for (int64_t i = 0; i < n * 28 * 28; ++i) images.put(char(next()));
-    std::ofstream labels(dir + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary);
-    be32(labels, 0x00000801);
-    be32(labels, uint32_t(n));
-    for (int64_t i = 0; i < n; ++i) labels.put(char(i % 10));
-  }
-}
 
 std::vector<LocalCase> local_cases(const LocalSettings& s, const std::string& work) {
   const std::string src = TRAINER_SOURCE_DIR;
@@ -451,7 +427,8 @@ int run_local(const LocalSettings& s) {
   if (!mkdtemp(work_template)) return 1;
   const std::string work = work_template;
   const std::vector<LocalCase> cases = local_cases(s, work);
-  if (!s.quick) write_fake_fashion_mnist(work + "/fmnist", 16 * (s.warmup + s.steps) * 4, 32);
+  if (!s.quick)
+    bench::write_fake_fashion_mnist(work + "/fmnist", 16 * (s.warmup + s.steps) * 4, 32);
   std::printf("%s\n", cpu::describe_machine().c_str());
   std::printf(
       "%d ranks under `trainer launch --nproc-per-node %d` (1 thread each), median of %d steps "
