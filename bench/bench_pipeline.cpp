@@ -61,7 +61,7 @@
 #include <thread>
 #include <vector>
 
-#include "bench/fake_data.h"
+#include "bench/programs.h"
 #include "core/check.h"
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
@@ -129,8 +129,6 @@ struct Row {
   double torch_ms = -1, torch_rss_mib[kStages] = {-1, -1};
   std::string torch_note;  // why there is no torch figure
 };
-
-std::string self_dir() { return fs::read_symlink("/proc/self/exe").parent_path().string(); }
 
 std::vector<PipelineCase> make_cases(const Settings& s, const std::string& work) {
   const std::string src = TRAINER_SOURCE_DIR;
@@ -202,24 +200,11 @@ std::vector<std::string> train_args(const PipelineCase& c, const Settings& s,
 // failed.
 bool run_logged(const std::vector<std::string>& argv, const std::string& log,
                 double peak_rss_mib[kStages]) {
-  std::fflush(nullptr);  // or the child writes what this process has buffered
-  pid_t pid = fork();
-  if (pid == 0) {
-    FILE* f = std::freopen(log.c_str(), "w", stdout);
-    if (!f || dup2(fileno(stdout), 2) < 0) _exit(127);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  if (pid < 0) return false;
   auto read_file = [](const std::string& path) {
     std::ifstream f(path, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(f), {});
   };
-  int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
+  return bench::run_logged(argv, log, [&](pid_t pid) {
     std::istringstream children(read_file(cat("/proc/", pid, "/task/", pid, "/children")));
     for (int child; children >> child;) {
       const std::string env = read_file(cat("/proc/", child, "/environ"));
@@ -232,20 +217,7 @@ bool run_logged(const std::vector<std::string>& argv, const std::string& log,
         peak_rss_mib[rank] =
             std::max(peak_rss_mib[rank], std::atof(status_text.c_str() + hwm + 6) / 1024.0);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-// The last lines of a log, for a failure's message.
-std::string tail_of(const std::string& path, int lines) {
-  std::ifstream f(path);
-  std::vector<std::string> all;
-  for (std::string line; std::getline(f, line);) all.push_back(line);
-  std::string out;
-  for (size_t i = all.size() > size_t(lines) ? all.size() - size_t(lines) : 0; i < all.size(); ++i)
-    out += "    " + all[i] + "\n";
-  return out;
+  });
 }
 
 // Each stage's activation MiB per micro-batch, from the dry run's
@@ -416,7 +388,7 @@ void measure_torch(const PipelineCase& c, const Settings& s, const std::string& 
       return;
     }
   }
-  std::string last = tail_of(log, 1);
+  std::string last = bench::tail_of(log, 1);
   row.torch_note = last.empty() ? "no output" : last.substr(4, last.size() - 5);
 }
 
@@ -535,7 +507,7 @@ int main(int argc, char** argv) {
       return 2;
     }
 
-  const std::string trainer = self_dir() + "/trainer";
+  const std::string trainer = bench::self_dir() + "/trainer";
   if (access(trainer.c_str(), X_OK) != 0) {
     std::fprintf(stderr, "bench_pipeline: no %s; build the trainer target too\n", trainer.c_str());
     return 1;
@@ -583,7 +555,7 @@ int main(int argc, char** argv) {
       const std::string log = out_dir + ".log";
       if (!run_logged(argv, log, row.m.peak_rss_mib)) {
         std::printf("%-15s %-6s: the trainer failed; the end of %s:\n%s", c.name.c_str(),
-                    schedule.c_str(), log.c_str(), tail_of(log, 8).c_str());
+                    schedule.c_str(), log.c_str(), bench::tail_of(log, 8).c_str());
         failed = true;
         continue;
       }

@@ -45,7 +45,7 @@
 #include <thread>
 #include <vector>
 
-#include "bench/fake_data.h"
+#include "bench/programs.h"
 #include "core/check.h"
 #include "core/cpu/isa.h"
 #include "parallel/planner.h"
@@ -205,8 +205,6 @@ struct Outcome {
   Predicted terms;
 };
 
-std::string self_dir() { return fs::read_symlink("/proc/self/exe").parent_path().string(); }
-
 std::vector<LocalCase> local_cases(const LocalSettings& s, const std::string& work) {
   const std::string src = TRAINER_SOURCE_DIR;
   auto pipeline = [](int m, const char* schedule) {
@@ -258,38 +256,15 @@ int runnable_tasks() {
 // about 2 for the 2 ranks alone, more when other work shares the cores.
 bool run_logged(const std::vector<std::string>& argv, const std::string& log,
                 double* runnable = nullptr) {
-  std::fflush(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    FILE* f = std::freopen(log.c_str(), "w", stdout);
-    if (!f || dup2(fileno(stdout), 2) < 0) _exit(127);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  if (pid < 0) return false;
-  int status = 0, samples = 0;
+  int samples = 0;
   double sum = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
+  const bool ok = bench::run_logged(argv, log, [&](pid_t) {
     // This process is running while it samples: not counted.
     sum += std::max(0, runnable_tasks() - 1);
     ++samples;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  });
   if (runnable) *runnable = samples > 0 ? sum / samples : 0;
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-std::string tail_of(const std::string& path, int lines) {
-  std::ifstream f(path);
-  std::vector<std::string> all;
-  for (std::string line; std::getline(f, line);) all.push_back(line);
-  std::string out;
-  for (size_t i = all.size() > size_t(lines) ? all.size() - size_t(lines) : 0; i < all.size(); ++i)
-    out += "    " + all[i] + "\n";
-  return out;
+  return ok;
 }
 
 // Every ranked plan of 2 CPU ranks, from `trainer plan --format tsv`.
@@ -304,7 +279,7 @@ std::vector<Predicted> predict(const LocalCase& c, const std::string& trainer,
     argv.push_back(a);
   const std::string log = cat(work, "/", c.name, "_plan.tsv");
   if (!run_logged(argv, log, runnable))
-    throw Error(cat("trainer plan failed; the end of ", log, ":\n", tail_of(log, 6)));
+    throw Error(cat("trainer plan failed; the end of ", log, ":\n", bench::tail_of(log, 6)));
   std::vector<Predicted> out;
   std::ifstream f(log);
   for (std::string line; std::getline(f, line);) {
@@ -418,7 +393,7 @@ std::string load_average() {
 }
 
 int run_local(const LocalSettings& s) {
-  const std::string trainer = self_dir() + "/trainer";
+  const std::string trainer = bench::self_dir() + "/trainer";
   if (access(trainer.c_str(), X_OK) != 0) {
     std::fprintf(stderr, "bench_planner: no %s; build the trainer target too\n", trainer.c_str());
     return 1;
@@ -478,7 +453,7 @@ int run_local(const LocalSettings& s) {
       const std::string log = out_dir + ".log";
       try {
         if (!run_logged(argv, log, &o.runnable))
-          throw Error(cat("the trainer failed; the end of ", log, ":\n", tail_of(log, 6)));
+          throw Error(cat("the trainer failed; the end of ", log, ":\n", bench::tail_of(log, 6)));
         o.measured_ms = measured_step_ms(out_dir + "/trace.json", s);
       } catch (const std::exception& e) {
         std::printf("%-15s %-26s | %s\n", c.name.c_str(), config.label().c_str(), e.what());
