@@ -9,8 +9,18 @@
 // bandwidth: on one node every byte of busbw costs at least one copy.
 //
 //   trainer launch --nproc-per-node 2 --program build/bench_allreduce -- [--min-bytes B]
-//   [--max-bytes B] [--no-failure-detection] [--algorithm ring|recursive-doubling|shm]
+//   [--max-bytes B] [--no-failure-detection] [--algorithm NAME|all] [--segment-bytes B]
 //   [--cross-memory] [--no-shared-memory] [--shared-buffer] [--rounds R]
+//
+// --algorithm forces one of auto, ring, recursive-doubling, tree, butterfly,
+// all-to-all, master-worker, round-robin or shm (comm/collectives.h). With
+// --algorithm all the table instead has a row per size and algorithm (every
+// point-to-point one, and shm where the ranks share a host), each the best of
+// --rounds, beside the alpha-beta model's prediction (comm/alpha_beta.h,
+// measured at start), the messages per allreduce and the bytes the busiest
+// rank sends: master-worker's bottleneck, all-to-all's message count and
+// the ring's bandwidth optimality in numbers. "auto" marks the model's choice
+// among the point-to-point algorithms, "*" the fastest measured.
 //
 // Ranks on one host reduce through the communicator's shared-memory channel
 // (comm/shm_channel.h: small messages staged, large ones pipelined through the
@@ -45,10 +55,12 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "comm/alpha_beta.h"
 #include "comm/collectives.h"
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
@@ -61,8 +73,8 @@ namespace {
 using Seconds = std::chrono::duration<double>;
 
 // About 200 MB moved per size, 3 to 1000 iterations (the MPI program uses the same rule).
-int iterations(size_t bytes) {
-  return int(std::clamp<size_t>((size_t(200) << 20) / std::max<size_t>(bytes, 1), 3, 1000));
+int iterations(size_t bytes, size_t most = 1000) {
+  return int(std::clamp<size_t>((size_t(200) << 20) / std::max<size_t>(bytes, 1), 3, most));
 }
 
 // User + system CPU seconds of this process so far.
@@ -79,11 +91,11 @@ struct Timing {
 };
 
 Timing time_allreduce(Communicator& world, float* data, size_t bytes,
-                      const AllreduceOptions& options) {
+                      const AllreduceOptions& options, size_t most_iterations = 1000) {
   const size_t count = bytes / sizeof(float);
   allreduce(world, data, count, DType::f32, options);  // warm-up: connections, pages
   barrier(world);
-  const int iters = iterations(bytes);
+  const int iters = iterations(bytes, most_iterations);
   auto start = std::chrono::steady_clock::now();
   double cpu_start = cpu_seconds();
   for (int i = 0; i < iters; ++i) allreduce(world, data, count, DType::f32, options);
@@ -183,10 +195,74 @@ class MpiServer {
 };
 
 AllreduceAlgorithm parse_algorithm(const std::string& name) {
-  if (name == "ring") return AllreduceAlgorithm::ring;
-  if (name == "recursive-doubling") return AllreduceAlgorithm::recursive_doubling;
-  if (name == "shm") return AllreduceAlgorithm::shm;
-  throw Error(cat("--algorithm ", name, ": use ring, recursive-doubling or shm"));
+  if (std::optional<AllreduceAlgorithm> algorithm = parse_allreduce_algorithm(name))
+    return *algorithm;
+  throw Error(cat("--algorithm ", name,
+                  ": use auto, ring, recursive-doubling, tree, butterfly, all-to-all, "
+                  "master-worker, round-robin, shm or all"));
+}
+
+// --algorithm all: every algorithm at every size, best of `rounds`, beside
+// the model. Rank 0 prints the table.
+void compare_algorithms(Communicator& world, float* data, size_t min_bytes, size_t max_bytes,
+                        int rounds, AllreduceOptions options) {
+  const int n = world.size();
+  std::vector<AllreduceAlgorithm> algorithms = modelled_algorithms();
+  const bool shm = n > 1 && world.shm() != nullptr;
+  if (shm) algorithms.push_back(AllreduceAlgorithm::shm);
+  const LinkModel& model = link_model(world);
+  std::map<std::pair<size_t, AllreduceAlgorithm>, double> best;  // seconds
+  for (int round = 0; round < rounds; ++round)
+    for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2)
+      for (AllreduceAlgorithm algorithm : algorithms) {
+        options.algorithm = algorithm;
+        // At most 200 iterations: the slow algorithms' large sizes take seconds each.
+        const double seconds = time_allreduce(world, data, bytes, options, 200).seconds;
+        auto [it, fresh] = best.try_emplace({bytes, algorithm}, seconds);
+        if (!fresh) it->second = std::min(it->second, seconds);
+      }
+  if (world.rank() != 0) return;
+  std::printf("# %s\n", cpu::describe_machine().c_str());
+  std::printf(
+      "# allreduce f32 sum, %d ranks, in place, every algorithm; time = slowest rank's mean, best "
+      "of %d rounds\n",
+      n, rounds);
+  std::printf(
+      "# alpha-beta model (measured at start in %.0f ms, the largest over rank pairs): %s; "
+      "segment %zu bytes\n",
+      model.measure_seconds * 1e3, model.str().c_str(), options.segment_bytes);
+  std::printf(
+      "# busbw = bytes/time * 2(n-1)/n; msgs = messages per allreduce over all ranks; busiest = "
+      "bytes sent by the busiest rank / bytes; total = bytes sent by all ranks / bytes; auto = the "
+      "model's choice, * = fastest measured%s\n",
+      shm ? "; shm = the shared-memory channel (not modelled)" : "");
+  std::printf("# %12s %-19s %10s %9s %10s %7s %8s %8s %6s\n", "bytes", "algorithm", "time(us)",
+              "busbw", "model(us)", "model/t", "msgs", "busiest", "total");
+  for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+    const AllreduceAlgorithm chosen = choose_allreduce(n, bytes, options.segment_bytes, model);
+    AllreduceAlgorithm fastest = algorithms.front();
+    for (AllreduceAlgorithm algorithm : algorithms)
+      if (best[{bytes, algorithm}] < best[{bytes, fastest}]) fastest = algorithm;
+    for (AllreduceAlgorithm algorithm : algorithms) {
+      const double seconds = best[{bytes, algorithm}];
+      const double busbw = double(bytes) / seconds / 1e9 * 2.0 * (n - 1) / n;
+      const double predicted = predict_allreduce(algorithm, n, bytes, options.segment_bytes, model);
+      const AllreduceTraffic traffic =
+          allreduce_traffic(algorithm, n, bytes, options.segment_bytes);
+      const std::string mark =
+          cat(algorithm == chosen ? " auto" : "", algorithm == fastest ? " *" : "");
+      if (predicted >= 0)
+        std::printf("  %12zu %-19s %10.1f %9.3f %10.1f %7.2f %8.0f %8.2f %6.2f%s\n", bytes,
+                    std::string(algorithm_name(algorithm)).c_str(), seconds * 1e6, busbw,
+                    predicted * 1e6, predicted / seconds, traffic.messages,
+                    traffic.busiest_rank_bytes / double(bytes), traffic.total_bytes / double(bytes),
+                    mark.c_str());
+      else
+        std::printf("  %12zu %-19s %10.1f %9.3f %10s %7s %8s %8s %6s%s\n", bytes,
+                    std::string(algorithm_name(algorithm)).c_str(), seconds * 1e6, busbw, "-", "-",
+                    "-", "-", "-", mark.c_str());
+    }
+  }
 }
 
 size_t parse_number(int& i, int argc, char** argv) {
@@ -201,7 +277,7 @@ int main(int argc, char** argv) {
     size_t min_bytes = 1024, max_bytes = size_t(256) << 20;
     CommOptions options;
     AllreduceOptions allreduce_options;
-    bool shared_buffer = false;
+    bool shared_buffer = false, every_algorithm = false;
     int rounds = 3;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -219,13 +295,17 @@ int main(int argc, char** argv) {
         shared_buffer = true;
       else if (a == "--rounds")
         rounds = std::max(1, int(parse_number(i, argc, argv)));
+      else if (a == "--algorithm" && i + 1 < argc && std::string(argv[i + 1]) == "all")
+        every_algorithm = true, ++i;
       else if (a == "--algorithm" && i + 1 < argc)
         allreduce_options.algorithm = parse_algorithm(argv[++i]);
+      else if (a == "--segment-bytes")
+        allreduce_options.segment_bytes = std::max<size_t>(1, parse_number(i, argc, argv));
       else
         throw Error(
             cat("unknown argument ", a,
                 "; use --min-bytes B --max-bytes B --no-failure-detection --algorithm "
-                "ring|recursive-doubling|shm --cross-memory --no-shared-memory --shared-buffer "
+                "NAME|all --segment-bytes B --cross-memory --no-shared-memory --shared-buffer "
                 "--rounds R"));
     }
     Bootstrap boot = detect_bootstrap();
@@ -243,6 +323,10 @@ int main(int argc, char** argv) {
         throw Error("--shared-buffer: no shared region (ranks on several hosts, or no channel)");
       float* data = region ? reinterpret_cast<float*>(region->local()) : private_data.data();
       std::fill(data, data + max_bytes / sizeof(float), 1.0f);
+      if (every_algorithm) {
+        compare_algorithms(*world, data, min_bytes, max_bytes, rounds, allreduce_options);
+        return 0;
+      }
       // Both sides measure each size in turn (ours, then OpenMPI's while our
       // ranks sleep in a barrier); the sweep repeats `rounds` times.
       std::unique_ptr<MpiServer> server;

@@ -7,6 +7,11 @@
 //   allreduce_ring.cpp                 reduce-scatter then all-gather, segmented and pipelined;
 //                                      its two phases also serve reduce_scatter and allgather
 //   allreduce_recursive_doubling.cpp   log2(n) full-buffer exchanges, for small messages
+//   allreduce_butterfly.cpp            recursive halving then doubling (Rabenseifner)
+//   allreduce_tree.cpp                 binary-tree reduce then broadcast, segmented and pipelined
+//   allreduce_all_to_all.cpp           every rank sends its buffer to every other and reduces all
+//   allreduce_master_worker.cpp        gather to rank 0, reduce there, send the result to all
+//   allreduce_round_robin.cpp          rank t in turn gathers, reduces and sends out block t
 //   allreduce_shm.cpp                  ranks on one host, over comm/shm_channel.h instead
 //   broadcast_binomial.cpp             binomial tree from the root, segmented and pipelined
 //   barrier_dissemination.cpp          log2(n) rounds of empty messages
@@ -68,6 +73,41 @@ class OpChannel {
   Millis timeout_;
 };
 
+// How many segments of at most segment_bytes cut count elements (at least
+// one, at most count, so that no segment is empty when count > 0). At most
+// kMaxSegments, larger segments beyond: the algorithms number two messages
+// per segment, and a tag holds 2^kTagMessageBits message numbers.
+inline constexpr size_t kMaxSegments = size_t(1) << (kTagMessageBits - 2);
+inline int segment_count(size_t count, size_t element_bytes, size_t segment_bytes) {
+  const size_t bytes = count * element_bytes;
+  const size_t segments = (bytes + segment_bytes - 1) / segment_bytes;
+  return int(std::clamp<size_t>(segments, 1, std::min(kMaxSegments, std::max<size_t>(count, 1))));
+}
+
+// A world that is not a power of two, folded onto one (Thakur, Rabenseifner
+// and Gropp): of the first 2*rem ranks (rem = n - 2^floor(log2 n)) each even
+// one hands its buffer to the odd one after it and sits out (virtual rank
+// -1); the others are renumbered 0..pof2-1.
+struct PowerOfTwoFold {
+  explicit PowerOfTwoFold(int n, int rank) : rank(rank) {
+    while (pof2 * 2 <= n) pof2 *= 2;
+    rem = n - pof2;
+    vrank = rank < 2 * rem ? (rank % 2 ? rank / 2 : -1) : rank - rem;
+  }
+  int real(int virtual_rank) const {
+    return virtual_rank < rem ? virtual_rank * 2 + 1 : virtual_rank + rem;
+  }
+  bool sits_out() const { return vrank < 0; }
+  // Before: the even ranks of the first 2*rem hand their buffer over
+  // (message `message`); the odd ones reduce it into theirs (received: scratch).
+  void fold(OpChannel& ch, uint32_t message, void* data, void* received, size_t count, DType dtype,
+            ReduceOp op) const;
+  // After: the odd ones hand the result back.
+  void unfold(OpChannel& ch, uint32_t message, void* data, size_t bytes) const;
+
+  int rank, pof2 = 1, rem = 0, vrank = -1;
+};
+
 // This thread's scratch buffer, at least `bytes` long, uninitialised: the
 // receives that are reduced afterwards land here. It grows and is kept, so a
 // collective repeated on buffers of the same size touches no fresh pages (a
@@ -116,6 +156,25 @@ void allreduce_ring(OpChannel& ch, void* data, size_t count, DType dtype, Reduce
                     size_t segment_bytes, const Reducer* reducer = nullptr);
 void allreduce_recursive_doubling(OpChannel& ch, void* data, size_t count, DType dtype,
                                   ReduceOp op);
+// Recursive halving (a reduce-scatter: log2(p) exchanges of halving parts)
+// then recursive doubling (an all-gather) over the folded power of two p.
+void allreduce_butterfly(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op);
+// Binary tree rooted at rank 0: segments of at most segment_bytes are reduced
+// up and broadcast down as a pipeline.
+void allreduce_tree(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,
+                    size_t segment_bytes);
+// Every rank sends every segment (of at most segment_bytes) to every other
+// and reduces all n copies itself, in rank order (the same bits everywhere).
+void allreduce_all_to_all(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,
+                          size_t segment_bytes);
+// Every rank sends its segments to rank 0, which reduces and sends the result
+// to every rank: rank 0's link carries 2(n-1) buffers.
+void allreduce_master_worker(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op,
+                             size_t segment_bytes);
+// Block t (of n) is gathered to rank t; in turn t = 0..n-1, rank t reduces it
+// and sends the result to every rank.
+void allreduce_round_robin(OpChannel& ch, void* data, size_t count, DType dtype, ReduceOp op);
+
 // The same over the shared-memory channel, as the operation with this ticket
 // (taken at issue). Up to staged_bytes (capped at ShmChannel::kStagingBytes)
 // every rank copies its buffer into its staging area and reduces all of them;

@@ -224,6 +224,11 @@ Bootstrap detect_bootstrap(const EnvLookup& lookup) {
     b.job_token = *token;
   if (std::optional<std::string> level = lookup("TRAINER_LOG_LEVEL"); level && !level->empty())
     b.log_level = parse_log_level(*level);
+  const EnvReader launch(lookup, Launcher::torchrun);
+  b.status_dir = lookup("TRAINER_STATUS_DIR").value_or("");
+  b.heartbeat_ms = launch.int_or("TRAINER_HEARTBEAT_MS", b.heartbeat_ms, 1, 3600000);
+  b.restart_count = launch.int_or("TRAINER_RESTART_COUNT", 0, 0, 1000000);
+  b.comm_timeout_ms = launch.int_or("TRAINER_COMM_TIMEOUT_MS", 0, 0, 1 << 30);
   return b;
 }
 

@@ -8,6 +8,8 @@
 //      of SLURM_JOB_NODELIST ("node[01-04,07]" -> "node01");
 //   3. OpenMPI (mpirun): OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE;
 //   4. none: a single process, world size 1.
+// TRAINER_STATUS_DIR, TRAINER_HEARTBEAT_MS and TRAINER_RESTART_COUNT come
+// from `trainer launch` whichever launcher started it.
 // The job token that authenticates store clients is TRAINER_JOB_TOKEN when
 // set, else derived from the launcher's job id (SLURM_JOB_ID, the OpenMPI job
 // id, or MASTER_ADDR:MASTER_PORT for torchrun-style launches).
@@ -42,6 +44,17 @@ struct Bootstrap {
   int master_port = 0;
   std::string job_token;                // shared by every rank of the job
   LogLevel log_level = LogLevel::info;  // TRAINER_LOG_LEVEL
+  // Set by `trainer launch` (comm/watchdog.h): where this rank keeps its
+  // status file (TRAINER_STATUS_DIR), how often it stamps its heartbeat
+  // (TRAINER_HEARTBEAT_MS), and how many times the launcher has restarted
+  // the job (TRAINER_RESTART_COUNT; the trainer then resumes from the newest
+  // checkpoint).
+  std::string status_dir;
+  int heartbeat_ms = 1000;
+  int restart_count = 0;
+  // TRAINER_COMM_TIMEOUT_MS: each wait of a communication without progress
+  // (CommOptions::timeout); 0: the caller's.
+  int comm_timeout_ms = 0;
 };
 
 // Reads one variable; nullopt when unset. Tests pass a map instead of the process environment.

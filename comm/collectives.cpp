@@ -1,11 +1,14 @@
 #include "comm/collectives.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "comm/algorithms.h"
+#include "comm/alpha_beta.h"
 #include "comm/log.h"
 
 namespace trainer::comm {
@@ -28,6 +31,69 @@ void check_cpu_contiguous(const Tensor& t, const char* what) {
       << what << " takes a contiguous CPU tensor, got " << (t.defined() ? t.str() : "undefined");
 }
 
+// What `automatic` means on a communicator without the shm channel: the
+// model's fastest (measured on first use, collectively: every rank gets here
+// at the same point of its issue order), or the size rule.
+AllreduceAlgorithm automatic_choice(Communicator& comm, size_t bytes, const AllreduceOptions& o,
+                                    double* predicted_seconds) {
+  if (!o.cost_model || comm.size() == 1)
+    return bytes <= o.small_message_bytes ? AllreduceAlgorithm::recursive_doubling
+                                          : AllreduceAlgorithm::ring;
+  const LinkModel& model = link_model(comm);
+  AllreduceAlgorithm choice = choose_allreduce(comm.size(), bytes, o.segment_bytes, model);
+  *predicted_seconds = predict_allreduce(choice, comm.size(), bytes, o.segment_bytes, model);
+  return choice;
+}
+
+// Runs one allreduce over point-to-point messages with the chosen algorithm.
+void run_allreduce(OpChannel& ch, AllreduceAlgorithm algorithm, void* data, size_t count,
+                   DType dtype, const AllreduceOptions& o) {
+  switch (algorithm) {
+    case AllreduceAlgorithm::ring:
+      return allreduce_ring(ch, data, count, dtype, o.op, o.segment_bytes, o.reducer.get());
+    case AllreduceAlgorithm::recursive_doubling:
+      return allreduce_recursive_doubling(ch, data, count, dtype, o.op);
+    case AllreduceAlgorithm::tree:
+      return allreduce_tree(ch, data, count, dtype, o.op, o.segment_bytes);
+    case AllreduceAlgorithm::butterfly:
+      return allreduce_butterfly(ch, data, count, dtype, o.op);
+    case AllreduceAlgorithm::all_to_all:
+      return allreduce_all_to_all(ch, data, count, dtype, o.op, o.segment_bytes);
+    case AllreduceAlgorithm::master_worker:
+      return allreduce_master_worker(ch, data, count, dtype, o.op, o.segment_bytes);
+    case AllreduceAlgorithm::round_robin:
+      return allreduce_round_robin(ch, data, count, dtype, o.op);
+    case AllreduceAlgorithm::automatic:
+    case AllreduceAlgorithm::shm:
+      break;
+  }
+  CHECK(false) << "allreduce: no point-to-point algorithm " << algorithm_name(algorithm);
+}
+
+// The operation name errors carry: "allreduce(butterfly)".
+const char* allreduce_op_name(AllreduceAlgorithm algorithm) {
+  switch (algorithm) {
+    case AllreduceAlgorithm::ring:
+      return "allreduce(ring)";
+    case AllreduceAlgorithm::recursive_doubling:
+      return "allreduce(recursive doubling)";
+    case AllreduceAlgorithm::tree:
+      return "allreduce(tree)";
+    case AllreduceAlgorithm::butterfly:
+      return "allreduce(butterfly)";
+    case AllreduceAlgorithm::all_to_all:
+      return "allreduce(all-to-all)";
+    case AllreduceAlgorithm::master_worker:
+      return "allreduce(master-worker)";
+    case AllreduceAlgorithm::round_robin:
+      return "allreduce(round-robin)";
+    case AllreduceAlgorithm::automatic:
+    case AllreduceAlgorithm::shm:
+      break;
+  }
+  return "allreduce(shm)";
+}
+
 // Each *_task validates, takes the sequence number (so the order of issue is
 // the order on the wire) and returns the work, run inline or on the progress thread.
 Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
@@ -38,31 +104,29 @@ Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
   AllreduceAlgorithm algorithm = o.reducer ? AllreduceAlgorithm::ring : o.algorithm;
   ShmChannel* shm = nullptr;
   uint64_t ticket = 0;
+  double predicted_seconds = -1;
   if (algorithm == AllreduceAlgorithm::automatic || algorithm == AllreduceAlgorithm::shm) {
     shm = comm.size() > 1 ? comm.shm() : nullptr;
     if (shm) {
       algorithm = AllreduceAlgorithm::shm;
       ticket = shm->take_ticket();
     } else {
-      algorithm = bytes <= o.small_message_bytes ? AllreduceAlgorithm::recursive_doubling
-                                                 : AllreduceAlgorithm::ring;
+      algorithm = automatic_choice(comm, bytes, o, &predicted_seconds);
     }
   }
   COMM_LOG(LogLevel::debug, "allreduce #", seq, " on communicator ", comm.id(), " (", comm.size(),
            " ranks): ", count, " x ", dtype, ", ", reduce_op_name(o.op), ", ",
-           algorithm_name(algorithm));
+           algorithm_name(algorithm),
+           predicted_seconds >= 0 ? cat(" (model: ", predicted_seconds * 1e6, " us)") : "");
   Millis timeout = timeout_of(comm, o.timeout);
   return [&comm, data, count, dtype, o, seq, algorithm, shm, ticket, timeout] {
     if (algorithm == AllreduceAlgorithm::shm) {
       allreduce_shm(*shm, ticket, "allreduce(shm)", timeout, data, count, dtype, o.op,
                     o.staged_bytes, o.cross_memory);
-    } else if (algorithm == AllreduceAlgorithm::ring) {
-      OpChannel ch(comm, seq, "allreduce(ring)", timeout);
-      allreduce_ring(ch, data, count, dtype, o.op, o.segment_bytes, o.reducer.get());
-    } else {
-      OpChannel ch(comm, seq, "allreduce(recursive doubling)", timeout);
-      allreduce_recursive_doubling(ch, data, count, dtype, o.op);
+      return;
     }
+    OpChannel ch(comm, seq, allreduce_op_name(algorithm), timeout);
+    run_allreduce(ch, algorithm, data, count, dtype, o);
   };
 }
 
@@ -147,8 +211,47 @@ std::string_view algorithm_name(AllreduceAlgorithm algorithm) {
       return "recursive doubling";
     case AllreduceAlgorithm::shm:
       return "shm";
+    case AllreduceAlgorithm::tree:
+      return "tree";
+    case AllreduceAlgorithm::butterfly:
+      return "butterfly";
+    case AllreduceAlgorithm::all_to_all:
+      return "all-to-all";
+    case AllreduceAlgorithm::master_worker:
+      return "master-worker";
+    case AllreduceAlgorithm::round_robin:
+      return "round-robin";
   }
   return "?";
+}
+
+namespace {
+constexpr std::pair<AllreduceAlgorithm, std::string_view> kAlgorithmKeys[] = {
+    {AllreduceAlgorithm::automatic, "auto"},
+    {AllreduceAlgorithm::ring, "ring"},
+    {AllreduceAlgorithm::recursive_doubling, "recursive_doubling"},
+    {AllreduceAlgorithm::tree, "tree"},
+    {AllreduceAlgorithm::butterfly, "butterfly"},
+    {AllreduceAlgorithm::all_to_all, "all_to_all"},
+    {AllreduceAlgorithm::master_worker, "master_worker"},
+    {AllreduceAlgorithm::round_robin, "round_robin"},
+    {AllreduceAlgorithm::shm, "shm"},
+};
+}  // namespace
+
+std::string_view algorithm_key(AllreduceAlgorithm algorithm) {
+  for (const auto& [a, key] : kAlgorithmKeys)
+    if (a == algorithm) return key;
+  return "?";
+}
+
+std::optional<AllreduceAlgorithm> parse_allreduce_algorithm(std::string_view key) {
+  std::string name(key);
+  std::replace(name.begin(), name.end(), '-', '_');
+  if (name == "automatic") name = "auto";
+  for (const auto& [a, k] : kAlgorithmKeys)
+    if (k == name) return a;
+  return std::nullopt;
 }
 
 void allreduce(Communicator& comm, void* data, size_t count, DType dtype,

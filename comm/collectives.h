@@ -12,12 +12,15 @@
 //
 //   allreduce(*world, grad, {.op = ReduceOp::avg});
 //   Work w = allreduce_async(*dp, bucket, {.algorithm = AllreduceAlgorithm::ring});
+//   allreduce(*dp, grad, {.algorithm = *parse_allreduce_algorithm("butterfly")});
 //   Tensor shard = reduce_scatter(*dp, flat, {.op = ReduceOp::sum});   // [n*k] -> [k]
 //   Tensor all = allgather(*dp, shard);                                // [k] -> [n*k]
 #pragma once
 
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string_view>
 
 #include "comm/communicator.h"
 #include "comm/reduce.h"
@@ -26,9 +29,29 @@
 namespace trainer::comm {
 
 // automatic: shm when every rank of the communicator runs on this host, else
-// recursive doubling up to small_message_bytes and ring above. shm where the
-// channel is unavailable falls back to that choice.
-enum class AllreduceAlgorithm { automatic, ring, recursive_doubling, shm };
+// the algorithm the alpha-beta model measured on this machine predicts
+// fastest (comm/alpha_beta.h; with AllreduceOptions::cost_model false:
+// recursive doubling up to small_message_bytes and ring above). shm where the
+// channel is unavailable falls back to that choice. The others run over
+// point-to-point messages whatever the hosts (comm/algorithms.h):
+//   ring                reduce-scatter then all-gather around a ring, pipelined
+//   recursive_doubling  log2(n) whole-buffer exchanges
+//   tree                binary-tree reduce then broadcast, pipelined in segments
+//   butterfly           recursive halving then doubling (Rabenseifner)
+//   all_to_all          everyone sends everything to everyone
+//   master_worker       gather to rank 0, reduce, send back
+//   round_robin         rank t in turn reduces and sends out block t
+enum class AllreduceAlgorithm {
+  automatic,
+  ring,
+  recursive_doubling,
+  shm,
+  tree,
+  butterfly,
+  all_to_all,
+  master_worker,
+  round_robin
+};
 
 // The ring allreduce's arithmetic and receive scratch, for buffers the host
 // may not touch (GPU memory handed to a transport that moves it, e.g. UCX
@@ -48,8 +71,13 @@ struct Reducer {
 struct AllreduceOptions {
   ReduceOp op = ReduceOp::sum;
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::automatic;
-  size_t segment_bytes = 1 << 20;         // the ring's pipeline unit
-  size_t small_message_bytes = 64 << 10;  // automatic: recursive doubling up to this size
+  // The pipeline unit of ring, tree, all-to-all and master-worker.
+  size_t segment_bytes = 1 << 20;
+  // automatic without the shm channel: choose by the alpha-beta model
+  // (comm/alpha_beta.h, measured on the communicator's first such allreduce);
+  // false: recursive doubling up to small_message_bytes, ring above.
+  bool cost_model = true;
+  size_t small_message_bytes = 64 << 10;
   // shm: messages up to this size (at most ShmChannel::kStagingBytes) are
   // staged through the segment, larger ones read from the peers' buffers.
   size_t staged_bytes = 64 << 10;
@@ -106,6 +134,13 @@ Tensor allgather(Communicator& comm, const Tensor& input, const CollectiveOption
 void broadcast(Communicator& comm, const Tensor& t, int root,
                const CollectiveOptions& options = {});
 
+// "recursive doubling", "all-to-all", ... (for logs and tables).
 std::string_view algorithm_name(AllreduceAlgorithm algorithm);
+// The names recipes and command lines use: "auto", "ring", "recursive_doubling",
+// "tree", "butterfly", "all_to_all", "master_worker", "round_robin", "shm".
+std::string_view algorithm_key(AllreduceAlgorithm algorithm);
+// The algorithm of a key (hyphens read as underscores, "automatic" as
+// "auto"); nullopt for an unknown name.
+std::optional<AllreduceAlgorithm> parse_allreduce_algorithm(std::string_view key);
 
 }  // namespace trainer::comm

@@ -6,6 +6,7 @@
 
 #include "comm/algorithms.h"
 #include "comm/log.h"
+#include "comm/watchdog.h"
 
 namespace trainer::comm {
 
@@ -198,9 +199,12 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
       new Communicator(world_, id, std::move(members), new_rank, options_));
 }
 
-std::shared_ptr<Communicator> init_world(const Bootstrap& boot, const CommOptions& options) {
+std::shared_ptr<Communicator> init_world(const Bootstrap& boot, const CommOptions& given) {
+  CommOptions options = given;
+  if (boot.comm_timeout_ms > 0) options.timeout = Millis(boot.comm_timeout_ms);
   set_log_rank(boot.rank);
   set_log_level(boot.log_level);
+  watchdog::start(boot);
   auto world = std::make_shared<World>();
   if (boot.world_size > 1) {
     StoreOptions so;

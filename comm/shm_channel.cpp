@@ -11,9 +11,11 @@
 #include <climits>
 #include <cstddef>
 #include <cstring>
+#include <exception>
 #include <thread>
 
 #include "comm/log.h"
+#include "comm/watchdog.h"
 #include "core/check.h"
 
 namespace trainer::comm {
@@ -113,6 +115,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(Store& store, Transport& transpor
   for (int world : members) key += cat(world, ",");
 
   std::unique_ptr<ShmChannel> channel(new ShmChannel(transport, members, rank));
+  channel->comm_id_ = comm_id;
   const size_t slots_bytes = round_up(sizeof(Slot) * size_t(n), 4096);
   channel->bytes_ = slots_bytes + size_t(n) * 2 * kStagingBytes;
   std::string name;
@@ -182,6 +185,8 @@ ShmChannel::Turn::Turn(ShmChannel& channel, uint64_t ticket, const char* op, Mil
 }
 
 ShmChannel::Turn::~Turn() {
+  if (std::uncaught_exceptions() == 0)
+    watchdog::completed(op_, channel_.comm_id_, uint32_t(ticket_));
   {
     std::lock_guard<std::mutex> lock(channel_.turn_mutex_);
     channel_.turn_ = ticket_ + 1;
@@ -272,9 +277,10 @@ void ShmChannel::Turn::wait_stage(int peer, uint32_t target, const char* what) {
   const Clock::time_point start = Clock::now(), deadline = start + timeout_;
   Clock::time_point last_poll = start;
   const int world_peer = channel_.members_[size_t(peer)];
+  watchdog::Wait watch(op_, channel_.comm_id_, uint32_t(ticket_), world_peer);
   for (;;) {
     for (int i = 0; i < kSpinChecks; ++i) {
-      if (reached(s.stage.load(std::memory_order_acquire), target)) return;
+      if (reached(s.stage.load(std::memory_order_acquire), target)) return watch.done();
       __builtin_ia32_pause();
     }
     const Clock::time_point now = Clock::now();
@@ -286,7 +292,8 @@ void ShmChannel::Turn::wait_stage(int peer, uint32_t target, const char* what) {
     if (now >= deadline)
       fail(peer, cat("waiting for it ", what, ": timed out after ", timeout_.count(),
                      " ms; the peer is hung or dead, or the ranks issued operations in different "
-                     "orders"));
+                     "orders; ",
+                     watchdog::describe()));
     if (now - start < kYieldTime) {
       std::this_thread::yield();
       continue;

@@ -123,6 +123,7 @@ class ShmChannel {
   Transport& transport_;
   std::vector<int> members_;  // world rank of each rank
   int rank_;
+  uint32_t comm_id_ = 0;  // of the communicator, named by the watchdog
   void* base_ = nullptr;  // the mapped segment
   size_t bytes_ = 0;
   std::vector<long> pids_;

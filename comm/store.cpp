@@ -1,5 +1,6 @@
 #include "comm/store.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -195,6 +196,18 @@ void Store::barrier(const std::string& name, int count) {
   std::string key = cat("barrier/", name);
   if (add(key, 1) == count) set(key + "/open", "1");
   get(key + "/open");
+}
+
+std::string Store::local_address() const {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  if (fd_ < 0 || ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "";
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* ip =
+      addr.ss_family == AF_INET
+          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&addr)->sin_addr)
+          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr);
+  return ::inet_ntop(addr.ss_family, ip, text, sizeof text) ? text : "";
 }
 
 }  // namespace trainer::comm

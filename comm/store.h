@@ -59,6 +59,9 @@ class Store {
 
   int port() const { return port_; }
   const StoreOptions& options() const { return options_; }
+  // This host's address on the connection to the server (the interface the
+  // other hosts reach it by), e.g. "10.201.0.2"; empty when unknown.
+  std::string local_address() const;
 
  private:
   std::string request(const std::string& body, Millis reply_timeout, const std::string& what);

@@ -1,16 +1,24 @@
 #include "comm/transport.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "comm/log.h"
+#include "comm/p2p.h"
+#include "comm/watchdog.h"
 #include "core/check.h"
 
 #define UCS_CHECK(expr)                                             \
@@ -69,6 +77,37 @@ int open_pidfd(long pid) {
   return -1;
 #endif
 }
+
+// The UCX transports of an endpoint's lanes, each once, in lane order, e.g.
+// "posix/memory, cma/memory" or "tcp/eth0". UCX 1.13 has no query for them
+// (ucp_ep_query reports names and socket addresses only), so they are read
+// from ucp_ep_print_info's lines "lane[0]:  2:posix/memory.0 md[2] ...".
+std::string endpoint_transports(ucp_ep_h ep) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = ::open_memstream(&text, &size);
+  if (!stream) return "unknown";
+  ucp_ep_print_info(ep, stream);
+  std::fclose(stream);
+  std::istringstream lines(std::string(text, size));
+  std::free(text);
+  std::vector<std::string> transports;
+  for (std::string line; std::getline(lines, line);) {
+    const size_t lane = line.find("lane[");
+    const size_t colon = lane == std::string::npos ? lane : line.find("]:", lane);
+    if (colon == std::string::npos) continue;
+    std::string resource;  // "2:posix/memory.0": resource index, transport/device.path index
+    std::istringstream(line.substr(colon + 2)) >> resource;
+    resource = resource.substr(resource.find(':') + 1);
+    resource = resource.substr(0, resource.rfind('.'));
+    if (!resource.empty() &&
+        std::find(transports.begin(), transports.end(), resource) == transports.end())
+      transports.push_back(resource);
+  }
+  std::string joined;
+  for (const std::string& t : transports) joined += cat(joined.empty() ? "" : ", ", t);
+  return joined.empty() ? "unknown" : joined;
+}
 }  // namespace
 
 bool ucx_supports_cuda_memory() {
@@ -106,9 +145,11 @@ struct Transport::Peer {
   ucp_ep_h ep = nullptr;
   long pid = 0;
   bool local = false;               // same host, kernel and pid namespace
+  std::string host_address;         // where its host is reached (its store connection's address)
   int pidfd = -1;                   // local peers: watched for exit
   std::atomic<int> status{UCS_OK};  // set by the error callback (remote peers)
   std::atomic<bool> exited{false};  // set by check_liveness_locked (local peers)
+  std::atomic<bool> silent{false};  // a wait on it timed out: its endpoint is closed by force
 
   bool failed() const { return exited.load() || status.load() != UCS_OK; }
 };
@@ -151,6 +192,7 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
   ucp_worker_release_address(ucx_->worker, address);
   const std::string identity = process_identity();
   store->set(cat("ucx/process/", rank), cat(long(::getpid()), " ", identity));
+  store->set(cat("ucx/host/", rank), store->local_address());
 
   peers_.resize(world_size);
   int local = 0;
@@ -165,6 +207,7 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
     std::getline(process >> std::ws, peer_identity);
     // The peer is alive until it passes the barrier below, so the pidfd is its.
     peer->local = peer_identity == identity;
+    peer->host_address = store->get(cat("ucx/host/", p));
     if (detect_peer_failure && peer->local) peer->pidfd = open_pidfd(peer->pid);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -181,6 +224,11 @@ Transport::Transport(Store* store, int rank, int world_size, bool detect_peer_fa
   store->barrier("ucx/wired", world_size);
   COMM_LOG(LogLevel::debug, "transport: connected to ", world_size - 1, " peers, ", local,
            " of them local (shared memory, watched by pidfd)");
+  // Which transport carries each pair's traffic (the multi-host tests read these lines).
+  for (const auto& peer : peers_)
+    if (peer)
+      COMM_LOG(LogLevel::debug, "transport: rank ", peer->rank, " on ",
+               peer->local ? "this host" : "another host", " over ", endpoint_transports(peer->ep));
 }
 
 Transport::~Transport() {
@@ -191,17 +239,24 @@ Transport::~Transport() {
     if (!peer) continue;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    // A failed endpoint cannot be flushed; a healthy one may still hold our last sends.
-    param.flags = peer->failed() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    // A failed (or silent) endpoint cannot be flushed; a healthy one may
+    // still hold our last sends.
+    param.flags = peer->failed() || peer->silent.load() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t req = ucp_ep_close_nbx(peer->ep, &param);
     if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
   }
   Clock::time_point deadline = Clock::now() + kCloseTimeout;
+  bool closed = true;
   for (void* req : closing) {
     while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < deadline)
       ucp_worker_progress(ucx_->worker);
+    closed = closed && ucp_request_check_status(req) != UCS_INPROGRESS;
     ucp_request_free(req);
   }
+  // An endpoint that could not close still holds requests, and destroying
+  // the worker under it aborts (UCX asserts): the process is ending, so
+  // leave them to the kernel.
+  if (!closed) return;
   ucp_worker_destroy(ucx_->worker);
   ucp_cleanup(ucx_->context);
 }
@@ -211,6 +266,7 @@ Request Transport::isend(int peer, uint64_t tag, const void* data, size_t bytes,
   Request r;
   r.transport_ = this;
   r.peer_ = peer;
+  r.tag_ = tag;
   r.is_send_ = true;
   r.bytes_ = bytes;
   r.op_ = op;
@@ -232,6 +288,7 @@ Request Transport::irecv(int peer, uint64_t tag, void* data, size_t bytes, const
   Request r;
   r.transport_ = this;
   r.peer_ = peer;
+  r.tag_ = tag;
   r.bytes_ = bytes;
   r.op_ = op;
   // Always a request, so test() reads the received length from it.
@@ -265,6 +322,47 @@ std::string Transport::peer_failure(int peer) const {
 
 bool Transport::is_local(int peer) const {
   return peer == rank_ || (!peers_.empty() && peers_[peer]->local);
+}
+
+namespace {
+
+// Whether host answers a TCP connection attempt within timeout: a refusal
+// (no one listens on the port) answers as much as an acceptance does.
+bool host_answers(const std::string& host, int timeout_ms) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(1);  // tcpmux: nearly always closed, so refused at once
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return true;  // not IPv4: unknown
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;
+  bool answered = false;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 ||
+      errno == ECONNREFUSED) {
+    answered = true;
+  } else if (errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    int error = 0;
+    socklen_t len = sizeof error;
+    answered = ::poll(&p, 1, timeout_ms) == 1 &&
+               ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 &&
+               (error == 0 || error == ECONNREFUSED);
+  }
+  ::close(fd);
+  return answered;
+}
+
+}  // namespace
+
+std::string Transport::reachability(int peer) const {
+  const Peer* p = peers_.empty() || peer == rank_ ? nullptr : peers_[peer].get();
+  if (!p || p->local || p->host_address.empty())
+    return "the peer is hung or dead, or the ranks issued operations in different orders";
+  if (host_answers(p->host_address, 1000))
+    return cat("its host ", p->host_address,
+               " answers, so the peer is hung or stopped, or the ranks issued operations in "
+               "different orders");
+  return cat("its host ", p->host_address,
+             " does not answer: the network link to it is down, or the host is");
 }
 
 long Transport::pid(int peer) const { return peer == rank_ ? long(::getpid()) : peers_[peer]->pid; }
@@ -323,6 +421,7 @@ Request& Request::operator=(Request&& other) noexcept {
     transport_ = other.transport_;
     ucx_ = other.ucx_;
     peer_ = other.peer_;
+    tag_ = other.tag_;
     is_send_ = other.is_send_;
     bytes_ = other.bytes_;
     op_ = other.op_;
@@ -389,18 +488,28 @@ bool Request::test() {
 
 void Request::wait(Millis timeout) {
   const Clock::time_point start = Clock::now(), deadline = start + timeout;
+  // The tag's communicator and the operation's number: a collective's
+  // sequence field, a point-to-point message's micro-batch (see make_tag, comm/p2p.h).
+  constexpr int seq_shift = kTagRankBits + kTagMessageBits, kind_shift = seq_shift + kTagSeqBits;
+  const bool p2p = (tag_ >> kind_shift) & 1;
+  const uint32_t number = p2p ? uint32_t(tag_ >> (kTagRankBits + 1 + P2PTag::kStreamBits)) &
+                                    ((1u << P2PTag::kMicroBatchBits) - 1)
+                              : uint32_t(tag_ >> seq_shift) & ((1u << kTagSeqBits) - 1);
+  watchdog::Wait watch(op_, uint32_t(tag_ >> (kind_shift + 1)), number, peer_);
   for (int idle = 0; !test(); ++idle) {
     if (idle < kSpinsBeforeYield) continue;
     const Clock::time_point now = Clock::now();
-    if (now >= deadline)
-      fail(
-          cat("timed out after ", timeout.count(),
-              " ms; the peer is hung or dead, or the ranks issued operations in different orders"));
+    if (now >= deadline) {
+      transport_->peers_[peer_]->silent.store(true);
+      fail(cat("timed out after ", timeout.count(), " ms; ", transport_->reachability(peer_), "; ",
+               watchdog::describe()));
+    }
     if (now - start >= kSpinTime)
       transport_->sleep_until_event(deadline);
     else
       std::this_thread::yield();
   }
+  watch.done();
 }
 
 }  // namespace trainer::comm

@@ -97,6 +97,7 @@ class Request {
   Transport* transport_ = nullptr;
   void* ucx_ = nullptr;  // the UCP request while pending
   int peer_ = -1;
+  uint64_t tag_ = 0;
   bool is_send_ = false;
   size_t bytes_ = 0;
   const char* op_ = "";
@@ -129,6 +130,11 @@ class Transport {
   bool is_local(int peer) const;
   // The process id of a local peer (this rank: its own).
   long pid(int peer) const;
+  // For an error about a silent peer: a peer on another host is probed (a
+  // TCP connection attempt to its host: refused or accepted means the host
+  // answers, no answer within a second means the link or the host is down);
+  // a local one is said to be hung or dead. One clause, no trailing period.
+  std::string reachability(int peer) const;
   // Polls a local peer's pidfd now (waits outside UCX, such as the shared-memory
   // channel's, call this) and returns peer_failure(peer).
   std::string poll_peer(int peer);

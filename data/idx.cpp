@@ -3,39 +3,65 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <vector>
 
+#include "data/files.h"
+
 namespace trainer::data {
 
 namespace {
 
-// The whole file, decompressed if it is gzipped (gzread passes plain files
-// through unchanged).
-std::vector<uint8_t> read_maybe_gzipped(const std::string& path) {
-  gzFile file = gzopen(path.c_str(), "rb");
-  if (!file) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
-  gzbuffer(file, 1 << 18);
-  std::vector<uint8_t> bytes;
-  constexpr size_t kChunk = size_t(1) << 22;
-  for (;;) {
-    size_t size = bytes.size();
-    bytes.resize(size + kChunk);
-    int got = gzread(file, bytes.data() + size, unsigned(kChunk));
-    if (got < 0) break;
-    bytes.resize(size + size_t(got));
-    if (got == 0) break;
+// An IDX file, plain or gzipped (gzread passes plain files through
+// unchanged), opened as a regular file (data/files.h: a FIFO or a device is
+// refused before reading).
+class IdxReader {
+ public:
+  explicit IdxReader(const std::string& path) : path_(path) {
+    RegularFile file(path, "the IDX file");
+    file_size_ = file.size();
+    gz_ = gzdopen(file.fd(), "rb");
+    if (!gz_) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
+    file.release();  // gzclose closes it
+    gzbuffer(gz_, 1 << 18);
   }
-  int errnum = Z_OK;
-  std::string message = gzerror(file, &errnum);  // owned by file: copy before gzclose
-  gzclose(file);
-  if (errnum != Z_OK)
-    throw Error(cat(path, ": corrupt or truncated gzip stream (zlib: ", message,
-                    "); download or reinstall the file"));
-  return bytes;
-}
+  ~IdxReader() { gzclose(gz_); }
+  IdxReader(const IdxReader&) = delete;
+  IdxReader& operator=(const IdxReader&) = delete;
+
+  // The file's size on disk, and whether it is stored uncompressed.
+  uint64_t file_size() const { return file_size_; }
+  bool plain() { return gzdirect(gz_) == 1; }
+
+  // Appends up to n bytes to out; returns how many came (fewer at the end).
+  uint64_t read(std::vector<uint8_t>& out, uint64_t n) {
+    constexpr uint64_t kChunk = uint64_t(1) << 22;
+    uint64_t done = 0;
+    while (done < n) {
+      const size_t size = out.size();
+      const unsigned want = unsigned(std::min(kChunk, n - done));
+      out.resize(size + want);
+      const int got = gzread(gz_, out.data() + size, want);
+      out.resize(size + size_t(std::max(got, 0)));
+      if (got <= 0) break;
+      done += uint64_t(got);
+    }
+    int errnum = Z_OK;
+    const char* message = gzerror(gz_, &errnum);
+    if (errnum != Z_OK)
+      throw Error(cat(path_, ": corrupt or truncated gzip stream (zlib: ", message,
+                      "); download or reinstall the file"));
+    return done;
+  }
+
+ private:
+  std::string path_;
+  uint64_t file_size_ = 0;
+  gzFile gz_ = nullptr;
+};
 
 uint32_t load_be32(const uint8_t* p) {
   return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | uint32_t(p[3]);
@@ -89,7 +115,9 @@ void convert_payload(const uint8_t* payload, const IdxType& t, uint64_t numel, T
 std::string find_file(const std::string& dir, const std::string& name) {
   for (const std::string& candidate : {name + ".gz", name}) {
     std::string path = (std::filesystem::path(dir) / candidate).string();
-    if (std::filesystem::exists(path)) return path;
+    // symlink_status: a broken or looping link is found, and read_idx says what is wrong with it.
+    std::error_code ec;
+    if (std::filesystem::exists(std::filesystem::symlink_status(path, ec))) return path;
   }
   throw Error(cat("Fashion-MNIST: neither ", name, ".gz nor ", name, " in ", dir,
                   "; install the Debian package dataset-fashion-mnist or set data.root to the "
@@ -99,7 +127,9 @@ std::string find_file(const std::string& dir, const std::string& name) {
 }  // namespace
 
 Tensor read_idx(const std::string& path) {
-  std::vector<uint8_t> bytes = read_maybe_gzipped(path);
+  IdxReader file(path);
+  std::vector<uint8_t> bytes;
+  file.read(bytes, 4);
   if (bytes.size() < 4)
     throw Error(cat(path, ": not an IDX file (", bytes.size(), " bytes, the header needs 4)"));
   if (bytes[0] != 0 || bytes[1] != 0)
@@ -112,28 +142,45 @@ Tensor read_idx(const std::string& path) {
   int ndim = bytes[3];
   if (ndim == 0) throw Error(cat(path, ": IDX header with 0 dims"));
   size_t header = 4 + 4 * size_t(ndim);
+  file.read(bytes, header - 4);
   if (bytes.size() < header)
     throw Error(cat(path, ": truncated IDX header: ", ndim, " dims need ", header,
                     " bytes, the file has ", bytes.size()));
+  // The payload's size, overflow-checked: dims of up to 2^32 each may
+  // multiply past 2^64 and wrap to a small number. The bound applies to the
+  // non-zero dims too, so that an empty tensor's strides cannot overflow.
+  constexpr uint64_t kMaxElements = uint64_t(1) << 40;
   Shape shape;
-  uint64_t numel = 1;
+  uint64_t numel = 1, nonzero = 1;
   for (int d = 0; d < ndim; ++d) {
-    shape.push_back(int64_t(load_be32(bytes.data() + 4 + 4 * d)));
-    numel *= uint64_t(shape.back());
-    if (numel > (uint64_t(1) << 40))
-      throw Error(cat(path, ": IDX dims ", shape_str(shape), "... are implausibly large"));
+    const uint64_t dim = load_be32(bytes.data() + 4 + 4 * d);
+    shape.push_back(int64_t(dim));
+    if (dim != 0 && nonzero > kMaxElements / dim)
+      throw Error(cat(path, ": IDX dims ", shape_str(shape), (d + 1 < ndim ? "..." : ""),
+                      " are implausibly large (more than 2^40 elements); the header is corrupt"));
+    numel *= dim;
+    nonzero *= std::max<uint64_t>(dim, 1);
   }
-  uint64_t expected = numel * uint64_t(type->bytes);
-  uint64_t actual = bytes.size() - header;
-  if (actual != expected)
-    throw Error(cat(path, ": ", actual < expected ? "truncated" : "overlong",
-                    " IDX payload: the header announces ", type->name, " ", shape_str(shape), " = ",
-                    expected, " bytes, the file holds ", actual, " bytes after the header"));
+  const uint64_t expected = numel * uint64_t(type->bytes);
+  auto wrong_size = [&](const char* how, uint64_t actual) {
+    return Error(cat(path, ": ", how, " IDX payload: the header announces ", type->name, " ",
+                     shape_str(shape), " = ", expected, " bytes, the file holds ", actual,
+                     " bytes after the header"));
+  };
+  // A plain file's real size is known before anything is allocated.
+  if (file.plain() && file.file_size() - header != expected)
+    throw wrong_size(file.file_size() - header < expected ? "truncated" : "overlong",
+                     file.file_size() - header);
+  // Gzipped: read at most one byte more than announced, so that a lying
+  // header costs no more memory than the data that is really there.
+  bytes.clear();
+  const uint64_t actual = file.read(bytes, expected + 1);
+  if (actual != expected) throw wrong_size(actual < expected ? "truncated" : "overlong", actual);
 
   Tensor out = empty(shape, type->dtype);
-  const uint8_t* payload = bytes.data() + header;
+  const uint8_t* payload = bytes.data();
   if (type->dtype == DType::u8) {
-    std::memcpy(out.data_ptr(), payload, expected);
+    if (expected) std::memcpy(out.data_ptr(), payload, expected);
     return out;
   }
   switch (type->dtype) {
@@ -182,6 +229,13 @@ MnistDataset load_fashion_mnist(const std::string& dir, Split split) {
   if (images.dtype() != DType::u8 || images.dim() != 3)
     throw Error(cat(images_path, ": expected u8 images [N, H, W], got ", dtype_name(images.dtype()),
                     " ", images.shape_str()));
+  // OpenCV and the transforms take sides as int; an empty image has no pixels to train on.
+  constexpr int64_t kMaxSide = 1 << 15;
+  if (images.size(0) < 1 || images.size(1) < 1 || images.size(2) < 1 || images.size(1) > kMaxSide ||
+      images.size(2) > kMaxSide)
+    throw Error(cat(images_path, ": images ", images.shape_str(),
+                    ": expected at least one image, each side in [1, ", kMaxSide,
+                    "]; the file is corrupt or not Fashion-MNIST's"));
   if (labels.dtype() != DType::u8 || labels.dim() != 1 || labels.size(0) != images.size(0))
     throw Error(cat(labels_path, ": expected ", images.size(0), " u8 labels, got ",
                     dtype_name(labels.dtype()), " ", labels.shape_str()));

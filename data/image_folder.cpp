@@ -3,12 +3,12 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <opencv2/imgcodecs.hpp>
+
+#include "data/files.h"
 
 namespace trainer::data {
 
@@ -206,14 +206,15 @@ DecodedImage decode_image(const std::vector<uint8_t>& bytes, int min_side,
 }
 
 std::vector<uint8_t> read_file(const std::string& path) {
-  std::ifstream file(path, std::ios::binary | std::ios::ate);
-  if (!file) throw BadSampleError(cat(path, ": cannot open: ", std::strerror(errno)));
-  std::streamoff size = file.tellg();
-  std::vector<uint8_t> bytes(size_t(std::max<std::streamoff>(size, 0)));
-  file.seekg(0);
-  if (!file.read(reinterpret_cast<char*>(bytes.data()), std::streamsize(bytes.size())))
-    throw BadSampleError(cat(path, ": read error"));
-  return bytes;
+  // An image is at most a few MB; 1 GiB bounds what a mislabelled file may cost.
+  constexpr uint64_t kMaxImageBytes = uint64_t(1) << 30;
+  try {
+    return read_regular_file_bytes(path, "an image", kMaxImageBytes);
+  } catch (const BadSampleError&) {
+    throw;
+  } catch (const Error& e) {
+    throw BadSampleError(e.what());
+  }
 }
 
 }  // namespace trainer::data

@@ -198,6 +198,19 @@ bool Loader::next(Batch& batch) {
     work_cv_.notify_all();
     std::rethrow_exception(error);
   }
+  if (slot.rows > 0 && std::count(slot.ok.begin(), slot.ok.end(), char(1)) == 0) {
+    // Nothing to deliver: an empty batch would reach the model (batch norm
+    // over zero samples), so a batch of bad files only is an error.
+    const std::string first = dataset_.describe(slot.indices[0]);
+    const int64_t rows = slot.rows;
+    release_slot(slot);
+    lock.unlock();
+    work_cv_.notify_all();
+    throw BadSampleError(cat("all ", rows, " samples of batch ", number, " (the first: ", first,
+                             ") are bad files, skipped: nothing is left to train on. Fix or "
+                             "replace the files (the warnings above name each), or point "
+                             "data.root at the right folder"));
+  }
   // Close the gaps of skipped samples, keeping the order.
   const int64_t numel = transform_.sample_numel();
   float* images = slot.images.data<float>();

@@ -2,15 +2,14 @@
 #include "data/text.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "data/files.h"
 
 namespace trainer::data {
 
@@ -104,14 +103,13 @@ std::string Vocab::decode(const std::vector<int64_t>& ids) const {
 }
 
 TextCorpus TextCorpus::load(const std::string& path, const TextOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw Error(cat("cannot open the text corpus ", path, ": ", std::strerror(errno),
-                    " (scripts/setup.sh writes datasets/kjv.txt; or set data.path)"));
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  if (in.bad()) throw Error(cat("cannot read the text corpus ", path));
-  return TextCorpus(buf.str(), options, path);
+  std::string text;
+  try {
+    text = read_regular_file(path, "the text corpus");
+  } catch (const Error& e) {
+    throw Error(cat(e.what(), " (scripts/setup.sh writes datasets/kjv.txt; or set data.path)"));
+  }
+  return TextCorpus(text, options, path);
 }
 
 TextCorpus::TextCorpus(std::string_view text, const TextOptions& options, std::string name)

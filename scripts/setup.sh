@@ -19,6 +19,8 @@ PACKAGES=(
   libdnnl-dev ocl-icd-opencl-dev libucx-dev libyaml-cpp-dev libopencv-dev catch2
   nlohmann-json3-dev libcli11-dev zlib1g-dev
   openmpi-bin libopenmpi-dev
+  iproute2 slurmctld slurmd slurm-client munge
+  clang libclang-rt-14-dev
   dataset-fashion-mnist bible-kjv
 )
 

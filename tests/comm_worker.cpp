@@ -7,11 +7,14 @@
 //   comm_worker kill VICTIM TIMEOUT_MS [ALGORITHM]
 //                                      the victim SIGKILLs itself mid-run; the others must
 //                                      get an Error within the timeout and exit 3; ALGORITHM:
-//                                      ring (default), shm-staged, shm-pipelined, shm-direct,
-//                                      shm-in-place
+//                                      ring (default) or another by name (tree, butterfly, ...),
+//                                      shm-staged, shm-pipelined, shm-direct, shm-in-place
 //   comm_worker hang VICTIM TIMEOUT_MS [ALGORITHM]
 //                                      the victim stops taking part (exit 5 later); likewise
 //   comm_worker fail RANK CODE         RANK exits with CODE at once, the others idle for a minute
+//   comm_worker algorithms [full] [no-shm]
+//                                      every allreduce algorithm by name
+//                                      (tests/comm_worker_algorithms.cpp)
 //   comm_worker p2p [no-shm] | p2p-kill VICTIM
 //                                      point-to-point messages (tests/comm_worker_p2p.cpp);
 //                                      no-shm: CommOptions::shared_memory = false
@@ -283,7 +286,8 @@ int run_collectives(Communicator& world) {
 
 // The victim dies (SIGKILL) or hangs (sleeps through three timeouts) after a
 // first allreduce; the others keep reducing and must get an Error. algorithm:
-// ring, shm-staged, shm-pipelined, shm-direct or shm-in-place.
+// ring (or another point-to-point one by name: tree, butterfly, ...),
+// shm-staged, shm-pipelined, shm-direct or shm-in-place.
 int run_victim(Communicator& world, int victim, int timeout_ms, bool hang,
                const std::string& algorithm) {
   const size_t count = 4096;
@@ -295,7 +299,9 @@ int run_victim(Communicator& world, int victim, int timeout_ms, bool hang,
   std::fill(data, data + count, 1.0f);
   AllreduceOptions o{
       .algorithm = AllreduceAlgorithm::ring, .segment_bytes = 1024, .timeout = Millis(timeout_ms)};
-  if (algorithm != "ring") {
+  if (algorithm.rfind("shm-", 0) != 0) {
+    o.algorithm = parse_allreduce_algorithm(algorithm).value_or(AllreduceAlgorithm::ring);
+  } else {
     o.algorithm = AllreduceAlgorithm::shm;
     o.staged_bytes = algorithm == "shm-staged" ? count * sizeof(float) : 0;
     o.cross_memory = algorithm == "shm-direct";
@@ -338,6 +344,8 @@ int main(int argc, char** argv) {
     auto world = init_world(boot, options);
     if (scenario == "collectives") return run_collectives(*world);
     if (scenario == "p2p") return run_p2p(*world);
+    if (scenario == "algorithms")
+      return run_algorithms(*world, argc > 2 && std::string(argv[2]) == "full");
     if (scenario == "p2p-kill" && argc == 3) return run_p2p_victim(*world, std::atoi(argv[2]));
     if ((scenario == "kill" || scenario == "hang") && (argc == 4 || argc == 5))
       return run_victim(*world, std::atoi(argv[2]), std::atoi(argv[3]), scenario == "hang",
@@ -347,7 +355,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "usage: comm_worker collectives | kill|hang VICTIM TIMEOUT_MS [ALGORITHM] | fail RANK "
-        "CODE | p2p [no-shm] | p2p-kill VICTIM\n");
+        "CODE | algorithms [full] [no-shm] | p2p [no-shm] | p2p-kill VICTIM\n");
     return 2;
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());

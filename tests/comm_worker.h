@@ -103,4 +103,8 @@ std::string expect_error(const std::string& what, const std::string& needle, Fn&
 int run_p2p(comm::Communicator& world);
 int run_p2p_victim(comm::Communicator& world, int victim);
 
+// Every allreduce algorithm by name (tests/comm_worker_algorithms.cpp); full:
+// every dtype and op, else f32 with every op and bf16 sum.
+int run_algorithms(comm::Communicator& world, bool full);
+
 }  // namespace trainer::comm_test

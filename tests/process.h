@@ -148,6 +148,54 @@ inline std::string output_of(const Child& c) {
   return text.str();
 }
 
+// Waits for the child, stopping its process group after timeout_s so a test never hangs.
+inline ProcessResult finish(const Child& c, double timeout_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  int status = 0;
+  bool killed = false;
+  while (::waitpid(c.pid, &status, WNOHANG) != c.pid) {
+    if (elapsed() > timeout_s && !killed) {
+      ::kill(-c.pid, SIGKILL);
+      killed = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ProcessResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.output = output_of(c);
+  r.seconds = elapsed();
+  if (killed) r.output += "\n(the test stopped it after the timeout)";
+  ::unlink(c.output_path.c_str());
+  return r;
+}
+
+// Polls the child's output until it contains text (false after timeout_s).
+inline bool wait_for_output(const Child& c, const std::string& text, double timeout_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s) {
+    if (output_of(c).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// The child of `trainer launch` (pid launcher) whose environment says RANK=rank (-1 if none).
+inline pid_t launched_rank(pid_t launcher, int rank) {
+  std::ifstream children("/proc/" + std::to_string(launcher) + "/task/" + std::to_string(launcher) +
+                         "/children");
+  pid_t pid;
+  while (children >> pid) {
+    std::ifstream env("/proc/" + std::to_string(pid) + "/environ");
+    std::string var;
+    while (std::getline(env, var, '\0'))
+      if (var == "RANK=" + std::to_string(rank)) return pid;
+  }
+  return -1;
+}
+
 // A free TCP port of this host for a rendezvous the test sets up itself.
 inline int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

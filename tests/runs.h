@@ -35,6 +35,26 @@ inline ProcessResult run_ranks(int nproc, const std::vector<std::string>& args,
   return run_process(argv, options);
 }
 
+#ifdef TRAINER_SOURCE_DIR
+// `train` of the Fashion-MNIST MLP with SGD (lr 0.05; its update is linear
+// in the gradient, so layouts agree to rounding), one thread and one loader
+// worker per rank, `batch` samples per step, then extra.
+inline std::vector<std::string> mlp_sgd_args(const std::string& out,
+                                             const std::vector<std::string>& extra,
+                                             int batch = 32) {
+  std::vector<std::string> a{"train",
+                             std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_mlp.yaml",
+                             "output_dir=" + out,
+                             "training.threads=1",
+                             "data.workers=1",
+                             "training.global_batch=" + std::to_string(batch),
+                             "optimizer.name=sgd",
+                             "optimizer.lr=0.05"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+#endif
+
 // A run's training losses and gradient norms, and its evaluations' losses,
 // by step, from its metrics.jsonl.
 struct StepLog {

@@ -81,4 +81,11 @@ grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: 
   --max-bytes 65536 --rounds 1 > "$out"
 grep -Eq "^ +65536 +16384 \| +$num +$num +$num +$num \|" "$out" || fail "bench_allreduce: no 64 KiB row"
 grep -Eq "^# largest size: busbw $num GB/s" "$out" || fail "bench_allreduce: no summary"
+"$build/trainer" launch --nproc-per-node 3 --program "$build/bench_allreduce" -- \
+  --algorithm all --max-bytes 2048 --rounds 1 > "$out"
+for algorithm in ring "recursive doubling" butterfly tree round-robin all-to-all master-worker; do
+  grep -Eq "^ +2048 $algorithm +$num +$num +$num +$num +$num +$num +$num" "$out" ||
+    fail "bench_allreduce --algorithm all: no 2 KiB $algorithm row with its model"
+done
+grep -q "^# alpha-beta model" "$out" || fail "bench_allreduce --algorithm all: no model line"
 echo "benches ok"

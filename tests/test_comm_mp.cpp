@@ -225,6 +225,32 @@ TEST_CASE("comm: a peer killed during a shared-memory allreduce is named by ever
   check_killed_peer(3, 2, "shm-in-place", "allreduce(shm)");
 }
 
+// Every other algorithm: each survivor gets an Error within seconds. Those
+// that wait on the victim name it; one that waits on a survivor which has
+// stopped on that error names the survivor, so only one naming is required.
+TEST_CASE("comm: a peer killed during any allreduce algorithm stops every survivor", "[comm][mp]") {
+  const int n = 4, victim = 1;
+  for (std::string algorithm :
+       {"recursive_doubling", "tree", "butterfly", "all_to_all", "master_worker", "round_robin"}) {
+    std::vector<Outcome> outcomes =
+        run_world(n, {"kill", std::to_string(victim), "3000", algorithm});
+    int naming = 0;
+    for (int r = 0; r < n; ++r) {
+      INFO("rank " << r << " (" << algorithm << "):\n" << outcomes[r].output);
+      if (r == victim) {
+        CHECK(outcomes[r].code == 128 + SIGKILL);
+        continue;
+      }
+      CHECK(outcomes[r].code == 3);
+      CHECK(outcomes[r].output.find("allreduce(") != std::string::npos);
+      CHECK(outcomes[r].seconds < 30);
+      naming += outcomes[r].output.find(trainer::cat("rank ", victim, " (")) != std::string::npos;
+    }
+    INFO(algorithm);
+    CHECK(naming >= 1);
+  }
+}
+
 TEST_CASE("comm: a hung peer becomes a timeout error on every survivor", "[comm][mp]") {
   check_hung_peer(3, 2, "ring", "allreduce(ring)");
   check_hung_peer(3, 2, "shm-pipelined", "allreduce(shm)");

@@ -22,7 +22,7 @@
 #include <thread>
 
 #include "parallel/trace.h"
-#include "tests/process.h"
+#include "tests/runs.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
@@ -35,41 +35,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Outcome {
-  int code = -1;  // exit code, 128 + signal when killed
-  std::string output;
-};
-
-// Waits for the child, stopping its process group after timeout_s so a test never hangs.
-Outcome finish(const Child& c, double timeout_s) {
-  auto t0 = std::chrono::steady_clock::now();
-  int status = 0;
-  bool killed = false;
-  while (::waitpid(c.pid, &status, WNOHANG) != c.pid) {
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s > timeout_s && !killed) {
-      ::kill(-c.pid, SIGKILL);
-      killed = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  Outcome o;
-  o.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  o.output = output_of(c);
-  if (killed) o.output += "\n(the test stopped it after the timeout)";
-  ::unlink(c.output_path.c_str());
-  return o;
-}
-
-// Polls the child's output until it contains text (false after timeout_s).
-bool wait_for_output(const Child& c, const std::string& text, double timeout_s) {
-  auto t0 = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s) {
-    if (output_of(c).find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
-}
+using Outcome = testing::ProcessResult;
+using testing::finish;
+using testing::launched_rank;
+using testing::wait_for_output;
 
 Outcome launch_worker(int nproc, const std::vector<std::string>& args, double timeout_s = 60) {
   std::vector<std::string> argv{
@@ -101,20 +70,10 @@ TEST_CASE("ddp: the ring allreduce with a caller's Reducer, and direct_reduce, 2
   }
 }
 
-// The MLP recipe with SGD (whose update is linear in the gradient, so dp=1
-// and dp=2 agree to rounding), 32 samples per step.
+// The MLP recipe with SGD, 32 samples per step (testing::mlp_sgd_args).
 std::vector<std::string> trainer_args(const fs::path& out, std::vector<std::string> extra) {
-  std::vector<std::string> a{"train",
-                             std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_mlp.yaml",
-                             "output_dir=" + out.string(),
-                             "training.threads=1",
-                             "data.workers=1",
-                             "training.global_batch=32",
-                             "training.log_every=5",
-                             "optimizer.name=sgd",
-                             "optimizer.lr=0.05"};
-  a.insert(a.end(), extra.begin(), extra.end());
-  return a;
+  extra.insert(extra.begin(), "training.log_every=5");
+  return testing::mlp_sgd_args(out.string(), extra);
 }
 
 std::vector<std::string> single(const std::vector<std::string>& trainer) {
@@ -138,19 +97,6 @@ std::map<std::string, Tensor> model_at(const fs::path& run, int64_t step) {
   return read_safetensors(
              (run / "checkpoints" / CheckpointDir::step_name(step) / "model.safetensors").string())
       .tensors;
-}
-
-// The child of the launcher whose environment says RANK=rank (-1 if none).
-pid_t launched_rank(pid_t launcher, int rank) {
-  std::ifstream children(cat("/proc/", launcher, "/task/", launcher, "/children"));
-  pid_t pid;
-  while (children >> pid) {
-    std::ifstream env(cat("/proc/", pid, "/environ"));
-    std::string var;
-    while (std::getline(env, var, '\0'))
-      if (var == cat("RANK=", rank)) return pid;
-  }
-  return -1;
 }
 
 }  // namespace

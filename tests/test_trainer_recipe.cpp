@@ -76,3 +76,15 @@ TEST_CASE("recipe: wrong types and out-of-range values", "[recipe]") {
   e = error_of("", {"seed"});
   REQUIRE(e.find("expected key=value") != std::string::npos);
 }
+
+TEST_CASE("recipe: parallel.allreduce takes the algorithms by name", "[recipe]") {
+  REQUIRE(parse_recipe("", "r.yaml").parallel.allreduce == "auto");
+  for (std::string name : {"ring", "recursive_doubling", "tree", "butterfly", "all_to_all",
+                           "master_worker", "round_robin"})
+    REQUIRE(parse_recipe("", "r.yaml", {"parallel.allreduce=" + name}).parallel.allreduce == name);
+  std::string e = error_of("parallel:\n  allreduce: hypercube\n");
+  REQUIRE(e.find("r.yaml:2") != std::string::npos);
+  REQUIRE(e.find("'parallel.allreduce' = 'hypercube' is not one of: auto, ring, "
+                 "recursive_doubling, tree, butterfly, all_to_all, master_worker, round_robin") !=
+          std::string::npos);
+}

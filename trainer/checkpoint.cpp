@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "data/files.h"
 #include "trainer/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -37,20 +38,46 @@ int64_t parse_step(const std::string& name) {
   return v;
 }
 
+// fs::status without its exceptions: absent is file_type::not_found, a
+// symlink loop or an unreadable path an Error naming it.
+fs::file_status status_of(const fs::path& path) {
+  std::error_code ec;
+  fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+    throw Error(cat("cannot inspect ", path.string(), ": ", ec.message(),
+                    ec == std::errc::too_many_symbolic_link_levels
+                        ? " (a symlink loop: fix or remove the link)"
+                        : "; fix its permissions or remove it"));
+  return st;
+}
+
+// Runs f, turning the std::filesystem errors of a checkpoint directory's
+// upkeep into an Error naming the path and what to do.
+template <class F>
+auto checked_fs(const std::string& root, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const fs::filesystem_error& e) {
+    throw Error(cat("checkpoints in ", root, ": ", e.what(),
+                    "; make sure the checkpoint directory is writable and holds no broken "
+                    "links, or choose another output_dir"));
+  }
+}
+
 }  // namespace
 
 void fsync_tree(const std::string& dir) {
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file()) fsync_path(e.path().string(), false);
+  checked_fs(dir, [&] {
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.is_regular_file()) fsync_path(e.path().string(), false);
+  });
   fsync_path(dir, true);
 }
 
 CheckpointDir::CheckpointDir(std::string root, int64_t keep_last)
     : root_(std::move(root)), keep_last_(keep_last) {
   CHECK_GE(keep_last_, 1) << "keep_last";
-  std::error_code ec;
-  fs::create_directories(root_, ec);
-  if (ec) throw Error(cat("cannot create checkpoint directory ", root_, ": ", ec.message()));
+  data::make_directories(root_, "the checkpoint directory (output_dir/checkpoints)");
 }
 
 std::string CheckpointDir::step_name(int64_t step) {
@@ -60,13 +87,14 @@ std::string CheckpointDir::step_name(int64_t step) {
 }
 
 bool CheckpointDir::is_complete(const std::string& dir) {
-  return fs::is_directory(dir) && fs::is_regular_file(fs::path(dir) / "trainer_state.json");
+  return fs::is_directory(status_of(dir)) &&
+         fs::is_regular_file(status_of(fs::path(dir) / "trainer_state.json"));
 }
 
 std::string CheckpointDir::begin(int64_t step) const {
   fs::path tmp = fs::path(root_) / (step_name(step) + ".tmp");
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+  checked_fs(root_, [&] { fs::remove_all(tmp); });
+  data::make_directories(tmp.string(), "a checkpoint's temporary directory");
   return tmp.string();
 }
 
@@ -77,8 +105,10 @@ std::string CheckpointDir::commit(int64_t step, bool is_best) {
   CHECK(is_complete(tmp.string())) << "commit of " << tmp << " without a trainer_state.json";
   fsync_tree(tmp.string());
   // Re-saving a step (e.g. after a resume) replaces the old directory.
-  if (fs::exists(final_dir)) fs::remove_all(final_dir);
-  fs::rename(tmp, final_dir);
+  checked_fs(root_, [&] {
+    if (fs::exists(final_dir)) fs::remove_all(final_dir);
+    fs::rename(tmp, final_dir);
+  });
   fsync_path(root_, true);
   if (is_best) write_file_atomic((fs::path(root_) / "best").string(), name + "\n");
   write_file_atomic((fs::path(root_) / "latest").string(), name + "\n");
@@ -88,8 +118,8 @@ std::string CheckpointDir::commit(int64_t step, bool is_best) {
 
 std::optional<std::string> CheckpointDir::read_pointer(const std::string& pointer) const {
   fs::path p = fs::path(root_) / pointer;
-  if (!fs::is_regular_file(p)) return std::nullopt;
-  std::string name = read_file(p.string());
+  if (!fs::is_regular_file(status_of(p))) return std::nullopt;
+  std::string name = read_file(p.string(), "the checkpoint pointer");
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
   if (parse_step(name) < 0) return std::nullopt;
   std::string dir = (fs::path(root_) / name).string();
@@ -98,10 +128,12 @@ std::optional<std::string> CheckpointDir::read_pointer(const std::string& pointe
 
 std::vector<std::string> CheckpointDir::complete() const {
   std::vector<std::pair<int64_t, std::string>> found;
-  for (const auto& e : fs::directory_iterator(root_)) {
-    int64_t s = parse_step(e.path().filename().string());
-    if (s >= 0 && is_complete(e.path().string())) found.emplace_back(s, e.path().string());
-  }
+  checked_fs(root_, [&] {
+    for (const auto& e : fs::directory_iterator(root_)) {
+      int64_t s = parse_step(e.path().filename().string());
+      if (s >= 0 && is_complete(e.path().string())) found.emplace_back(s, e.path().string());
+    }
+  });
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
   for (auto& [s, d] : found) out.push_back(d);
@@ -120,16 +152,18 @@ void CheckpointDir::prune() const {
   std::optional<std::string> best = read_pointer("best");
   std::optional<std::string> latest = read_pointer("latest");
   // Keep the newest keep_last, plus best and latest wherever they are.
-  for (int64_t i = 0; i + keep_last_ < int64_t(all.size()); ++i) {
-    if ((best && *best == all[i]) || (latest && *latest == all[i])) continue;
-    fs::remove_all(all[i]);
-  }
-  // Stale temporaries of other steps (a crash mid-write) go too.
-  for (const auto& e : fs::directory_iterator(root_)) {
-    std::string n = e.path().filename().string();
-    if (n.size() > 4 && n.substr(n.size() - 4) == ".tmp" && e.is_directory())
-      fs::remove_all(e.path());
-  }
+  checked_fs(root_, [&] {
+    for (int64_t i = 0; i + keep_last_ < int64_t(all.size()); ++i) {
+      if ((best && *best == all[i]) || (latest && *latest == all[i])) continue;
+      fs::remove_all(all[i]);
+    }
+    // Stale temporaries of other steps (a crash mid-write) go too.
+    for (const auto& e : fs::directory_iterator(root_)) {
+      std::string n = e.path().filename().string();
+      if (n.size() > 4 && n.substr(n.size() - 4) == ".tmp" && e.is_directory())
+        fs::remove_all(e.path());
+    }
+  });
 }
 
 // ---- the files of one checkpoint ----
@@ -169,6 +203,57 @@ std::string trainer_state_file(const std::string& dir) { return dir + "/trainer_
 
 namespace {
 using json = nlohmann::json;
+
+// The fields of trainer_state.json, each checked for its JSON type: an
+// Error names the file and the field ("parallel.world_size").
+struct StateFields {
+  const std::string& path;
+
+  [[noreturn]] void wrong_type(const std::string& field, const json& value,
+                               const char* expected) const {
+    throw Error(cat(path, ": missing or wrong field '", field, "': it is ", value.type_name(),
+                    ", expected ", expected, "; use an earlier checkpoint"));
+  }
+  // object[key], or nullptr with a fallback when it is absent.
+  const json* find(const json& object, const char* key, const std::string& prefix,
+                   bool has_fallback) const {
+    if (object.contains(key)) return &object[key];
+    if (!has_fallback)
+      throw Error(cat(path, ": missing or wrong field '", prefix, key,
+                      "': it is missing; use an earlier checkpoint"));
+    return nullptr;
+  }
+  int64_t integer(const json& object, const char* key, std::optional<int64_t> fallback = {},
+                  const std::string& prefix = "", int64_t at_least_one_up_to = 0) const {
+    const json* v = find(object, key, prefix, fallback.has_value());
+    if (!v) return *fallback;
+    if (!v->is_number_integer()) wrong_type(prefix + key, *v, "an integer");
+    const int64_t x = v->get<int64_t>();
+    if (at_least_one_up_to > 0 && (x < 1 || x > at_least_one_up_to))
+      throw Error(cat(path, ": missing or wrong field '", prefix, key, "': ", x, " is outside [1, ",
+                      at_least_one_up_to, "]; use an earlier checkpoint"));
+    return x;
+  }
+  double number(const json& object, const char* key, std::optional<double> fallback = {}) const {
+    const json* v = find(object, key, "", fallback.has_value());
+    if (!v) return *fallback;
+    if (!v->is_number()) wrong_type(key, *v, "a number");
+    return v->get<double>();
+  }
+  bool boolean(const json& object, const char* key, bool fallback,
+               const std::string& prefix) const {
+    const json* v = find(object, key, prefix, true);
+    if (!v) return fallback;
+    if (!v->is_boolean()) wrong_type(prefix + key, *v, "true or false");
+    return v->get<bool>();
+  }
+  const json& object(const json& parent, const char* key) const {
+    const json& v = *find(parent, key, "", false);
+    if (!v.is_object()) wrong_type(key, v, "an object");
+    return v;
+  }
+};
+
 }  // namespace
 
 void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
@@ -197,38 +282,56 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
 
 TrainerStateFile read_trainer_state(const std::string& dir) {
   const std::string path = trainer_state_file(dir);
+  return parse_trainer_state(read_file(path, "the trainer state"), path);
+}
+
+TrainerStateFile parse_trainer_state(const std::string& text, const std::string& path) {
   json j;
   try {
-    j = json::parse(read_file(path));
+    j = json::parse(text);
   } catch (const json::exception& e) {
     throw Error(cat(path, ": not valid JSON (", e.what(), "); use an earlier checkpoint"));
   }
+  if (!j.is_object())
+    throw Error(
+        cat(path, ": not a JSON object but ", j.type_name(), "; use an earlier checkpoint"));
+  StateFields fields{path};
   TrainerStateFile file;
   TrainState& s = file.state;
-  try {
-    s.step = j.at("step").get<int64_t>();
-    s.epoch = j.at("epoch").get<int64_t>();
-    s.position = j.at("position").get<int64_t>();
-    s.best_metric = j.at("best_metric").get<double>();
-    s.nonfinite_skipped = j.at("nonfinite_skipped").get<int64_t>();
-    file.lr = j.value("lr", 0.0);
-    if (j.contains("parallel")) {
-      const json& p = j["parallel"];
-      const int world = p.value("world_size", 1);
-      // Written before pipeline and tensor parallelism had keys: all data-parallel.
-      s.layout.mesh = {.dp = p.value("dp", world), .pp = p.value("pp", 1), .tp = p.value("tp", 1)};
-      s.layout.zero1 = p.value("zero1", false);
-      if (s.layout.world_size() != world)
-        throw Error(cat(path, ": parallel.world_size ", world, " is not dp x pp x tp (",
-                        parallel::to_string(s.layout.mesh), "); use an earlier checkpoint"));
-    }
-    if (j.contains("vocab")) file.vocab = j.at("vocab").get<std::vector<int64_t>>();
-    file.recipe_yaml = j.value("recipe", std::string());
-  } catch (const json::exception& e) {
-    throw Error(cat(path, ": missing or wrong field (", e.what(), ")"));
-  }
+  s.step = fields.integer(j, "step");
+  s.epoch = fields.integer(j, "epoch");
+  s.position = fields.integer(j, "position");
+  s.best_metric = fields.number(j, "best_metric");
+  s.nonfinite_skipped = fields.integer(j, "nonfinite_skipped");
+  file.lr = fields.number(j, "lr", 0.0);
   if (s.step < 0 || s.epoch < 0 || s.position < 0)
-    throw Error(cat(path, ": negative step, epoch or position"));
+    throw Error(cat(path, ": negative step, epoch or position; use an earlier checkpoint"));
+  if (j.contains("parallel")) {
+    const json& p = fields.object(j, "parallel");
+    // Up to 2^20 ranks per dimension: world_size below cannot overflow.
+    constexpr int64_t kMaxRanks = int64_t(1) << 20;
+    const int64_t world = fields.integer(p, "world_size", 1, "parallel.", kMaxRanks);
+    // Written before pipeline and tensor parallelism had keys: all data-parallel.
+    s.layout.mesh = {.dp = int(fields.integer(p, "dp", world, "parallel.", kMaxRanks)),
+                     .pp = int(fields.integer(p, "pp", 1, "parallel.", kMaxRanks)),
+                     .tp = int(fields.integer(p, "tp", 1, "parallel.", kMaxRanks))};
+    s.layout.zero1 = fields.boolean(p, "zero1", false, "parallel.");
+    if (int64_t(s.layout.mesh.dp) * s.layout.mesh.pp * s.layout.mesh.tp != world)
+      throw Error(cat(path, ": parallel.world_size ", world, " is not dp x pp x tp (",
+                      parallel::to_string(s.layout.mesh), "); use an earlier checkpoint"));
+  }
+  if (j.contains("vocab")) {
+    const json& vocab = j["vocab"];
+    if (!vocab.is_array()) fields.wrong_type("vocab", vocab, "a list of integers");
+    for (const json& symbol : vocab) {
+      if (!symbol.is_number_integer()) fields.wrong_type("vocab", symbol, "a list of integers");
+      file.vocab.push_back(symbol.get<int64_t>());
+    }
+  }
+  if (j.contains("recipe")) {
+    if (!j["recipe"].is_string()) fields.wrong_type("recipe", j["recipe"], "a string");
+    file.recipe_yaml = j["recipe"].get<std::string>();
+  }
   return file;
 }
 
@@ -250,14 +353,18 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
   std::map<std::string, Tensor> whole;
   std::map<std::string, int64_t> covered;  // elements received per entry
   int files = 0;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string file = e.path().filename().string();
+  std::vector<fs::path> paths;
+  checked_fs(dir, [&] {
+    for (const auto& e : fs::directory_iterator(dir)) paths.push_back(e.path());
+  });
+  for (const fs::path& e : paths) {
+    const std::string file = e.filename().string();
     const std::string prefix = "optimizer.rank", suffix = ".safetensors";
     if (file.size() <= prefix.size() + suffix.size() || file.rfind(prefix, 0) != 0 ||
         file.compare(file.size() - suffix.size(), suffix.size(), suffix) != 0)
       continue;
     ++files;
-    const std::string path = e.path().string();
+    const std::string path = e.string();
     for (const auto& [name, t] : read_safetensors(path).tensors) {
       if (name.rfind("zero1.rank", 0) == 0) continue;  // the shard's layout record
       const size_t open = name.rfind('[');
@@ -316,20 +423,22 @@ namespace {
 std::map<std::string, Tensor> read_merged(const std::string& dir, const std::string& whole,
                                           const char* stem, const char* what,
                                           std::string (*part_file)(const std::string&, int, int)) {
-  if (fs::exists(whole)) return read_safetensors(whole).tensors;
+  if (fs::exists(status_of(whole))) return read_safetensors(whole).tensors;
   int parts = 0;
   const std::string pattern = cat(stem, "-%5d-of-%5d.safetensors");
-  for (const auto& e : fs::directory_iterator(dir)) {
-    int k = 0, n = 0;
-    if (std::sscanf(e.path().filename().c_str(), pattern.c_str(), &k, &n) == 2)
-      parts = std::max(parts, n);
-  }
+  checked_fs(dir, [&] {
+    for (const auto& e : fs::directory_iterator(dir)) {
+      int k = 0, n = 0;
+      if (std::sscanf(e.path().filename().c_str(), pattern.c_str(), &k, &n) == 2)
+        parts = std::max(parts, n);
+    }
+  });
   if (parts == 0)
     throw Error(cat(whole, ": no ", what, " file in the checkpoint; use an earlier one"));
   std::map<std::string, Tensor> merged;
   for (int part = 0; part < parts; ++part) {
     const std::string path = part_file(dir, part, parts);
-    if (!fs::exists(path))
+    if (!fs::exists(status_of(path)))
       throw Error(cat(path, ": missing part of the ", what, "; use an earlier checkpoint"));
     for (auto& [name, tensor] : read_safetensors(path).tensors)
       if (!merged.emplace(name, tensor).second)

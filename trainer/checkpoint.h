@@ -84,9 +84,12 @@ struct TrainerStateFile {
 };
 // Written atomically (the main rank's part, last of the files).
 void write_trainer_state(const std::string& dir, const TrainerStateFile& file);
-// Throws Error naming the file on bad JSON or a missing or negative field.
+// Throws Error naming the file on bad JSON, and the file and the field for a
+// missing field, one of the wrong JSON type or out of range.
 // A checkpoint without a "parallel" record was written by one process.
 TrainerStateFile read_trainer_state(const std::string& dir);
+// The same from the file's text; `path` names it in errors.
+TrainerStateFile parse_trainer_state(const std::string& text, const std::string& path);
 // What changes when a checkpoint written on `saved` resumes on `current`
 // (every layout resumes on every other): "" for nothing, else e.g.
 // "dp 2 -> 4, zero1 on -> off".

@@ -1,6 +1,9 @@
 #include "trainer/distributed.h"
 
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -10,13 +13,47 @@
 #include "parallel/device_staging.h"
 #include "parallel/sync_batchnorm.h"
 #include "trainer/device.h"
+#include "trainer/metrics.h"
 #include "trainer/pipeline_runtime.h"
 #include "trainer/pipeline_split.h"
 #include "trainer/session.h"
 
 namespace trainer {
 
+namespace {
+
+// parallel.mode = parameter_server: the workers among world_size ranks,
+// after checking what the servers' way of training allows.
+int parameter_server_workers(const Recipe& r, int world_size) {
+  const ParallelRecipe& p = r.parallel;
+  const std::string what = cat(r.source, ": parallel.mode = parameter_server");
+  if (p.servers >= world_size)
+    throw Error(cat(what, " with parallel.servers = ", p.servers, " leaves no worker among the ",
+                    world_size, world_size == 1 ? " rank" : " ranks", "; launch at least ",
+                    p.servers + 1, " ranks (trainer launch --nproc-per-node ", p.servers + 1,
+                    ") or lower parallel.servers"));
+  if (p.pp != 1 || p.tp != 1)
+    throw Error(cat(what, ": the servers hold whole replicas' parameters; pipeline and tensor ",
+                    "parallelism need parallel.mode = allreduce (parallel.pp = ", p.pp,
+                    ", parallel.tp = ", p.tp, ")"));
+  if (p.zero1)
+    throw Error(cat(what, ": the servers already hold the optimizer state, sharded; set ",
+                    "parallel.zero1=false"));
+  if (r.optimizer.clip_grad_norm > 0)
+    throw Error(cat(what, ": optimizer.clip_grad_norm needs the norm of the global gradient, ",
+                    "which no rank sees; set optimizer.clip_grad_norm=0 or use parallel.mode = "
+                    "allreduce"));
+  if (r.device == "cuda" || r.precision == "fp16")
+    throw Error(cat(what, ": the servers update f32 parameters on the CPU; use device=cpu and ",
+                    "precision fp32 or bf16 (device = ", r.device, ", precision = ", r.precision,
+                    ")"));
+  return world_size - int(p.servers);
+}
+
+}  // namespace
+
 ParallelLayout parallel_layout(const Recipe& r, int world_size) {
+  if (r.parallel.mode == "parameter_server") world_size = parameter_server_workers(r, world_size);
   const ParallelRecipe& p = r.parallel;
   if (p.tp > 1) {
     if (r.model.name == "lstm_lm")
@@ -116,8 +153,10 @@ Distributed join_job(const Recipe& recipe, bool dry_run) {
   comm::Bootstrap boot = comm::detect_bootstrap();
   // A dry run started alone describes rank 0 of the layout the recipe asks for.
   const int64_t model_ranks = recipe.parallel.pp * recipe.parallel.tp;
+  const bool ps = recipe.parallel.mode == "parameter_server";
   const int world = dry_run && boot.world_size == 1
-                        ? int(std::max<int64_t>(recipe.parallel.dp, 1) * model_ranks)
+                        ? int(std::max<int64_t>(recipe.parallel.dp, 1) * model_ranks +
+                              (ps ? recipe.parallel.servers : 0))
                         : boot.world_size;
   const ParallelLayout job = parallel_layout(recipe, world);
   // The tensor-parallel group is the mesh's innermost dimension: ranks
@@ -134,6 +173,18 @@ Distributed join_job(const Recipe& recipe, bool dry_run) {
   }
   if (world != boot.world_size) return Distributed{.layout = rank_layout(job, 0)};
   Distributed d;
+  if (ps) {
+    // Workers first, the servers last; the mesh spans the workers.
+    const int workers = job.world_size();
+    d.servers = int(recipe.parallel.servers);
+    d.is_server = boot.rank >= workers;
+    d.everyone = comm::init_world(boot);
+    d.layout = rank_layout(job, d.is_server ? 0 : boot.rank);
+    d.layout.rank = boot.rank;
+    std::shared_ptr<comm::Communicator> mine = d.everyone->split(d.is_server ? -1 : 0, boot.rank);
+    if (mine) d.mesh = parallel::Mesh(job.mesh, mine);
+    return d;
+  }
   d.layout = rank_layout(job, boot.rank);
   if (boot.world_size > 1) d.mesh = parallel::Mesh(job.mesh, comm::init_world(boot));
   return d;
@@ -203,6 +254,19 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
       gradient_shares_ =
           parallel::parameters_split_as(*model, ParameterSplit::Kind::partial_gradient);
   }
+  if (dist.everyone) {
+    // Parameter servers: the optimizer pushes and pulls; no allreduce.
+    if (recipe.parallel.sync_bn && dp_comm->size() > 1)
+      parallel::convert_sync_batchnorm(*session.model_ptr(), dp_comm);
+    const std::vector<optim::ParamGroup> groups = session.trained_param_groups();
+    ps_ = std::make_shared<parallel::ParameterServerClient>(
+        dist.everyone, parallel::assign_shards(groups, dist.servers), dist.layout.dp_size(), groups,
+        [&recipe](std::vector<optim::ParamGroup> g) {
+          return make_optimizer(recipe, std::move(g));
+        });
+    session.set_remote_optimizer(ps_);
+    return;
+  }
   // One replica: nothing to synchronise (a pipeline's stages alone).
   if (dp_comm->size() == 1) return;
   // Before DataParallel registers its hooks: the converted layers keep their
@@ -212,6 +276,9 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   parallel::DataParallelOptions o;
   o.bucket_bytes = size_t(recipe.parallel.bucket_mb) << 20;
   o.overlap = recipe.parallel.overlap;
+  // parallel.allreduce (validated by the recipe); auto keeps the shared-memory
+  // channel on one host and the measured model's choice across hosts.
+  o.allreduce.algorithm = *comm::parse_allreduce_algorithm(recipe.parallel.allreduce);
   o.timeline = timeline_.get();
   // ZeRO-1 stages GPU buckets itself (its collectives run on host buffers,
   // parallel/zero.h). Plain GPU gradients: each bucket copied to pinned host
@@ -227,7 +294,8 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
       uses_gpu_direct(recipe, device, dist.world_size(), parallel::ucx_supports_cuda_memory());
   if (device.is_cuda() && !sharded)
     o.reduce = direct ? parallel::gpu_direct_reduce(device)
-                      : parallel::staged_reduce(parallel::cuda_bucket_copier(device));
+                      : parallel::staged_reduce(parallel::cuda_bucket_copier(device),
+                                                {.allreduce = o.allreduce});
 #endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dp_comm, o);
   if (!sharded) return;
@@ -388,6 +456,36 @@ void DistributedRun::write_trace(const std::string& path) const {
     timeline_->write_merged(*dist_.world(), path);
   else
     timeline_->write(path);
+}
+
+void serve_parameter_shard(const Distributed& dist, Session& session) {
+  const Recipe& r = session.recipe();
+  const std::vector<optim::ParamGroup> groups = session.trained_param_groups();
+  const parallel::ShardMap shards = parallel::assign_shards(groups, dist.servers);
+  const int workers = dist.layout.dp_size(), k = dist.rank() - workers;
+  std::printf(
+      "parameter server %d of %d (rank %d): %lld of %lld parameters, for %d workers, %s\n", k,
+      dist.servers, dist.rank(), (long long)shards.elements[size_t(k)],
+      (long long)std::accumulate(shards.elements.begin(), shards.elements.end(), int64_t(0)),
+      workers,
+      r.parallel.sync == "ssp" ? cat("ssp, staleness ", r.parallel.staleness).c_str()
+                               : r.parallel.sync.c_str());
+  std::fflush(stdout);
+  // SIGTERM and SIGINT stop the workers, which checkpoint (the servers' state
+  // with it) and say they are done: the server serves until then.
+  std::signal(SIGTERM, SIG_IGN);
+  std::signal(SIGINT, SIG_IGN);
+  const parallel::ServerReport report = parallel::serve_parameters(
+      dist.everyone, shards, workers, groups,
+      [&r](std::vector<optim::ParamGroup> g) { return make_optimizer(r, std::move(g)); },
+      {.sync = parallel::parse_sync(r.parallel.sync), .staleness = r.parallel.staleness});
+  std::printf("parameter server %d: %s\n", k, report.summary().c_str());
+  std::fflush(stdout);
+  // The staleness histogram, one record per server in the run's metrics.jsonl.
+  Scalars scalars{{"server", double(k)}, {"gradients", double(report.gradients)}};
+  for (const auto& [staleness, count] : report.staleness)
+    scalars.push_back({cat("staleness_", staleness), double(count)});
+  MetricsLog(r.output_dir, /*tensorboard=*/false).write("staleness", report.updates, scalars);
 }
 
 }  // namespace trainer

@@ -43,6 +43,7 @@
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/mesh.h"
+#include "parallel/parameter_server.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
 #include "parallel/zero.h"
@@ -80,6 +81,12 @@ RankLayout rank_layout(const ParallelLayout& job, int rank);
 struct Distributed {
   RankLayout layout;
   parallel::Mesh mesh;  // no communicators for a single process
+  // parallel.mode = parameter_server: the servers (the last world ranks,
+  // outside the layout and the mesh, which span the workers) and the
+  // communicator of every rank, which carries the workers' pushes and pulls.
+  int servers = 0;
+  bool is_server = false;
+  std::shared_ptr<comm::Communicator> everyone;
   bool active() const { return mesh.world() != nullptr; }
   bool is_main() const { return layout.rank == 0; }
   int rank() const { return layout.rank; }
@@ -115,6 +122,8 @@ class DistributedRun {
   PipelineRuntime* pipeline() const { return pipeline_.get(); }
   parallel::Timeline* timeline() const { return timeline_.get(); }
   parallel::DataParallel* data_parallel() const { return dp_.get(); }
+  // The worker's side of parameter servers (parallel.mode), else null.
+  parallel::ParameterServerClient* parameter_server() const { return ps_.get(); }
 
   // For a non-final micro-step of gradient accumulation: no communication.
   parallel::DataParallel::NoSync no_sync(bool active);
@@ -175,6 +184,11 @@ class DistributedRun {
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;
   std::unique_ptr<parallel::DataParallel> dp_;
+  std::shared_ptr<parallel::ParameterServerClient> ps_;
 };
+
+// A server rank of parallel.mode = parameter_server: serves its shard of the
+// session's parameters until every worker is done; prints its report.
+void serve_parameter_shard(const Distributed& dist, Session& session);
 
 }  // namespace trainer

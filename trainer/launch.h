@@ -21,6 +21,27 @@
 // SIGINT and SIGTERM are forwarded to the children. When a child fails, the
 // others get SIGTERM, then SIGKILL after the grace period, and the launcher
 // returns the failed child's exit code (128 + signal for a killed one).
+// Children die with the launcher (PR_SET_PDEATHSIG), even when it is killed
+// with SIGKILL.
+//
+// Watchdog (comm/watchdog.h): each rank keeps a status file in the
+// launcher's status directory and stamps a heartbeat in it. A rank whose
+// heartbeat is older than --heartbeat-timeout (stopped with SIGSTOP, not
+// scheduled) is named as the failed rank ("rank 1 (pid 4242) stopped making
+// progress: no heartbeat for 10.0 s, process stopped by a signal") and
+// killed. When the job fails, the launcher prints one line per rank of this
+// host (last completed operation, the operation it waits in and for whom)
+// and the ranks that never arrived.
+//
+// Restarts: with --max-restarts K a failed job is stopped whole and started
+// again, up to K times; the ranks get TRAINER_RESTART_COUNT and `trainer
+// train` then resumes from the newest complete checkpoint (as --resume
+// auto). Across nodes every node's launcher restarts its ranks; they meet
+// again at the same master address and port. With --nnodes MIN:MAX the
+// launchers first meet in a rendezvous of their own (node 0's launcher serves
+// it on the master port + 1) and the job runs on the nodes that came, at
+// least MIN: a job that loses a node restarts on the others, and `trainer
+// train` resumes the checkpoint resharded for the smaller world.
 #pragma once
 
 #include <string>
@@ -42,6 +63,10 @@ struct LaunchOptions {
   std::vector<std::string> args;  // passed to every rank
   double grace_seconds = 10.0;    // between SIGTERM and SIGKILL when stopping ranks
   std::string bind_to = "auto";   // "core", "none", or "auto": core if cores >= ranks
+  int min_nodes = 0;           // --nnodes MIN:MAX: elastic (trainer/node_rendezvous.h); 0: nnodes
+  double settle_seconds = 10;  // elastic: how long node 0 waits for more than MIN nodes
+  int max_restarts = 0;        // restarts of the whole job after a failure
+  double heartbeat_timeout = 30;  // seconds without a heartbeat that fail a rank; 0: off
 };
 
 // Registers the subcommand; its options fill `options`.

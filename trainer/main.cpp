@@ -6,8 +6,13 @@
 //   trainer launch --nproc-per-node N -- <trainer args>
 //   trainer plan RECIPE [key=value ...] [--pp P] [--micro-batches M] [--schedule S] ...
 //   trainer info          the build, and a smoke test of the engine
+#include <cxxabi.h>
 #include <CLI/CLI.hpp>
+
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <typeinfo>
 
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
@@ -22,6 +27,15 @@
 using namespace trainer;
 
 namespace {
+
+// The exception's type, readable ("std::filesystem::filesystem_error").
+std::string type_name(const std::exception& e) {
+  int status = 0;
+  char* name = abi::__cxa_demangle(typeid(e).name(), nullptr, nullptr, &status);
+  std::string out = status == 0 && name ? name : typeid(e).name();
+  std::free(name);
+  return out;
+}
 
 int run_info() {
   std::printf("trainer %s\n", "0.1.0");
@@ -125,6 +139,12 @@ int main(int argc, char** argv) {
     if (*plan) return plan_command(plan_args);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    // The last net: an exception that should have been an Error where it
+    // was thrown (a bug to fix there, but still not a crash).
+    std::fprintf(stderr, "error: %s (an unexpected %s; please report it)\n", e.what(),
+                 type_name(e).c_str());
     return 1;
   }
   return 0;

@@ -8,15 +8,19 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "data/files.h"
 
 namespace trainer {
 
 MetricsLog::MetricsLog(const std::string& dir, bool tensorboard) {
-  std::filesystem::create_directories(dir);
+  data::make_directories(dir, "output_dir");
   std::string path = dir + "/metrics.jsonl";
   jsonl_ = std::fopen(path.c_str(), "a");
   if (!jsonl_) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
-  if (tensorboard) tb_ = std::make_unique<TensorBoardWriter>(dir + "/tb");
+  if (tensorboard) {
+    data::make_directories(dir + "/tb", "the TensorBoard directory (output_dir/tb)");
+    tb_ = std::make_unique<TensorBoardWriter>(dir + "/tb");
+  }
 }
 
 MetricsLog::~MetricsLog() {

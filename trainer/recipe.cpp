@@ -3,19 +3,20 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
 #include <functional>
 #include <limits>
-#include <sstream>
+#include <map>
 
 #include "core/check.h"
+#include "data/files.h"
 
 namespace trainer {
 
 namespace {
+
+// A recipe is a page of YAML; a larger file is not one (and is not read whole).
+constexpr uint64_t kMaxRecipeBytes = 16 << 20;
 
 // Where a value came from, for messages: "recipes/x.yaml:12" or "override 'a=b'".
 struct Origin {
@@ -247,6 +248,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("training.max_nonfinite", &t.max_nonfinite, 1, 1000000),
       int_field("training.threads", &t.threads, 0, 4096),
       bool_field("training.trace", &t.trace),
+      bool_field("training.allow_non_finite", &t.allow_non_finite),
 
       int_field("parallel.dp", &p.dp, 0, 1 << 20),
       int_field("parallel.pp", &p.pp, 1, 4096),
@@ -261,11 +263,18 @@ std::vector<Field> schema(Recipe& r) {
       float_field("parallel.stage_memory_mb", &p.stage_memory_mb, 0.0, 1e9),
       int_field("parallel.bucket_mb", &p.bucket_mb, 1, 1 << 16),
       bool_field("parallel.overlap", &p.overlap),
+      string_field("parallel.allreduce", &p.allreduce,
+                   {"auto", "ring", "recursive_doubling", "tree", "butterfly", "all_to_all",
+                    "master_worker", "round_robin"}),
       bool_field("parallel.zero1", &p.zero1),
       bool_field("parallel.sync_bn", &p.sync_bn),
       bool_field("parallel.auto", &p.auto_plan),
       string_field("parallel.recompute", &p.recompute, {"none", "blocks", "selective"}),
       string_field("parallel.gpu_direct", &p.gpu_direct, {"auto", "on", "off"}),
+      string_field("parallel.mode", &p.mode, {"allreduce", "parameter_server"}),
+      int_field("parallel.servers", &p.servers, 1, 1 << 16),
+      string_field("parallel.sync", &p.sync, {"bsp", "asp", "ssp"}),
+      int_field("parallel.staleness", &p.staleness, 0, 1 << 20),
 
       string_field("precision", &r.precision, {"fp32", "bf16", "fp16"}),
       float_field("loss_scaler.init_scale", &r.loss_scaler.init_scale, 1e-30, 1e30),
@@ -325,10 +334,19 @@ void walk(const std::vector<Field>& fields, const YAML::Node& node, const std::s
     throw Error(cat(origin_of(file, node).text, ": ",
                     prefix.empty() ? "a recipe must be a YAML map of sections"
                                    : "section '" + prefix + "' must be a map"));
+  std::map<std::string, Origin> seen;  // key -> where it was first given
   for (auto it = node.begin(); it != node.end(); ++it) {
-    std::string key = it->first.as<std::string>();
-    std::string path = prefix.empty() ? key : prefix + "." + key;
     Origin o = origin_of(file, it->first);
+    if (!it->first.IsScalar())
+      throw Error(cat(o.text, ": a key in ",
+                      prefix.empty() ? "the recipe" : "section '" + prefix + "'", " is ",
+                      it->first.IsSequence() ? "a list" : "a map",
+                      "; keys are plain names such as 'training' or 'epochs'"));
+    std::string key = it->first.Scalar();
+    std::string path = prefix.empty() ? key : prefix + "." + key;
+    if (auto [first, fresh] = seen.emplace(key, o); !fresh)
+      throw Error(cat(o.text, ": key '", path, "' is given twice (also at ", first->second.text,
+                      "); keep one of them"));
     if (const Field* f = find_field(fields, path)) {
       f->parse(it->second, o);
     } else if (is_section(fields, path)) {
@@ -363,8 +381,10 @@ void apply_override(const std::vector<Field>& fields, const std::string& text) {
 
 }  // namespace
 
-Recipe parse_recipe(const std::string& text, const std::string& name,
-                    const std::vector<std::string>& overrides) {
+namespace {
+
+Recipe parse_recipe_text(const std::string& text, const std::string& name,
+                         const std::vector<std::string>& overrides, bool allow_empty) {
   Recipe r;
   r.source = name;
   std::vector<Field> fields = schema(r);
@@ -374,17 +394,26 @@ Recipe parse_recipe(const std::string& text, const std::string& name,
   } catch (const YAML::Exception& e) {
     throw Error(cat(name, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));
   }
+  if (root.IsNull() && !allow_empty)
+    throw Error(cat(name,
+                    ": the recipe is empty (no keys); write at least its model: and data: "
+                    "sections (recipes/ holds examples)"));
   if (!root.IsNull()) walk(fields, root, "", name);
   for (const std::string& o : overrides) apply_override(fields, o);
   return r;
 }
 
+}  // namespace
+
+Recipe parse_recipe(const std::string& text, const std::string& name,
+                    const std::vector<std::string>& overrides) {
+  return parse_recipe_text(text, name, overrides, /*allow_empty=*/true);
+}
+
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path);
-  if (!in) throw Error(cat("cannot open recipe ", path, ": ", std::strerror(errno)));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  return parse_recipe(buf.str(), path, overrides);
+  // A directory or a FIFO is refused before reading (data/files.h).
+  const std::string text = data::read_regular_file(path, "the recipe", kMaxRecipeBytes);
+  return parse_recipe_text(text, path, overrides, /*allow_empty=*/false);
 }
 
 std::string recipe_to_yaml(const Recipe& r) {

@@ -90,6 +90,8 @@ struct TrainingRecipe {
   int64_t max_nonfinite = 5;  // consecutive non-finite losses before aborting
   int64_t threads = 0;        // 0: all cores
   bool trace = false;         // Chrome-trace timeline
+  // Load checkpoints whose tensors hold NaN or Inf (refused by default).
+  bool allow_non_finite = false;
 };
 
 struct ParallelRecipe {
@@ -113,6 +115,9 @@ struct ParallelRecipe {
   double stage_memory_mb = 0;  // auto: each stage's memory limit; 0: none
   int64_t bucket_mb = 25;
   bool overlap = true;  // allreduce buckets during backward (false: after it)
+  // The gradient allreduce's algorithm (comm/collectives.h): auto | ring |
+  // recursive_doubling | tree | butterfly | all_to_all | master_worker | round_robin.
+  std::string allreduce = "auto";
   bool zero1 = false;
   bool sync_bn = false;
   bool auto_plan = false;  // parallel.auto: the layout planned at start-up (trainer/plan.h)
@@ -123,6 +128,14 @@ struct ParallelRecipe {
   // GPU gradient buckets handed to UCX as device memory (reduced by a CUDA
   // kernel) instead of staged through pinned host buffers: auto | on | off.
   std::string gpu_direct = "off";
+  // How replicas keep in step (parallel/parameter_server.h): "allreduce"
+  // (decentralized), or "parameter_server": the last `servers` ranks hold the
+  // parameters and apply the optimizer, the others are workers; sync: bsp |
+  // asp | ssp (a worker at most `staleness` steps ahead of the slowest).
+  std::string mode = "allreduce";
+  int64_t servers = 1;
+  std::string sync = "bsp";
+  int64_t staleness = 2;
 };
 
 // Dynamic loss scaling of precision: fp16 (optim/loss_scaler.h; unused otherwise).
@@ -148,7 +161,9 @@ struct Recipe {
   std::string output_dir = "runs/default";
 };
 
-// Parses a recipe file, then applies `key=value` overrides in order.
+// Parses a recipe file, then applies `key=value` overrides in order. The
+// file must be a regular file holding at least one key; a key given twice
+// in a map, or one that is not a plain scalar, is an Error naming the lines.
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
 // Parses recipe text (name is used in messages).
 Recipe parse_recipe(const std::string& text, const std::string& name,

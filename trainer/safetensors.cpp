@@ -7,8 +7,9 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
+
+#include "data/files.h"
 
 namespace trainer {
 
@@ -78,12 +79,8 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
   fsync_dir(std::filesystem::path(path).parent_path().string());
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(cat("cannot open ", path, ": ", std::strerror(errno)));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw Error(cat("cannot read ", path));
-  return bytes;
+std::string read_file(const std::string& path, const std::string& what) {
+  return data::read_regular_file(path, what);
 }
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
@@ -205,7 +202,7 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {
-  return parse_safetensors(read_file(path), path);
+  return parse_safetensors(read_file(path, "the safetensors file"), path);
 }
 
 }  // namespace trainer

@@ -44,6 +44,8 @@ inline constexpr uint64_t kSafetensorsMaxHeader = 100 * 1000 * 1000;
 // Writes bytes to path atomically: temporary file, fsync, rename, fsync of
 // the directory.
 void write_file_atomic(const std::string& path, const std::string& bytes);
-std::string read_file(const std::string& path);
+// The whole regular file (data/files.h: FIFOs, devices and directories are
+// refused before reading); `what` names it in errors ("the trainer state").
+std::string read_file(const std::string& path, const std::string& what = "the file");
 
 }  // namespace trainer

@@ -267,6 +267,10 @@ void Session::set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zer
   optimizer_ = std::move(zero);
 }
 
+void Session::set_remote_optimizer(std::shared_ptr<optim::Optimizer> optimizer) {
+  optimizer_ = std::move(optimizer);
+}
+
 EvalMetrics Session::evaluate() {
   CHECK_EQ(layout_.dp_size(), 1)
       << "Session::evaluate on one rank of several; use DistributedRun::evaluate";
@@ -373,6 +377,34 @@ std::string join_lines(const std::vector<std::string>& lines) {
   for (const std::string& l : lines) out += "\n  " + l;
   return out;
 }
+
+// The first NaN or Inf of a floating-point tensor (CPU, as loaded) and its
+// index, or -1.
+std::pair<int64_t, double> first_non_finite(const Tensor& t) {
+  if (!is_floating(t.dtype()) || t.numel() == 0) return {-1, 0};
+  auto scan = [](const auto* x, int64_t n) -> std::pair<int64_t, double> {
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(double(x[i]))) return {i, double(x[i])};
+    return {-1, 0};
+  };
+  if (t.dtype() == DType::f32) return scan(t.contiguous().data<float>(), t.numel());
+  return scan(t.to(DType::f64).contiguous().data<double>(), t.numel());
+}
+
+// Loaded weights, buffers and optimizer state must be finite: a NaN in a
+// checkpoint would train on silently (ReLU hides it from the loss).
+// training.allow_non_finite lets a user load one anyway.
+void check_finite(const std::map<std::string, Tensor>& tensors, const std::string& file,
+                  bool allow) {
+  if (allow) return;
+  for (const auto& [name, t] : tensors) {
+    const auto [index, value] = first_non_finite(t);
+    if (index < 0) continue;
+    throw Error(cat(file, ": tensor '", name, "' holds ", value, " at element ", index,
+                    " (a non-finite value): the file is poisoned. Use an earlier checkpoint, or "
+                    "set training.allow_non_finite=true to load it anyway"));
+  }
+}
 }  // namespace
 
 TrainState Session::load(const std::string& dir) { return load_checkpoint(dir, true); }
@@ -381,6 +413,7 @@ TrainState Session::load_model(const std::string& dir) { return load_checkpoint(
 
 TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
   std::map<std::string, Tensor> model = read_model(dir);
+  check_finite(model, model_file(dir), recipe_.training.allow_non_finite);
   model_->upgrade_loaded_state(model, model_file(dir));
   // Whole tensors in the file: this rank keeps its parts (tensor parallelism).
   if (tp_) parallel::take_shards(model, *model_);
@@ -432,6 +465,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
       for (NamedTensor& t : read_optimizer(dir, false, layout_.rank))
         optim_tensors.emplace(t.name, std::move(t.tensor));
     }
+    check_finite(optim_tensors, optim_file, recipe_.training.allow_non_finite);
     model_->upgrade_loaded_state(optim_tensors, optim_file);
     if (tp_) parallel::take_shards(optim_tensors, *model_);
     // A whole optimizer state (one file, or one part per stage) holds every
@@ -475,6 +509,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
 
 void Session::init_from(const std::string& path, bool strict) {
   SafetensorsFile f = read_safetensors(path);
+  check_finite(f.tensors, path, recipe_.training.allow_non_finite);
   model_->upgrade_loaded_state(f.tensors, path);
   if (tp_) parallel::take_shards(f.tensors, *model_);
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);

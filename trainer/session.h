@@ -65,6 +65,9 @@ class Session {
   bool shards_optimizer() const { return layout_.shards_optimizer(); }
   // Takes the sharded optimizer DistributedRun built (shards_optimizer() only).
   void set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zero);
+  // Takes the optimizer of parameter servers (its state is the servers';
+  // checkpoints see a local optimizer's).
+  void set_remote_optimizer(std::shared_ptr<optim::Optimizer> optimizer);
   const optim::LrSchedule& schedule() const { return *schedule_; }
   int64_t micro_batch() const { return micro_batch_; }
   // The micro-batches of one optimizer step: parallel.micro_batches on a

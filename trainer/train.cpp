@@ -8,10 +8,12 @@
 #include <exception>
 #include <filesystem>
 
+#include "comm/bootstrap.h"
 #include "core/autocast.h"
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
 #include "core/ops.h"
+#include "data/files.h"
 #include "models/sample.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
@@ -73,7 +75,8 @@ void apply_threads(const Recipe& r) {
 std::optional<std::string> resume_dir(const std::string& resume, const Recipe& r) {
   if (resume.empty()) return std::nullopt;
   if (resume == "auto") {
-    if (!std::filesystem::exists(checkpoint_root(r))) return std::nullopt;
+    std::error_code missing;  // or unreadable: CheckpointDir then says why
+    if (!std::filesystem::exists(checkpoint_root(r), missing)) return std::nullopt;
     return CheckpointDir(checkpoint_root(r), r.training.keep_last).latest_complete();
   }
   if (!CheckpointDir::is_complete(resume))
@@ -103,9 +106,24 @@ class TrainLoop {
     t0_ = std::chrono::steady_clock::now();
     step_at_start_ = state_.step;
     while (state_.step < total) {
+      // A position saved under another training.global_batch (kept in
+      // samples) may leave less than a step of its epoch, or fall between
+      // steps: the epoch's last partial step is dropped, as every epoch's is.
+      const bool between_steps = state_.position % per_step != 0;
+      if (state_.position / per_step >= spe) {
+        ++state_.epoch;
+        state_.position = 0;
+        continue;
+      }
       s_.start_epoch(state_.epoch, state_.position);
       for (int64_t k = state_.position / per_step; k < spe && state_.step < total; ++k) {
-        if (!train_step()) throw Error("the training data ended an epoch early");
+        if (!train_step()) {
+          if (!(between_steps && k + 1 == spe))
+            throw Error("the training data ended an epoch early");
+          ++state_.epoch;
+          state_.position = 0;
+          break;
+        }
         bool epoch_end = k + 1 == spe;
         if (state_.step % r_.training.log_every == 0 || state_.step == total) log_train();
         bool eval_now =
@@ -177,6 +195,8 @@ class TrainLoop {
     say(line);
     Scalars sc{{"loss", last_loss_}, {"lr", last_lr_}, {cat(items, "_per_second"), rate}};
     if (r_.optimizer.clip_grad_norm > 0) sc.push_back({"grad_norm", last_grad_norm_});
+    if (const parallel::ParameterServerClient* ps = run_.parameter_server())
+      sc.push_back({"staleness", double(ps->last_staleness())});
     for (const auto& kv : precision_.scalars()) sc.push_back(kv);
     write_log("train", sc);
   }
@@ -273,7 +293,16 @@ int train_command(const TrainArgs& args) {
   if (main_rank)
     std::printf("recipe %s (resolved):\n%s", r.source.c_str(), recipe_to_yaml(r).c_str());
   Session s(r, dist.layout);
+  if (dist.is_server) {
+    serve_parameter_shard(dist, s);
+    return 0;
+  }
   if (main_rank) {
+    if (dist.servers > 0)
+      std::printf(
+          "parameter servers: %d (ranks %d-%d), %s%s\n", dist.servers, dist.world_size(),
+          dist.world_size() + dist.servers - 1, r.parallel.sync.c_str(),
+          r.parallel.sync == "ssp" ? cat(", staleness ", r.parallel.staleness).c_str() : "");
     std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
                 parallel::to_string(dist.layout.job.mesh).c_str(),
                 s.shards_optimizer() ? ", zero1" : "", num_threads());
@@ -312,6 +341,8 @@ int train_command(const TrainArgs& args) {
     }
     return 0;
   }
+  // Made first, so that an output_dir that cannot be made fails before any work.
+  if (main_rank) data::make_directories(r.output_dir, "output_dir");
   // Before the checkpoint is read: under zero1 it builds the optimizer. Every
   // rank then loads the same model, so the broadcast it does now is harmless.
   DistributedRun run(dist, s, r.training.trace || args.trace);
@@ -321,7 +352,12 @@ int train_command(const TrainArgs& args) {
   if (run.splits_model())
     precision.set_found_inf_across([&run](bool f) { return run.any_rank(f); });
   TrainState state;
-  if (std::optional<std::string> dir = resume_dir(args.resume, r)) {
+  // A job `trainer launch --max-restarts` started again picks up where it stopped.
+  const int restart = comm::detect_bootstrap().restart_count;
+  const std::string resume = restart > 0 && args.resume.empty() ? "auto" : args.resume;
+  if (restart > 0 && main_rank)
+    std::printf("restart %d: resuming from the newest complete checkpoint\n", restart);
+  if (std::optional<std::string> dir = resume_dir(resume, r)) {
     state = s.load(*dir);
     precision.load(*dir);
     if (main_rank) {
@@ -329,11 +365,10 @@ int train_command(const TrainArgs& args) {
                   (long long)state.step, (long long)state.epoch, (long long)state.position);
       if (!s.resharded().empty()) std::printf("resharded: %s\n", s.resharded().c_str());
     }
-  } else if (args.resume == "auto" && main_rank) {
+  } else if (resume == "auto" && main_rank) {
     std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
   }
   if (main_rank) {
-    std::filesystem::create_directories(r.output_dir);
     write_file_atomic(r.output_dir + "/recipe.yaml", recipe_to_yaml(r));
   }
   return TrainLoop(s, state, run, precision).run();
@@ -345,10 +380,12 @@ namespace {
 // output directory (their latest complete checkpoint).
 std::string checkpoint_to_load(const std::string& given) {
   std::string dir = given;
-  if (!std::filesystem::is_directory(dir))
-    throw Error(cat("--checkpoint ", dir, ": no such directory"));
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error(cat("--checkpoint ", dir, ": no such directory",
+                    ec ? " (" + ec.message() + ")" : std::string()));
   if (CheckpointDir::is_complete(dir)) return dir;
-  if (std::filesystem::is_directory(dir + "/checkpoints")) dir += "/checkpoints";
+  if (std::filesystem::is_directory(dir + "/checkpoints", ec)) dir += "/checkpoints";
   std::optional<std::string> latest = CheckpointDir(dir, 1 << 30).latest_complete();
   if (!latest) throw Error(cat("--checkpoint ", given, ": no complete checkpoint there"));
   return *latest;
