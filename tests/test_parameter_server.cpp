@@ -158,6 +158,11 @@ TEST_CASE("parameter server: asp and ssp train, with their staleness measured an
         if (key.starts_with("staleness_")) histogram += value.get<int64_t>();
     }
     CHECK(histogram == 900);
+    // ... and in TensorBoard, in the server's own event file.
+    bool events = false;
+    for (const auto& f : std::filesystem::directory_iterator(out + "/tb"))
+      events = events || f.path().string().ends_with(".server0");
+    CHECK(events);
   }
 }
 
@@ -181,5 +186,29 @@ TEST_CASE("parameter server: recipes it cannot train are refused with the key to
     INFO(r.output);
     CHECK(r.code != 0);
     CHECK(contains(r.output, c.message));
+  }
+}
+
+TEST_CASE("parameter server: a dead server or worker is an error naming its rank",
+          "[parallel][mp]") {
+  for (int victim : {2, 1}) {  // the server, then a worker
+    INFO("rank " << victim << " killed");
+    const std::string out = run_dir(cat("dead", victim));
+    std::vector<std::string> argv{TRAINER_BINARY, "launch", "--nproc-per-node", "3", "--"};
+    for (const std::string& a :
+         args(out, {"training.steps=1000000", "parallel.mode=parameter_server"}))
+      argv.push_back(a);
+    Child c = start(argv);
+    REQUIRE(wait_for_output(c, " step ", 120));
+    const pid_t pid = launched_rank(c.pid, victim);
+    REQUIRE(pid > 0);
+    ::kill(pid, SIGKILL);
+    ProcessResult r = finish(c, 120);
+    INFO(r.output);
+    CHECK(r.code == 128 + SIGKILL);
+    CHECK(contains(r.output, cat("rank ", victim, " exited with code 137")));
+    // The survivors' errors name it.
+    CHECK(contains(r.output, cat("rank ", victim, " (")));
+    CHECK(contains(r.output, "error: rank "));
   }
 }

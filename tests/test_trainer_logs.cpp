@@ -1,5 +1,8 @@
 // TensorBoard event files and checkpoint directories.
+#include <cstring>
 #include <filesystem>
+#include <map>
+#include <vector>
 
 #include "tests/testing.h"
 #include "trainer/checkpoint.h"
@@ -110,6 +113,73 @@ TEST_CASE("tensorboard: records are framed, checksummed and decode to the scalar
   REQUIRE(events[1].value == 0.25f);
   REQUIRE(events[2].tag == "val/top1");
   REQUIRE(events[2].value == 91.5f);
+}
+
+TEST_CASE("tensorboard: an integer histogram is a HistogramProto with a bucket per value",
+          "[logs]") {
+  fs::path dir = fresh_dir("tb_histogram");
+  std::string path;
+  {
+    TensorBoardWriter tb(dir.string(), ".server0");
+    tb.add_histogram("staleness/server0", {{1, 5}, {3, 2}}, 42);
+    path = tb.path();
+  }
+  CHECK(path.ends_with(".server0"));
+  const std::string bytes = read_file(path);
+  // The second record: Event{wall_time, step, summary{value{tag, histo}}}.
+  uint64_t first;
+  std::memcpy(&first, bytes.data(), 8);
+  const size_t at = 12 + first + 4;
+  uint64_t len;
+  std::memcpy(&len, bytes.data() + at, 8);
+  const std::string e = bytes.substr(at + 12, len);
+  size_t i = 0;
+  std::string summary;
+  int64_t step = -1;
+  while (i < e.size()) {
+    const uint64_t key = read_varint(e, i);
+    if ((key & 7) == 1) i += 8;
+    if ((key & 7) == 0) step = int64_t(read_varint(e, i));
+    if ((key & 7) == 2) {
+      const uint64_t n = read_varint(e, i);
+      summary = e.substr(i, n);
+      i += n;
+    }
+  }
+  CHECK(step == 42);
+  // Summary.value (field 1) -> Value: tag (1), histo (5).
+  size_t j = 0;
+  read_varint(summary, j);  // the key of Summary.value
+  const uint64_t value_bytes = read_varint(summary, j);
+  const std::string value = summary.substr(j, value_bytes);
+  size_t k = 0;
+  std::string tag, histo;
+  while (k < value.size()) {
+    const uint64_t key = read_varint(value, k);
+    const uint64_t n = read_varint(value, k);
+    ((key >> 3) == 1 ? tag : histo) = value.substr(k, n);
+    k += n;
+  }
+  CHECK(tag == "staleness/server0");
+  std::map<int, std::vector<double>> fields;  // field -> its doubles
+  for (size_t h = 0; h < histo.size();) {
+    const uint64_t key = read_varint(histo, h);
+    size_t n = 8;
+    if ((key & 7) == 2) n = read_varint(histo, h);
+    for (size_t d = 0; d < n; d += 8) {
+      double x;
+      std::memcpy(&x, histo.data() + h + d, 8);
+      fields[int(key >> 3)].push_back(x);
+    }
+    h += n;
+  }
+  CHECK(fields[1] == std::vector<double>{1});   // min
+  CHECK(fields[2] == std::vector<double>{3});   // max
+  CHECK(fields[3] == std::vector<double>{7});   // num
+  CHECK(fields[4] == std::vector<double>{11});  // sum: 5 + 6
+  CHECK(fields[5] == std::vector<double>{23});  // sum of squares: 5 + 18
+  CHECK(fields[6] == std::vector<double>{1.5, 2.5, 3.5});
+  CHECK(fields[7] == std::vector<double>{5, 0, 2});
 }
 
 TEST_CASE("checkpoint: commit, latest, keep-last-k and best", "[checkpoint]") {

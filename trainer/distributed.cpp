@@ -17,6 +17,7 @@
 #include "trainer/pipeline_runtime.h"
 #include "trainer/pipeline_split.h"
 #include "trainer/session.h"
+#include "trainer/tensorboard.h"
 
 namespace trainer {
 
@@ -486,6 +487,8 @@ void serve_parameter_shard(const Distributed& dist, Session& session) {
   for (const auto& [staleness, count] : report.staleness)
     scalars.push_back({cat("staleness_", staleness), double(count)});
   MetricsLog(r.output_dir, /*tensorboard=*/false).write("staleness", report.updates, scalars);
+  TensorBoardWriter(r.output_dir + "/tb", cat(".server", k))
+      .add_histogram(cat("staleness/server", k), report.staleness, report.updates);
 }
 
 }  // namespace trainer

@@ -63,11 +63,11 @@ double now_seconds() {
 
 }  // namespace
 
-TensorBoardWriter::TensorBoardWriter(const std::string& log_dir) {
+TensorBoardWriter::TensorBoardWriter(const std::string& log_dir, const std::string& suffix) {
   std::filesystem::create_directories(log_dir);
   char host[256] = "localhost";
   gethostname(host, sizeof host - 1);
-  path_ = cat(log_dir, "/events.out.tfevents.", int64_t(now_seconds()), ".", host);
+  path_ = cat(log_dir, "/events.out.tfevents.", int64_t(now_seconds()), ".", host, suffix);
   file_ = std::fopen(path_.c_str(), "wb");
   if (!file_)
     throw Error(cat("cannot create TensorBoard file ", path_, ": ", std::strerror(errno)));
@@ -79,6 +79,40 @@ TensorBoardWriter::TensorBoardWriter(const std::string& log_dir) {
 
 TensorBoardWriter::~TensorBoardWriter() {
   if (file_) std::fclose(file_);
+}
+
+void TensorBoardWriter::add_histogram(const std::string& tag,
+                                      const std::map<int64_t, int64_t>& counts, int64_t step) {
+  double num = 0, sum = 0, squares = 0;
+  std::string limits, buckets;
+  const int64_t lo = counts.empty() ? 0 : counts.begin()->first,
+                hi = counts.empty() ? 0 : counts.rbegin()->first;
+  for (int64_t v = lo; v <= hi; ++v) {
+    const auto it = counts.find(v);
+    const double n = it == counts.end() ? 0 : double(it->second), limit = double(v) + 0.5;
+    num += n;
+    sum += n * double(v);
+    squares += n * double(v) * double(v);
+    put_fixed(limits, &limit, 8);
+    put_fixed(buckets, &n, 8);
+  }
+  std::string histo;
+  const double low = double(lo), high = double(hi);
+  int field = 1;
+  for (const double x : {low, high, num, sum, squares}) {
+    put_varint(histo, uint64_t(field++) << 3 | 1);  // fixed64
+    put_fixed(histo, &x, 8);
+  }
+  put_bytes_field(histo, 6, limits);  // packed repeated double
+  put_bytes_field(histo, 7, buckets);
+  std::string v;
+  put_bytes_field(v, 1, tag);
+  put_bytes_field(v, 5, histo);
+  std::string summary;
+  put_bytes_field(summary, 1, v);
+  std::string e = event_header(now_seconds(), step);
+  put_bytes_field(e, 5, summary);
+  write_record(e);
 }
 
 void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t step) {
