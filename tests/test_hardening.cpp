@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <opencv2/imgcodecs.hpp>
+#include <stdexcept>
 
 #include "data/files.h"
 #include "data/idx.h"
@@ -20,6 +21,7 @@
 #include "tests/process.h"
 #include "tests/testing.h"
 #include "trainer/checkpoint.h"
+#include "trainer/last_net.h"
 #include "trainer/recipe.h"
 #include "trainer/safetensors.h"
 
@@ -144,11 +146,9 @@ TEST_CASE("trainer hardening: an output_dir that cannot be made is an error nami
                  " (the TensorBoard directory (output_dir/tb))"});
 }
 
-TEST_CASE("trainer hardening: main's last net prints an escaped exception as an error, exit 1",
+TEST_CASE("trainer hardening: a symlink loop on the loss scaler's state is an error naming it",
           "[hardening]") {
-  // precision.cpp asks std::filesystem about loss_scaler.safetensors, which
-  // throws on a symlink loop: whatever escapes is `error: ...` and exit 1.
-  const fs::path run = fresh_temp_dir("hardening_last_net", false);
+  const fs::path run = fresh_temp_dir("hardening_scaler_loop", false);
   ProcessResult r = run_trainer(mlp_args(run, {"training.steps=2", "precision=fp16"}));
   INFO(r.output);
   REQUIRE(r.code == 0);
@@ -157,7 +157,17 @@ TEST_CASE("trainer hardening: main's last net prints an escaped exception as an 
   fs::create_symlink(scaler.filename(), scaler);
   require_error(
       run_trainer(mlp_args(run, {"training.steps=3", "precision=fp16", "--resume", "auto"})),
-      {scaler.string(), "symbolic links"});
+      {scaler.string(), "symbolic links", "must be a regular file"});
+}
+
+TEST_CASE("trainer hardening: main's last net prints any exception as an error, exit 1",
+          "[hardening]") {
+  // What main runs every command under (trainer/last_net.h).
+  CHECK(run_with_last_net([] { return 7; }) == 7);
+  CHECK(run_with_last_net([]() -> int { throw Error("bad key"); }) == 1);
+  CHECK(run_with_last_net([]() -> int { throw std::out_of_range("map::at"); }) == 1);
+  CHECK(run_with_last_net([]() -> int { throw 42; }) == 1);
+  CHECK(exception_type_name(std::out_of_range("x")) == "std::out_of_range");
 }
 
 TEST_CASE("trainer hardening: a recipe must be a regular file of unique plain keys",
@@ -464,4 +474,14 @@ TEST_CASE("data hardening: an image folder of bad files only is an error under b
        "training.steps=2", "training.global_batch=2", "training.threads=1"});
   require_error(r, {"samples of batch 0", "are bad files, skipped: nothing is left to train on",
                     "not a decodable image"});
+}
+
+TEST_CASE("trainer hardening: trainer plan refuses a FIFO as its cluster file", "[hardening]") {
+  const fs::path dir = fresh_temp_dir("hardening_cluster");
+  make_fifo(dir / "cluster.yaml");
+  require_error(run_trainer({"plan", kRecipes + "fmnist_cnn.yaml", "--nodes", "2", "--cluster",
+                             (dir / "cluster.yaml").string()},
+                            {.timeout_s = 60}),
+                {"cluster.yaml: the cluster file (--cluster) must be a regular file, but this is a "
+                 "FIFO"});
 }

@@ -6,19 +6,18 @@
 //   trainer launch --nproc-per-node N -- <trainer args>
 //   trainer plan RECIPE [key=value ...] [--pp P] [--micro-batches M] [--schedule S] ...
 //   trainer info          the build, and a smoke test of the engine
-#include <cxxabi.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <typeinfo>
 
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "parallel/device_staging.h"
 #include "trainer/device.h"
+#include "trainer/last_net.h"
 #include "trainer/launch.h"
 #include "trainer/plan.h"
 #include "trainer/recipe.h"
@@ -27,15 +26,6 @@
 using namespace trainer;
 
 namespace {
-
-// The exception's type, readable ("std::filesystem::filesystem_error").
-std::string type_name(const std::exception& e) {
-  int status = 0;
-  char* name = abi::__cxa_demangle(typeid(e).name(), nullptr, nullptr, &status);
-  std::string out = status == 0 && name ? name : typeid(e).name();
-  std::free(name);
-  return out;
-}
 
 int run_info() {
   std::printf("trainer %s\n", "0.1.0");
@@ -58,7 +48,6 @@ int run_info() {
   loss.backward();
   std::printf("smoke: loss %.6f, |grad| %.6f\n", loss.item<double>(),
               sum(w.grad() * w.grad()).item<double>());
-  return 0;
 }
 
 }  // namespace
@@ -130,22 +119,13 @@ int main(int argc, char** argv) {
   PlanArgs plan_args;
   CLI::App* plan = add_plan_command(app, plan_args);
   CLI11_PARSE(app, argc, argv);
-  try {
+  return run_with_last_net([&] {
     if (*info) return run_info();
     if (*train) return train_command(train_args);
     if (*eval) return eval_command(eval_args);
     if (*sample) return sample_command(sample_args);
     if (*launch) return run_launch(launch_options);
     if (*plan) return plan_command(plan_args);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    // The last net: an exception that should have been an Error where it
-    // was thrown (a bug to fix there, but still not a crash).
-    std::fprintf(stderr, "error: %s (an unexpected %s; please report it)\n", e.what(),
-                 type_name(e).c_str());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }

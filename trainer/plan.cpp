@@ -23,6 +23,7 @@
 #include "comm/collectives.h"
 #include "core/check.h"
 #include "core/cpu/threads.h"
+#include "data/files.h"
 #include "parallel/pipeline_sim.h"
 #include "parallel/schedule.h"
 #include "parallel/tensor_parallel.h"
@@ -270,13 +271,11 @@ double positive_number(const YAML::Node& value, const std::string& where, const 
 }  // namespace
 
 parallel::ClusterSpec load_cluster_file(const std::string& path, parallel::ClusterSpec base) {
-  std::ifstream in(path);
-  if (!in) throw Error(cat("cannot open cluster file ", path));
-  std::stringstream text;
-  text << in.rdbuf();
+  // Refuses a FIFO, a device or a directory before reading (data/files.h).
+  const std::string text = data::read_regular_file(path, "the cluster file (--cluster)", 1 << 24);
   YAML::Node root;
   try {
-    root = YAML::Load(text.str());
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     throw Error(cat(path, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));
   }

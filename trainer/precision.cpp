@@ -1,7 +1,10 @@
 #include "trainer/precision.h"
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
+#include "data/files.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
@@ -68,10 +71,15 @@ void Precision::save(const std::string& dir) const {
 void Precision::load(const std::string& dir) {
   if (!scales_loss_) return;
   const std::string path = loss_scaler_file(dir);
-  if (!std::filesystem::exists(path))
-    throw Error(cat(path,
-                    ": missing; the checkpoint was not written by a precision: fp16 run "
-                    "(resume it with its own precision)"));
+  if (const std::string why = data::not_a_regular_file(path); !why.empty()) {
+    if (why == std::strerror(ENOENT))
+      throw Error(cat(path,
+                      ": missing; the checkpoint was not written by a precision: fp16 run "
+                      "(resume it with its own precision)"));
+    throw Error(cat(path, ": ", why,
+                    "; the loss scaler's state must be a regular file (fix it, or resume an "
+                    "earlier checkpoint)"));
+  }
   SafetensorsFile f = read_safetensors(path);
   std::vector<NamedTensor> state;
   for (const auto& [name, t] : f.tensors) state.push_back({name, t});
