@@ -1,0 +1,61 @@
+// libFuzzer target: the rendezvous store's server (comm/store_server.h). Each
+// input is the byte stream of one client connection to a server in this
+// process: frames with or without the job token, garbage, lengths past the
+// limit. Whatever it sends, the server must go on serving: a well-behaved
+// client then sets and reads back a key.
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "comm/store.h"
+
+namespace {
+
+trainer::comm::Store& server() {
+  // The token "fuzz" (the seeds hold HELLO frames with it), short waits.
+  static std::unique_ptr<trainer::comm::Store> store = [] {
+    trainer::comm::StoreOptions o;
+    o.token = "fuzz";
+    o.serve = true;
+    o.hello_timeout = std::chrono::milliseconds(200);
+    o.timeout = std::chrono::milliseconds(2000);
+    return std::make_unique<trainer::comm::Store>(o);
+  }();
+  return *store;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  trainer::comm::Store& store = server();
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) std::abort();
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(uint16_t(store.port()));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) std::abort();
+  for (size_t sent = 0; sent < size;) {
+    const ssize_t n = ::send(fd, data + sent, size - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;  // the server dropped us: fine
+    sent += size_t(n);
+  }
+  ::shutdown(fd, SHUT_WR);
+  // Read what it answers until it closes or goes quiet.
+  char reply[4096];
+  for (pollfd p{fd, POLLIN, 0}; ::poll(&p, 1, 50) == 1;)
+    if (::recv(fd, reply, sizeof reply, 0) <= 0) break;
+  ::close(fd);
+  // Still serving.
+  store.set("fuzz/alive", "yes");
+  if (store.get("fuzz/alive", std::chrono::milliseconds(2000)) != "yes") std::abort();
+  return 0;
+}
