@@ -84,6 +84,23 @@ inline int segment_count(size_t count, size_t element_bytes, size_t segment_byte
   return int(std::clamp<size_t>(segments, 1, std::min(kMaxSegments, std::max<size_t>(count, 1))));
 }
 
+// A buffer of count elements cut into segments (segment_count) for the
+// segmented algorithms: seg.range(j), seg.at(range), seg.bytes(range).
+struct Segments {
+  Segments(void* data, size_t count, size_t element_bytes, size_t segment_bytes)
+      : base(static_cast<char*>(data)),
+        count(count),
+        element_bytes(element_bytes),
+        n(segment_count(count, element_bytes, segment_bytes)) {}
+  Range range(int j) const { return part_of({0, count}, n, j); }
+  char* at(Range r) const { return base + r.begin * element_bytes; }
+  size_t bytes(Range r) const { return r.count * element_bytes; }
+
+  char* base;
+  size_t count, element_bytes;
+  int n;  // segments
+};
+
 // A world that is not a power of two, folded onto one (Thakur, Rabenseifner
 // and Gropp): of the first 2*rem ranks (rem = n - 2^floor(log2 n)) each even
 // one hands its buffer to the odd one after it and sits out (virtual rank

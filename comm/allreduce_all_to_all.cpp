@@ -19,14 +19,11 @@ void allreduce_all_to_all(OpChannel& ch, void* data, size_t count, DType dtype, 
   const int n = ch.size(), rank = ch.rank();
   if (n == 1 || count == 0) return;
   const size_t element_bytes = dtype_size(dtype);
-  const int segments = segment_count(count, element_bytes, segment_bytes);
-  auto segment = [&](int j) { return part_of({0, count}, segments, j); };
-  char* base = static_cast<char*>(data);
-  auto at = [&](Range r) { return base + r.begin * element_bytes; };
-  auto bytes = [&](Range r) { return r.count * element_bytes; };
+  const Segments parts(data, count, element_bytes, segment_bytes);
+  const int segments = parts.n;
 
   // Peer p's copy of segment j lands in slot (j % 2, p); this rank's slot is unused.
-  const size_t slot_bytes = bytes(segment(0));
+  const size_t slot_bytes = parts.bytes(parts.range(0));
   char* scratch = thread_scratch(2 * size_t(n) * slot_bytes);
   auto slot = [&](int j, int p) {
     return scratch + (size_t(j % 2) * size_t(n) + size_t(p)) * slot_bytes;
@@ -35,11 +32,11 @@ void allreduce_all_to_all(OpChannel& ch, void* data, size_t count, DType dtype, 
   // Posts segment j's receives and sends, to peers rank+1, rank+2, ... so
   // that not everyone sends to rank 0 first.
   auto start = [&](int j) {
-    const Range seg = segment(j);
+    const Range seg = parts.range(j);
     for (int k = 1; k < n; ++k) {
       const int p = (rank + k) % n;
-      receives[j % 2].push_back(ch.irecv(p, uint32_t(j), slot(j, p), bytes(seg)));
-      sends[j % 2].push_back(ch.isend(p, uint32_t(j), at(seg), bytes(seg)));
+      receives[j % 2].push_back(ch.irecv(p, uint32_t(j), slot(j, p), parts.bytes(seg)));
+      sends[j % 2].push_back(ch.isend(p, uint32_t(j), parts.at(seg), parts.bytes(seg)));
     }
   };
 
@@ -48,13 +45,13 @@ void allreduce_all_to_all(OpChannel& ch, void* data, size_t count, DType dtype, 
     if (j + 1 < segments) start(j + 1);
     ch.wait_all(receives[j % 2]);
     ch.wait_all(sends[j % 2]);  // our copy is about to be overwritten
-    const Range seg = segment(j);
+    const Range seg = parts.range(j);
     // copy 0 (op) copy 1 (op) ... (op) copy n-1, ours at position `rank`.
-    char* sum = rank == 0 ? at(seg) : slot(j, 0);
+    char* sum = rank == 0 ? parts.at(seg) : slot(j, 0);
     for (int p = 1; p < n; ++p)
-      reduce_into(sum, p == rank ? at(seg) : slot(j, p), seg.count, dtype, op);
-    if (sum != at(seg)) std::memcpy(at(seg), sum, bytes(seg));
-    if (op == ReduceOp::avg) scale(at(seg), seg.count, dtype, 1.0 / n);
+      reduce_into(sum, p == rank ? parts.at(seg) : slot(j, p), seg.count, dtype, op);
+    if (sum != parts.at(seg)) std::memcpy(parts.at(seg), sum, parts.bytes(seg));
+    if (op == ReduceOp::avg) scale(parts.at(seg), seg.count, dtype, 1.0 / n);
   }
 }
 

@@ -25,11 +25,8 @@ void allreduce_tree(OpChannel& ch, void* data, size_t count, DType dtype, Reduce
   const int n = ch.size(), rank = ch.rank();
   if (n == 1 || count == 0) return;
   const size_t element_bytes = dtype_size(dtype);
-  const int segments = segment_count(count, element_bytes, segment_bytes);
-  auto segment = [&](int j) { return part_of({0, count}, segments, j); };
-  char* base = static_cast<char*>(data);
-  auto at = [&](Range r) { return base + r.begin * element_bytes; };
-  auto bytes = [&](Range r) { return r.count * element_bytes; };
+  const Segments parts(data, count, element_bytes, segment_bytes);
+  const int segments = parts.n;
   const int parent = rank == 0 ? -1 : (rank - 1) / 2;
   std::vector<int> children;
   for (int child : {2 * rank + 1, 2 * rank + 2})
@@ -38,7 +35,7 @@ void allreduce_tree(OpChannel& ch, void* data, size_t count, DType dtype, Reduce
 
   // Up: the children's copies of segment j land in slot (j % window, child).
   const int window = std::min(segments, kPipelineDepth);
-  const size_t slot_bytes = bytes(segment(0));
+  const size_t slot_bytes = parts.bytes(parts.range(0));
   char* scratch = thread_scratch(std::max<size_t>(1, size_t(window) * fanout * slot_bytes));
   auto slot = [&](int j, size_t c) {
     return scratch + (size_t(j % window) * fanout + c) * slot_bytes;
@@ -48,34 +45,34 @@ void allreduce_tree(OpChannel& ch, void* data, size_t count, DType dtype, Reduce
   auto post_up_receives = [&](int j) {
     for (size_t c = 0; c < fanout; ++c)
       up_receives[size_t(j % window) * fanout + c] =
-          ch.irecv(children[c], uint32_t(j), slot(j, c), bytes(segment(j)));
+          ch.irecv(children[c], uint32_t(j), slot(j, c), parts.bytes(parts.range(j)));
   };
   const uint32_t down = uint32_t(segments);  // down messages are numbered after the up ones
 
   // Adds the children's segment j to ours and sends it up (the root: finishes it).
   auto reduce_up = [&](int j) {
-    const Range seg = segment(j);
+    const Range seg = parts.range(j);
     for (size_t c = 0; c < fanout; ++c) {
       ch.wait(up_receives[size_t(j % window) * fanout + c]);
-      reduce_into(at(seg), slot(j, c), seg.count, dtype, op);
+      reduce_into(parts.at(seg), slot(j, c), seg.count, dtype, op);
     }
     if (j + window < segments) post_up_receives(j + window);
     if (parent >= 0)
-      up_sends[size_t(j)] = ch.isend(parent, uint32_t(j), at(seg), bytes(seg));
+      up_sends[size_t(j)] = ch.isend(parent, uint32_t(j), parts.at(seg), parts.bytes(seg));
     else if (op == ReduceOp::avg)
-      scale(at(seg), seg.count, dtype, 1.0 / n);
+      scale(parts.at(seg), seg.count, dtype, 1.0 / n);
   };
   // Receives the result of segment j from the parent (once our sum of it has
   // left: it lands in the same place) and passes it on to the children.
   auto broadcast_down = [&](int j) {
-    const Range seg = segment(j);
+    const Range seg = parts.range(j);
     if (parent >= 0) {
       ch.wait(up_sends[size_t(j)]);
-      Request result = ch.irecv(parent, down + uint32_t(j), at(seg), bytes(seg));
+      Request result = ch.irecv(parent, down + uint32_t(j), parts.at(seg), parts.bytes(seg));
       ch.wait(result);
     }
     for (int child : children)
-      down_sends.push_back(ch.isend(child, down + uint32_t(j), at(seg), bytes(seg)));
+      down_sends.push_back(ch.isend(child, down + uint32_t(j), parts.at(seg), parts.bytes(seg)));
   };
 
   for (int j = 0; j < window; ++j) post_up_receives(j);

@@ -311,7 +311,8 @@ class Server {
         params_(flat_params(groups_)),
         n_(std::max<int64_t>(1, total_elements(params_))),
         options_(options),
-        peers_(size_t(workers)) {
+        peers_(size_t(workers)),
+        update_(static_cast<size_t>(n_)) {
     for (const NamedTensor& p : params_) check_f32_cpu(p);
     if (!groups_.empty()) optimizer_ = make(groups_);
     for (Peer& p : peers_) {
@@ -413,14 +414,13 @@ class Server {
       p.parked = true;
       if (++pending_ < workers_) return;
       // Every worker's gradient of this step: their mean, summed in worker order.
-      autograd::NoGradGuard no_grad;
-      std::vector<float> mean(size_t(n_), 0.0f);
+      std::fill(update_.begin(), update_.end(), 0.0f);
       for (const Peer& q : peers_) {
         const float* g = q.gradient.data<float>();
-        for (int64_t i = 0; i < n_; ++i) mean[size_t(i)] += g[i];
+        for (int64_t i = 0; i < n_; ++i) update_[size_t(i)] += g[i];
       }
-      for (float& v : mean) v /= float(workers_);
-      apply(mean.data(), lr);
+      for (float& v : update_) v /= float(workers_);
+      apply(update_.data(), lr);
       report_.gradients += workers_;
       report_.staleness[0] += workers_;
       pending_ = 0;
@@ -429,10 +429,9 @@ class Server {
     }
     // asp and ssp: this gradient now, weighted 1/W.
     const int64_t staleness = version_ - p.pulled;
-    std::vector<float> scaled(static_cast<size_t>(n_));
     const float* g = p.gradient.data<float>();
-    for (int64_t i = 0; i < n_; ++i) scaled[size_t(i)] = g[i] / float(workers_);
-    apply(scaled.data(), lr);
+    for (int64_t i = 0; i < n_; ++i) update_[size_t(i)] = g[i] / float(workers_);
+    apply(update_.data(), lr);
     ++p.clock;
     p.staleness = staleness;
     ++report_.gradients;
@@ -502,8 +501,9 @@ class Server {
   ServeOptions options_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::vector<Peer> peers_;
-  bool initialized_ = false;  // worker 0's kInit has come
-  int pending_ = 0;           // bsp: gradients of the current step received
+  std::vector<float> update_;  // the gradient applied next (bsp: the mean; asp, ssp: scaled)
+  bool initialized_ = false;   // worker 0's kInit has come
+  int pending_ = 0;            // bsp: gradients of the current step received
   int64_t version_ = 0;
   ServerReport report_;
 };
