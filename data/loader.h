@@ -23,7 +23,15 @@
 //
 // Shutdown: the destructor stops the workers and joins them; it never waits
 // for more than the samples being decoded, whether or not the consumer
-// read the epoch to its end.
+// read the epoch to its end, and not even for those past
+// LoaderOptions::shutdown_seconds: a worker still stuck in a read then is
+// left behind (it ends when the read returns, touching only the loader's
+// own state, which it keeps alive).
+//
+// Stalls: next() and start_epoch() poll LoaderOptions::interrupted while
+// they wait, and give up with LoaderStalled (naming the files still being
+// read) once it says so; a stop signal is answered even when a read hangs
+// (a dead network filesystem, a disk retrying a bad sector).
 //
 //   Loader loader(dataset, ImageTransform(opts, dataset.channels()), sampler, {.batch_size = 256});
 //   loader.start_epoch(epoch, /*position=*/0);
@@ -31,14 +39,10 @@
 //   while (loader.next(batch)) train_step(batch.images, batch.labels);
 #pragma once
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <mutex>
+#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/tensor.h"
@@ -50,6 +54,13 @@ namespace trainer::data {
 
 enum class BadFilePolicy { skip, error };
 
+// next() or start_epoch() gave up waiting because LoaderOptions::interrupted
+// said so; the message names the samples still being read.
+class LoaderStalled : public Error {
+ public:
+  explicit LoaderStalled(const std::string& message) : Error(message) {}
+};
+
 struct LoaderOptions {
   int64_t batch_size = 256;
   int num_workers = 2;
@@ -60,6 +71,13 @@ struct LoaderOptions {
   // from worker threads. Default: a line on stderr.
   std::function<void(const std::string&)> log = nullptr;
   bool report_epochs = true;
+  // Polled about every 50 ms while next() or start_epoch() waits (on the
+  // consumer's thread, under the loader's lock: it must not call back into
+  // the loader); once it returns true they throw LoaderStalled. Default:
+  // wait as long as it takes.
+  std::function<bool()> interrupted = nullptr;
+  // How long the destructor waits for the workers' samples in progress.
+  double shutdown_seconds = 5.0;
 };
 
 struct Batch {
@@ -95,61 +113,17 @@ class Loader {
   // Fills batch with the next batch in order (releasing what it held); false
   // at the end of the epoch.
   bool next(Batch& batch);
-  // Batches of a whole epoch from position 0.
+  // Batches of a whole epoch from position 0, and this rank's samples in it.
   int64_t batches_per_epoch() const;
+  int64_t samples_per_epoch() const;
   EpochStats stats() const;
   int64_t skipped_total() const;
 
  private:
-  // The batch buffers of a batch being filled, and the fate of each row.
-  struct Slot {
-    int64_t batch = -1;  // the batch it holds, -1 when free
-    int64_t rows = 0;
-    Tensor images, labels;  // full-size pool buffers
-    std::vector<int64_t> indices;
-    std::vector<char> ok;
-    int64_t remaining = 0;  // samples not yet done
-    std::exception_ptr error;
-    int64_t error_row = -1;
-  };
-
-  void worker_loop();
-  bool has_claimable_work() const;
-  void open_slot(Slot& slot, int64_t batch);
-  void release_slot(Slot& slot);
-  void recycle_lent_buffers();
-  // The end-of-epoch report, once per epoch ("" otherwise); logged by the
-  // caller after unlocking, so a log callback may call back into the loader.
-  std::string finish_epoch();
-  void log(const std::string& message) const;
-
-  const Dataset& dataset_;
-  const ImageTransform transform_;
-  const DistributedSampler sampler_;
-  const LoaderOptions options_;
-
-  mutable std::mutex mu_;
-  std::condition_variable work_cv_;   // workers: work became claimable, or stop
-  std::condition_variable ready_cv_;  // consumer: a sample finished
-  bool stop_ = false;
-  int busy_ = 0;  // workers decoding a sample
-
-  int64_t epoch_ = -1;
-  int64_t start_position_ = 0;
-  std::vector<int64_t> order_;  // this epoch's dataset indices from start_position_
-  int64_t num_batches_ = 0;
-  int64_t claim_end_ = 0;     // positions in order_ that belong to a batch
-  int64_t next_claim_ = 0;    // the next position a worker takes
-  int64_t next_deliver_ = 0;  // the batch the consumer gets next
-  std::vector<Slot> slots_;   // batch b fills slots_[b % prefetch_batches]
-  std::vector<std::pair<Tensor, Tensor>> free_buffers_;  // (images, labels)
-  std::vector<std::pair<Tensor, Tensor>> lent_buffers_;  // handed out in a batch
-
-  EpochStats stats_;
-  bool epoch_reported_ = false;
-  int64_t skipped_total_ = 0;
-  std::chrono::steady_clock::time_point epoch_start_;
-  std::vector<std::thread> workers_;
+  // Everything the workers touch, shared with them: a worker stuck in a
+  // read past the shutdown grace keeps it alive after the Loader is gone.
+  class Core;
+  std::shared_ptr<Core> core_;
 };
 
 }  // namespace trainer::data

@@ -1,10 +1,15 @@
 // The threaded loader: batches in sampler order with the right pixels,
 // the same bits for any number of workers and prefetch depth, resume from a
 // position, buffer reuse, kept batches left intact, bad samples, and
-// shutdown at any point without a hang.
+// shutdown at any point without a hang, and hung reads that give way to a
+// stop.
 #include "tests/testing.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -231,4 +236,98 @@ TEST_CASE("loader: early shutdown and abandoned epochs never hang", "[data][load
     REQUIRE(e.indices.size() == 25);
     loader.start_epoch(2);
   }
+}
+
+namespace {
+
+// Reads that hang until the test opens the gate, as on a dead network
+// filesystem; samples below `fast` load at once.
+class GatedDataset final : public Dataset {
+ public:
+  GatedDataset(int64_t n, int64_t fast) : n_(n), fast_(fast) {}
+  int64_t size() const override { return n_; }
+  int64_t label(int64_t index) const override { return index % 10; }
+  int64_t num_classes() const override { return 10; }
+  int channels() const override { return 1; }
+  DecodedImage load(int64_t index, int) const override {
+    if (index >= fast_) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return open_; });
+    }
+    cv::Mat m(4, 4, CV_8UC1, cv::Scalar(uint8_t(index)));
+    returned_++;
+    return DecodedImage{m, 4, 4};
+  }
+  std::string describe(int64_t index) const override { return cat("gated[", index, "]"); }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  mutable std::atomic<int64_t> returned_{0};
+
+ private:
+  int64_t n_, fast_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool open_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("loader: a hung read gives way to interrupted, and shutdown leaves it behind",
+          "[data][loader]") {
+  GatedDataset ds(64, /*fast=*/8);  // batch 0 loads, batch 1 hangs
+  DistributedSampler sampler(SamplerOptions{.dataset_size = 64, .shuffle = false});
+  std::atomic<bool> stop{false};
+  LoaderOptions o = quiet(8, 2, 2);
+  o.interrupted = [&] { return stop.load(); };
+  o.shutdown_seconds = 0.3;
+  auto loader = std::make_unique<Loader>(ds, ImageTransform(plain(4, 1), 1), sampler, o);
+  loader->start_epoch(0);
+  Batch b;
+  REQUIRE(loader->next(b));
+  REQUIRE(b.indices.front() == 0);
+  // Batch 1 waits for ever until interrupted says so.
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    stop = true;
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    loader->next(b);
+  } catch (const LoaderStalled& e) {
+    message = e.what();
+  }
+  stopper.join();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(message);
+  REQUIRE(message.find("gave up waiting for batch 1 of epoch 0") != std::string::npos);
+  REQUIRE(message.find("gated[8]") != std::string::npos);  // the reads in progress are named
+  REQUIRE(waited < 2.0);
+  // The workers are stuck in their reads: the destructor waits its grace, then leaves them.
+  t0 = std::chrono::steady_clock::now();
+  loader.reset();
+  const double shut = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE(shut >= 0.25);
+  REQUIRE(shut < 2.0);
+  // The reads return after the loader is gone; the workers end on the state they kept alive.
+  const int64_t before = ds.returned_.load();
+  ds.open();
+  for (int i = 0; i < 200 && ds.returned_.load() < before + 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(ds.returned_.load() == before + 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let them finish (ASan watches)
+}
+
+TEST_CASE("loader: slow reads are waited for while interrupted stays false", "[data][loader]") {
+  SyntheticDataset ds(16, 1, 4, {}, /*sleep_us=*/100000);
+  DistributedSampler sampler(SamplerOptions{.dataset_size = 16, .shuffle = false});
+  LoaderOptions o = quiet(4, 2, 1);
+  o.interrupted = [] { return false; };
+  Loader loader(ds, ImageTransform(plain(4, 1), 1), sampler, o);
+  Epoch e = read_epoch(loader, 0);
+  REQUIRE(e.indices.size() == 4);
 }

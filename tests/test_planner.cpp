@@ -506,6 +506,42 @@ TEST_CASE("parallel.auto: 2 ranks plan their layout, agree on it and train", "[p
         std::string::npos);
   CHECK(r.output.find("done: 2 steps") != std::string::npos);
 
+  // Resumed on as many ranks, the checkpoint's layout is kept, not planned
+  // again (a new profile could choose another and reshard the run).
+  std::vector<std::string> again = launch;
+  again.insert(again.end(), {"training.steps=4", "--resume", "auto"});
+  testing::ProcessResult resumed = run_trainer(again);
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  CHECK(resumed.output.find("parallel.auto: keeping the layout of ") != std::string::npos);
+  CHECK(resumed.output.find(cat("written by the same 2 ranks: dp=", dp, " pp=", pp, " tp=", tp)) !=
+        std::string::npos);
+  CHECK(resumed.output.find("parallel.auto: dp=") == std::string::npos);  // no new plan
+  CHECK(resumed.output.find(cat("parallel layout: world 2 (dp=", dp, ", pp=", pp, ", tp=", tp)) !=
+        std::string::npos);
+  CHECK(resumed.output.find("resharded") == std::string::npos);
+  CHECK(resumed.output.find("done: 4 steps") != std::string::npos);
+
+  // The same with two stages (whatever was planned above): a run on pp = 2
+  // resumed under parallel.auto keeps its split and schedule.
+  std::vector<std::string> staged = launch;
+  staged.back() = "parallel.auto=false";
+  staged.insert(staged.end(),
+                {"output_dir=" + (dir / "staged").string(), "parallel.pp=2", "parallel.stages=[1]",
+                 "parallel.schedule=gpipe", "parallel.micro_batches=2", "training.grad_accum=1"});
+  testing::ProcessResult first = run_trainer(staged);
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  staged.insert(staged.end(), {"parallel.auto=true", "training.steps=4", "--resume", "auto"});
+  testing::ProcessResult kept = run_trainer(staged);
+  INFO(kept.output);
+  REQUIRE(kept.code == 0);
+  CHECK(kept.output.find("written by the same 2 ranks: dp=1 pp=2 tp=1 micro_batches=2") !=
+        std::string::npos);
+  CHECK(kept.output.find("parallel layout: world 2 (dp=1, pp=2, tp=1)") != std::string::npos);
+  CHECK(kept.output.find("resharded") == std::string::npos);
+  CHECK(kept.output.find("done: 4 steps") != std::string::npos);
+
   std::vector<std::string> dry = train;
   dry.push_back("--dry-run");
   r = run_trainer(dry);

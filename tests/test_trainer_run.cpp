@@ -8,6 +8,7 @@
 #include "tests/testing.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
+#include "trainer/session.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -119,6 +120,113 @@ TEST_CASE("train: --dry-run prints the summary and memory estimate", "[train]") 
   REQUIRE(r.output.find("total  421,834 parameters") != std::string::npos);
   REQUIRE(r.output.find("memory estimate") != std::string::npos);
   REQUIRE(!fs::exists(out / "checkpoints"));
+}
+
+TEST_CASE("train: --dry-run and plan need no dataset on disk", "[train]") {
+  // The ImageNet recipe with its data nowhere: the model, the steps of an
+  // epoch (ImageNet-1k's 1,281,167 images at 256) and the memory estimate,
+  // with a line saying what was assumed.
+  fs::path out = fresh("dry_nodata");
+  ProcessResult r = run_trainer(
+      recipe_args("resnet50_imagenet.yaml", out, {"data.root=/nonexistent/imagenet", "--dry-run"}));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("total  25,557,032 parameters") != std::string::npos);
+  CHECK(r.output.find("450360 steps (5004 per epoch)") != std::string::npos);
+  CHECK(r.output.find("data: /nonexistent/imagenet/train is not on disk; assumed 1,281,167 "
+                      "training and 50,000 validation images of 1000 classes") !=
+        std::string::npos);
+  CHECK(r.output.find("memory estimate") != std::string::npos);
+  // Training itself still needs the data, and says where it looked.
+  ProcessResult t = run_trainer(recipe_args(
+      "resnet50_imagenet.yaml", out, {"data.root=/nonexistent/imagenet", "training.steps=1"}));
+  CHECK(t.code == 1);
+  CHECK(t.output.find("/nonexistent/imagenet/train") != std::string::npos);
+  // Fashion-MNIST elsewhere: its own sizes; and the CPU planner profiles without it.
+  ProcessResult m = run_trainer(
+      recipe_args("fmnist_cnn.yaml", out, {"data.root=/nonexistent/fmnist", "--dry-run"}));
+  INFO(m.output);
+  REQUIRE(m.code == 0);
+  CHECK(m.output.find("assumed 60,000 training and 10,000 validation images of 10 classes and "
+                      "1 channels (Fashion-MNIST's)") != std::string::npos);
+  ProcessResult p =
+      run_trainer({"plan", std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_cnn.yaml",
+                   "data.root=/nonexistent/fmnist", "--nodes", "1", "--per-node", "2", "--device",
+                   "cpu", "--top", "3"});
+  INFO(p.output);
+  REQUIRE(p.code == 0);
+  CHECK(p.output.find("best plan as recipe overrides") != std::string::npos);
+}
+
+TEST_CASE("train: parallel.stage_memory_mb is checked on the schedule's table", "[train]") {
+  // The small CNN cut in two evenly, 8 micro-batches. Stage 0's parameters
+  // are tiny next to its activations per micro-batch (a, measured here), so
+  // a limit of 3.5 a fits 3 in flight on it: GPipe's 8 do not (the table's
+  // F3 is the first over), 1F1B's 2 do.
+  fs::path out = fresh("stage_memory");
+  auto dry = [&](const std::string& schedule, const std::string& stages, double mb) {
+    return run_trainer(recipe_args(
+        "fmnist_cnn.yaml", out,
+        {"parallel.pp=2", "parallel.micro_batches=8", "parallel.schedule=" + schedule,
+         "parallel.stages=" + stages, cat("parallel.stage_memory_mb=", mb), "--dry-run"}));
+  };
+  ProcessResult free = dry("1f1b", "even", 0);
+  INFO(free.output);
+  REQUIRE(free.code == 0);
+  std::smatch m;
+  REQUIRE(std::regex_search(free.output, m,
+                            std::regex("stage 0: conv1 .. conv2, .* and ([0-9.]+) MiB of "
+                                       "activations per micro-batch")));
+  const double a = std::stod(m[1]);
+  const double limit = 3.5 * a;
+  ProcessResult gpipe = dry("gpipe", "even", limit);
+  INFO(gpipe.output);
+  CHECK(gpipe.code == 1);
+  CHECK(gpipe.output.find("parallel.schedule gpipe with 8 micro-batches holds more activations "
+                          "than parallel.stage_memory_mb") != std::string::npos);
+  CHECK(gpipe.output.find("stage 0 action 6 (F3): 4 micro-batches in flight, above the limit "
+                          "of 3") != std::string::npos);
+  CHECK(gpipe.output.find("use parallel.schedule=1f1b") != std::string::npos);
+  ProcessResult one_f_one_b = dry("1f1b", "even", limit);
+  INFO(one_f_one_b.output);
+  CHECK(one_f_one_b.code == 0);
+  CHECK(one_f_one_b.output.find("pipeline: 2 stages, blocks [0, 2) [2, 4)") != std::string::npos);
+  // auto splits for the schedule's peak: GPipe's 8 micro-batches of stage 0 fit in no split.
+  ProcessResult automatic = dry("gpipe", "auto", limit);
+  INFO(automatic.output);
+  CHECK(automatic.code == 1);
+  CHECK(automatic.output.find("parallel.schedule gpipe keeps up to 8 micro-batches in flight") !=
+        std::string::npos);
+}
+
+TEST_CASE("train: a stage that reads no batch gets the same positions without decoding",
+          "[train]") {
+  // A middle pipeline stage needs only where each batch ends (checkpoints
+  // and resume): the image source gives it positions, the loader idle.
+  const Recipe r = load_recipe(std::string(TRAINER_SOURCE_DIR) + "/recipes/fmnist_mlp.yaml",
+                               {"data.workers=1", "training.global_batch=4096"});
+  Session reading(r), skipping(r);
+  skipping.data().set_reads_batches(false);
+  REQUIRE(reading.data().batches_have_tensors());
+  REQUIRE_FALSE(skipping.data().batches_have_tensors());
+  for (int64_t start : {int64_t(0), int64_t(8192), int64_t(8000)}) {
+    INFO("from position " << start);
+    reading.start_epoch(1, start);
+    skipping.start_epoch(1, start);
+    std::vector<int64_t> want, got;
+    StepBatch a, b;
+    while (reading.next_batch(a)) {
+      REQUIRE(a.inputs.defined());
+      want.push_back(a.position);
+      REQUIRE(skipping.next_batch(b));
+      REQUIRE_FALSE(b.inputs.defined());
+      REQUIRE(b.items == a.items);
+      got.push_back(b.position);
+    }
+    REQUIRE_FALSE(skipping.next_batch(b));  // the same epoch end
+    REQUIRE(!want.empty());
+    REQUIRE(got == want);
+  }
 }
 
 TEST_CASE("train: fmnist_cnn reaches 88% test accuracy in one epoch", "[train][slow]") {

@@ -47,7 +47,7 @@ const data::Vocab& BatchSource::vocab() const {
 }
 
 std::unique_ptr<BatchSource> make_batch_source(const Recipe& r, const RankLayout& layout,
-                                               int64_t micro_batch) {
+                                               int64_t micro_batch, DataAccess access) {
   if (is_language_model(r.model.name) != (r.data.name == "text"))
     throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
                     r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
@@ -55,7 +55,7 @@ std::unique_ptr<BatchSource> make_batch_source(const Recipe& r, const RankLayout
     throw Error(cat(r.source, ": data.sampling '", r.data.sampling,
                     "' is for text; images are read by the shuffling sampler"));
   if (r.data.name == "text") return make_text_batches(r, layout, micro_batch);
-  return make_image_batches(r, layout, micro_batch);
+  return make_image_batches(r, layout, micro_batch, access);
 }
 
 }  // namespace trainer

@@ -123,6 +123,11 @@ class BatchSource {
   // On a pipeline stage: whether this stage's blocks read the carried state
   // (false: this rank keeps and saves none).
   virtual void set_holds_carried_state(bool /*holds*/) {}
+  // On a pipeline stage that reads neither the model inputs nor the targets:
+  // next() may give batches without tensors (position and items only), read
+  // from nothing; sources where reading is cheap keep reading.
+  virtual void set_reads_batches(bool /*reads*/) {}
+  bool batches_have_tensors() const { return reads_batches_; }
   // Sums over this dp rank's share of the validation set.
   virtual EvalSums evaluate_shard() = 0;
 
@@ -139,14 +144,23 @@ class BatchSource {
 
  protected:
   std::shared_ptr<Module> model_;
+  bool reads_batches_ = true;  // false: next() gives positions only
 };
+
+// What a source may do when the recipe's dataset is not on disk. read:
+// an Error naming it. assume_if_missing (dry runs and plans, which never
+// read a batch): an image dataset stands in with the size the recipe
+// implies (Fashion-MNIST's, ImageNet-1k's for 1000 classes), and the
+// source's summary says which figures the real data may change.
+enum class DataAccess { read, assume_if_missing };
 
 // The source of the recipe's data (throws Error naming the recipe key for
 // data the model cannot read).
 std::unique_ptr<BatchSource> make_batch_source(const Recipe& recipe, const RankLayout& layout,
-                                               int64_t micro_batch);
+                                               int64_t micro_batch,
+                                               DataAccess access = DataAccess::read);
 std::unique_ptr<BatchSource> make_image_batches(const Recipe& recipe, const RankLayout& layout,
-                                                int64_t micro_batch);
+                                                int64_t micro_batch, DataAccess access);
 std::unique_ptr<BatchSource> make_text_batches(const Recipe& recipe, const RankLayout& layout,
                                                int64_t micro_batch);
 

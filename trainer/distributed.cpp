@@ -193,11 +193,12 @@ Distributed join_job(const Recipe& recipe, bool dry_run) {
 
 namespace {
 
-// The recipe's stage split, the same on every rank: "auto" is profiled on
-// world rank 0 and broadcast.
+// The recipe's stage split, the same on every rank: "auto", and any split
+// under parallel.stage_memory_mb, is profiled on world rank 0 and broadcast.
 parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   const Recipe& r = session.recipe();
-  if (r.parallel.stages != "auto") return choose_split(session, nullptr);
+  if (r.parallel.stages != "auto" && r.parallel.stage_memory_mb <= 0)
+    return choose_split(session, nullptr);
   const int pieces = int(dist.layout.job.mesh.pp * r.parallel.virtual_stages);
   std::vector<int64_t> bounds(size_t(pieces) + 1, 0);
   std::string error;

@@ -1,7 +1,11 @@
 // The classifiers' batch source: Fashion-MNIST or an ImageFolder through
 // the threaded data::Loader, each dp rank its share of the shuffled epoch
 // (data::DistributedSampler), evaluated for loss, top-1 and top-5.
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
 
 #include "core/ops.h"
 #include "data/idx.h"
@@ -9,6 +13,8 @@
 #include "data/loader.h"
 #include "trainer/batch_source.h"
 #include "trainer/device.h"
+#include "trainer/metrics.h"
+#include "trainer/stop_signals.h"
 
 namespace trainer {
 
@@ -31,20 +37,117 @@ data::TransformOptions transform_options(const Recipe& r, bool train, int channe
   return t;
 }
 
+// How long after a stop signal the loader goes on waiting for a read: a
+// merely slow batch still arrives and the step ends with a checkpoint.
+constexpr double kLoaderStopGraceSeconds = 2.0;
+
+// TRAINER_FAULT_LOAD_DELAY_MS=N (fault injection for tests): every sample
+// read takes N ms longer, as from a stalled network filesystem.
+class DelayedLoads final : public data::Dataset {
+ public:
+  DelayedLoads(std::unique_ptr<data::Dataset> base, int64_t ms) : base_(std::move(base)), ms_(ms) {}
+  int64_t size() const override { return base_->size(); }
+  int64_t label(int64_t index) const override { return base_->label(index); }
+  int64_t num_classes() const override { return base_->num_classes(); }
+  int channels() const override { return base_->channels(); }
+  data::DecodedImage load(int64_t index, int min_side) const override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    return base_->load(index, min_side);
+  }
+  std::string describe(int64_t index) const override { return base_->describe(index); }
+
+ private:
+  std::unique_ptr<data::Dataset> base_;
+  int64_t ms_;
+};
+
+std::unique_ptr<data::Dataset> with_fault_injection(std::unique_ptr<data::Dataset> set) {
+  const char* delay = std::getenv("TRAINER_FAULT_LOAD_DELAY_MS");
+  if (!delay || !*delay) return set;
+  return std::make_unique<DelayedLoads>(std::move(set), std::atoll(delay));
+}
+
+// ---- stand-ins for dry runs and plans without the data (DataAccess) ----
+
+std::string fashion_mnist_dir(const Recipe& r) {
+  return r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
+}
+
+std::string missing_data_path(const Recipe& r) {
+  return r.data.name == "fashion_mnist" ? fashion_mnist_dir(r) : r.data.root + "/train";
+}
+
+bool data_on_disk(const Recipe& r) {
+  std::error_code ec;
+  if (r.data.name == "fashion_mnist")
+    return std::filesystem::exists(fashion_mnist_dir(r) + "/train-images-idx3-ubyte.gz", ec);
+  if (r.data.name == "image_folder")
+    return !r.data.root.empty() && std::filesystem::is_directory(r.data.root + "/train", ec);
+  return true;  // an unknown name: the real constructor names the error
+}
+
+struct AssumedSize {
+  int64_t train, val;
+  const char* what;
+};
+
+AssumedSize assumed_size(const Recipe& r) {
+  const int64_t classes = r.model.num_classes;
+  if (r.data.name == "fashion_mnist") return {60000, 10000, "Fashion-MNIST's"};
+  if (classes == 1000) return {1281167, 50000, "ImageNet-1k's"};
+  return {1300 * classes, 50 * classes, "ImageNet's 1300 and 50 per class"};
+}
+
+// A dataset of a given size whose samples are never read.
+class AssumedDataset final : public data::Dataset {
+ public:
+  AssumedDataset(int64_t size, int64_t classes, int64_t channels)
+      : size_(size), classes_(classes), channels_(int(channels)) {}
+  int64_t size() const override { return size_; }
+  int64_t label(int64_t index) const override { return index % classes_; }
+  int64_t num_classes() const override { return classes_; }
+  int channels() const override { return channels_; }
+  data::DecodedImage load(int64_t index, int) const override {
+    throw Error(cat("sample ", index, " read from the stand-in of a dataset not on disk"));
+  }
+  std::string describe(int64_t index) const override { return cat("assumed[", index, "]"); }
+
+ private:
+  int64_t size_, classes_;
+  int channels_;
+};
+
 class ImageBatches final : public BatchSource {
  public:
-  ImageBatches(const Recipe& recipe, const RankLayout& layout, int64_t micro_batch);
+  ImageBatches(const Recipe& recipe, const RankLayout& layout, int64_t micro_batch,
+               DataAccess access);
 
   bool is_language_model() const override { return false; }
   const char* item_name() const override { return "samples"; }
   int64_t batches_per_epoch() const override { return train_loader_->batches_per_epoch(); }
   std::string epoch_text() const override { return cat(train_set_->size(), " training samples"); }
+  std::string summary() const override { return assumed_; }
+
+  void set_reads_batches(bool reads) override { reads_batches_ = reads; }
 
   void start_epoch(int64_t epoch, int64_t position) override {
+    if (!reads_batches_) {
+      // What the loader would hand out (drop_last): whole batches from position.
+      position_ = position;
+      end_ =
+          position + (train_loader_->samples_per_epoch() - position) / micro_batch_ * micro_batch_;
+      return;
+    }
     train_loader_->start_epoch(epoch, position);
   }
 
   bool next(StepBatch& batch) override {
+    if (!reads_batches_) {
+      if (position_ >= end_) return false;
+      position_ += micro_batch_;
+      batch = StepBatch{Tensor(), Tensor(), position_, micro_batch_};
+      return true;
+    }
     data::Batch b;
     if (!train_loader_->next(b)) return false;
     const Device device = module_device(*model_);
@@ -83,12 +186,26 @@ class ImageBatches final : public BatchSource {
   std::unique_ptr<data::Dataset> train_set_, val_set_;
   std::unique_ptr<data::Dataset> val_whole_;  // under data.val_samples: what val_set_ cuts
   std::unique_ptr<data::Loader> train_loader_, val_loader_;
+  std::string assumed_;  // the summary's note when the datasets are stand-ins
+  const int64_t micro_batch_;
+  int64_t position_ = 0, end_ = 0;  // without reading batches: this epoch's positions
 };
 
-ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
-    : image_size_(r.data.image_size), channels_(r.model.in_channels) {
-  if (r.data.name == "fashion_mnist") {
-    std::string dir = r.data.root.empty() ? data::kFashionMnistDir : r.data.root;
+ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch,
+                           DataAccess access)
+    : image_size_(r.data.image_size), channels_(r.model.in_channels), micro_batch_(micro_batch) {
+  if (access == DataAccess::assume_if_missing && !data_on_disk(r)) {
+    AssumedSize a = assumed_size(r);
+    train_set_ =
+        std::make_unique<AssumedDataset>(a.train, r.model.num_classes, r.model.in_channels);
+    val_set_ = std::make_unique<AssumedDataset>(a.val, r.model.num_classes, r.model.in_channels);
+    assumed_ = cat("data: ", missing_data_path(r), " is not on disk; assumed ",
+                   with_commas(a.train), " training and ", with_commas(a.val), " validation images",
+                   " of ", r.model.num_classes, " classes and ", r.model.in_channels, " channels (",
+                   a.what, "). Steps per epoch, the schedule's length and the class ",
+                   "and channel counts are checked against the real data when training starts\n");
+  } else if (r.data.name == "fashion_mnist") {
+    const std::string dir = fashion_mnist_dir(r);
     train_set_ =
         std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
     val_set_ =
@@ -105,6 +222,7 @@ ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t mi
   } else {
     throw Error(cat(r.source, ": data.name '", r.data.name, "' has no image reader"));
   }
+  train_set_ = with_fault_injection(std::move(train_set_));
   if (train_set_->num_classes() != r.model.num_classes)
     throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes,
                     " but the dataset has ", train_set_->num_classes(), " classes"));
@@ -120,6 +238,8 @@ ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t mi
       r.data.bad_files == "error" ? data::BadFilePolicy::error : data::BadFilePolicy::skip;
   lo.report_epochs = false;
   lo.drop_last = true;  // every step sees the same batch size
+  // A stop signal is answered within seconds even when a read hangs.
+  lo.interrupted = [] { return StopSignals::waited(kLoaderStopGraceSeconds); };
   data::SamplerOptions so{.dataset_size = train_set_->size(),
                           .rank = layout.dp_rank(),
                           .world_size = layout.dp_size(),
@@ -179,8 +299,8 @@ EvalSums ImageBatches::evaluate_shard() {
 }  // namespace
 
 std::unique_ptr<BatchSource> make_image_batches(const Recipe& recipe, const RankLayout& layout,
-                                                int64_t micro_batch) {
-  return std::make_unique<ImageBatches>(recipe, layout, micro_batch);
+                                                int64_t micro_batch, DataAccess access) {
+  return std::make_unique<ImageBatches>(recipe, layout, micro_batch, access);
 }
 
 }  // namespace trainer

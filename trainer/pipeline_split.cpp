@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 
 #include "core/allocator.h"
@@ -9,6 +10,7 @@
 #include "core/ops.h"
 #include "trainer/device.h"
 #include "trainer/metrics.h"
+#include "trainer/step_executor.h"
 
 namespace trainer {
 
@@ -22,6 +24,80 @@ double ms_since(std::chrono::steady_clock::time_point t) {
 double bytes_per_parameter_byte(const Recipe& r) {
   const bool momentum = r.optimizer.name == "sgd" && r.optimizer.momentum > 0;
   return 2.0 + (r.optimizer.name == "adamw" ? 2.0 : momentum ? 1.0 : 0.0);
+}
+
+// With parallel.stage_memory_mb: each stage's activation memory as the
+// recipe's schedule runs it, checked on its action table. A stage holding
+// parameters p (with gradients and optimizer state) and a of activations per
+// micro-batch in flight can keep floor((limit - p) / a) micro-batches; the
+// table's peak in flight on the stage must not exceed it.
+void check_stage_memory(const Session& session, const parallel::StageSplit& split,
+                        const BlockProfile& profile) {
+  const Recipe& r = session.recipe();
+  const double limit = r.parallel.stage_memory_mb * double(1 << 20);
+  const double per_param = bytes_per_parameter_byte(r);
+  parallel::ScheduleLimits limits;
+  std::string budget;
+  for (int s = 0; s < split.stages; ++s) {
+    double fixed = 0, activations = 0;
+    for (int c = 0; c < split.chunks; ++c) {
+      const int piece = split.piece(s, c);
+      double piece_activations = 0;
+      for (size_t b = split.bounds[size_t(piece)]; b < split.bounds[size_t(piece) + 1]; ++b) {
+        fixed += profile.parameter_bytes[b] * per_param + profile.recompute_bytes[b];
+        piece_activations += profile.activation_bytes[b];
+      }
+      activations = std::max(activations, piece_activations);
+    }
+    const int fits =
+        activations > 0 ? int(std::min(1e6, std::floor((limit - fixed) / activations))) : 1000000;
+    if (fits < 1)
+      throw Error(cat("stage ", s, " needs ", (fixed + activations) / double(1 << 20),
+                      " MiB for its parameters and one micro-batch, above parallel.stage_memory_mb "
+                      "= ",
+                      r.parallel.stage_memory_mb, ": raise it or add stages"));
+    limits.max_in_flight.push_back(fits);
+    budget += cat(budget.empty() ? "" : ", ", "stage ", s, " ", fits);
+  }
+  const std::vector<std::string> problems =
+      parallel::schedule_problems(training_schedule(r, session.layout()), limits);
+  if (problems.empty()) return;
+  std::string text;
+  for (const std::string& p : problems) text += "\n  " + p;
+  throw Error(cat("parallel.schedule ", r.parallel.schedule, " with ", r.parallel.micro_batches,
+                  " micro-batches holds more activations than parallel.stage_memory_mb = ",
+                  r.parallel.stage_memory_mb,
+                  " MiB allows (micro-batches in flight that fit: ", budget, "):", text,
+                  "\nuse parallel.schedule=1f1b (at most pp in flight), fewer micro-batches, more "
+                  "stages or a larger limit"));
+}
+
+// parallel.stages: auto, by the profile: the split of least largest stage
+// time whose stages keep the schedule's peak micro-batches in flight (1F1B:
+// pp, on the first stage; GPipe: all of them) within stage_memory_mb.
+parallel::StageSplit balanced_split(const Session& session, const BlockProfile& profile) {
+  const Recipe& r = session.recipe();
+  const ParallelRecipe& p = r.parallel;
+  const size_t n = session.blocks().size();
+  const std::vector<int> peaks = parallel::peak_in_flight(training_schedule(r, session.layout()));
+  const int in_flight = *std::max_element(peaks.begin(), peaks.end());
+  const double per_param = bytes_per_parameter_byte(r);
+  std::vector<double> cost(n), memory(n);
+  for (size_t b = 0; b < n; ++b) {
+    cost[b] = profile.forward_ms[b] + profile.backward_ms[b];
+    // With recompute, a block's whole graph while its backward recomputes it
+    // (counted per block: an upper bound on the one alive at a time).
+    memory[b] = profile.parameter_bytes[b] * per_param +
+                profile.activation_bytes[b] * double(in_flight) + profile.recompute_bytes[b];
+  }
+  try {
+    return parallel::balanced_split(cost, memory, p.stage_memory_mb * double(1 << 20),
+                                    session.layout().job.mesh.pp, int(p.virtual_stages));
+  } catch (const Error& e) {
+    throw Error(cat(e.what(), " (parallel.schedule ", p.schedule, " keeps up to ", in_flight,
+                    " micro-batches in flight on a stage",
+                    p.schedule == "gpipe" ? "; 1f1b keeps at most pp" : "", ")"));
+  }
 }
 
 }  // namespace
@@ -98,20 +174,17 @@ parallel::StageSplit choose_split(const Session& session, const BlockProfile* pr
   const size_t n = session.blocks().size();
   const int stages = session.layout().job.mesh.pp, chunks = int(p.virtual_stages);
   try {
-    if (p.stages == "list") return parallel::split_at(n, stages, chunks, p.stage_starts);
-    if (p.stages == "even" || !profile) return parallel::even_split(n, stages, chunks);
-    std::vector<double> cost(n), memory(n);
-    const double per_param = bytes_per_parameter_byte(r);
-    for (size_t b = 0; b < n; ++b) {
-      cost[b] = profile->forward_ms[b] + profile->backward_ms[b];
-      // 1F1B keeps up to pp micro-batches' activations on the first stage.
-      // With recompute, a block's whole graph while its backward recomputes it
-      // (counted per block: an upper bound on the one alive at a time).
-      memory[b] = profile->parameter_bytes[b] * per_param + profile->activation_bytes[b] * stages +
-                  profile->recompute_bytes[b];
+    parallel::StageSplit split;
+    if (p.stages == "list") {
+      split = parallel::split_at(n, stages, chunks, p.stage_starts);
+    } else if (p.stages == "even" || !profile) {
+      split = parallel::even_split(n, stages, chunks);
+    } else {
+      split = balanced_split(session, *profile);
     }
-    return parallel::balanced_split(cost, memory, p.stage_memory_mb * double(1 << 20), stages,
-                                    chunks);
+    // Any split, given a profile: its stages' memory on the schedule's table.
+    if (profile && p.stage_memory_mb > 0) check_stage_memory(session, split, *profile);
+    return split;
   } catch (const Error& e) {
     throw Error(cat(r.source, ": ", e.what()));
   }

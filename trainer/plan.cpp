@@ -494,7 +494,7 @@ class Companions {
     try {
       const int64_t samples = *micro_batch_sizes(recipe.training.global_batch, world, 1).rbegin();
       const Recipe one = one_process_recipe(recipe, samples);
-      Session session(one, rank_layout(parallel_layout(one, 1), 0));
+      Session session(one, rank_layout(parallel_layout(one, 1), 0), DataAccess::assume_if_missing);
       for (;;) {
         profile_session(session, one, 1, samples);
         optimizer_seconds_per_param(session);
@@ -533,7 +533,8 @@ CpuProfile profile_for_cpu_plans(const Recipe& recipe, const parallel::ModelDesc
         // As the planner's tp: with sequence parallelism for Transformers.
         const bool sequence_parallel = tp > 1 && model.n_head > 0;
         one.parallel.sequence_parallel = sequence_parallel;
-        Session session(one, rank_layout(parallel_layout(one, 1), 0));
+        Session session(one, rank_layout(parallel_layout(one, 1), 0),
+                        DataAccess::assume_if_missing);
         if (tp == 1 && out.optimizer_seconds_per_param == 0) {
           out.profiles.push_back(profile_session(session, one, tp, samples));
           out.optimizer_seconds_per_param = optimizer_seconds_per_param(session);
@@ -596,7 +597,7 @@ Recipe with_data_vocabulary(Recipe recipe) {
   if (!text || recipe.model.vocab_size > 0) return recipe;
   try {
     const Recipe one = one_process_recipe(recipe, 1);
-    Session session(one, rank_layout(parallel_layout(one, 1), 0));
+    Session session(one, rank_layout(parallel_layout(one, 1), 0), DataAccess::assume_if_missing);
     recipe.model.vocab_size = session.data().vocab_size();
   } catch (const Error& e) {
     throw Error(
@@ -706,7 +707,45 @@ std::string plan_line(const parallel::Plan& plan) {
 
 }  // namespace
 
-Distributed join_job_planned(Recipe& recipe, bool dry_run) {
+namespace {
+
+// The choice join_job_planned broadcasts, from the resolved recipe of a
+// checkpoint written by `world` ranks; empty when it was not (another world
+// size, or a layout the planner does not make: interleaved, an even split).
+std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t size) {
+  const TrainerStateFile saved = read_trainer_state(dir);
+  if (saved.state.layout.world_size() != world || saved.recipe_yaml.empty()) return {};
+  const Recipe was = parse_recipe(saved.recipe_yaml, trainer_state_file(dir));
+  const ParallelRecipe& p = was.parallel;
+  const auto schedule = std::find(std::begin(kAutoSchedules), std::end(kAutoSchedules), p.schedule);
+  const bool listed = p.pp == 1 || (p.stages == "list" && p.stage_starts.size() < kMaxAutoStages);
+  if (!listed || p.virtual_stages != 1 || (p.pp > 1 && schedule == std::end(kAutoSchedules)))
+    return {};
+  std::vector<int64_t> choice(size, 0);
+  const int64_t head[] = {1,
+                          saved.state.layout.mesh.dp,
+                          p.pp,
+                          p.tp,
+                          p.pp > 1 ? p.micro_batches : was.training.grad_accum,
+                          p.pp > 1 ? schedule - std::begin(kAutoSchedules) : 0,
+                          p.pp > 1 ? int64_t(p.stage_starts.size()) + 1 : 0};
+  std::copy(std::begin(head), std::end(head), choice.begin());
+  // As the planner gives them: the first stage's start (0), then the recipe's list.
+  for (size_t k = 0; p.pp > 1 && k < p.stage_starts.size(); ++k)
+    choice[8 + k] = int64_t(p.stage_starts[k]);
+  std::printf(
+      "parallel.auto: keeping the layout of %s, written by the same %d ranks: dp=%lld "
+      "pp=%lld tp=%lld %s=%lld\n",
+      dir.c_str(), world, (long long)head[1], (long long)p.pp, (long long)p.tp,
+      p.pp > 1 ? "micro_batches" : "grad_accum", (long long)head[4]);
+  std::fflush(stdout);
+  return choice;
+}
+
+}  // namespace
+
+Distributed join_job_planned(Recipe& recipe, bool dry_run,
+                             const std::function<std::optional<std::string>()>& resume_from) {
   const char* unsupported = dry_run                          ? "--dry-run"
                             : recipe.device != "cpu"         ? "device: cuda (it plans CPU ranks)"
                             : recipe.parallel.zero1          ? "parallel.zero1"
@@ -719,13 +758,29 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run) {
   provisional.parallel.dp = 0;
   provisional.parallel.pp = 1;
   provisional.parallel.tp = 1;
+  provisional.parallel.micro_batches = 1;
+  provisional.parallel.virtual_stages = 1;
+  provisional.parallel.schedule = "1f1b";
+  provisional.parallel.stages = "even";
+  provisional.parallel.stage_starts.clear();
+  provisional.parallel.sequence_parallel = false;
   Distributed joined = join_job(provisional);
   const int world = joined.world_size();
   const comm::Bootstrap boot = comm::detect_bootstrap();
   const int per_node = std::max(1, std::min(world, boot.local_world_size));
   std::vector<int64_t> choice(7 + kMaxAutoStages, 0);
   std::string error;
-  if (joined.is_main()) {
+  if (joined.is_main() && resume_from) {
+    try {
+      const std::optional<std::string> dir = resume_from();
+      std::vector<int64_t> kept =
+          dir ? checkpoint_choice(*dir, world, choice.size()) : std::vector<int64_t>{};
+      if (!kept.empty()) choice = kept;
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  if (joined.is_main() && choice[0] == 0 && error.empty()) {
     try {
       std::vector<std::string> notes;
       const parallel::ModelDesc model = model_for_planning(with_data_vocabulary(recipe), &notes);

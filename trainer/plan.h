@@ -37,6 +37,8 @@
 //   trainer plan recipes/gpt_kjv.yaml --calibrate --out cpu.yaml
 #pragma once
 
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,8 +110,14 @@ parallel::ClusterSpec this_machine_cluster(int nodes, int per_node);
 // the runner-up, and broadcasts it; every rank then sets recipe.parallel
 // (and training.grad_accum) to it and gets the job on that layout. Throws
 // Error "parallel.auto is not supported with ..." for --dry-run, CUDA,
-// parallel.zero1 and the LSTM LM's wavefront.
-Distributed join_job_planned(Recipe& recipe, bool dry_run);
+// parallel.zero1 and the LSTM LM's wavefront. resume_from (called on rank
+// 0 once every rank has joined): the checkpoint the run will resume from;
+// when it was planned for as many ranks as there are now, its layout is
+// kept (no new plan: a noisy profile must not turn a resume into a
+// resharding one).
+Distributed join_job_planned(
+    Recipe& recipe, bool dry_run,
+    const std::function<std::optional<std::string>()>& resume_from = nullptr);
 
 // Registers the subcommand; its options fill `args`.
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& args);

@@ -112,7 +112,7 @@ struct ParallelRecipe {
   // first block of every piece after the first.
   std::string stages = "even";
   std::vector<int64_t> stage_starts;
-  double stage_memory_mb = 0;  // auto: each stage's memory limit; 0: none
+  double stage_memory_mb = 0;  // each stage's memory limit (checked on the schedule); 0: none
   int64_t bucket_mb = 25;
   bool overlap = true;  // allreduce buckets during backward (false: after it)
   // The gradient allreduce's algorithm (comm/collectives.h): auto | ring |

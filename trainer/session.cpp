@@ -80,7 +80,8 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const Recipe& r,
   return std::make_unique<optim::AdamW>(std::move(groups), a);
 }
 
-Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)), layout_(layout) {
+Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
+    : recipe_(std::move(recipe)), layout_(layout) {
   const Recipe& r = recipe_;
   // First: a recipe asking for an absent GPU fails before any data is read.
   const Device device = training_device(r, layout_.world_size());
@@ -101,7 +102,7 @@ Session::Session(Recipe recipe, RankLayout layout) : recipe_(std::move(recipe)),
   micro_batch_ = t.global_batch / (micro_batches_ * dp);
 
   // ---- data ----
-  source_ = make_batch_source(r, layout_, micro_batch_);
+  source_ = make_batch_source(r, layout_, micro_batch_, access);
   steps_per_epoch_ = source_->batches_per_epoch() / micro_batches_;
   if (steps_per_epoch_ == 0)
     throw Error(cat(r.source, ": training.global_batch ", t.global_batch, " is larger than the ",
@@ -235,6 +236,16 @@ void Session::set_pipeline(const parallel::StageSplit& split, int stage) {
       for (const std::string& n : b[k].inputs)
         holds_state = holds_state || (listed(b.boundary(0), n) && listed(b.boundary(b.size()), n));
   source_->set_holds_carried_state(holds_state);
+  // A stage that reads no model input and computes no loss needs only the
+  // batches' positions (a middle stage: no image decoded for nothing).
+  bool reads_batches = false;
+  for (const auto& [first, last] : ranges) {
+    reads_batches = reads_batches || last == b.size();
+    for (size_t k = first; k < last; ++k)
+      for (const std::string& n : b[k].inputs)
+        reads_batches = reads_batches || listed(b.boundary(0), n);
+  }
+  source_->set_reads_batches(reads_batches);
   if (!shards_optimizer()) optimizer_ = make_optimizer(recipe_, trained_param_groups());
   std::set<const TensorImpl*> mine, others;
   for (const NamedTensor& t : stage_module_->state()) mine.insert(t.tensor.impl());

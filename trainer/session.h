@@ -48,8 +48,9 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const Recipe& recipe,
 class Session {
  public:
   // Builds everything from the recipe (throws Error on a bad combination,
-  // naming the recipe key).
-  explicit Session(Recipe recipe, RankLayout layout = {});
+  // naming the recipe key). DataAccess::assume_if_missing: for dry runs and
+  // plans, which build the model and probe it but read no batch.
+  explicit Session(Recipe recipe, RankLayout layout = {}, DataAccess access = DataAccess::read);
 
   const Recipe& recipe() const { return recipe_; }
   Module& model() { return *model_; }

@@ -80,6 +80,7 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
 }
 
 StepResult StepExecutor::run(int64_t step, bool stop_requested) {
+  step_begun_ = false;
   if (run_.pipeline()) return run_pipeline(step, stop_requested);
   InFlight in_flight;
   in_flight.step = step;
@@ -112,6 +113,7 @@ StepResult StepExecutor::run(int64_t step, bool stop_requested) {
 bool StepExecutor::forward(int m, InFlight& in_flight) {
   StepBatch batch;
   if (!session_.next_batch(batch)) return false;
+  step_begun_ = true;
   session_.rekey_dropout(in_flight.step * schedule_.micro_batches + m);
   Tensor loss;
   {
@@ -193,7 +195,9 @@ bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
   AutocastGuard autocast(precision_.autocast_dtype());
   BatchSource& source = session_.data();
   const StepBatch piece = time_chunk(*batch, time_chunks_ > 1 ? m : 0, time_chunks_);
-  TensorList outputs = rt.forward(m, chunk, source.model_inputs(piece));
+  // A middle stage's batches are positions only: its pieces read no model input.
+  TensorList outputs = rt.forward(
+      m, chunk, source.batches_have_tensors() ? source.model_inputs(piece) : TensorList{});
   source.keep_outputs(outputs);
   if (!rt.is_last_piece(chunk)) return true;
   Tensor loss = source.loss_from(piece, outputs);

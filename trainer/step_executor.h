@@ -82,6 +82,10 @@ class StepExecutor {
   StepResult run(int64_t step, bool stop_requested);
 
   const parallel::Schedule& schedule() const { return schedule_; }
+  // True when run() left by an exception after a micro-batch's forward had
+  // run: the model's buffers (batch-norm statistics) are then part-way
+  // through the step, and not a state to checkpoint.
+  bool step_begun() const { return step_begun_; }
 
  private:
   // The step in progress.
@@ -106,6 +110,7 @@ class StepExecutor {
   Precision& precision_;
   parallel::Schedule schedule_;
   const std::vector<parallel::Action>& actions_;  // this rank's stage
+  bool step_begun_ = false;
   size_t last_backward_ = 0;  // index of the step's last action computing weight gradients
   // parallel.time_chunks: the micro-batches are time chunks of one batch
   // (the LSTM LM's wavefront); 1 otherwise.

@@ -1,9 +1,7 @@
 #include "trainer/train.h"
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -14,6 +12,7 @@
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "data/files.h"
+#include "data/loader.h"
 #include "models/sample.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
@@ -27,38 +26,11 @@
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
 #include "trainer/step_executor.h"
+#include "trainer/stop_signals.h"
 
 namespace trainer {
 
 namespace {
-
-std::atomic<int> g_stop_signal{0};
-
-void on_stop_signal(int sig) { g_stop_signal.store(sig); }
-
-// Installs SIGTERM/SIGINT handlers for the lifetime of a run.
-class StopSignals {
- public:
-  StopSignals() {
-    g_stop_signal.store(0);
-    old_term_ = std::signal(SIGTERM, on_stop_signal);
-    old_int_ = std::signal(SIGINT, on_stop_signal);
-  }
-  // Leaving by an error (a dead peer, say), the handlers stay: the launcher
-  // sends SIGTERM when it sees a rank fail, and the default action would
-  // kill this process before main prints the error that says why.
-  ~StopSignals() {
-    if (std::uncaught_exceptions() > uncaught_) return;
-    std::signal(SIGTERM, old_term_);
-    std::signal(SIGINT, old_int_);
-  }
-  int received() const { return g_stop_signal.load(); }
-
- private:
-  void (*old_term_)(int);
-  void (*old_int_)(int);
-  int uncaught_ = std::uncaught_exceptions();
-};
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -100,6 +72,15 @@ class TrainLoop {
         log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {}
 
   int run() {
+    try {
+      return run_steps();
+    } catch (const data::LoaderStalled& stall) {
+      return stop_in_stall(stall);
+    }
+  }
+
+ private:
+  int run_steps() {
     const int64_t total = s_.total_steps();
     const int64_t spe = s_.steps_per_epoch();
     const int64_t per_step = s_.micro_batch() * s_.micro_batches();
@@ -142,8 +123,9 @@ class TrainLoop {
           if (!(periodic || state_.step == total)) save();
           run_.write_trace(trace_path());
           // The signal may have reached another rank only.
-          std::string why = signals_.received() ? cat("received signal ", signals_.received())
-                                                : std::string("a rank received a stop signal");
+          std::string why = StopSignals::received()
+                                ? cat("received signal ", StopSignals::received())
+                                : std::string("a rank received a stop signal");
           say(cat(why, ": checkpoint written at step ", state_.step, ", exiting"));
           return 0;
         }
@@ -154,10 +136,27 @@ class TrainLoop {
     return 0;
   }
 
- private:
+  // A stop signal came while the data loader waited for a read that did not
+  // return (data::LoaderOptions::interrupted). Alone, between steps, the
+  // state of the last step is whole: checkpoint it. Otherwise the step's
+  // partners (other ranks, or this step's first micro-batches) cannot be
+  // undone: exit with the last checkpoint kept.
+  int stop_in_stall(const data::LoaderStalled& stall) {
+    const std::string signal = cat("received signal ", StopSignals::received(), "; ");
+    const bool alone = run_.dist().world_size() == 1 && run_.dist().servers == 0;
+    if (!alone || executor_.step_begun())
+      throw Error(cat(signal, stall.what(), "; exiting without a checkpoint (",
+                      alone ? "the step had begun" : "the other ranks cannot join one",
+                      "): the last checkpoint is kept"));
+    save();
+    run_.write_trace(trace_path());
+    say(cat(signal, stall.what(), ": checkpoint written at step ", state_.step, ", exiting"));
+    return 0;
+  }
+
   // One optimizer step by the executor; false if the epoch's data ran out.
   bool train_step() {
-    StepResult result = executor_.run(state_.step, signals_.received() != 0);
+    StepResult result = executor_.run(state_.step, StopSignals::received() != 0);
     if (result.ran_out) return false;
     state_.position = result.position;
     samples_ += result.items;
@@ -285,14 +284,20 @@ class TrainLoop {
 int train_command(const TrainArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
   apply_threads(r);
+  // A job `trainer launch --max-restarts` started again picks up where it stopped.
+  const int restart = comm::detect_bootstrap().restart_count;
+  const std::string resume = restart > 0 && args.resume.empty() ? "auto" : args.resume;
+  // Which checkpoint is found only once every rank has joined: a restarted
+  // job's old ranks (on another host, say) may still be writing one until then.
+  auto find_resume_dir = [&] { return resume_dir(resume, r); };
   // parallel.auto: the layout planned for the launched ranks (trainer/plan.h).
-  Distributed dist =
-      r.parallel.auto_plan ? join_job_planned(r, args.dry_run) : join_job(r, args.dry_run);
+  Distributed dist = r.parallel.auto_plan ? join_job_planned(r, args.dry_run, find_resume_dir)
+                                          : join_job(r, args.dry_run);
   // Only rank 0 prints; the others' stdout stays quiet (errors still go to stderr).
   const bool main_rank = dist.is_main();
   if (main_rank)
     std::printf("recipe %s (resolved):\n%s", r.source.c_str(), recipe_to_yaml(r).c_str());
-  Session s(r, dist.layout);
+  Session s(r, dist.layout, args.dry_run ? DataAccess::assume_if_missing : DataAccess::read);
   if (dist.is_server) {
     serve_parameter_shard(dist, s);
     return 0;
@@ -352,12 +357,9 @@ int train_command(const TrainArgs& args) {
   if (run.splits_model())
     precision.set_found_inf_across([&run](bool f) { return run.any_rank(f); });
   TrainState state;
-  // A job `trainer launch --max-restarts` started again picks up where it stopped.
-  const int restart = comm::detect_bootstrap().restart_count;
-  const std::string resume = restart > 0 && args.resume.empty() ? "auto" : args.resume;
   if (restart > 0 && main_rank)
     std::printf("restart %d: resuming from the newest complete checkpoint\n", restart);
-  if (std::optional<std::string> dir = resume_dir(resume, r)) {
+  if (const std::optional<std::string> dir = find_resume_dir()) {
     state = s.load(*dir);
     precision.load(*dir);
     if (main_rank) {
