@@ -1,0 +1,171 @@
+// parallel.auto: the layout planned at start-up for the launched ranks, or
+// kept from the checkpoint a run resumes.
+#include "trainer/plan.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "comm/bootstrap.h"
+#include "comm/collectives.h"
+#include "parallel/schedule.h"
+#include "trainer/plan_parts.h"
+#include "trainer/recipe.h"
+#include "trainer/session.h"
+
+namespace trainer {
+
+// ---- parallel.auto ----
+
+namespace {
+
+// The plan rank 0 chose, as the integers it broadcasts: ok, dp, pp, tp, M,
+// schedule, the stage count, then each stage's first block.
+constexpr size_t kMaxAutoStages = 64;
+const char* const kAutoSchedules[] = {"none", "gpipe", "1f1b", "zbh1"};
+
+std::string plan_line(const parallel::Plan& plan) {
+  std::string out = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp, " M=", plan.micro_batches,
+                        " b=", plan.micro_batch_size);
+  if (plan.pp > 1) out += " " + plan.schedule;
+  return cat(out, ": ", plan_number(plan.terms.total() * 1e3), " ms per step");
+}
+
+}  // namespace
+
+namespace {
+
+// The choice join_job_planned broadcasts, from the resolved recipe of a
+// checkpoint written by `world` ranks; empty when it was not (another world
+// size, or a layout the planner does not make: interleaved, an even split).
+std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t size) {
+  const TrainerStateFile saved = read_trainer_state(dir);
+  if (saved.state.layout.world_size() != world || saved.recipe_yaml.empty()) return {};
+  const Recipe was = parse_recipe(saved.recipe_yaml, trainer_state_file(dir));
+  const ParallelRecipe& p = was.parallel;
+  const auto schedule = std::find(std::begin(kAutoSchedules), std::end(kAutoSchedules), p.schedule);
+  const bool listed = p.pp == 1 || (p.stages == "list" && p.stage_starts.size() < kMaxAutoStages);
+  if (!listed || p.virtual_stages != 1 || (p.pp > 1 && schedule == std::end(kAutoSchedules)))
+    return {};
+  std::vector<int64_t> choice(size, 0);
+  const int64_t head[] = {1,
+                          saved.state.layout.mesh.dp,
+                          p.pp,
+                          p.tp,
+                          p.pp > 1 ? p.micro_batches : was.training.grad_accum,
+                          p.pp > 1 ? schedule - std::begin(kAutoSchedules) : 0,
+                          p.pp > 1 ? int64_t(p.stage_starts.size()) + 1 : 0};
+  std::copy(std::begin(head), std::end(head), choice.begin());
+  // As the planner gives them: the first stage's start (0), then the recipe's list.
+  for (size_t k = 0; p.pp > 1 && k < p.stage_starts.size(); ++k)
+    choice[8 + k] = int64_t(p.stage_starts[k]);
+  std::printf(
+      "parallel.auto: keeping the layout of %s, written by the same %d ranks: dp=%lld "
+      "pp=%lld tp=%lld %s=%lld\n",
+      dir.c_str(), world, (long long)head[1], (long long)p.pp, (long long)p.tp,
+      p.pp > 1 ? "micro_batches" : "grad_accum", (long long)head[4]);
+  std::fflush(stdout);
+  return choice;
+}
+
+}  // namespace
+
+Distributed join_job_planned(Recipe& recipe, bool dry_run,
+                             const std::function<std::optional<std::string>()>& resume_from) {
+  const char* unsupported = dry_run                          ? "--dry-run"
+                            : recipe.device != "cpu"         ? "device: cuda (it plans CPU ranks)"
+                            : recipe.parallel.zero1          ? "parallel.zero1"
+                            : recipe.model.name == "lstm_lm" ? "model lstm_lm (its wavefront)"
+                                                             : nullptr;
+  if (unsupported)
+    throw Error(cat(recipe.source, ": parallel.auto is not supported with ", unsupported));
+  // Join as pure data parallelism: the world communicator does not depend on the layout.
+  Recipe provisional = recipe;
+  provisional.parallel.dp = 0;
+  provisional.parallel.pp = 1;
+  provisional.parallel.tp = 1;
+  provisional.parallel.micro_batches = 1;
+  provisional.parallel.virtual_stages = 1;
+  provisional.parallel.schedule = "1f1b";
+  provisional.parallel.stages = "even";
+  provisional.parallel.stage_starts.clear();
+  provisional.parallel.sequence_parallel = false;
+  Distributed joined = join_job(provisional);
+  const int world = joined.world_size();
+  const comm::Bootstrap boot = comm::detect_bootstrap();
+  const int per_node = std::max(1, std::min(world, boot.local_world_size));
+  std::vector<int64_t> choice(7 + kMaxAutoStages, 0);
+  std::string error;
+  if (joined.is_main() && resume_from) {
+    try {
+      const std::optional<std::string> dir = resume_from();
+      std::vector<int64_t> kept =
+          dir ? checkpoint_choice(*dir, world, choice.size()) : std::vector<int64_t>{};
+      if (!kept.empty()) choice = kept;
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  if (joined.is_main() && choice[0] == 0 && error.empty()) {
+    try {
+      std::vector<std::string> notes;
+      const parallel::ModelDesc model = model_for_planning(with_data_vocabulary(recipe), &notes);
+      const parallel::ClusterSpec cluster = this_machine_cluster(world / per_node, per_node);
+      std::unique_ptr<parallel::BlockTimer> timer;
+      parallel::PlanRequest request = cpu_plan_request(recipe, model, cluster, &timer, &notes);
+      request.max_chunks = 1;  // interleaved needs parallel.virtual_stages: not chosen here
+      const parallel::PlanResult result = parallel::plan_cluster(model, request, *timer);
+      std::vector<const parallel::Plan*> usable;
+      for (const parallel::Plan& plan : result.ranked)
+        if (plan.chunks == 1 && plan.stage_starts.size() <= kMaxAutoStages) usable.push_back(&plan);
+      if (usable.empty())
+        throw Error(cat("parallel.auto: no layout of ", world, " ranks fits (trainer plan ",
+                        recipe.source, " --nodes ", world / per_node, " --per-node ", per_node,
+                        " --device cpu says why)"));
+      const parallel::Plan& best = *usable[0];
+      std::printf("parallel.auto: %s predicted%s; %s\n", plan_line(best).c_str(),
+                  usable.size() > 1 ? cat(" (runner-up ", plan_line(*usable[1]), ")").c_str() : "",
+                  notes.back().c_str());
+      std::fflush(stdout);
+      const auto schedule =
+          std::find(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule);
+      const int64_t head[] = {1,
+                              best.dp,
+                              best.pp,
+                              best.tp,
+                              best.micro_batches,
+                              schedule - std::begin(kAutoSchedules),
+                              int64_t(best.stage_starts.size())};
+      std::copy(std::begin(head), std::end(head), choice.begin());
+      for (size_t k = 0; k < best.stage_starts.size(); ++k)
+        choice[7 + k] = int64_t(best.stage_starts[k]);
+    } catch (const Error& e) {
+      error = e.what();
+      choice.assign(choice.size(), 0);
+    }
+  }
+  if (joined.active())
+    comm::broadcast(*joined.world(), choice.data(), choice.size() * sizeof(int64_t), 0);
+  if (choice[0] != 1)
+    throw Error(joined.is_main() ? error : "parallel.auto failed on rank 0 (see its error)");
+  ParallelRecipe& p = recipe.parallel;
+  p.dp = choice[1], p.pp = choice[2], p.tp = choice[3];
+  p.schedule = kAutoSchedules[choice[5]];
+  if (p.pp > 1) {
+    p.micro_batches = choice[4];
+    recipe.training.grad_accum = 1;
+    p.stages = "list";
+    p.stage_starts.assign(choice.begin() + 8, choice.begin() + 7 + choice[6]);
+  } else {
+    p.micro_batches = 1;
+    p.schedule = "1f1b";
+    recipe.training.grad_accum = choice[4];
+  }
+  // As the planner times tp: with sequence parallelism for Transformers.
+  p.sequence_parallel = p.tp > 1 && recipe.model.name == "gpt";
+  Distributed planned;
+  planned.layout = rank_layout(parallel_layout(recipe, world), joined.rank());
+  if (joined.active()) planned.mesh = parallel::Mesh(planned.layout.job.mesh, joined.world());
+  return planned;
+}
+
+}  // namespace trainer
