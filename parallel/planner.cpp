@@ -569,6 +569,9 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
         for (const auto& [schedule, chunks] : schedules) {
           // A plan that fits makes every slower-and-smaller variant of it
           // (more recomputation, ZeRO-1 on) dominated: those are skipped.
+          // With the optimizer timed, ZeRO-1 may be the faster (it updates
+          // 1/dp of the parameters): then it is dominated only by itself.
+          const bool zero1_may_win = request.optimizer_seconds_per_param > 0;
           bool fits[3][2] = {};
           for (Recompute recompute : {Recompute::none, Recompute::selective, Recompute::blocks}) {
             const int level = int(recompute);
@@ -576,9 +579,13 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
             if (recompute != Recompute::none && !request.allow_recompute) continue;
             for (int zero1 = 0; zero1 < 2; ++zero1) {
               if (zero1 && (dp == 1 || !request.allow_zero1)) continue;
+              if (zero1 && request.zero1_as_trained_here &&
+                  (tp > 1 || (pp > 1 && model.tied_params > 0)))
+                continue;
               bool dominated = false;
               for (int l = 0; l <= level; ++l)
-                for (int z = 0; z <= zero1; ++z) dominated = dominated || fits[l][z];
+                for (int z = zero1_may_win ? zero1 : 0; z <= zero1; ++z)
+                  dominated = dominated || fits[l][z];
               if (dominated) {
                 ++result.pruned;
                 continue;

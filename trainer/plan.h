@@ -109,8 +109,8 @@ parallel::ClusterSpec this_machine_cluster(int nodes, int per_node);
 // profiled there, ranks per node from the launcher), prints the choice and
 // the runner-up, and broadcasts it; every rank then sets recipe.parallel
 // (and training.grad_accum) to it and gets the job on that layout. Throws
-// Error "parallel.auto is not supported with ..." for --dry-run, CUDA,
-// parallel.zero1 and the LSTM LM's wavefront. resume_from (called on rank
+// Error "parallel.auto is not supported with ..." for --dry-run, CUDA and
+// the LSTM LM's wavefront. It chooses parallel.zero1 and recompute too. resume_from (called on rank
 // 0 once every rank has joined): the checkpoint the run will resume from;
 // when it was planned for as many ranks as there are now, its layout is
 // kept (no new plan: a noisy profile must not turn a resume into a

@@ -19,14 +19,25 @@ namespace trainer {
 namespace {
 
 // The plan rank 0 chose, as the integers it broadcasts: ok, dp, pp, tp, M,
-// schedule, the stage count, then each stage's first block.
+// schedule, the stage count, ZeRO-1, recomputation, then each stage's
+// first block.
 constexpr size_t kMaxAutoStages = 64;
+constexpr size_t kHead = 9;
 const char* const kAutoSchedules[] = {"none", "gpipe", "1f1b", "zbh1"};
+const char* const kAutoRecompute[] = {"none", "selective", "blocks"};  // parallel::Recompute order
+
+int64_t index_of(const char* const* begin, const char* const* end, const std::string& name) {
+  const auto it = std::find(begin, end, name);
+  return it == end ? -1 : it - begin;
+}
 
 std::string plan_line(const parallel::Plan& plan) {
   std::string out = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp, " M=", plan.micro_batches,
                         " b=", plan.micro_batch_size);
   if (plan.pp > 1) out += " " + plan.schedule;
+  if (plan.zero1) out += " zero1";
+  if (plan.recompute != parallel::Recompute::none)
+    out += " recompute=" + parallel::to_string(plan.recompute);
   return cat(out, ": ", plan_number(plan.terms.total() * 1e3), " ms per step");
 }
 
@@ -42,22 +53,26 @@ std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t
   if (saved.state.layout.world_size() != world || saved.recipe_yaml.empty()) return {};
   const Recipe was = parse_recipe(saved.recipe_yaml, trainer_state_file(dir));
   const ParallelRecipe& p = was.parallel;
-  const auto schedule = std::find(std::begin(kAutoSchedules), std::end(kAutoSchedules), p.schedule);
+  const int64_t schedule =
+      index_of(std::begin(kAutoSchedules), std::end(kAutoSchedules), p.schedule);
+  const int64_t recompute =
+      index_of(std::begin(kAutoRecompute), std::end(kAutoRecompute), p.recompute);
   const bool listed = p.pp == 1 || (p.stages == "list" && p.stage_starts.size() < kMaxAutoStages);
-  if (!listed || p.virtual_stages != 1 || (p.pp > 1 && schedule == std::end(kAutoSchedules)))
-    return {};
+  if (!listed || p.virtual_stages != 1 || (p.pp > 1 && schedule < 0) || recompute < 0) return {};
   std::vector<int64_t> choice(size, 0);
-  const int64_t head[] = {1,
-                          saved.state.layout.mesh.dp,
-                          p.pp,
-                          p.tp,
-                          p.pp > 1 ? p.micro_batches : was.training.grad_accum,
-                          p.pp > 1 ? schedule - std::begin(kAutoSchedules) : 0,
-                          p.pp > 1 ? int64_t(p.stage_starts.size()) + 1 : 0};
+  const int64_t head[kHead] = {1,
+                               saved.state.layout.mesh.dp,
+                               p.pp,
+                               p.tp,
+                               p.pp > 1 ? p.micro_batches : was.training.grad_accum,
+                               p.pp > 1 ? schedule : 0,
+                               p.pp > 1 ? int64_t(p.stage_starts.size()) + 1 : 0,
+                               p.zero1 ? 1 : 0,
+                               recompute};
   std::copy(std::begin(head), std::end(head), choice.begin());
   // As the planner gives them: the first stage's start (0), then the recipe's list.
   for (size_t k = 0; p.pp > 1 && k < p.stage_starts.size(); ++k)
-    choice[8 + k] = int64_t(p.stage_starts[k]);
+    choice[kHead + 1 + k] = int64_t(p.stage_starts[k]);
   std::printf(
       "parallel.auto: keeping the layout of %s, written by the same %d ranks: dp=%lld "
       "pp=%lld tp=%lld %s=%lld\n",
@@ -73,7 +88,6 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
                              const std::function<std::optional<std::string>()>& resume_from) {
   const char* unsupported = dry_run                          ? "--dry-run"
                             : recipe.device != "cpu"         ? "device: cuda (it plans CPU ranks)"
-                            : recipe.parallel.zero1          ? "parallel.zero1"
                             : recipe.model.name == "lstm_lm" ? "model lstm_lm (its wavefront)"
                                                              : nullptr;
   if (unsupported)
@@ -89,11 +103,12 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
   provisional.parallel.stages = "even";
   provisional.parallel.stage_starts.clear();
   provisional.parallel.sequence_parallel = false;
+  provisional.parallel.zero1 = false;
   Distributed joined = join_job(provisional);
   const int world = joined.world_size();
   const comm::Bootstrap boot = comm::detect_bootstrap();
   const int per_node = std::max(1, std::min(world, boot.local_world_size));
-  std::vector<int64_t> choice(7 + kMaxAutoStages, 0);
+  std::vector<int64_t> choice(kHead + kMaxAutoStages, 0);
   std::string error;
   if (joined.is_main() && resume_from) {
     try {
@@ -126,18 +141,19 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
                   usable.size() > 1 ? cat(" (runner-up ", plan_line(*usable[1]), ")").c_str() : "",
                   notes.back().c_str());
       std::fflush(stdout);
-      const auto schedule =
-          std::find(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule);
-      const int64_t head[] = {1,
-                              best.dp,
-                              best.pp,
-                              best.tp,
-                              best.micro_batches,
-                              schedule - std::begin(kAutoSchedules),
-                              int64_t(best.stage_starts.size())};
+      const int64_t head[kHead] = {
+          1,
+          best.dp,
+          best.pp,
+          best.tp,
+          best.micro_batches,
+          index_of(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule),
+          int64_t(best.stage_starts.size()),
+          best.zero1 ? 1 : 0,
+          int64_t(best.recompute)};
       std::copy(std::begin(head), std::end(head), choice.begin());
       for (size_t k = 0; k < best.stage_starts.size(); ++k)
-        choice[7 + k] = int64_t(best.stage_starts[k]);
+        choice[kHead + k] = int64_t(best.stage_starts[k]);
     } catch (const Error& e) {
       error = e.what();
       choice.assign(choice.size(), 0);
@@ -150,11 +166,13 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
   ParallelRecipe& p = recipe.parallel;
   p.dp = choice[1], p.pp = choice[2], p.tp = choice[3];
   p.schedule = kAutoSchedules[choice[5]];
+  p.zero1 = choice[7] != 0;
+  p.recompute = kAutoRecompute[choice[8]];
   if (p.pp > 1) {
     p.micro_batches = choice[4];
     recipe.training.grad_accum = 1;
     p.stages = "list";
-    p.stage_starts.assign(choice.begin() + 8, choice.begin() + 7 + choice[6]);
+    p.stage_starts.assign(choice.begin() + kHead + 1, choice.begin() + kHead + choice[6]);
   } else {
     p.micro_batches = 1;
     p.schedule = "1f1b";

@@ -279,10 +279,11 @@ parallel::PlanRequest cpu_plan_request(const Recipe& recipe, const parallel::Mod
   request.precision = recipe.precision;
   request.bucket_mb = double(recipe.parallel.bucket_mb);
   request.workspace_gib = kCpuWorkspaceGib;
-  // Recomputation is not profiled; ZeRO-1 trades the optimizer's time for
-  // an all-gather, which the dominance pruning does not weigh.
-  request.allow_recompute = false;
-  request.allow_zero1 = false;
+  // Recomputation costs each block's measured forward again; ZeRO-1 the
+  // parameters' all-gather, for 1/dp of the optimizer's measured time.
+  request.allow_recompute = true;
+  request.allow_zero1 = true;
+  request.zero1_as_trained_here = true;
   request.overlap_dp = false;
   CpuProfile profile = profile_for_cpu_plans(recipe, model, cluster.world(), cluster.per_node);
   request.optimizer_seconds_per_param = profile.optimizer_seconds_per_param;
