@@ -229,7 +229,11 @@ class ServerState {
             return;
           }
         }
-        value += delta;
+        if (__builtin_add_overflow(value, delta, &value)) {
+          c.out += reply(kFailed,
+                         cat("adding ", delta, " to the counter '", key, "' overflows 64 bits"));
+          return;
+        }
         kv_[key] = std::to_string(value);
         c.out += reply(kOk, kv_[key]);
         wake_waiters(key);

@@ -298,6 +298,11 @@ void collect_inputs(TensorList& out, const A& a, const Rest&... rest) {
 // A fresh handle on the same data, so Saved may hold forward's result.
 Tensor alias_for_output(const Tensor& t);
 bool any_requires_grad(const TensorList& inputs);
+// run_backward, except that the nodes of captures are not run: the gradient
+// each would get is returned (one per capture, undefined where none arrived)
+// and no grad destination is offered for them (activation checkpointing).
+TensorList run_graph(const TensorList& roots, const TensorList& grads, bool retain_graph,
+                     const std::vector<Edge>& captures);
 void connect(Node& node, const TensorList& inputs);
 }  // namespace detail
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -42,7 +43,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = htons(uint16_t(store.port()));
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) std::abort();
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    std::perror("fuzz_store: connect to the store");
+    std::abort();
+  }
   for (size_t sent = 0; sent < size;) {
     const ssize_t n = ::send(fd, data + sent, size - sent, MSG_NOSIGNAL);
     if (n <= 0) break;  // the server dropped us: fine
@@ -53,6 +57,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   char reply[4096];
   for (pollfd p{fd, POLLIN, 0}; ::poll(&p, 1, 50) == 1;)
     if (::recv(fd, reply, sizeof reply, 0) <= 0) break;
+  // Closed with a reset: a clean close leaves the port in TIME_WAIT for a
+  // minute, and at thousands of inputs a second the loopback's ephemeral
+  // ports run out (connect fails with EADDRNOTAVAIL after ~80k inputs).
+  const linger reset{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
   ::close(fd);
   // Still serving.
   store.set("fuzz/alive", "yes");

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <limits>
 #include <thread>
 
 #include "tests/testing.h"
@@ -113,6 +114,14 @@ TEST_CASE("store: a get times out with an error naming the rank and key", "[comm
   client.set("still", "works");  // the connection survives a timed-out get
   CHECK(client.get("still") == "works");
   CHECK_THROWS_WITH(client.add("still", 1), Catch::Contains("counter"));
+  // A counter past 64 bits is an error, not undefined behaviour (found by fuzz/fuzz_store.cpp).
+  CHECK(client.add("big", std::numeric_limits<int64_t>::max()) ==
+        std::numeric_limits<int64_t>::max());
+  CHECK_THROWS_WITH(client.add("big", 1), Catch::Contains("overflows 64 bits"));
+  CHECK(client.add("small", std::numeric_limits<int64_t>::min()) ==
+        std::numeric_limits<int64_t>::min());
+  CHECK_THROWS_WITH(client.add("small", -1), Catch::Contains("overflows 64 bits"));
+  CHECK(client.add("big", -1) == std::numeric_limits<int64_t>::max() - 1);  // it still counts
 }
 
 TEST_CASE("store: a wrong token is refused while the job continues", "[comm]") {
