@@ -20,7 +20,7 @@ BUILD=$(cd "${BUILD:-$ROOT/build}" && pwd)
 SECONDS_EACH=${1:-60}
 shift || true
 TARGETS=("$@")
-# The store's target (a server over loopback, checked by a client with a 2 s
+# The store's target (a server over loopback, checked by a client with a 10 s
 # deadline) runs by name only: scripts/fuzz.sh 60 store.
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=(recipe safetensors trainer_state idx image)
 CXX=${FUZZ_CXX:-clang++}
