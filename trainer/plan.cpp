@@ -285,7 +285,9 @@ parallel::ClusterSpec load_cluster_file(const std::string& path, parallel::Clust
   }
   for (auto it = root.begin(); it != root.end(); ++it) {
     const std::string key = it->first.as<std::string>();
-    const YAML::Node& value = it->second;
+    // A copy (a Node is a handle): it-> returns a proxy that dies with the
+    // statement, so a reference to its second would dangle (ASan: stack-use-after-scope).
+    const YAML::Node value = it->second;
     const std::string at = where(it->first);
     if (key == "device") continue;
     if (key == "peak_tflops") {
