@@ -94,16 +94,7 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
     throw Error(cat(recipe.source, ": parallel.auto is not supported with ", unsupported));
   // Join as pure data parallelism: the world communicator does not depend on the layout.
   Recipe provisional = recipe;
-  provisional.parallel.dp = 0;
-  provisional.parallel.pp = 1;
-  provisional.parallel.tp = 1;
-  provisional.parallel.micro_batches = 1;
-  provisional.parallel.virtual_stages = 1;
-  provisional.parallel.schedule = "1f1b";
-  provisional.parallel.stages = "even";
-  provisional.parallel.stage_starts.clear();
-  provisional.parallel.sequence_parallel = false;
-  provisional.parallel.zero1 = false;
+  set_plain_layout(provisional.parallel, /*dp=*/0);  // 0: every rank
   Distributed joined = join_job(provisional);
   const int world = joined.world_size();
   const comm::Bootstrap boot = comm::detect_bootstrap();

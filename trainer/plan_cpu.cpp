@@ -25,6 +25,19 @@
 
 namespace trainer {
 
+void set_plain_layout(ParallelRecipe& p, int64_t dp) {
+  p.dp = dp;
+  p.pp = 1;
+  p.tp = 1;
+  p.micro_batches = 1;
+  p.virtual_stages = 1;
+  p.schedule = "1f1b";
+  p.stages = "even";
+  p.stage_starts.clear();
+  p.sequence_parallel = false;
+  p.zero1 = false;
+}
+
 namespace {
 
 // Process-private memory a CPU rank needs beyond the model: the binary,
@@ -74,13 +87,7 @@ std::vector<int64_t> sizes_to_profile(const std::set<int64_t>& needed) {
 Recipe one_process_recipe(Recipe recipe, int64_t samples) {
   recipe.training.global_batch = samples;
   recipe.training.grad_accum = 1;
-  recipe.parallel.dp = 1;
-  recipe.parallel.pp = 1;
-  recipe.parallel.tp = 1;
-  recipe.parallel.micro_batches = 1;
-  recipe.parallel.virtual_stages = 1;
-  recipe.parallel.stages = "even";
-  recipe.parallel.zero1 = false;
+  set_plain_layout(recipe.parallel, /*dp=*/1);
   return recipe;
 }
 

@@ -17,6 +17,10 @@ namespace trainer {
 // A figure in a report: %.6g.
 std::string plan_number(double value);
 
+// Data parallelism over dp ranks and nothing else: one stage, no tp, one
+// micro-batch, no ZeRO-1 (the keys that only matter with pp or tp at defaults).
+void set_plain_layout(ParallelRecipe& p, int64_t dp);
+
 // CPU mode reads the data for a language model's vocabulary (tp must divide
 // it): the recipe with model.vocab_size set from the corpus.
 Recipe with_data_vocabulary(Recipe recipe);
