@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "comm/algorithms.h"
@@ -118,24 +120,81 @@ LinkModel measure_link_model(Communicator& comm) {
   return model;
 }
 
+namespace {
+
+// Every communicator's model, keyed by its members' world ranks: a
+// communicator over the same ranks crosses the same links. Every member made
+// the same communicators, so all find (or miss) an entry alike. Entries are
+// never erased, so references to them stay valid.
+struct ModelCache {
+  std::mutex mutex;
+  std::map<std::vector<int>, LinkModel> models;
+};
+
+ModelCache& model_cache() {
+  static ModelCache cache;
+  return cache;
+}
+
+// TRAINER_LINK_MODEL's model, if set.
+std::optional<LinkModel> environment_model() {
+  static const std::optional<LinkModel> model = []() -> std::optional<LinkModel> {
+    const char* text = std::getenv("TRAINER_LINK_MODEL");
+    if (text == nullptr || *text == '\0') return std::nullopt;
+    return parse_link_model(text);
+  }();
+  return model;
+}
+
+}  // namespace
+
+LinkModel parse_link_model(const std::string& text) {
+  double values[3];
+  size_t at = 0;
+  for (int k = 0; k < 3; ++k) {
+    const size_t end = k < 2 ? text.find(',', at) : text.size();
+    const std::string field = end == std::string::npos ? "" : text.substr(at, end - at);
+    char* rest = nullptr;
+    values[k] = std::strtod(field.c_str(), &rest);
+    if (field.empty() || *rest != '\0' || !std::isfinite(values[k]) || values[k] <= 0)
+      throw Error(cat("TRAINER_LINK_MODEL=", text,
+                      ": expected three positive numbers ALPHA_US,BETA_GBPS,GAMMA_GBPS (the "
+                      "latency of a message in microseconds, the bandwidth of a link and of a "
+                      "reduction in GB/s), e.g. \"2,1.5,12\""));
+    at = end + 1;
+  }
+  return LinkModel{.alpha = values[0] * 1e-6, .beta = 1e-9 / values[1], .gamma = 1e-9 / values[2]};
+}
+
 const LinkModel& link_model(Communicator& comm) {
-  // Keyed by the members' world ranks: a communicator over the same ranks
-  // crosses the same links. Every member made the same communicators, so all
-  // find (or miss) the entry alike.
-  static std::mutex mutex;
-  static std::map<std::vector<int>, LinkModel> cache;
+  ModelCache& cache = model_cache();
   std::vector<int> members(size_t(comm.size()));
   for (int r = 0; r < comm.size(); ++r) members[size_t(r)] = comm.world_rank(r);
   {
-    std::lock_guard lock(mutex);
-    if (auto it = cache.find(members); it != cache.end()) return it->second;
+    std::lock_guard lock(cache.mutex);
+    if (auto it = cache.models.find(members); it != cache.models.end()) return it->second;
   }
-  const LinkModel model = measure_link_model(comm);
+  const std::optional<LinkModel> given = environment_model();
+  const LinkModel model = given ? *given : measure_link_model(comm);
   COMM_LOG(comm.rank() == 0 ? LogLevel::info : LogLevel::debug,
-           "allreduce cost model of communicator ", comm.id(), " (", comm.size(),
-           " ranks), measured in ", int(model.measure_seconds * 1e3 + 0.5), " ms: ", model.str());
-  std::lock_guard lock(mutex);
-  return cache.emplace(std::move(members), model).first->second;
+           "allreduce cost model of communicator ", comm.id(), " (", comm.size(), " ranks), ",
+           given ? std::string("from TRAINER_LINK_MODEL")
+                 : cat("measured in ", int(model.measure_seconds * 1e3 + 0.5), " ms"),
+           ": ", model.str());
+  std::lock_guard lock(cache.mutex);
+  return cache.models.emplace(std::move(members), model).first->second;
+}
+
+std::map<std::vector<int>, LinkModel> link_models() {
+  ModelCache& cache = model_cache();
+  std::lock_guard lock(cache.mutex);
+  return cache.models;
+}
+
+void preset_link_model(const std::vector<int>& members, const LinkModel& model) {
+  ModelCache& cache = model_cache();
+  std::lock_guard lock(cache.mutex);
+  cache.models[members] = model;
 }
 
 double predict_allreduce(AllreduceAlgorithm algorithm, int n, size_t bytes, size_t segment_bytes,

@@ -27,6 +27,7 @@
 //                                 1 << 20, model) * 1e6;
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,23 @@ struct LinkModel {
 const LinkModel& link_model(Communicator& comm);
 // Measures afresh (collective), caching nothing.
 LinkModel measure_link_model(Communicator& comm);
+
+// Where a communicator's model comes from, first found first:
+//   1. a preset one (preset_link_model: a resumed run's, from its checkpoint),
+//      so that a resumed run makes the choices it made before being stopped;
+//   2. TRAINER_LINK_MODEL=ALPHA_US,BETA_GBPS,GAMMA_GBPS (e.g. "2,1.5,12"):
+//      the same constants for every communicator, nothing measured, so that
+//      two runs choose alike;
+//   3. measured (above), on the first call.
+// The model of each set of members (their world ranks) found so far.
+std::map<std::vector<int>, LinkModel> link_models();
+// Makes link_model() of a communicator over `members` (world ranks) return
+// `model`, measured or not before. Every member presets the same, at the same
+// point of its issue order, or none does.
+void preset_link_model(const std::vector<int>& members, const LinkModel& model);
+// TRAINER_LINK_MODEL's model (text as above); Error naming the variable
+// when it is not three positive numbers.
+LinkModel parse_link_model(const std::string& text);
 
 // The model's time for one allreduce of bytes over n ranks; segment_bytes is
 // the tree's pipeline unit. Negative for algorithms it does not model

@@ -9,6 +9,7 @@
 #include "comm/alpha_beta.h"
 #include "comm/collectives.h"
 #include "tests/process.h"
+#include "tests/testing.h"
 
 using namespace trainer;
 using namespace trainer::comm;
@@ -58,6 +59,20 @@ TEST_CASE("comm: the alpha-beta model ranks the algorithms as the textbook does"
   CHECK(predict(AllreduceAlgorithm::shm, 8, large) < 0);
   // Two ranks: one exchange either way, so the simplest is kept.
   CHECK(choose_allreduce(2, 8, segment, model) == AllreduceAlgorithm::recursive_doubling);
+}
+
+TEST_CASE("comm: TRAINER_LINK_MODEL gives the cost model in microseconds and GB/s", "[comm]") {
+  const LinkModel m = parse_link_model("2,1.5,12");
+  CHECK(m.alpha == Approx(2e-6));
+  CHECK(m.beta == Approx(1e-9 / 1.5));
+  CHECK(m.gamma == Approx(1e-9 / 12));
+  CHECK(m.str() == "alpha 2.0 us, beta 1.50 GB/s, gamma 12.00 GB/s");
+  for (const char* bad : {"", "2,1.5", "2,1.5,12,4", "2,0,12", "2,-1,12", "2,x,12", "2,1.5,inf"}) {
+    INFO(bad);
+    CHECK_THAT(testing::error_of([&] { parse_link_model(bad); }),
+               Catch::StartsWith(cat("TRAINER_LINK_MODEL=", bad,
+                                     ": expected three positive numbers ALPHA_US,BETA_GBPS,")));
+  }
 }
 
 TEST_CASE("comm: the traffic of each allreduce algorithm", "[comm]") {

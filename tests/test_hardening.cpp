@@ -287,6 +287,15 @@ TEST_CASE("trainer hardening: trainer_state.json fields of the wrong JSON type a
          j["vocab"] = {1, "a"};
        },
        "missing or wrong field 'vocab': it is string, expected a list of integers"},
+      {[](nlohmann::json& j) {
+         j["link_models"] = {{{"ranks", {0}}, {"alpha_s", 1e-6}, {"beta_s_per_byte", 1e-9}}};
+       },
+       "missing or wrong field 'gamma_s_per_byte': it is missing"},
+      {[](nlohmann::json& j) {
+         j["link_models"] = {{{"ranks", {0, 7}}}};
+       },
+       "missing or wrong field 'link_models.ranks': it is number, expected ranks below the "
+       "world size 1"},
       {[](nlohmann::json& j) { j["recipe"] = 5; },
        "missing or wrong field 'recipe': it is number, expected a string"},
       {[](nlohmann::json& j) { j = nlohmann::json::array(); }, "not a JSON object but array"},

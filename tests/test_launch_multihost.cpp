@@ -37,6 +37,7 @@
 
 #include "bench/programs.h"
 #include "tests/runs.h"
+#include "trainer/checkpoint.h"
 
 using namespace trainer;
 using trainer::testing::ProcessResult;
@@ -447,15 +448,23 @@ TEST_CASE(
     a.push_back("training.checkpoint_every=25");
     return a;
   };
+  // The allreduce algorithms across hosts come from a cost model. Given one
+  // (a second per message: recursive doubling for every bucket), not
+  // measured, the uninterrupted run and the restarted one choose alike
+  // however loaded the machine is.
+  const std::vector<std::pair<std::string, std::string>> slow_links{
+      {"TRAINER_LINK_MODEL", "1000000,1,10"}};
   ProcessResult whole = testing::run_process(
       launch_hosts(hosts, work, {"--master-port", "29502"}, args(work / "whole")),
-      {.timeout_s = 240});
+      {.env = slow_links, .timeout_s = 240});
   INFO(whole.output);
   REQUIRE(whole.code == 0);
 
   const std::string port = cat(30000 + ::getpid() % 20000);
-  testing::Child job = testing::start(launch_hosts(
-      hosts, work, {"--master-port", port, "--max-restarts", "1"}, args(work / "restarted")));
+  testing::Child job =
+      testing::start(launch_hosts(hosts, work, {"--master-port", port, "--max-restarts", "1"},
+                                  args(work / "restarted")),
+                     slow_links);
   const bool killed = kill_rank_after(job, "step 100/", 3, port);
   ProcessResult restarted = testing::finish(job, killed ? 240 : 0);
   INFO(restarted.output);
@@ -469,6 +478,26 @@ TEST_CASE(
         std::string::npos);
   testing::check_models(testing::model_at(work / "whole", 300),
                         testing::model_at(work / "restarted", 300), 0);
+
+  // Resumed where another model would choose the ring for the buckets (1 us
+  // a message, 1 GB/s): the checkpoint's model is kept, and the run ends on
+  // the same bits.
+  const std::vector<std::string> kept =
+      CheckpointDir((work / "restarted" / "checkpoints").string(), 100).complete();
+  REQUIRE(kept.size() >= 2);
+  std::vector<std::string> again = args(work / "again");
+  again.insert(again.begin() + 2, {"--resume", kept.front()});
+  ProcessResult resumed =
+      testing::run_process(launch_hosts(hosts, work, {"--master-port", "29503"}, again),
+                           {.env = {{"TRAINER_LINK_MODEL", "1,1,10"}}, .timeout_s = 240});
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  CHECK(
+      resumed.output.find("node 0 (10.201.0.1): allreduce cost model of ranks 0 1 2 3 kept from "
+                          "the checkpoint: alpha 1000000.0 us, beta 1.00 GB/s, gamma 10.00 GB/s") !=
+      std::string::npos);
+  testing::check_models(testing::model_at(work / "whole", 300),
+                        testing::model_at(work / "again", 300), 0);
 }
 
 TEST_CASE("multihost: mpirun.sh starts 2 ranks on each of two hosts and trains like one process",

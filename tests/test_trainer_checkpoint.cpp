@@ -103,6 +103,8 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
                 .best_metric = 81.5,
                 .nonfinite_skipped = 2,
                 .layout = layout_of(2, 1, 1, true)};
+  // Exact: alpha, beta and gamma as measured (not round numbers).
+  file.state.link_models[{0, 1}] = {.alpha = 1.0 / 3e5, .beta = 1e-9 / 0.7, .gamma = 1e-9 / 13.1};
   file.lr = 0.05;
   file.seed = 7;
   file.vocab = {10, 65, 66};
@@ -118,6 +120,10 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
   CHECK(back.state.best_metric == 81.5);
   CHECK(back.state.nonfinite_skipped == 2);
   CHECK(back.state.layout == file.state.layout);
+  REQUIRE(back.state.link_models.size() == 1);
+  const comm::LinkModel& link = back.state.link_models.at({0, 1});
+  const comm::LinkModel& wrote = file.state.link_models.at({0, 1});
+  CHECK((link.alpha == wrote.alpha && link.beta == wrote.beta && link.gamma == wrote.gamma));
   CHECK(back.lr == 0.05);
   CHECK(back.vocab == file.vocab);
   CHECK(back.recipe_yaml == file.recipe_yaml);
@@ -127,6 +133,7 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
   write_file_atomic(trainer_state_file(dir.string()), j.dump());
   CHECK(read_trainer_state(dir.string()).state.layout == layout_of(3, 1, 1, false));
   j.erase("parallel");
+  j.erase("link_models");  // written with the layout
   write_file_atomic(trainer_state_file(dir.string()), j.dump());
   CHECK(read_trainer_state(dir.string()).state.layout == layout_of(1, 1, 1, false));
   // A layout that does not multiply out to its world.

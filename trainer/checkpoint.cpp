@@ -275,6 +275,11 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
                    {"pp", l.mesh.pp},
                    {"tp", l.mesh.tp},
                    {"zero1", l.zero1}};
+  for (const auto& [ranks, model] : s.link_models)
+    j["link_models"].push_back({{"ranks", ranks},
+                                {"alpha_s", model.alpha},
+                                {"beta_s_per_byte", model.beta},
+                                {"gamma_s_per_byte", model.gamma}});
   if (!file.vocab.empty()) j["vocab"] = file.vocab;
   j["recipe"] = file.recipe_yaml;
   write_file_atomic(trainer_state_file(dir), j.dump(2) + "\n");
@@ -319,6 +324,30 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
     if (int64_t(s.layout.mesh.dp) * s.layout.mesh.pp * s.layout.mesh.tp != world)
       throw Error(cat(path, ": parallel.world_size ", world, " is not dp x pp x tp (",
                       parallel::to_string(s.layout.mesh), "); use an earlier checkpoint"));
+  }
+  if (j.contains("link_models")) {
+    const json& models = j["link_models"];
+    const char* expected = "a list of {ranks, alpha_s, beta_s_per_byte, gamma_s_per_byte}";
+    if (!models.is_array()) fields.wrong_type("link_models", models, expected);
+    for (const json& m : models) {
+      if (!m.is_object() || !m.contains("ranks") || !m["ranks"].is_array())
+        fields.wrong_type("link_models", m, expected);
+      std::vector<int> ranks;
+      for (const json& r : m["ranks"]) {
+        if (!r.is_number_integer() || r.get<int64_t>() < 0 ||
+            r.get<int64_t>() >= s.layout.world_size())
+          fields.wrong_type("link_models.ranks", r,
+                            cat("ranks below the world size ", s.layout.world_size()).c_str());
+        ranks.push_back(int(r.get<int64_t>()));
+      }
+      comm::LinkModel model{.alpha = fields.number(m, "alpha_s"),
+                            .beta = fields.number(m, "beta_s_per_byte"),
+                            .gamma = fields.number(m, "gamma_s_per_byte")};
+      if (!(model.alpha >= 0 && model.beta >= 0 && model.gamma >= 0))
+        throw Error(cat(path, ": link_models: negative cost for ranks ", json(ranks).dump(),
+                        "; use an earlier checkpoint"));
+      s.link_models[std::move(ranks)] = model;
+    }
   }
   if (j.contains("vocab")) {
     const json& vocab = j["vocab"];

@@ -13,7 +13,8 @@
 //     optimizer.rank<r>.safetensors   rank r's shard of it (parallel.zero1)
 //     stream_state.rank<r>.safetensors  rank r's carried LSTM state (contiguous text)
 //     loss_scaler.safetensors the fp16 loss scaler's state (trainer/precision.h)
-//     trainer_state.json      step, epoch, sample position, RNG, recipe, parallel layout
+//     trainer_state.json      step, epoch, sample position, RNG, recipe, parallel layout,
+//                             allreduce cost models
 //   step_00001200.tmp/        being written; never read
 //   latest                    the name of the newest complete checkpoint
 //   best                      the name of the best one (kept by keep-last-k)
@@ -39,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/alpha_beta.h"
 #include "core/tensor.h"
 #include "parallel/mesh.h"
 
@@ -72,6 +74,10 @@ struct TrainState {
   double best_metric = -1;
   int64_t nonfinite_skipped = 0;
   ParallelLayout layout;  // of the run that wrote it
+  // The allreduce cost models its communicators chose algorithms by, keyed
+  // by their members' world ranks (comm/alpha_beta.h): a resumed run on the
+  // same world presets them, so that it chooses as the stopped run did.
+  std::map<std::vector<int>, comm::LinkModel> link_models;
 };
 
 // trainer_state.json: the state and what a reader checks it against.

@@ -1,11 +1,13 @@
 #include "trainer/distributed.h"
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <numeric>
 #include <optional>
 #include <set>
+#include <sstream>
 
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
@@ -444,6 +446,65 @@ bool DistributedRun::any_rank(bool flag) const {
 
 void DistributedRun::barrier() const {
   if (dist_.active()) comm::barrier(*dist_.world());
+}
+
+namespace {
+
+// Link models as text, a line each: "<ranks>|<alpha>|<beta>|<gamma>" with
+// the numbers as hexadecimal floats (exact), the ranks space-separated.
+std::string encode_link_models(const std::map<std::vector<int>, comm::LinkModel>& models) {
+  std::string text;
+  for (const auto& [ranks, m] : models) {
+    for (size_t k = 0; k < ranks.size(); ++k) text += cat(k ? " " : "", ranks[k]);
+    char numbers[128];
+    std::snprintf(numbers, sizeof numbers, "|%a|%a|%a\n", m.alpha, m.beta, m.gamma);
+    text += numbers;
+  }
+  return text;
+}
+
+void decode_link_models(const std::string& text,
+                        std::map<std::vector<int>, comm::LinkModel>& into) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t bar = line.find('|');
+    CHECK(bar != std::string::npos) << "link model record without '|': " << line;
+    std::vector<int> ranks;
+    std::istringstream rank_list(line.substr(0, bar));
+    for (int r; rank_list >> r;) ranks.push_back(r);
+    comm::LinkModel m;
+    CHECK_EQ(std::sscanf(line.c_str() + bar, "|%la|%la|%la", &m.alpha, &m.beta, &m.gamma), 3)
+        << line;
+    into.emplace(std::move(ranks), m);
+  }
+}
+
+}  // namespace
+
+std::map<std::vector<int>, comm::LinkModel> DistributedRun::link_models() const {
+  std::map<std::vector<int>, comm::LinkModel> models = comm::link_models();
+  if (!dist_.active()) return models;
+  // Each rank knows the models of its own communicators: all of them gathered.
+  comm::Communicator& world = *dist_.world();
+  std::string mine = encode_link_models(models);
+  const int64_t length = int64_t(mine.size());
+  std::vector<int64_t> lengths(size_t(world.size()));
+  comm::allgather(world, &length, lengths.data(), sizeof length);
+  const size_t longest = size_t(*std::max_element(lengths.begin(), lengths.end()));
+  if (longest == 0) return models;
+  mine.resize(longest);
+  std::string all(longest * lengths.size(), '\0');
+  comm::allgather(world, mine.data(), all.data(), longest);
+  for (size_t r = 0; r < lengths.size(); ++r)
+    decode_link_models(all.substr(r * longest, size_t(lengths[r])), models);
+  return models;
+}
+
+bool DistributedRun::keep_link_models(const std::map<std::vector<int>, comm::LinkModel>& models,
+                                      int saved) const {
+  if (models.empty() || saved != dist_.world_size()) return false;
+  for (const auto& [ranks, model] : models) comm::preset_link_model(ranks, model);
+  return true;
 }
 
 void DistributedRun::end_trace_window(int64_t steps_done) {

@@ -33,11 +33,13 @@
 // optimizer state.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "comm/alpha_beta.h"
 #include "comm/communicator.h"
 #include "layers/module.h"
 #include "optim/optimizer.h"
@@ -160,6 +162,12 @@ class DistributedRun {
   bool any_rank(bool flag) const;
   // Every rank reaches this point before any continues (checkpoint commits).
   void barrier() const;
+  // The allreduce cost models every rank has found so far, joined
+  // (collective over the world; comm/alpha_beta.h): what a checkpoint keeps.
+  std::map<std::vector<int>, comm::LinkModel> link_models() const;
+  // A resumed checkpoint's models, written by a run over `saved` ranks:
+  // preset (comm::preset_link_model) when this run has as many; true then.
+  bool keep_link_models(const std::map<std::vector<int>, comm::LinkModel>& models, int saved) const;
 
   // Stops recording after the first steps (a long run's trace would be huge).
   void end_trace_window(int64_t steps_done);

@@ -48,6 +48,7 @@ int run_info() {
   loss.backward();
   std::printf("smoke: loss %.6f, |grad| %.6f\n", loss.item<double>(),
               sum(w.grad() * w.grad()).item<double>());
+  return 0;
 }
 
 }  // namespace

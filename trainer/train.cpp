@@ -227,6 +227,7 @@ class TrainLoop {
       CHECK_EQ(made, tmp);
     }
     run_.barrier();
+    state_.link_models = run_.link_models();
     s_.save(tmp, state_);
     if (print_) precision_.save(tmp);
     run_.barrier();
@@ -367,6 +368,14 @@ int train_command(const TrainArgs& args) {
                   (long long)state.step, (long long)state.epoch, (long long)state.position);
       if (!s.resharded().empty()) std::printf("resharded: %s\n", s.resharded().c_str());
     }
+    // The allreduce algorithms chosen as before the stop: the same sums.
+    if (run.keep_link_models(state.link_models, state.layout.world_size()) && main_rank)
+      for (const auto& [ranks, model] : state.link_models) {
+        std::string members;
+        for (int r : ranks) members += cat(members.empty() ? "" : " ", r);
+        std::printf("allreduce cost model of ranks %s kept from the checkpoint: %s\n",
+                    members.c_str(), model.str().c_str());
+      }
   } else if (resume == "auto" && main_rank) {
     std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
   }
