@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -142,6 +143,10 @@ std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
          (tail == 0 || tail_bytes + params[tail].tensor.nbytes() <= options.last_bucket_bytes))
     tail_bytes += params[tail++].tensor.nbytes();
   if (options.last_bucket_bytes == 0 || tail == params.size()) tail = 0;
+  auto alone = [&](const Tensor& p) {
+    return std::any_of(options.own_bucket.begin(), options.own_bucket.end(),
+                       [&](const Tensor& q) { return q.impl() == p.impl(); });
+  };
   std::vector<std::vector<NamedTensor>> groups;
   size_t bytes = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
@@ -149,7 +154,9 @@ std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
     const bool new_dtype =
         !groups.empty() && groups.back().back().tensor.dtype() != it->tensor.dtype();
     const bool tail_starts = size_t(params.rend() - it) == tail;
-    if (groups.empty() || bytes >= cap || new_dtype || tail_starts) {
+    const bool after_alone = !groups.empty() && alone(groups.back().back().tensor);
+    if (groups.empty() || bytes >= cap || new_dtype || tail_starts || after_alone ||
+        alone(it->tensor)) {
       groups.emplace_back();
       bytes = 0;
     }

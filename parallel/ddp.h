@@ -95,6 +95,10 @@ struct DataParallelOptions {
   comm::AllreduceOptions allreduce = {.op = comm::ReduceOp::avg};
   BucketReduceFn reduce = nullptr;  // empty: allreduce(avg) with the options above
   Timeline* timeline = nullptr;     // records each bucket's reduction as a comm span
+  // Parameters that get a bucket of their own: its layout (and a ZeRO-1
+  // shard of it) is then the same wherever the parameter is (a weight tied
+  // across pipeline stages, whose two copies' gradients are added shard by shard).
+  std::vector<Tensor> own_bucket;
 };
 
 // Flat CPU buffers of the given element counts and dtypes in one shared

@@ -262,7 +262,7 @@ struct PlanRequest {
   bool allow_recompute = true;
   bool allow_zero1 = true;
   // Only the ZeRO-1 plans this trainer runs (CPU mode, whose plans it
-  // trains): tp = 1, and no weight tied across pipeline stages.
+  // trains): tp = 1.
   bool zero1_as_trained_here = false;
 };
 

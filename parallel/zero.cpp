@@ -110,6 +110,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
     for (const Bucket& b : *options_.buckets) lists.push_back(b.params);
     segments_ = zero_segments(lists, world_size());
     CHECK_EQ(segments_.size(), options_.buckets->size()) << "ZeRO-1: an empty bucket";
+    // A parameter the module names otherwise (a tied weight's second name)
+    // goes by the optimizer's name, in the pieces and the saved state.
+    std::map<const TensorImpl*, std::string> name_of;
+    for (const NamedTensor& p : all) name_of.emplace(p.tensor.impl(), p.name);
+    for (ZeroSegment& seg : segments_)
+      for (NamedTensor& p : seg.params)
+        if (auto it = name_of.find(p.tensor.impl()); it != name_of.end()) p.name = it->second;
   } else {
     segments_ = zero_segments({all}, world_size());
   }
@@ -285,11 +292,26 @@ void ZeroOptimizer::reduce_gradients() {
   reduced_ = true;
 }
 
+void ZeroOptimizer::update_reduced_gradient(
+    const Tensor& param, const std::function<void(Tensor&, int64_t, int64_t)>& f) {
+  reduce_gradients();
+  for (Piece& p : pieces_) {
+    if (segments_[size_t(p.segment)].params[size_t(p.param)].tensor.impl() != param.impl())
+      continue;
+    f(p.host_grad, p.begin, p.end);
+    if (staged_) p.grad.copy_(p.host_grad);
+  }
+}
+
 double ZeroOptimizer::clip_grad_norm(double max_norm) {
   reduce_gradients();
   double sumsq = 0;
   for (const Piece& p : pieces_) {
     if (!p.value.grad().defined()) continue;
+    const TensorImpl* param = segments_[size_t(p.segment)].params[size_t(p.param)].tensor.impl();
+    if (std::any_of(options_.norm_skips.begin(), options_.norm_skips.end(),
+                    [&](const Tensor& t) { return t.impl() == param; }))
+      continue;
     // The host copy of the block holds the same reduced values.
     sumsq += dtype_ == DType::f64 ? sum_of_squares(p.host_grad.data<double>(), p.host_grad.numel())
                                   : sum_of_squares(p.host_grad.data<float>(), p.host_grad.numel());

@@ -111,6 +111,9 @@ struct ZeroOptions {
   // The gradient norm of clip_grad_norm also sums over these ranks (the
   // other pipeline stages, which hold the model's other parameters); null: none.
   std::shared_ptr<comm::Communicator> norm_also_over = nullptr;
+  // Parameters clip_grad_norm leaves out because another pipeline stage
+  // counts them (the second copy of a weight tied across stages).
+  std::vector<Tensor> norm_skips;
 };
 
 // An optim::Optimizer: the loop steps, clips and checkpoints it as it does
@@ -163,6 +166,15 @@ class ZeroOptimizer final : public optim::Optimizer {
   // saved it: each piece takes its elements. Error naming a missing or
   // misshapen entry, changing nothing.
   void load_whole_state(const std::map<std::string, Tensor>& whole);
+
+  // Calls f on this rank's part of param's averaged gradient (reducing
+  // first): a 1-d host view of elements [begin, end) of the flattened
+  // parameter, which f may change (a staged copy follows). Not called when
+  // this rank's blocks hold none of param. A parameter alone in its segment
+  // (DataParallelOptions::own_bucket) has the same [begin, end) on every
+  // model that holds it.
+  void update_reduced_gradient(
+      const Tensor& param, const std::function<void(Tensor& piece, int64_t begin, int64_t end)>& f);
 
   // The reduction of one DataParallel bucket: its gradients reduce-scattered
   // (averaged) into this rank's block. Used through zero_bucket_reduce().

@@ -197,6 +197,14 @@ namespace {
 
 // The recipe's stage split, the same on every rank: "auto", and any split
 // under parallel.stage_memory_mb, is profiled on world rank 0 and broadcast.
+// The weights tied across stages whose other copy the gradient norm counts.
+std::vector<Tensor> tied_copies_counted_elsewhere(const Session& session) {
+  std::vector<Tensor> out;
+  for (const Session::TiedAcrossStages& t : session.tied_across_stages())
+    if (!t.owner) out.push_back(t.param);
+  return out;
+}
+
 parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   const Recipe& r = session.recipe();
   if (r.parallel.stages != "auto" && r.parallel.stage_memory_mb <= 0)
@@ -243,9 +251,6 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   }
   if (split) {
     session.set_pipeline(*split, dist.layout.coord.pp);
-    if (session.shards_optimizer() && !session.tied_across_stages().empty())
-      throw Error(cat(recipe.source, ": parallel.zero1 with a weight tied across pipeline stages (",
-                      session.tied_across_stages()[0].name, ") is not supported yet"));
     pipeline_ =
         std::make_unique<PipelineRuntime>(*session.pipeline_plan(), dist.layout.coord.pp,
                                           dist.mesh.pp_comm(), session.blocks(), timeline_.get());
@@ -289,6 +294,10 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   // memory on a comm stream, allreduced there and copied back
   // (parallel/device_staging.h). SyncBatchNorm stages its statistics.
   if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
+  // ZeRO-1: a weight tied across stages is sharded alike on both (finish_gradients).
+  if (sharded)
+    for (const Session::TiedAcrossStages& t : session.tied_across_stages())
+      o.own_bucket.push_back(t.param);
 #if TRAINER_HAVE_CUDA
   const Device device = module_device(*model);
   // parallel.gpu_direct: the buckets' device memory goes to UCX, reduced by
@@ -308,7 +317,9 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   };
   zero_ = std::make_shared<parallel::ZeroOptimizer>(
       dp_comm, session.trained_param_groups(), make,
-      parallel::ZeroOptions{.buckets = &dp_->buckets(), .norm_also_over = dist.mesh.pp_comm()});
+      parallel::ZeroOptions{.buckets = &dp_->buckets(),
+                            .norm_also_over = dist.mesh.pp_comm(),
+                            .norm_skips = tied_copies_counted_elsewhere(session)});
   session.set_sharded_optimizer(zero_);
 }
 
@@ -323,32 +334,43 @@ void DistributedRun::finish_gradients() {
   // Sequence parallelism: the LayerNorms' gradient shares added up.
   if (!gradient_shares_.empty()) parallel::sum_partial_gradients(gradient_shares_, *tp_);
   if (!pipeline_) return;
-  // Both stages compute own + other's: the same bits on both (a + b == b + a).
+  // A weight tied across stages: each copy's gradient plus the other's.
+  // Under ZeRO-1 each rank holds its shard of the averaged gradient only; the
+  // weight has a bucket of its own on both stages, so the shards are the
+  // same elements there and are added shard by shard.
   const auto& tied = session_->tied_across_stages();
-  comm::Communicator& pp = *dist_.mesh.pp_comm();
   for (size_t k = 0; k < tied.size(); ++k) {
     const Session::TiedAcrossStages& t = tied[k];
+    if (zero_) {
+      zero_->update_reduced_gradient(
+          t.param, [&](Tensor& piece, int64_t, int64_t) { add_tied_gradient(k, piece); });
+      continue;
+    }
+    if (!t.param.grad().defined()) t.param.set_grad(zeros_like(t.param));
     Tensor grad = t.param.grad();
-    if (!grad.defined()) {
-      t.param.set_grad(zeros_like(t.param));
-      grad = t.param.grad();
-    }
-    Tensor mine = grad.contiguous().clone(), theirs = empty_like(mine);
-    const comm::P2PTag tag{.micro_batch = (int64_t(1) << comm::P2PTag::kMicroBatchBits) - 1,
-                           .direction = comm::P2PDirection::gradient,
-                           .stream = int64_t(k)};
-    comm::Work sent = pp.send(mine, t.peer, tag);
-    comm::Work got = pp.recv(theirs, t.peer, tag);
-    try {
-      got.wait();
-      sent.wait();
-    } catch (const Error& e) {
-      throw Error(cat("pipeline stage ", dist_.layout.coord.pp, ", exchanging the gradient of ",
-                      t.name, " (tied across stages) with stage ", t.peer, ": ", e.what()));
-    }
-    autograd::NoGradGuard no_grad;
-    add_(grad, theirs);
+    add_tied_gradient(k, grad);
   }
+}
+
+void DistributedRun::add_tied_gradient(size_t k, Tensor& grad) const {
+  // Both stages compute own + other's: the same bits on both (a + b == b + a).
+  const Session::TiedAcrossStages& t = session_->tied_across_stages()[k];
+  comm::Communicator& pp = *dist_.mesh.pp_comm();
+  Tensor mine = grad.contiguous().clone(), theirs = empty_like(mine);
+  const comm::P2PTag tag{.micro_batch = (int64_t(1) << comm::P2PTag::kMicroBatchBits) - 1,
+                         .direction = comm::P2PDirection::gradient,
+                         .stream = int64_t(k)};
+  comm::Work sent = pp.send(mine, t.peer, tag);
+  comm::Work got = pp.recv(theirs, t.peer, tag);
+  try {
+    got.wait();
+    sent.wait();
+  } catch (const Error& e) {
+    throw Error(cat("pipeline stage ", dist_.layout.coord.pp, ", exchanging the gradient of ",
+                    t.name, " (tied across stages) with stage ", t.peer, ": ", e.what()));
+  }
+  autograd::NoGradGuard no_grad;
+  add_(grad, theirs);
 }
 
 double DistributedRun::clip_gradients(double max_norm) const {

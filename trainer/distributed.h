@@ -179,6 +179,9 @@ class DistributedRun {
   // Pipeline: every stage's tensors broadcast from the stage holding them,
   // so each rank holds the whole trained model (evaluation).
   void gather_pipeline_model() const;
+  // Adds the other stage's gradient of tied weight k (tied_across_stages) to
+  // grad, which that stage exchanges too (collective over the pair).
+  void add_tied_gradient(size_t k, Tensor& grad) const;
 
   Distributed dist_;
   Session* session_ = nullptr;

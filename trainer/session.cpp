@@ -465,6 +465,17 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
       optim_file = optimizer_file(dir, true, layout_.rank);
       for (NamedTensor& t : read_optimizer(dir, true, layout_.rank))
         optim_tensors.emplace(t.name, std::move(t.tensor));
+      // A weight tied across stages has its state saved once, by the owning
+      // stage's rank of this dp (and tp) coordinate: its shard holds the same
+      // elements (the weight has a bucket of its own on both stages).
+      for (const TiedAcrossStages& t : tied_) {
+        if (t.owner) continue;
+        parallel::MeshCoord owner = layout_.coord;
+        owner.pp = t.peer;
+        const int owner_rank = parallel::mesh_rank(layout_.job.mesh, owner);
+        for (NamedTensor& e : read_optimizer(dir, true, owner_rank))
+          if (e.name.starts_with(t.name + ".")) optim_tensors.emplace(e.name, std::move(e.tensor));
+      }
     } else if (saved.zero1) {
       // Every rank's shard, joined into whole tensors.
       std::map<std::string, Shape> shapes;
