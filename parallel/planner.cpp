@@ -579,7 +579,6 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
             if (recompute != Recompute::none && !request.allow_recompute) continue;
             for (int zero1 = 0; zero1 < 2; ++zero1) {
               if (zero1 && (dp == 1 || !request.allow_zero1)) continue;
-              if (zero1 && request.zero1_as_trained_here && tp > 1) continue;
               bool dominated = false;
               for (int l = 0; l <= level; ++l)
                 for (int z = zero1_may_win ? zero1 : 0; z <= zero1; ++z)

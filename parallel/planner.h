@@ -261,9 +261,6 @@ struct PlanRequest {
   bool overlap_dp = true;
   bool allow_recompute = true;
   bool allow_zero1 = true;
-  // Only the ZeRO-1 plans this trainer runs (CPU mode, whose plans it
-  // trains): tp = 1.
-  bool zero1_as_trained_here = false;
 };
 
 struct StepTerms {

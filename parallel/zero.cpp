@@ -319,9 +319,10 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
   if (world_size() > 1)
     comm::allreduce(*comm_, &sumsq, 1, DType::f64,
                     {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
-  if (options_.norm_also_over && options_.norm_also_over->size() > 1)
-    comm::allreduce(*options_.norm_also_over, &sumsq, 1, DType::f64,
-                    {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
+  for (const std::shared_ptr<comm::Communicator>& over : options_.norm_also_over)
+    if (over && over->size() > 1)
+      comm::allreduce(*over, &sumsq, 1, DType::f64,
+                      {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
   double norm = std::sqrt(sumsq);
   double factor = max_norm / (norm + 1e-6);  // optim::clip_grad_norm's rule
   if (!(factor >= 1.0))

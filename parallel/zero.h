@@ -108,11 +108,13 @@ struct ZeroOptions {
   // over the shared-memory channel instead of the ring. Every rank must pass
   // the same value (creation is collective).
   bool shared_buffers = true;
-  // The gradient norm of clip_grad_norm also sums over these ranks (the
-  // other pipeline stages, which hold the model's other parameters); null: none.
-  std::shared_ptr<comm::Communicator> norm_also_over = nullptr;
-  // Parameters clip_grad_norm leaves out because another pipeline stage
-  // counts them (the second copy of a weight tied across stages).
+  // The gradient norm of clip_grad_norm also sums over these communicators
+  // (the other pipeline stages, the other tensor-parallel ranks: they hold
+  // the model's other parameters, or other parts of them); nulls are skipped.
+  std::vector<std::shared_ptr<comm::Communicator>> norm_also_over;
+  // Parameters clip_grad_norm leaves out because another rank counts them
+  // (the second copy of a weight tied across pipeline stages; a parameter
+  // every tensor-parallel rank holds whole, counted by the first).
   std::vector<Tensor> norm_skips;
 };
 

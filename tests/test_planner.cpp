@@ -460,7 +460,7 @@ TEST_CASE("trainer plan --device cpu: a tiny GPT profiled here, every layout of 
   REQUIRE(r.code == 0);
   // A header, dp=2 (M 1, 2; with and without ZeRO-1: with the optimizer
   // timed, neither dominates), pp=2 (gpipe, 1f1b, zbh1 at M 1, 2, 4; 2 layers
-  // make no interleaved chunks; dp = 1 has nothing to shard), tp=2 (M 1, 2, 4; no ZeRO-1 with tp).
+  // make no interleaved chunks; dp = 1 has nothing to shard), tp=2 (M 1, 2, 4).
   // Recomputation is slower and everything fits: dominated.
   CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1 + 2 * 2 + 9 + 3);
   CHECK(r.output.find("\n1\t2\t1\t2\t2\t1f1b\t1\t0\tnone\t") != std::string::npos);

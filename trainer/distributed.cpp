@@ -66,10 +66,6 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                       std::min<int64_t>(p.tp, r.model.n_layer),
                       " parallel.schedule=wavefront parallel.time_chunks=4 (the sequence cut "
                       "into time chunks that flow through the layers as a wavefront)"));
-    if (p.zero1)
-      throw Error(cat(r.source, ": parallel.zero1 with parallel.tp = ", p.tp,
-                      " is not supported (ZeRO-1 shards whole parameters over the dp ranks); "
-                      "set parallel.zero1=false"));
     if (r.device == "cuda")
       throw Error(cat(r.source, ": parallel.tp = ", p.tp,
                       " with device cuda: tensor-parallel layers run on CPU tensors only; use "
@@ -315,11 +311,17 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   auto make = [&recipe](std::vector<optim::ParamGroup> groups) {
     return make_optimizer(recipe, std::move(groups));
   };
+  // The gradient norm: every stage's parameters, every tensor-parallel
+  // rank's parts of the split ones, the whole ones once.
+  std::vector<Tensor> skips = tied_copies_counted_elsewhere(session);
+  if (tp_ && dist.layout.coord.tp != 0)
+    for (const Tensor& p : model->parameters())
+      if (!sharded_.count(p.impl())) skips.push_back(p);
   zero_ = std::make_shared<parallel::ZeroOptimizer>(
       dp_comm, session.trained_param_groups(), make,
       parallel::ZeroOptions{.buckets = &dp_->buckets(),
-                            .norm_also_over = dist.mesh.pp_comm(),
-                            .norm_skips = tied_copies_counted_elsewhere(session)});
+                            .norm_also_over = {dist.mesh.pp_comm(), dist.mesh.tp_comm()},
+                            .norm_skips = std::move(skips)});
   session.set_sharded_optimizer(zero_);
 }
 
@@ -331,8 +333,15 @@ parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
 
 void DistributedRun::finish_gradients() {
   if (dp_) dp_->finish();
-  // Sequence parallelism: the LayerNorms' gradient shares added up.
-  if (!gradient_shares_.empty()) parallel::sum_partial_gradients(gradient_shares_, *tp_);
+  // Sequence parallelism: the LayerNorms' gradient shares added up (under
+  // ZeRO-1 this rank's shard of them: the tensor-parallel ranks' buckets,
+  // and so their shards, are laid out alike).
+  if (!gradient_shares_.empty() && zero_)
+    for (const Tensor& p : gradient_shares_)
+      zero_->update_reduced_gradient(
+          p, [&](Tensor& piece, int64_t, int64_t) { tp_->allreduce(piece, false); });
+  else if (!gradient_shares_.empty())
+    parallel::sum_partial_gradients(gradient_shares_, *tp_);
   if (!pipeline_) return;
   // A weight tied across stages: each copy's gradient plus the other's.
   // Under ZeRO-1 each rank holds its shard of the averaged gradient only; the

@@ -299,7 +299,9 @@ void Session::save(const std::string& dir, const TrainState& state) const {
     const bool writes = layout_.coord.dp == 0 && layout_.coord.tp == 0;
     std::vector<NamedTensor> model =
         parallel::gather_whole(plan_ ? stage_module_->state() : model_->state(), *model_, *tp_);
-    std::vector<NamedTensor> optim = parallel::gather_whole(optimizer_->state(), *model_, *tp_);
+    // ZeRO-1: every rank writes its shard of its part, as it holds it.
+    std::vector<NamedTensor> optim =
+        sharded ? optimizer_->state() : parallel::gather_whole(optimizer_->state(), *model_, *tp_);
     if (plan_) {
       part.model_part = part.optimizer_part = stage_;
       part.model_parts = part.optimizer_parts = plan_->split().stages;
@@ -308,10 +310,8 @@ void Session::save(const std::string& dir, const TrainState& state) const {
           std::erase_if(optim,
                         [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
     }
-    if (writes) {
-      part.model = std::move(model);
-      part.optimizer = std::move(optim);
-    }
+    if (writes) part.model = std::move(model);
+    if (writes || sharded) part.optimizer = std::move(optim);
   } else if (!plan_) {
     // Every rank holds the whole replicated model: rank 0 writes it.
     if (main) part.model = model_->state();
@@ -477,6 +477,13 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
           if (e.name.starts_with(t.name + ".")) optim_tensors.emplace(e.name, std::move(e.tensor));
       }
     } else if (saved.zero1) {
+      // Shards of tensor-parallel parts carry the part's element ranges, which
+      // another split would not share.
+      if (saved.mesh.tp > 1)
+        throw Error(cat(dir, " holds ZeRO-1 shards of tensor-parallel parts (",
+                        parallel::to_string(saved.mesh),
+                        ", zero1): it resumes on that layout only, not with ", changes,
+                        "; resume with the layout it was written with"));
       // Every rank's shard, joined into whole tensors.
       std::map<std::string, Shape> shapes;
       for (const NamedTensor& p : global_params_) shapes[p.name] = p.tensor.shape();
@@ -489,7 +496,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     }
     check_finite(optim_tensors, optim_file, recipe_.training.allow_non_finite);
     model_->upgrade_loaded_state(optim_tensors, optim_file);
-    if (tp_) parallel::take_shards(optim_tensors, *model_);
+    if (tp_ && !(saved.zero1 && changes.empty())) parallel::take_shards(optim_tensors, *model_);
     // A whole optimizer state (one file, or one part per stage) holds every
     // parameter's entries: a stage takes its own, whatever layout wrote them.
     if (!shards_optimizer()) {
