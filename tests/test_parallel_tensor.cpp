@@ -198,6 +198,33 @@ TEST_CASE("tensor parallel: pp 2 x tp 2 trains as one process with gradient accu
   check_models(model_at(a, 6), model_at(b, 6), 1e-5);
 }
 
+TEST_CASE(
+    "mesh: GPT on dp 2 x pp 2 x tp 2 (8 ranks) with ZeRO-1 and sequence parallelism trains "
+    "as one process",
+    "[parallel][mp]") {
+  // All three dimensions: the head tied to the embedding across the stages,
+  // each tensor-parallel rank's part sharded over its dp group, clipped.
+  const std::vector<std::string> common = {
+      "training.steps=6",       "optimizer.name=sgd",           "optimizer.lr=0.3",
+      "optimizer.momentum=0.9", "optimizer.clip_grad_norm=0.5", "training.checkpoint_every=6"};
+  const std::string a = run_dir("mesh_ref"), b = run_dir("mesh8");
+  std::vector<std::string> one = common, mesh = common;
+  one.push_back("training.grad_accum=2");
+  mesh.insert(mesh.end(),
+              {"parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.micro_batches=1",
+               "parallel.zero1=true", "parallel.sequence_parallel=true"});
+  testing::ProcessResult ra = run_ranks(1, gpt_args(a, one));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  testing::ProcessResult rb = run_ranks(8, gpt_args(b, mesh));
+  INFO(rb.output);
+  REQUIRE(rb.code == 0);
+  CHECK(rb.output.find("parallel layout: world 8 (dp=2, pp=2, tp=2, zero1)") != std::string::npos);
+  check_close(step_log(a).loss, step_log(b).loss, 1e-5, "loss");
+  check_close(step_log(a).grad_norm, step_log(b).grad_norm, 1e-5, "gradient norm");
+  check_models(model_at(a, 6), model_at(b, 6), 1e-5);
+}
+
 TEST_CASE("tensor parallel: a tp 2 checkpoint resumes bit for bit and loads at tp 1 and 4",
           "[parallel][mp]") {
   SECTION("resumed at tp 2, with dropout inside and outside the split regions") {
