@@ -162,15 +162,29 @@ TEST_CASE(
   REQUIRE(rc2.code == 0);
   CHECK(std::regex_search(rc2.output, std::regex("resumed from \\S+ at step [2-5] ")));
   check_models(model_at(b, 6), model_at(c, 6), 0);
-  // Another layout: its shards' element ranges are the parts', so an error.
-  std::vector<std::string> other = common;
-  other.insert(other.end(), {"--resume", c + "/checkpoints/" + CheckpointDir::step_name(4)});
-  testing::ProcessResult rd = run_ranks(4, gpt_args(run_dir("zero_other"), other));
-  INFO(rd.output);
-  CHECK(rd.code != 0);
-  CHECK(rd.output.find("holds ZeRO-1 shards of tensor-parallel parts (dp=2, pp=1, tp=2, zero1): "
-                       "it resumes on that layout only, not with zero1 on -> off") !=
-        std::string::npos);
+  // Continued from step 4 on other layouts: each tp rank's shards joined
+  // into its parts, the parts into whole tensors, re-sliced (dp 2 with
+  // ZeRO-1 at tp 1; one process). Within float tolerance of b.
+  const std::string from = c + "/checkpoints/" + CheckpointDir::step_name(4);
+  for (const bool one : {false, true}) {
+    DYNAMIC_SECTION((one ? "one process" : "dp 2, ZeRO-1, tp 1")) {
+      std::vector<std::string> other = {"training.steps=6",
+                                        "training.checkpoint_every=2",
+                                        "optimizer.name=adamw",
+                                        "optimizer.lr=0.003",
+                                        "optimizer.clip_grad_norm=0.5",
+                                        "--resume",
+                                        from};
+      if (!one) other.insert(other.end(), {"parallel.dp=2", "parallel.zero1=true"});
+      const std::string d = run_dir(one ? "zero_to_one" : "zero_to_dp");
+      testing::ProcessResult rd = run_ranks(one ? 1 : 2, gpt_args(d, other));
+      INFO(rd.output);
+      REQUIRE(rd.code == 0);
+      CHECK(rd.output.find(one ? "resharded: dp 2 -> 1, tp 2 -> 1, zero1 on -> off"
+                               : "resharded: tp 2 -> 1") != std::string::npos);
+      check_models(model_at(b, 6), model_at(d, 6), 1e-5);
+    }
+  }
 }
 
 TEST_CASE("tensor parallel: pp 2 x tp 2 trains as one process with gradient accumulation",

@@ -93,6 +93,47 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
   CHECK(r.shards_optimizer());
 }
 
+TEST_CASE(
+    "checkpoint: ZeRO-1 shards of tensor-parallel parts join into whole tensors, or are named",
+    "[checkpoint]") {
+  // dp 2 x tp 2: w [4, 3] split on dim 0 (rows 0-1 on tp rank 0, 2-3 on
+  // tp rank 1), b [3] whole on both; each dp rank holds half of each part's
+  // flattened elements. Written as a run would: both tp ranks write b.
+  fs::path dir = fresh_temp_dir("ckpt_zero_tp");
+  const std::vector<float> w = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, b = {20, 21, 22};
+  auto slice = [](const std::vector<float>& v, int64_t from, int64_t to) {
+    return from_vector(std::vector<float>(v.begin() + from, v.begin() + to), {to - from});
+  };
+  const std::map<std::string, Shape> shapes = {{"w", {4, 3}}, {"b", {3}}};
+  for (int tp = 0; tp < 2; ++tp)
+    for (int dp = 0; dp < 2; ++dp) {
+      const int64_t part = 6 * tp;  // the part's first element in w
+      std::vector<NamedTensor> shard = {
+          {cat("w.exp_avg[", 3 * dp, ":", 3 * dp + 3, "]"),
+           slice(w, part + 3 * dp, part + 3 * dp + 3)},
+          {dp == 0 ? "b.exp_avg[0:2]" : "b.exp_avg[2:3]",
+           dp == 0 ? slice(b, 0, 2) : slice(b, 2, 3)},
+          {cat("w.step[", 3 * dp, ":", 3 * dp + 3, "]"), scalar_tensor(7.0f)}};
+      write_safetensors(cat(dir.string(), "/optimizer.rank", 2 * dp + tp, ".safetensors"), shard,
+                        {{"tp", cat(tp, " 2")}, {"tp_split.w", "0 1"}});
+    }
+  std::map<std::string, Tensor> whole = read_sharded_optimizer_whole(dir.string(), shapes);
+  CHECK(whole.at("w.exp_avg").shape() == Shape{4, 3});
+  CHECK(whole.at("w.exp_avg").to_vector<float>() == w);
+  CHECK(whole.at("b.exp_avg").to_vector<float>() == b);
+  CHECK(whole.at("w.step").item<float>() == 7.0f);
+  // A part's file missing: its elements are named as uncovered.
+  fs::remove(dir / "optimizer.rank3.safetensors");
+  CHECK_THAT(error_of([&] { read_sharded_optimizer_whole(dir.string(), shapes); }),
+             Catch::Contains("the ZeRO-1 shards of 'w.exp_avg' (tensor-parallel part 1) cover 3 "
+                             "of 6 elements"));
+  // Metadata that is no layout.
+  write_safetensors((dir / "optimizer.rank3.safetensors").string(),
+                    {{"w.exp_avg[3:6]", slice(w, 9, 12)}}, {{"tp", "2 2"}});
+  CHECK_THAT(error_of([&] { read_sharded_optimizer_whole(dir.string(), shapes); }),
+             Catch::Contains("metadata 'tp' = '2 2' is not the tensor-parallel layout"));
+}
+
 TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full layout",
           "[checkpoint]") {
   fs::path dir = fresh_temp_dir("ckpt_state");

@@ -11,6 +11,7 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "data/files.h"
+#include "layers/tensor_parallel.h"
 #include "trainer/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -377,10 +378,50 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
   return out;
 }
 
+namespace {
+
+// A shard file's tensor-parallel metadata (CheckpointPart::optimizer_metadata).
+struct ShardFileTp {
+  int rank = 0, size = 1;
+  std::map<std::string, std::pair<int, int>> splits;  // param -> (dim, parts)
+};
+
+ShardFileTp shard_file_tp(const std::map<std::string, std::string>& metadata,
+                          const std::string& path) {
+  ShardFileTp tp;
+  auto bad = [&](const std::string& key, const std::string& value) {
+    return Error(cat(path, ": metadata '", key, "' = '", value,
+                     "' is not the tensor-parallel layout of a ZeRO-1 shard; use an earlier "
+                     "checkpoint"));
+  };
+  if (auto it = metadata.find("tp"); it != metadata.end())
+    if (std::sscanf(it->second.c_str(), "%d %d", &tp.rank, &tp.size) != 2 || tp.size < 1 ||
+        tp.rank < 0 || tp.rank >= tp.size)
+      throw bad(it->first, it->second);
+  const std::string prefix = "tp_split.";
+  for (const auto& [key, value] : metadata) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    int dim = 0, parts = 0;
+    if (std::sscanf(value.c_str(), "%d %d", &dim, &parts) != 2 || dim < 0 || parts < 1)
+      throw bad(key, value);
+    tp.splits[key.substr(prefix.size())] = {dim, parts};
+  }
+  return tp;
+}
+
+}  // namespace
+
 std::map<std::string, Tensor> read_sharded_optimizer_whole(
     const std::string& dir, const std::map<std::string, Shape>& shapes) {
-  std::map<std::string, Tensor> whole;
-  std::map<std::string, int64_t> covered;  // elements received per entry
+  // Per entry, the flat tensor of each tensor-parallel part (one, size 1,
+  // unless the parameter was split), and the elements each part received.
+  struct Joined {
+    ParameterSplit split;  // size 1: not split
+    std::vector<Tensor> parts;
+    std::vector<int64_t> covered;
+    Tensor step;  // a step count: the same in every shard
+  };
+  std::map<std::string, Joined> joined;
   int files = 0;
   std::vector<fs::path> paths;
   checked_fs(dir, [&] {
@@ -394,7 +435,9 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
       continue;
     ++files;
     const std::string path = e.string();
-    for (const auto& [name, t] : read_safetensors(path).tensors) {
+    SafetensorsFile f = read_safetensors(path);
+    const ShardFileTp tp = shard_file_tp(f.metadata, path);
+    for (const auto& [name, t] : f.tensors) {
       if (name.rfind("zero1.rank", 0) == 0) continue;  // the shard's layout record
       const size_t open = name.rfind('[');
       long long begin = 0, end = 0;
@@ -403,31 +446,70 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
         throw Error(cat(path, ": entry '", name, "' is not a ZeRO-1 shard (<param>.<slot>[b:e])"));
       const std::string entry = name.substr(0, open);
       const size_t dot = entry.rfind('.');
-      auto shape = dot == std::string::npos ? shapes.end() : shapes.find(entry.substr(0, dot));
+      const std::string param = dot == std::string::npos ? "" : entry.substr(0, dot);
+      auto shape = shapes.find(param);
       if (shape == shapes.end())
         throw Error(cat(path, ": entry '", name, "' is of no parameter of this model"));
-      if (t.dim() == 0) {  // a step count: the same in every shard
-        whole[entry] = t;
+      Joined& j = joined[entry];
+      if (t.dim() == 0) {
+        j.step = t;
         continue;
       }
-      const int64_t numel = shape_numel(shape->second);
+      auto split = tp.splits.find(param);
+      // A parameter every tp rank holds whole: tp rank 0's shards.
+      if (split == tp.splits.end() && tp.rank != 0) continue;
+      ParameterSplit s;
+      if (split != tp.splits.end()) {
+        s = {.kind = ParameterSplit::Kind::sharded,
+             .dim = split->second.first,
+             .parts = split->second.second,
+             .rank = tp.rank,
+             .size = tp.size};
+        if (size_t(s.dim) >= shape->second.size() ||
+            shape->second[size_t(s.dim)] % (int64_t(s.parts) * s.size) != 0)
+          throw Error(cat(path, ": entry '", name, "' is split over ", s.size, " ranks on dim ",
+                          s.dim, ", which parameter '", param, "' ", shape_str(shape->second),
+                          " does not divide into"));
+      }
+      if (j.parts.empty()) {
+        j.split = s;
+        j.parts.resize(size_t(s.size));
+        j.covered.assign(size_t(s.size), 0);
+      } else if (j.split.size != s.size || j.split.dim != s.dim || j.split.parts != s.parts) {
+        throw Error(cat(path, ": entry '", name, "' is split unlike the other ranks' shards of '",
+                        entry, "'; use an earlier checkpoint"));
+      }
+      const int64_t numel = shape_numel(shape->second) / s.size;
       if (end > numel || t.numel() != end - begin)
-        throw Error(cat(path, ": entry '", name, "' does not fit parameter '", entry.substr(0, dot),
-                        "' of ", numel, " elements"));
-      Tensor& w = whole[entry];
+        throw Error(cat(path, ": entry '", name, "' does not fit parameter '", param, "' of ",
+                        numel, " elements", s.size > 1 ? " in each tensor-parallel part" : ""));
+      const size_t part = size_t(s.size > 1 ? s.rank : 0);
+      Tensor& w = j.parts[part];
       if (!w.defined()) w = zeros({numel}, t.dtype());
       w.narrow(0, begin, end - begin).copy_(t.reshape({-1}));
-      covered[entry] += end - begin;
+      j.covered[part] += end - begin;
     }
   }
   if (files == 0) throw Error(cat(dir, ": no optimizer.rank<r>.safetensors (ZeRO-1 shards)"));
-  for (auto& [entry, t] : whole) {
-    if (t.dim() == 0) continue;
+  std::map<std::string, Tensor> whole;
+  for (auto& [entry, j] : joined) {
+    if (j.parts.empty()) {
+      whole[entry] = j.step;
+      continue;
+    }
     const Shape& shape = shapes.at(entry.substr(0, entry.rfind('.')));
-    if (covered[entry] != shape_numel(shape))
-      throw Error(cat(dir, ": the ZeRO-1 shards of '", entry, "' cover ", covered[entry], " of ",
-                      shape_numel(shape), " elements; is a rank's optimizer file missing?"));
-    t = t.reshape(shape);
+    Shape part_shape = shape;
+    if (j.split.size > 1) part_shape[size_t(j.split.dim)] /= j.split.size;
+    TensorList parts;
+    for (size_t r = 0; r < j.parts.size(); ++r) {
+      if (j.covered[r] != shape_numel(part_shape))
+        throw Error(cat(dir, ": the ZeRO-1 shards of '", entry, "'",
+                        j.split.size > 1 ? cat(" (tensor-parallel part ", r, ")") : "", " cover ",
+                        j.covered[r], " of ", shape_numel(part_shape),
+                        " elements; is a rank's optimizer file missing?"));
+      parts.push_back(j.parts[r].reshape(part_shape));
+    }
+    whole[entry] = parts.size() == 1 ? parts[0] : unshard(parts, j.split);
   }
   return whole;
 }
@@ -442,7 +524,7 @@ void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPar
     write_safetensors(part.optimizer_sharded || part.optimizer_parts == 1
                           ? optimizer_file(dir, part.optimizer_sharded, rank)
                           : optimizer_part_file(dir, part.optimizer_part, part.optimizer_parts),
-                      *part.optimizer);
+                      *part.optimizer, part.optimizer_metadata);
   if (part.stream_state) write_safetensors(stream_state_file(dir, rank), *part.stream_state);
 }
 

@@ -104,7 +104,10 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
 // A ZeRO-1 checkpoint's optimizer state as whole tensors: the shards of
 // every rank's optimizer.rank<r>.safetensors ("<param>.<slot>[b:e]") joined
 // into "<param>.<slot>" of the parameter's shape (from `shapes`, by name),
-// step counts as they are. Error naming the file for a shard of an unknown
+// step counts as they are. Written under tensor parallelism (metadata, see
+// CheckpointPart), each tp rank's shards are joined into its part first and
+// the parts into the whole; a parameter every tp rank holds whole is taken
+// from tp rank 0's files. Error naming the file for a shard of an unknown
 // parameter, or when the shards leave a parameter's elements uncovered (a
 // rank's file missing).
 std::map<std::string, Tensor> read_sharded_optimizer_whole(
@@ -120,6 +123,11 @@ struct CheckpointPart {
   // optimizer_part of optimizer_parts: a pipeline stage's parameters) or its shard.
   std::optional<std::vector<NamedTensor>> optimizer;
   bool optimizer_sharded = false;
+  // The optimizer file's metadata. ZeRO-1 under tensor parallelism:
+  // "tp" = "<rank> <size>" of the writer, and "tp_split.<param>" = "<dim>
+  // <parts>" for each parameter split over the group, whose shards' element
+  // ranges then count in the writer's part (read_sharded_optimizer_whole).
+  std::map<std::string, std::string> optimizer_metadata;
   int optimizer_part = 0, optimizer_parts = 1;
   // The carried stream state, when training carries one.
   std::optional<std::vector<NamedTensor>> stream_state;

@@ -312,6 +312,13 @@ void Session::save(const std::string& dir, const TrainState& state) const {
     }
     if (writes) part.model = std::move(model);
     if (writes || sharded) part.optimizer = std::move(optim);
+    // ZeRO-1 shards of this rank's parts: how to join them into whole tensors.
+    if (sharded) {
+      part.optimizer_metadata["tp"] = cat(layout_.coord.tp, " ", layout_.job.mesh.tp);
+      for (const auto& [name, split] : model_->parameter_splits())
+        if (split.kind == ParameterSplit::Kind::sharded)
+          part.optimizer_metadata["tp_split." + name] = cat(split.dim, " ", split.parts);
+    }
   } else if (!plan_) {
     // Every rank holds the whole replicated model: rank 0 writes it.
     if (main) part.model = model_->state();
@@ -477,14 +484,8 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
           if (e.name.starts_with(t.name + ".")) optim_tensors.emplace(e.name, std::move(e.tensor));
       }
     } else if (saved.zero1) {
-      // Shards of tensor-parallel parts carry the part's element ranges, which
-      // another split would not share.
-      if (saved.mesh.tp > 1)
-        throw Error(cat(dir, " holds ZeRO-1 shards of tensor-parallel parts (",
-                        parallel::to_string(saved.mesh),
-                        ", zero1): it resumes on that layout only, not with ", changes,
-                        "; resume with the layout it was written with"));
-      // Every rank's shard, joined into whole tensors.
+      // Every rank's shard, joined into whole tensors (through each
+      // tensor-parallel rank's parts, when split).
       std::map<std::string, Shape> shapes;
       for (const NamedTensor& p : global_params_) shapes[p.name] = p.tensor.shape();
       optim_file = dir + "/optimizer.rank*.safetensors";
