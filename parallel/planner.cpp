@@ -445,9 +445,12 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   const double limit = cluster.device.memory_gib * kGiB;
   if (why) {
     why->clear();
+    // Whole GiB for a device's memory; below 10 GiB (a CPU rank's share),
+    // hundredths, so that the need and the limit differ where they do.
+    const int digits = cluster.device.memory_gib < 10 ? 2 : 0;
     if (plan.memory > limit)
-      *why = cat("stage ", plan.memory_stage, " needs ", fixed(plan.memory / kGiB, 1), " GiB of ",
-                 fixed(cluster.device.memory_gib, 0));
+      *why = cat("stage ", plan.memory_stage, " needs ", fixed(plan.memory / kGiB, digits ? 2 : 1),
+                 " GiB of ", fixed(cluster.device.memory_gib, digits));
   }
 
   const double step = terms.total();

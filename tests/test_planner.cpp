@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <regex>
 
 #include "core/check.h"
 #include "parallel/pipeline_sim.h"
@@ -465,6 +466,51 @@ TEST_CASE("trainer plan --device cpu: a tiny GPT profiled here, every layout of 
   CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1 + 2 * 2 + 9 + 3);
   CHECK(r.output.find("\n1\t2\t1\t2\t2\t1f1b\t1\t0\tnone\t") != std::string::npos);
   CHECK(r.output.find("\n2\t1\t1\t1\t2\tnone\t1\t1\tnone\t") != std::string::npos);
+}
+
+TEST_CASE("trainer plan --device cpu: under a memory limit the plan recomputes", "[parallel]") {
+  // GPT with 2048-token windows: even one sequence per micro-batch keeps
+  // more activations than 0.38 GiB a rank allows (the cluster file's
+  // memory_gib), so every plan that fits recomputes.
+  using testing::run_trainer;
+  const std::string src = TRAINER_SOURCE_DIR;
+  if (!std::filesystem::exists(src + "/datasets/kjv.txt")) {
+    WARN("no datasets/kjv.txt (scripts/setup.sh writes it): not run");
+    return;
+  }
+  const std::filesystem::path dir = testing::fresh_temp_dir("planner_memory");
+  std::ofstream((dir / "cluster.yaml").string()) << "memory_gib: 0.38\n";
+  const std::vector<std::string> plan = {"plan",
+                                         src + "/recipes/gpt_kjv.yaml",
+                                         "data.path=" + src + "/datasets/kjv.txt",
+                                         "model.n_layer=4",
+                                         "model.d_model=64",
+                                         "model.n_head=2",
+                                         "model.context=2048",
+                                         "data.seq_len=2048",
+                                         "model.vocab_size=128",
+                                         "training.global_batch=2",
+                                         "--nodes",
+                                         "1",
+                                         "--per-node",
+                                         "2",
+                                         "--device",
+                                         "cpu"};
+  std::vector<std::string> free = plan, limited = plan;
+  limited.insert(limited.end(), {"--cluster", (dir / "cluster.yaml").string()});
+  testing::ProcessResult r = run_trainer(free);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("parallel.recompute=none") != std::string::npos);
+  r = run_trainer(limited);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("one core each, 0.38 GiB") != std::string::npos);
+  CHECK(std::regex_search(
+      r.output,
+      std::regex(
+          R"(over device memory, e\.g\. [^\n]*: stage [0-9]+ needs 0\.[0-9]{2} GiB of 0\.38)")));
+  CHECK(std::regex_search(r.output, std::regex("parallel\\.recompute=(selective|blocks)")));
 }
 
 TEST_CASE("parallel.auto: 2 ranks plan their layout, agree on it and train", "[parallel][mp]") {
