@@ -69,10 +69,8 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
   CHECK_NOTHROW(parallel_layout(recipe_with({"parallel.tp=2", "precision=fp16"}), 2));
   CHECK(parallel_layout(recipe_with({"parallel.tp=2"}), 4).mesh ==
         parallel::MeshShape{.dp = 2, .pp = 1, .tp = 2});
-  CHECK_THAT(error_of([] {
-               parallel_layout(recipe_with({"parallel.tp=2", "parallel.zero1=true"}), 4);
-             }),
-             Catch::Contains("parallel.zero1 with parallel.tp = 2"));
+  // ZeRO-1 shards each tensor-parallel rank's part over its dp group.
+  CHECK(parallel_layout(recipe_with({"parallel.tp=2", "parallel.zero1=true"}), 4).zero1);
   // Read by pipeline schedules only: refused, not ignored, with pp = 1.
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.micro_batches=4"}), 1); }),
              Catch::Contains("parallel.micro_batches = 4 is the number of micro-batches a "
