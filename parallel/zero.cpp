@@ -120,6 +120,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   } else {
     segments_ = zero_segments({all}, world_size());
   }
+  for (const Tensor& t : options_.norm_skips) norm_skips_.insert(t.impl());
   staged_ = !device_.is_cpu() || options_.stage_through_host;
   // Unstaged segments in one shared region when the ranks share a host (the
   // collectives then run in place); else ordinary memory and the ring.
@@ -308,9 +309,7 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
   double sumsq = 0;
   for (const Piece& p : pieces_) {
     if (!p.value.grad().defined()) continue;
-    const TensorImpl* param = segments_[size_t(p.segment)].params[size_t(p.param)].tensor.impl();
-    if (std::any_of(options_.norm_skips.begin(), options_.norm_skips.end(),
-                    [&](const Tensor& t) { return t.impl() == param; }))
+    if (norm_skips_.count(segments_[size_t(p.segment)].params[size_t(p.param)].tensor.impl()))
       continue;
     // The host copy of the block holds the same reduced values.
     sumsq += dtype_ == DType::f64 ? sum_of_squares(p.host_grad.data<double>(), p.host_grad.numel())

@@ -60,6 +60,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -204,7 +205,8 @@ class ZeroOptimizer final : public optim::Optimizer {
   std::vector<SegmentBuffers> buffers_;  // per segment
   std::vector<Piece> pieces_;            // this rank's, in the wrapped optimizer's order
   std::unique_ptr<optim::Optimizer> optimizer_;
-  std::vector<comm::Work> pending_;  // bucket reductions of this step
+  std::set<const TensorImpl*> norm_skips_;  // options_.norm_skips
+  std::vector<comm::Work> pending_;         // bucket reductions of this step
   bool reduced_ = false;
 };
 

@@ -239,6 +239,38 @@ TEST_CASE(
   check_models(model_at(a, 6), model_at(b, 6), 1e-5);
 }
 
+TEST_CASE("mesh: GPT on 8 ranks as dp 4 x pp 2, dp 2 x tp 4 and pp 2 x tp 4 trains as one process",
+          "[parallel][mp]") {
+  const std::vector<std::string> common = {
+      "training.steps=4",       "optimizer.name=sgd",           "optimizer.lr=0.3",
+      "optimizer.momentum=0.9", "optimizer.clip_grad_norm=0.5", "training.checkpoint_every=4"};
+  const std::string a = run_dir("mesh8_ref");
+  testing::ProcessResult ra = run_ranks(1, gpt_args(a, common));
+  INFO(ra.output);
+  REQUIRE(ra.code == 0);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> layouts = {
+      {"dp=4, pp=2, tp=1", {"parallel.dp=4", "parallel.pp=2", "parallel.micro_batches=2"}},
+      {"dp=2, pp=1, tp=4",
+       {"parallel.dp=2", "parallel.tp=4", "parallel.zero1=true",
+        "parallel.sequence_parallel=true"}},
+      {"dp=1, pp=2, tp=4", {"parallel.pp=2", "parallel.tp=4", "parallel.micro_batches=4"}}};
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    const auto& [mesh, keys] = layouts[k];
+    DYNAMIC_SECTION(mesh) {
+      const std::string b = run_dir(cat("mesh8_", k));
+      std::vector<std::string> args = common;
+      args.insert(args.end(), keys.begin(), keys.end());
+      testing::ProcessResult rb = run_ranks(8, gpt_args(b, args));
+      INFO(rb.output);
+      REQUIRE(rb.code == 0);
+      CHECK(rb.output.find("parallel layout: world 8 (" + mesh) != std::string::npos);
+      check_close(step_log(a).loss, step_log(b).loss, 1e-5, "loss");
+      check_close(step_log(a).grad_norm, step_log(b).grad_norm, 1e-5, "gradient norm");
+      check_models(model_at(a, 4), model_at(b, 4), 1e-5);
+    }
+  }
+}
+
 TEST_CASE("tensor parallel: a tp 2 checkpoint resumes bit for bit and loads at tp 1 and 4",
           "[parallel][mp]") {
   SECTION("resumed at tp 2, with dropout inside and outside the split regions") {

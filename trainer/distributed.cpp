@@ -191,8 +191,6 @@ Distributed join_job(const Recipe& recipe, bool dry_run) {
 
 namespace {
 
-// The recipe's stage split, the same on every rank: "auto", and any split
-// under parallel.stage_memory_mb, is profiled on world rank 0 and broadcast.
 // The weights tied across stages whose other copy the gradient norm counts.
 std::vector<Tensor> tied_copies_counted_elsewhere(const Session& session) {
   std::vector<Tensor> out;
@@ -201,6 +199,8 @@ std::vector<Tensor> tied_copies_counted_elsewhere(const Session& session) {
   return out;
 }
 
+// The recipe's stage split, the same on every rank: "auto", and any split
+// under parallel.stage_memory_mb, is profiled on world rank 0 and broadcast.
 parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   const Recipe& r = session.recipe();
   if (r.parallel.stages != "auto" && r.parallel.stage_memory_mb <= 0)
