@@ -129,7 +129,7 @@ TEST_CASE("tensor parallel: dp 2 x tp 2 trains as dp 2", "[parallel][mp]") {
 
 TEST_CASE(
     "tensor parallel: dp 2 x tp 2 with ZeRO-1 and sequence parallelism trains as without "
-    "ZeRO-1, and resumes bit for bit on its layout only",
+    "ZeRO-1, resumes bit for bit, and continues on other layouts",
     "[parallel][mp]") {
   // Each tensor-parallel rank shards its part's optimizer state over its dp
   // group; the LayerNorms' gradient shares add up shard by shard; the clip
