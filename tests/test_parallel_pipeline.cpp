@@ -316,16 +316,17 @@ TEST_CASE("pipeline: a checkpoint of 2 stages resumes bit for bit, and loads int
   testing::ProcessResult ra = run_ranks(2, trainer_args("fmnist_mlp.yaml", a, piped));
   INFO(ra.output);
   REQUIRE(ra.code == 0);
-  // Stopped after step 2's checkpoint and resumed under pp = 2: the same bits.
-  testing::ProcessResult rb1 = run_ranks(2, trainer_args("fmnist_mlp.yaml", b, piped),
-                                         {.stop_after = "step 3/6", .timeout_s = 300});
-  INFO(rb1.output);
+  // Resumed under pp = 2 from step 2's checkpoint (a copy: stopping a run
+  // this short at a given step races with it): the same bits.
+  fs::create_directories(b + "/checkpoints");
+  fs::copy(a + "/checkpoints/" + CheckpointDir::step_name(2),
+           b + "/checkpoints/" + CheckpointDir::step_name(2), fs::copy_options::recursive);
   std::vector<std::string> resumed = trainer_args("fmnist_mlp.yaml", b, piped);
   resumed.push_back("--resume=auto");
   testing::ProcessResult rb2 = run_ranks(2, resumed);
   INFO(rb2.output);
   REQUIRE(rb2.code == 0);
-  CHECK(std::regex_search(rb2.output, std::regex("resumed from \\S+ at step [2-5] ")));
+  CHECK(std::regex_search(rb2.output, std::regex("resumed from \\S+ at step 2 ")));
   check_models(model_at(a, 6), model_at(b, 6));
   // Step 2 of the pipeline run, continued by one process with grad_accum 2.
   const std::string c = run_dir("resume_one");
@@ -477,16 +478,16 @@ TEST_CASE(
   CHECK(rb.output.find(", zero1), 1 CPU threads per rank") != std::string::npos);
   // Reduce-scatter against allreduce: the averages round alike or within an ulp.
   check_models(model_at(a, 6), model_at(b, 6), 1e-5);
-  // Stopped after step 2's checkpoint and resumed: the same bits as b.
-  testing::ProcessResult rc1 = run_ranks(4, trainer_args("gpt_kjv.yaml", c, sharded),
-                                         {.stop_after = "step 3/6", .timeout_s = 300});
-  INFO(rc1.output);
+  // Resumed from a copy of b's step 2 checkpoint: the same bits as b.
+  fs::create_directories(c + "/checkpoints");
+  fs::copy(b + "/checkpoints/" + CheckpointDir::step_name(2),
+           c + "/checkpoints/" + CheckpointDir::step_name(2), fs::copy_options::recursive);
   std::vector<std::string> resumed = trainer_args("gpt_kjv.yaml", c, sharded);
   resumed.push_back("--resume=auto");
   testing::ProcessResult rc2 = run_ranks(4, resumed);
   INFO(rc2.output);
   REQUIRE(rc2.code == 0);
-  CHECK(std::regex_search(rc2.output, std::regex("resumed from \\S+ at step [2-5] ")));
+  CHECK(std::regex_search(rc2.output, std::regex("resumed from \\S+ at step 2 ")));
   check_models(model_at(b, 6), model_at(c, 6));
 }
 

@@ -151,16 +151,17 @@ TEST_CASE(
   check_close(step_log(a).loss, step_log(b).loss, 1e-5, "loss");
   check_close(step_log(a).grad_norm, step_log(b).grad_norm, 1e-5, "gradient norm");
   check_models(model_at(a, 6), model_at(b, 6), 1e-5);
-  // Stopped after step 3 and resumed: the same bits.
-  testing::ProcessResult rc1 =
-      run_ranks(4, gpt_args(c, sharded), {.stop_after = "step 3/6", .timeout_s = 300});
-  INFO(rc1.output);
+  // Resumed from a copy of b's step 2 checkpoint: the same bits.
+  std::filesystem::create_directories(c + "/checkpoints");
+  std::filesystem::copy(b + "/checkpoints/" + CheckpointDir::step_name(2),
+                        c + "/checkpoints/" + CheckpointDir::step_name(2),
+                        std::filesystem::copy_options::recursive);
   std::vector<std::string> resumed = gpt_args(c, sharded);
   resumed.push_back("--resume=auto");
   testing::ProcessResult rc2 = run_ranks(4, resumed);
   INFO(rc2.output);
   REQUIRE(rc2.code == 0);
-  CHECK(std::regex_search(rc2.output, std::regex("resumed from \\S+ at step [2-5] ")));
+  CHECK(std::regex_search(rc2.output, std::regex("resumed from \\S+ at step 2 ")));
   check_models(model_at(b, 6), model_at(c, 6), 0);
   // Continued from step 4 on other layouts: each tp rank's shards joined
   // into its parts, the parts into whole tensors, re-sliced (dp 2 with
