@@ -70,6 +70,9 @@ bool Tensor::is_contiguous() const {
 
 void* Tensor::data_ptr() const {
   CHECK(defined()) << "data_ptr() of an undefined tensor";
+  CHECK(!is_deferred(*this))
+      << "reading a deferred tensor " << shape_str()
+      << " (built under DeferredInit: another pipeline stage's weight) before materialize()";
   return static_cast<char*>(impl_->storage->data.get()) + impl_->offset * dtype_size(impl_->dtype);
 }
 
@@ -95,12 +98,112 @@ Tensor contiguous_tensor(const Shape& shape, DType dtype, Device device, Attach&
   return Tensor(std::move(impl));
 }
 
+// Whether this thread is inside a DeferredInit.
+thread_local bool deferring = false;
+
 }  // namespace
 
 Tensor empty(const Shape& shape, DType dtype, Device device) {
   return contiguous_tensor(shape, dtype, device, [&](Storage& storage) {
-    storage.data = allocator(device).allocate(storage.bytes);
+    // Nothing to defer in an empty tensor.
+    if (deferring && storage.bytes > 0)
+      storage.deferred = std::make_shared<std::vector<std::function<void(const Tensor&)>>>();
+    else
+      storage.data = allocator(device).allocate(storage.bytes);
   });
+}
+
+DeferredInit::DeferredInit() : previous_(deferring) { deferring = true; }
+DeferredInit::~DeferredInit() { deferring = previous_; }
+bool DeferredInit::active() { return deferring; }
+
+bool is_deferred(const Tensor& t) {
+  return t.defined() && t.impl()->storage->deferred && !t.impl()->storage->data;
+}
+
+namespace {
+
+void check_whole_storage(const Tensor& t, const char* what) {
+  CHECK(t.offset() == 0 && t.is_contiguous() &&
+        size_t(t.numel()) * dtype_size(t.dtype()) == t.impl()->storage->bytes)
+      << what << " of a view " << t.shape_str() << " of a deferred tensor; only whole ones";
+}
+
+void check_whole(const Tensor& t, const char* what) {
+  CHECK(is_deferred(t)) << what << " of a tensor that is not deferred";
+  check_whole_storage(t, what);
+}
+
+// Deferral off while a record replays (its fills make temporaries).
+struct NotDeferring {
+  bool was = deferring;
+  NotDeferring() { deferring = false; }
+  ~NotDeferring() { deferring = was; }
+};
+
+void replay(const Tensor& t, const std::vector<std::function<void(const Tensor&)>>& record) {
+  NotDeferring off;
+  for (const auto& fill : record) fill(t);
+}
+
+}  // namespace
+
+void defer_fill(const Tensor& t, std::function<void(const Tensor&)> fill) {
+  check_whole(t, "defer_fill");
+  t.impl()->storage->deferred->push_back(std::move(fill));
+}
+
+Tensor deferred_tensor(const Shape& shape, DType dtype, Device device,
+                       std::function<void(const Tensor&)> fill) {
+  Tensor t = contiguous_tensor(shape, dtype, device, [](Storage& storage) {
+    storage.deferred = std::make_shared<std::vector<std::function<void(const Tensor&)>>>();
+  });
+  t.impl()->storage->deferred->push_back(std::move(fill));
+  return t;
+}
+
+void materialize(const Tensor& t) {
+  if (!is_deferred(t)) return;
+  check_whole(t, "materialize");
+  Storage& storage = *t.impl()->storage;
+  storage.data = allocator(storage.device).allocate(storage.bytes);
+  replay(t, *storage.deferred);
+}
+
+void unmaterialize(const Tensor& t) {
+  CHECK(t.defined() && t.impl()->storage->deferred)
+      << "unmaterialize of a tensor that was not built deferred";
+  check_whole_storage(t, "unmaterialize");
+  t.impl()->storage->data.reset();
+}
+
+Tensor value_of(const Tensor& t) {
+  if (!is_deferred(t)) return t.clone();
+  check_whole(t, "value_of");
+  Tensor out;
+  {
+    NotDeferring off;
+    out = empty(t.shape(), t.dtype(), t.device());
+  }
+  replay(out, *t.impl()->storage->deferred);
+  return out;
+}
+
+void move_deferred(const Tensor& t, Device device) {
+  check_whole(t, "move_deferred");
+  if (t.device() == device) return;
+  Tensor here = deferred_tensor(t.shape(), t.dtype(), t.device(), [](const Tensor&) {});
+  here.impl()->storage->deferred = t.impl()->storage->deferred;
+  auto moved = std::make_shared<Storage>();
+  moved->bytes = t.impl()->storage->bytes;
+  moved->device = device;
+  moved->deferred = std::make_shared<std::vector<std::function<void(const Tensor&)>>>();
+  moved->deferred->push_back([here](const Tensor& out) {
+    Tensor whole = out;
+    whole.copy_(value_of(here));
+  });
+  t.impl()->storage = std::move(moved);
+  t.impl()->device = device;
 }
 
 Tensor from_external(void* data, const Shape& shape, DType dtype, Device device,
@@ -469,6 +572,13 @@ Tensor Tensor::to(Device d) const {
 }
 
 Tensor& Tensor::fill_(double value) {
+  if (is_deferred(*this)) {
+    defer_fill(*this, [value](const Tensor& t) {
+      Tensor whole = t;
+      whole.fill_(value);
+    });
+    return *this;
+  }
   backend(device()).fill(*this, value);
   return *this;
 }

@@ -41,11 +41,16 @@ class Tensor;
 using TensorList = std::vector<Tensor>;
 using GradHook = std::function<void(const Tensor&)>;
 
+class Tensor;
+
 struct Storage {
   DataPtr data;  // null allocator: external memory, not freed here
   size_t bytes = 0;
   Device device;
   std::shared_ptr<void> owner;  // keeps external memory alive (from_external)
+  // Built deferred (see DeferredInit below): the fills that give its tensor
+  // its value, in order; deferred while data is null. Null: an ordinary storage.
+  std::shared_ptr<std::vector<std::function<void(const Tensor&)>>> deferred;
 };
 
 struct TensorImpl;
@@ -192,6 +197,48 @@ struct TensorImpl {
 // uninitialised contiguous memory of its shape.
 void release_storage(const Tensor& t);
 void reallocate_storage(const Tensor& t);
+
+// ---- deferred initialisation ----
+// A pipeline stage builds the model's structure whole but gives memory only
+// to its own blocks, as torchdistx's deferred_init does. While a
+// DeferredInit lives on this thread, empty/zeros/ones/full return tensors
+// without memory that record how they are filled: fill_, the initialisers of
+// layers/init.h (which take the generator's Philox offset and advance it as
+// the draw would) and derived tensors (shard_of, a device move).
+// materialize(t) then gives t its memory and replays the record: the same
+// bits as building it at once. Reading a deferred tensor any other way
+// fails a CHECK that says so.
+//
+//   { DeferredInit deferred; model = make_model(...); }  // shapes, no weights
+//   for (const NamedTensor& t : my_stage.state()) materialize(t.tensor);
+class DeferredInit {
+ public:
+  DeferredInit();
+  ~DeferredInit();
+  DeferredInit(const DeferredInit&) = delete;
+  DeferredInit& operator=(const DeferredInit&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+bool is_deferred(const Tensor& t);
+// Appends a fill to deferred t's record; t must be its storage's whole,
+// contiguous tensor (a parameter as its layer made it).
+void defer_fill(const Tensor& t, std::function<void(const Tensor&)> fill);
+// A deferred tensor whose value fill writes when it is materialised
+// (fill may read other deferred tensors through value_of).
+Tensor deferred_tensor(const Shape& shape, DType dtype, Device device,
+                       std::function<void(const Tensor&)> fill);
+// Gives deferred t memory and its recorded value; nothing for other tensors.
+void materialize(const Tensor& t);
+// Frees the memory of a tensor built deferred (materialised or not): it is
+// deferred again, its value the recorded one (a profile's passing block).
+void unmaterialize(const Tensor& t);
+// The value deferred (or ordinary) t would have: a new tensor, t unchanged.
+Tensor value_of(const Tensor& t);
+// Moves deferred t to device: its value is made where it was, then copied.
+void move_deferred(const Tensor& t, Device device);
 
 // ---- factories ----
 Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = {});

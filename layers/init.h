@@ -1,6 +1,8 @@
 // Parameter initialisation as torch.nn.init does it, drawing from a
 // Generator (core/rng.h) so a model built with the same seed is the same
-// model on every machine. Each function overwrites t in place (no autograd).
+// model on every machine. Each function overwrites t in place (no autograd);
+// a deferred t (core/tensor.h DeferredInit) records the draw at the
+// generator's offset instead, and the generator advances alike.
 //
 //   kaiming_uniform_(conv.weight, std::sqrt(5.0), gen);     // nn.Conv2d / nn.Linear default
 //   kaiming_normal_(conv.weight, FanMode::fan_out, gen);    // torchvision ResNet convs

@@ -342,11 +342,21 @@ Shape full_shape(const Shape& shard, const ParameterSplit& split) {
 }
 
 Tensor shard_of(const Tensor& full, const ParameterSplit& split) {
-  if (split.kind != ParameterSplit::Kind::sharded) return full.contiguous().clone();
-  const int64_t extent = full.size(split.dim);
-  CHECK(extent % (int64_t(split.parts) * split.size) == 0)
+  const bool sharded = split.kind == ParameterSplit::Kind::sharded;
+  const int64_t extent = sharded ? full.size(split.dim) : 0;
+  CHECK(!sharded || extent % (int64_t(split.parts) * split.size) == 0)
       << "shard_of: dim " << split.dim << " of " << full.shape_str() << " does not split into "
       << split.parts << " x " << split.size;
+  if (is_deferred(full)) {
+    // Another pipeline stage's weight: its shard, made when it is materialised.
+    Shape shape = full.shape();
+    if (sharded) shape[size_t(split.dim)] /= split.size;
+    return deferred_tensor(shape, full.dtype(), full.device(), [full, split](const Tensor& out) {
+      Tensor whole = out;
+      whole.copy_(shard_of(value_of(full), split));
+    });
+  }
+  if (!sharded) return full.contiguous().clone();
   const int64_t piece = extent / split.parts, slice = piece / split.size;
   TensorList pieces;
   for (int p = 0; p < split.parts; ++p)

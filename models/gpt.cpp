@@ -15,7 +15,7 @@ namespace {
 
 void init_linear(Linear& l, double std, Generator& gen) {
   normal_(l.weight, 0.0, std, gen);
-  if (l.bias.defined()) backend(l.bias.device()).fill(l.bias, 0.0);
+  if (l.bias.defined()) l.bias.detach().fill_(0.0);
 }
 
 bool same_values(const Tensor& a, const Tensor& b) {

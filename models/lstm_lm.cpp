@@ -50,7 +50,7 @@ LSTMLM::LSTMLM(const LSTMLMOptions& o) : options_(o) {
     decoder =
         register_module("decoder", std::make_shared<Linear>(o.hidden_size, o.vocab_size, gen));
     uniform_(decoder->weight, -0.1, 0.1, gen);
-    backend(decoder->bias.device()).fill(decoder->bias, 0.0);
+    decoder->bias.detach().fill_(0.0);
     decoder_weight_ = decoder->weight;
     decoder_bias_ = decoder->bias;
   }

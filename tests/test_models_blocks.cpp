@@ -8,10 +8,13 @@
 #include "tests/testing.h"
 
 #include <map>
+#include <set>
 
 #include "layers/block_list.h"
 #include "layers/conv.h"
+#include "layers/init.h"
 #include "layers/pooling.h"
+#include "layers/tensor_parallel.h"
 #include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
@@ -319,4 +322,101 @@ TEST_CASE("blocks: a long skip connection is live across every boundary it spans
           }}});
   });
   CHECK(unread.find("'h' is read before any block writes it") != std::string::npos);
+}
+
+// Deferred initialisation (core/tensor.h): a pipeline stage builds the model
+// with no memory for its weights and materialises only its own blocks.
+TEST_CASE("deferred init: every model built deferred is, block by block, the model built at once",
+          "[models][blocks][deferred]") {
+  const std::vector<std::pair<std::string, ModelOptions>> models = {
+      {"resnet18_small", {.num_classes = 10, .image_size = 16, .width = 8}},
+      {"resnet50_small", {.num_classes = 10, .image_size = 16, .width = 8}},
+      {"small_cnn", {.num_classes = 10, .in_channels = 1, .image_size = 28}},
+      {"mlp", {.num_classes = 10, .in_channels = 1, .image_size = 28}},
+      {"gpt", {.vocab_size = 11, .context = 8, .n_layer = 3, .n_head = 2, .d_model = 8}},
+      {"gpt",
+       {.vocab_size = 11,
+        .context = 8,
+        .n_layer = 3,
+        .n_head = 2,
+        .d_model = 8,
+        .tie_weights = false}},
+      {"lstm_lm", {.vocab_size = 11, .n_layer = 2, .d_model = 8, .hidden = 8}},
+      {"lstm_lm",
+       {.vocab_size = 11, .n_layer = 2, .d_model = 8, .hidden = 8, .tie_weights = false}}};
+  for (const auto& [name, options] : models) {
+    INFO(name << (options.tie_weights ? "" : " untied"));
+    std::shared_ptr<Model> at_once = make_model(name, options);
+    Allocator& a = allocator(Device{});
+    const int64_t before = a.stats().current_bytes;
+    std::shared_ptr<Model> deferred;
+    {
+      DeferredInit scope;
+      deferred = make_model(name, options);
+    }
+    CHECK(a.stats().current_bytes == before);  // no weight has memory yet
+    const std::vector<NamedTensor> want = at_once->state(), got = deferred->state();
+    REQUIRE(names_of(got) == names_of(want));
+    for (const NamedTensor& t : got)
+      if (t.tensor.numel() > 0) CHECK(is_deferred(t.tensor));
+    // The last block alone first, as the last stage would: its tensors are
+    // made, the others stay without memory.
+    const BlockList& blocks = deferred->blocks();
+    const size_t n = blocks.size();
+    std::set<const TensorImpl*> last;
+    for (const NamedTensor& t : blocks.state(n - 1, n)) {
+      materialize(t.tensor);
+      last.insert(t.tensor.impl());
+    }
+    for (const NamedTensor& t : got)
+      if (t.tensor.numel() > 0) CHECK(is_deferred(t.tensor) == !last.count(t.tensor.impl()));
+    // Block by block backwards, then every tensor against the model built at once.
+    for (size_t b = n; b-- > 0;)
+      for (const NamedTensor& t : blocks.state(b, b + 1)) materialize(t.tensor);
+    for (size_t k = 0; k < got.size(); ++k) {
+      REQUIRE_FALSE(is_deferred(got[k].tensor));
+      require_close(got[k].tensor, want[k].tensor, 0.0, 0.0, got[k].name);
+    }
+  }
+}
+
+TEST_CASE("deferred init: shards, device moves, profiles and unread tensors",
+          "[models][blocks][deferred]") {
+  Generator gen(3);
+  Tensor w;
+  {
+    DeferredInit scope;
+    w = empty({4, 6});
+    normal_(w, 0.0, 1.0, gen);
+  }
+  Generator same(3);
+  const Tensor expected = normal({4, 6}, 0.0, 1.0, same);
+  CHECK(gen.offset() == same.offset());  // the generator moved on as if it had drawn
+  // A tensor-parallel shard of a deferred weight is deferred, and its
+  // value is the shard of the weight's.
+  const ParameterSplit split{.kind = ParameterSplit::Kind::sharded, .dim = 1, .rank = 1, .size = 2};
+  Tensor shard = shard_of(w, split);
+  CHECK(is_deferred(shard));
+  CHECK(shard.shape() == Shape{4, 3});
+  require_close(value_of(shard), shard_of(expected, split), 0.0, 0.0, "shard");
+  CHECK(is_deferred(w));  // value_of made a copy, not w
+  // Made, returned to its record, made again: the same value.
+  materialize(w);
+  require_close(w, expected, 0.0, 0.0, "materialised");
+  w.fill_(7.0);
+  unmaterialize(w);
+  CHECK(is_deferred(w));
+  materialize(w);
+  require_close(w, expected, 0.0, 0.0, "made again");
+  // Reading a deferred tensor is a CHECK failure that says what it is.
+  Tensor unread;
+  {
+    DeferredInit scope;
+    unread = ones({3});
+  }
+  CHECK_THAT(
+      check_failure_of([&] { (void)unread.clone(); }),
+      Catch::Contains("reading a deferred tensor [3]") && Catch::Contains("before materialize()"));
+  // Outside the scope, tensors are made as ever.
+  CHECK_FALSE(is_deferred(ones({3})));
 }

@@ -11,10 +11,14 @@
 #include <nlohmann/json.hpp>
 
 #include "core/ops.h"
+#include "layers/tensor_parallel.h"
 #include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/sample.h"
+#include "parallel/pipeline.h"
+#include "parallel/tensor_parallel.h"
 #include "trainer/checkpoint.h"
+#include "trainer/distributed.h"
 #include "trainer/recipe.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
@@ -318,4 +322,74 @@ TEST_CASE("train: bad language-model recipes fail with a message", "[train][lm]"
   REQUIRE(ok.output.find("char vocabulary of") != std::string::npos);
   REQUIRE(ok.output.find("memory estimate") != std::string::npos);
   REQUIRE(!fs::exists(dir / "run" / "checkpoints"));
+}
+
+TEST_CASE("pipeline: a stage's session gives memory only to its own blocks' tensors",
+          "[train][lm][pipeline]") {
+  fs::path dir = fresh("stage_memory");
+  for (const std::string model : {"gpt", "lstm_lm"}) {
+    INFO(model);
+    // (The LSTM's decoder cannot be tied to another stage's embedding.)
+    const std::string tie = model == "gpt" ? "model.tie_weights=true" : "model.tie_weights=false";
+    const Recipe r = load_recipe(tiny_recipe(dir, model).string(),
+                                 {"parallel.pp=2", "training.grad_accum=1",
+                                  "parallel.micro_batches=2", "model.n_layer=3", tie});
+    Session whole(load_recipe(tiny_recipe(dir, model).string(), {"model.n_layer=3", tie}));
+    std::map<std::string, Tensor> want;
+    for (const NamedTensor& t : whole.model().state()) want[t.name] = t.tensor;
+    Session stage(r, rank_layout(parallel_layout(r, 2), 1));
+    // Built deferred: no tensor has memory until its stage is known.
+    for (const NamedTensor& t : stage.model().state())
+      if (t.tensor.numel() > 0) CHECK(is_deferred(t.tensor));
+    const parallel::StageSplit split = parallel::even_split(stage.blocks().size(), 2, 1);
+    stage.set_pipeline(split, 1);
+    std::set<std::string> mine;
+    std::set<const TensorImpl*> held;
+    for (const NamedTensor& t : stage.held_state()) {
+      mine.insert(t.name);
+      held.insert(t.tensor.impl());
+      INFO(t.name);
+      REQUIRE_FALSE(is_deferred(t.tensor));
+      require_close(t.tensor, want.at(t.name), 0.0, 0.0, t.name);  // the one process's values
+    }
+    int others = 0;
+    for (const NamedTensor& t : stage.model().state())
+      if (!held.count(t.tensor.impl()) && t.tensor.numel() > 0) {
+        INFO(t.name);
+        CHECK(is_deferred(t.tensor));
+        ++others;
+      }
+    CHECK(others > 0);
+    // The embedding is stage 0's; GPT's tied head makes stage 1 hold it too.
+    if (model == "gpt") CHECK(mine.count("lm_head.weight"));
+  }
+}
+
+TEST_CASE(
+    "tensor parallel: a rank's session makes only its parts as slices of one process's tensors",
+    "[train][lm][tp]") {
+  fs::path dir = fresh("tp_memory");
+  const std::string recipe = tiny_recipe(dir, "gpt").string();
+  Session whole(load_recipe(recipe, {"model.n_layer=2"}));
+  std::map<std::string, Tensor> want;
+  for (const NamedTensor& t : whole.model().state()) want[t.name] = t.tensor;
+  const Recipe r = load_recipe(recipe, {"model.n_layer=2", "parallel.tp=2"});
+  Session part(r, rank_layout(parallel_layout(r, 2), 1));
+  for (const NamedTensor& t : part.model().state())
+    if (t.tensor.numel() > 0) CHECK(is_deferred(t.tensor));
+  part.set_tensor_parallel(parallel::shape_only_group(1, 2, false));
+  const std::map<std::string, ParameterSplit> splits = part.model().parameter_splits();
+  int sharded = 0;
+  for (const NamedTensor& t : part.model().state()) {
+    INFO(t.name);
+    REQUIRE_FALSE(is_deferred(t.tensor));
+    auto split = splits.find(t.name);
+    if (split != splits.end() && split->second.kind == ParameterSplit::Kind::sharded) {
+      ++sharded;
+      require_close(t.tensor, shard_of(want.at(t.name), split->second), 0.0, 0.0, t.name);
+    } else {
+      require_close(t.tensor, want.at(t.name), 0.0, 0.0, t.name);
+    }
+  }
+  CHECK(sharded > 4);
 }

@@ -116,7 +116,10 @@ void move_module(Module& module, Device device) {
   autograd::NoGradGuard no_grad;
   TensorList tensors;
   for (const NamedTensor& p : module.state())
-    if (p.tensor.device() != device) tensors.push_back(p.tensor);
+    if (is_deferred(p.tensor))
+      move_deferred(p.tensor, device);  // made on its old device when materialised, then moved
+    else if (p.tensor.device() != device)
+      tensors.push_back(p.tensor);
   for (const Tensor& t : module.parameters()) t.set_grad(Tensor());
   rebind_storages(tensors, [&](const Tensor& bytes) { return bytes.to(device); });
 }

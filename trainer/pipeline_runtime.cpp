@@ -1,5 +1,8 @@
 #include "trainer/pipeline_runtime.h"
 
+#include <algorithm>
+
+#include "comm/collectives.h"
 #include "core/autocast.h"
 #include "core/ops.h"
 #include "core/ops_conv.h"
@@ -57,20 +60,59 @@ bool PipelineRuntime::is_first_piece(int chunk) const {
 void PipelineRuntime::probe(const TensorList& model_inputs, DType autocast_dtype) {
   autograd::NoGradGuard no_grad;
   AutocastGuard autocast(autocast_dtype);
-  TensorList slots = model_inputs;
+  // Piece by piece: its stage runs it (on zeros of the received shapes) and
+  // tells every stage what its transfers carry, so no stage needs another's
+  // weights. Per transfer: rank, dims, dtype, channels-last.
+  constexpr size_t kMaxDims = 8, kFields = kMaxDims + 3;
   for (int v = 0; v < plan_.pieces(); ++v) {
     const parallel::Piece& p = plan_.piece(v);
-    TensorList out = blocks_.run(p.first, p.last, slots);
-    for (size_t k = 0; k < out.size(); ++k)
-      for (int t : p.output_transfers[k]) {
-        parallel::Transfer& tr = plan_.transfers()[size_t(t)];
-        CHECK(out[k].defined()) << "transfer '" << tr.name << "' is undefined in the probe";
-        tr.shape = out[k].shape();
-        tr.dtype = out[k].dtype();
-        tr.has_gradient = is_floating(tr.dtype);
-        tr.channels_last = out[k].dim() == 4 && is_channels_last(out[k]);
+    const int owner = plan_.split().stage_of(v);
+    std::vector<int> outgoing;
+    for (const std::vector<int>& ts : p.output_transfers)
+      outgoing.insert(outgoing.end(), ts.begin(), ts.end());
+    std::vector<int64_t> wire(outgoing.size() * kFields, 0);
+    if (owner == stage_) {
+      TensorList in;
+      for (size_t k = 0; k < p.input_source.size(); ++k) {
+        const int source = p.input_source[k];
+        if (source == parallel::Piece::kAbsent) {
+          in.push_back(Tensor());
+        } else if (source == parallel::Piece::kModelInput) {
+          const std::vector<std::string>& names = blocks_.boundary(0);
+          const std::string& name = blocks_.boundary(p.first)[k];
+          const size_t i = size_t(std::find(names.begin(), names.end(), name) - names.begin());
+          CHECK(i < names.size()) << "model input '" << name << "'";
+          in.push_back(model_inputs.at(i));
+        } else {
+          Tensor received = wire_buffer(plan_.transfers()[size_t(source)]);  // its layout too
+          received.zero_();
+          in.push_back(received);
+        }
       }
-    slots = std::move(out);
+      TensorList out = blocks_.run(p.first, p.last, in);
+      size_t n = 0;
+      for (size_t k = 0; k < out.size(); ++k)
+        for (int t : p.output_transfers[k]) {
+          const parallel::Transfer& tr = plan_.transfers()[size_t(t)];
+          CHECK(out[k].defined()) << "transfer '" << tr.name << "' is undefined in the probe";
+          CHECK(out[k].dim() <= int(kMaxDims)) << "transfer '" << tr.name << "' has "
+                                               << out[k].dim() << " dims; at most " << kMaxDims;
+          int64_t* f = wire.data() + kFields * n++;
+          f[0] = out[k].dim();
+          for (int d = 0; d < out[k].dim(); ++d) f[1 + d] = out[k].size(d);
+          f[kMaxDims + 1] = int64_t(out[k].dtype());
+          f[kMaxDims + 2] = out[k].dim() == 4 && is_channels_last(out[k]);
+        }
+    }
+    if (!wire.empty()) comm::broadcast(*pp_, wire.data(), wire.size() * sizeof(int64_t), owner);
+    for (size_t n = 0; n < outgoing.size(); ++n) {
+      const int64_t* f = wire.data() + kFields * n;
+      parallel::Transfer& tr = plan_.transfers()[size_t(outgoing[n])];
+      tr.shape.assign(f + 1, f + 1 + f[0]);
+      tr.dtype = DType(f[kMaxDims + 1]);
+      tr.has_gradient = is_floating(tr.dtype);
+      tr.channels_last = f[kMaxDims + 2] != 0;
+    }
   }
 }
 

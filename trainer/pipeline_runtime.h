@@ -15,8 +15,9 @@
 //   rt.finish_step();                               // every send of the step completed
 //
 // Messages carry no header: both sides know each transfer's shape and dtype
-// from the probe, a forward of the whole model at micro-batch size that
-// every rank runs once (no gradients). A tensor whose shape or dtype differs
+// from the probe, a forward of the model at micro-batch size (no gradients)
+// in which each stage runs its own pieces, on zeros of the shapes the
+// stages before it broadcast. A tensor whose shape or dtype differs
 // at run time is an Error naming both stages. Receives are posted one action
 // ahead (the next receive in the stage's list is posted as soon as the
 // current one is waited on), sends are waited for at the end of the step.
@@ -62,8 +63,9 @@ class PipelineRuntime {
   // Micro-batches continue each other's carried state (time chunks).
   void set_carry_state(bool carry) { carry_state_ = carry; }
 
-  // Runs the whole model on model_inputs under autocast_dtype (no
-  // gradients) and records each transfer's shape and dtype.
+  // Runs this stage's pieces on model_inputs under autocast_dtype (no
+  // gradients) and records each transfer's shape and dtype, learning the
+  // other stages' from their broadcasts (collective over the pp group).
   void probe(const TensorList& model_inputs, DType autocast_dtype);
 
   // The actions. forward takes the micro-batch's model inputs (boundary(0)

@@ -105,9 +105,16 @@ parallel::StageSplit balanced_split(const Session& session, const BlockProfile& 
 BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
   const BlockList& blocks = session.blocks();
   Module& model = session.model();
-  // BatchNorm's running statistics move in every training forward: keep them.
+  // BatchNorm's running statistics move in every training forward: keep
+  // them. A deferred model (a pipeline stage's) is made one block at a time
+  // and returned to its record after it (the record is its initial value).
+  std::vector<NamedTensor> buffers;
   std::vector<Tensor> saved;
-  for (const NamedTensor& b : model.named_buffers()) saved.push_back(b.tensor.clone());
+  for (const NamedTensor& b : model.named_buffers())
+    if (!is_deferred(b.tensor)) {
+      buffers.push_back(b);
+      saved.push_back(b.tensor.clone());
+    }
   BlockProfile p;
   const size_t n = blocks.size();
   p.forward_ms.assign(n, 1e300);
@@ -124,6 +131,12 @@ BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
   for (int rep = 0; rep < repeats; ++rep) {
     TensorList slots = source.model_inputs(batch);
     for (size_t b = 0; b < n; ++b) {
+      TensorList made;
+      for (const NamedTensor& t : blocks.state(b, b + 1))
+        if (is_deferred(t.tensor)) {
+          materialize(t.tensor);
+          made.push_back(t.tensor);
+        }
       // The block's inputs as leaves, so its backward stops at them.
       TensorList in;
       for (const Tensor& t : slots) {
@@ -159,11 +172,14 @@ BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
       p.backward_ms[b] = std::min(p.backward_ms[b], ms_since(t0));
       slots.clear();
       for (const Tensor& t : out) slots.push_back(t.defined() ? t.detach() : t);
+      for (const Tensor& t : made) {
+        t.set_grad(Tensor());
+        unmaterialize(t);
+      }
     }
   }
   model.zero_grad();
   autograd::NoGradGuard no_grad;
-  std::vector<NamedTensor> buffers = model.named_buffers();
   for (size_t k = 0; k < buffers.size(); ++k) buffers[k].tensor.copy_(saved[k]);
   return p;
 }

@@ -110,7 +110,16 @@ Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
   total_steps_ = t.steps > 0 ? t.steps : t.epochs * steps_per_epoch_;
 
   // ---- model and optimizer ----
-  model_ = build_model(r, source_->vocab_size());
+  const bool split_model = pipeline || layout_.job.mesh.tp > 1;
+  if (split_model) {
+    // A pipeline stage gives memory only to its own blocks (set_pipeline), a
+    // tensor-parallel rank only to its parts (set_tensor_parallel): until
+    // then the weights are recorded, not made (core/tensor.h).
+    DeferredInit deferred;
+    model_ = build_model(r, source_->vocab_size());
+  } else {
+    model_ = build_model(r, source_->vocab_size());
+  }
   if (r.parallel.recompute == "blocks") {
     auto* blocks = dynamic_cast<Model*>(model_.get());
     if (!blocks)
@@ -123,9 +132,9 @@ Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
     global_params_.insert(global_params_.end(), g.params.begin(), g.params.end());
   source_->bind(model_);
   // Sharded: DistributedRun builds it (the full one would cost the memory zero1 saves);
-  // a pipeline stage's comes with its stage (set_pipeline).
-  if (!shards_optimizer() && layout_.job.mesh.pp == 1)
-    optimizer_ = make_optimizer(r, param_groups(r, *model_));
+  // a pipeline stage's comes with its stage (set_pipeline), a tensor-parallel
+  // rank's with its parts (set_tensor_parallel).
+  if (!shards_optimizer() && !split_model) optimizer_ = make_optimizer(r, param_groups(r, *model_));
 
   const OptimizerRecipe& o = r.optimizer;
   const ScheduleRecipe& s = r.schedule;
@@ -173,6 +182,9 @@ void Session::set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
     throw Error(cat(recipe_.source, ": ", e.what()));
   }
   tp_ = std::move(g);
+  // This rank's parts, each made from its whole tensor's record in turn;
+  // under a pipeline, only its stage's (set_pipeline).
+  if (layout_.job.mesh.pp == 1) materialize_model();
   global_params_.clear();
   for (const optim::ParamGroup& group : param_groups(recipe_, *model_))
     global_params_.insert(global_params_.end(), group.params.begin(), group.params.end());
@@ -200,6 +212,7 @@ void Session::set_pipeline(const parallel::StageSplit& split, int stage) {
   stage_ = stage;
   const auto ranges = plan_->blocks_of_stage(stage);
   stage_module_ = std::make_shared<parallel::StageModule>(b, ranges);
+  for (const NamedTensor& t : stage_module_->state()) materialize(t.tensor);
   // Every tensor of the model's state belongs to some stage.
   {
     std::set<std::string> staged;
@@ -533,7 +546,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
                         " on each of ", layout_.dp_size())
                   : "");
   }
-  copy_named(model_->state(), model);
+  copy_named(held_state(), model);
   return state;
 }
 
@@ -551,10 +564,20 @@ void Session::init_from(const std::string& path, bool strict) {
     std::fprintf(stderr, "init-from %s: loading what matches; skipped:%s\n", path.c_str(),
                  join_lines(problems).c_str());
   }
-  copy_named(model_->state(), f.tensors);
+  copy_named(held_state(), f.tensors);
+}
+
+void Session::materialize_model() {
+  for (const NamedTensor& t : model_->state()) materialize(t.tensor);
+}
+
+std::vector<NamedTensor> Session::held_state() const {
+  return stage_module_ ? stage_module_->state() : model_->state();
 }
 
 std::string Session::summary() {
+  // The activations below are measured over the whole model.
+  materialize_model();
   std::ostringstream out;
   out << "model " << recipe_.model.name << ":\n";
   for (const auto& [name, child] : model_->children())

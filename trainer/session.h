@@ -78,7 +78,9 @@ class Session {
   // ---- tensor parallelism (tp > 1) ----
   // Splits the model over g (Model::shard_tensor_parallel) and rebuilds the
   // optimizer over this rank's parts. Every rank built the whole model from
-  // the same seed first, so the parts are those of one process's model.
+  // the same seed first, deferred (core/tensor.h), so the parts are those of
+  // one process's model and only they get memory: each is made from its
+  // whole tensor's record in turn (under a pipeline, by set_pipeline).
   // Checkpoints then gather the split tensors over g (save is collective
   // over g) and loading keeps this rank's part of each whole tensor, so a
   // checkpoint loads on any tp. Throws Error naming the recipe key when the
@@ -89,17 +91,22 @@ class Session {
 
   // ---- pipeline stages (pp > 1) ----
   // Makes this rank stage `stage` of split: what it trains, optimizes and
-  // saves becomes its blocks' parameters and buffers (global names). Every
-  // rank still builds the whole model (initialisation and dropout keys stay
-  // those of one process); the other stages' tensors are only read when
+  // saves becomes its blocks' parameters and buffers (global names). Under
+  // pp > 1 the session builds the model deferred (core/tensor.h
+  // DeferredInit): its structure whole, from the same seed as one process,
+  // but memory and values only for what set_pipeline materialises, this
+  // stage's tensors. The other stages' are only read when
   // gather_pipeline_model() refreshes them (evaluation).
   void set_pipeline(const parallel::StageSplit& split, int stage);
-  // Frees the memory of every tensor no block of this stage holds (the
-  // other stages' weights and buffers stay as shapes), or gives it back
-  // (uninitialised): between the shape probe and the first step, and around
-  // evaluation, which refreshes them from their stages.
+  // Keeps the other stages' tensors as shapes (no memory), or gives them
+  // memory (uninitialised): around evaluation, which refreshes them from
+  // their stages.
   void release_other_stages();
   void reallocate_other_stages();
+  // Every tensor of the model made (a dry run's whole-model measurement).
+  void materialize_model();
+  // The tensors this rank holds: its stage's under a pipeline, else the model's.
+  std::vector<NamedTensor> held_state() const;
   // Null unless set_pipeline ran.
   const parallel::PipelinePlan* pipeline_plan() const { return plan_ ? &*plan_ : nullptr; }
   int stage() const { return stage_; }

@@ -64,7 +64,7 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
     CHECK_EQ(int(schedule_.stages.size()), pipeline->plan().split().stages);
     CHECK_EQ(schedule_.chunks, pipeline->plan().split().chunks);
     // The probe's forward must not move BatchNorm's running statistics.
-    std::vector<NamedTensor> buffers = session_.model().named_buffers();
+    std::vector<NamedTensor> buffers = session_.trained().named_buffers();
     std::vector<Tensor> kept;
     for (const NamedTensor& b : buffers) kept.push_back(b.tensor.clone());
     pipeline->set_carry_state(time_chunks_ > 1);
