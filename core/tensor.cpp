@@ -1,5 +1,7 @@
 #include "core/tensor.h"
 
+#include <cstring>
+
 #include <algorithm>
 #include <iomanip>
 #include <numeric>
@@ -226,6 +228,12 @@ Tensor ones(const Shape& shape, DType dtype, Device device) {
   return full(shape, 1.0, dtype, device);
 }
 Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  Tensor ca = a.to(Device{}).contiguous(), cb = b.to(Device{}).contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
+}
 
 void release_storage(const Tensor& t) {
   CHECK(t.defined()) << "release_storage of an undefined tensor";

@@ -198,6 +198,9 @@ struct TensorImpl {
 void release_storage(const Tensor& t);
 void reallocate_storage(const Tensor& t);
 
+// Whether a and b have the same shape, dtype and bytes (on any devices).
+bool same_bits(const Tensor& a, const Tensor& b);
+
 // ---- deferred initialisation ----
 // A pipeline stage builds the model's structure whole but gives memory only
 // to its own blocks, as torchdistx's deferred_init does. While a

@@ -18,12 +18,6 @@ void init_linear(Linear& l, double std, Generator& gen) {
   if (l.bias.defined()) l.bias.detach().fill_(0.0);
 }
 
-bool same_values(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
-  Tensor ca = a.to(Device{}).contiguous(), cb = b.to(Device{}).contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
-}
-
 }  // namespace
 
 GPT::GPT(const GPTOptions& o) : options_(o) {
@@ -120,7 +114,7 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
   if (wte_it == tensors.end()) return;  // reported as missing by the loader
   if (head_it == tensors.end()) {
     tensors.emplace("lm_head.weight", wte_it->second);
-  } else if (!same_values(wte_it->second, head_it->second)) {
+  } else if (!same_bits(wte_it->second, head_it->second)) {
     throw Error(cat(file,
                     ": lm_head.weight differs from transformer.wte.weight, but this GPT ties them "
                     "(model.tie_weights: true); load it with model.tie_weights: false"));

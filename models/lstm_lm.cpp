@@ -7,14 +7,17 @@ namespace trainer {
 
 namespace {
 
-// The decoder of a tied model: only its bias is its own ("decoder.bias").
-class TiedDecoderBias : public Module {
+// The decoder of a tied model: the embedding's tensor as "decoder.weight"
+// (as in PyTorch's state_dict; a parameter once), its own "decoder.bias".
+// Holding the weight lets a pipeline's last stage keep a tied copy.
+class TiedDecoder : public Module {
  public:
-  explicit TiedDecoderBias(int64_t vocab_size) {
+  TiedDecoder(const Tensor& embedding, int64_t vocab_size) {
+    weight = register_parameter("weight", embedding);
     bias = register_parameter("bias", zeros({vocab_size}));
   }
-  Tensor forward(const Tensor& x) override { return x + bias; }
-  Tensor bias;
+  Tensor forward(const Tensor& x) override { return linear(x, weight, bias); }
+  Tensor weight, bias;
 };
 
 }  // namespace
@@ -43,7 +46,8 @@ LSTMLM::LSTMLM(const LSTMLMOptions& o) : options_(o) {
                                                                  .seed = o.seed},
                                                       gen));
   if (o.tie_weights) {
-    auto tied = register_module("decoder", std::make_shared<TiedDecoderBias>(o.vocab_size));
+    auto tied =
+        register_module("decoder", std::make_shared<TiedDecoder>(encoder->weight, o.vocab_size));
     decoder_weight_ = encoder->weight;
     decoder_bias_ = tied->bias;
   } else {
@@ -105,6 +109,22 @@ LSTMLMOutput LSTMLM::forward(const Tensor& tokens, const RNNState& state) {
     cs.push_back(out[size_t(2 + 2 * k)]);
   }
   return {out[0], RNNState{stack(hs, 0), stack(cs, 0)}};
+}
+
+void LSTMLM::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
+                                  const std::string& file) const {
+  if (!options_.tie_weights) return;
+  // Tied: one tensor under both names; older checkpoints wrote it once, as the embedding.
+  auto encoder_it = tensors.find("encoder.weight");
+  auto decoder_it = tensors.find("decoder.weight");
+  if (encoder_it == tensors.end()) return;  // reported as missing by the loader
+  if (decoder_it == tensors.end()) {
+    tensors.emplace("decoder.weight", encoder_it->second);
+  } else if (!same_bits(encoder_it->second, decoder_it->second)) {
+    throw Error(cat(file,
+                    ": decoder.weight differs from encoder.weight, but this LSTM LM ties them "
+                    "(model.tie_weights: true); load it with model.tie_weights: false"));
+  }
 }
 
 std::shared_ptr<LSTMLM> make_lstm_lm(const LSTMLMOptions& options) {

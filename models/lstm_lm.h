@@ -3,7 +3,7 @@
 // decoder to the vocabulary, with that model's parameter names:
 //
 //   encoder.weight [V, E]  rnn.weight_ih_l0 [4H, E] ... rnn.bias_hh_l{L-1} [4H]
-//   decoder.weight [V, H] (absent when tied)  decoder.bias [V]
+//   decoder.weight [V, H] (encoder.weight's tensor when tied)  decoder.bias [V]
 //
 //   auto lm = make_lstm_lm({.vocab_size = 256, .embedding_dim = 512, .hidden_size = 512,
 //                           .num_layers = 2, .dropout = 0.2});
@@ -15,7 +15,9 @@
 // Module::forward(tokens) runs from a zero state and returns the logits only,
 // so the model also fits code written for stateless language models. With
 // tie_weights (needs embedding_dim == hidden_size) the decoder multiplies by
-// encoder.weight itself: one tensor, registered once. Initialisation from
+// encoder.weight itself: one tensor, one parameter, in the state under both
+// names as in PyTorch's state_dict (a checkpoint with only encoder.weight
+// still loads). Initialisation from
 // Generator(seed, kStreamInit): encoder and decoder weights uniform(-0.1, 0.1),
 // decoder bias 0 (as word_language_model), LSTM as torch.nn.LSTM.
 //
@@ -29,7 +31,9 @@
 // work as a wavefront over the sequence.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
 
 #include "layers/block_list.h"
 #include "layers/linear.h"
@@ -64,6 +68,8 @@ class LSTMLM : public Model {
   const LSTMLMOptions& options() const { return options_; }
   // The decoder's weight [V, H] (encoder.weight when tied).
   const Tensor& decoder_weight() const { return decoder_weight_; }
+  void upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
+                            const std::string& file) const override;
 
   std::shared_ptr<Embedding> encoder;
   std::shared_ptr<Dropout> drop;

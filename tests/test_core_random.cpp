@@ -13,12 +13,6 @@ using namespace trainer::testing;
 
 namespace {
 
-// Whether two tensors hold the same bytes (same shape and dtype).
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() && a.is_contiguous() &&
-         b.is_contiguous() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
-}
-
 // Restores the OpenMP thread count on scope exit.
 struct ThreadCountGuard {
   int previous = num_threads();

@@ -273,13 +273,19 @@ TEST_CASE("blocks: the LSTM LM is a block per layer, each carrying its layer's s
     CHECK(first == std::vector<std::string>{"encoder.weight", "rnn.weight_ih_l0",
                                             "rnn.weight_hh_l0", "rnn.bias_ih_l0",
                                             "rnn.bias_hh_l0"});
-    if (tie)
-      CHECK(second == std::vector<std::string>{"rnn.weight_ih_l1", "rnn.weight_hh_l1",
-                                               "rnn.bias_ih_l1", "rnn.bias_hh_l1", "decoder.bias"});
-    else
-      CHECK(second == std::vector<std::string>{"rnn.weight_ih_l1", "rnn.weight_hh_l1",
-                                               "rnn.bias_ih_l1", "rnn.bias_hh_l1", "decoder.weight",
-                                               "decoder.bias"});
+    // Tied, the last block holds the embedding's tensor as decoder.weight.
+    CHECK(second == std::vector<std::string>{"rnn.weight_ih_l1", "rnn.weight_hh_l1",
+                                             "rnn.bias_ih_l1", "rnn.bias_hh_l1", "decoder.weight",
+                                             "decoder.bias"});
+    if (tie) {
+      REQUIRE(b.tied().size() == 1);
+      CHECK(b.tied()[0].name == "decoder.weight");
+      CHECK(b.tied()[0].tied_to == "encoder.weight");
+      CHECK(b.tied()[0].block == 1);
+      CHECK(b.tied()[0].tied_block == 0);
+    } else {
+      CHECK(b.tied().empty());
+    }
     // An undefined state means zeros, as before.
     LSTMLMOutput zero_state = lm->forward(inputs[0], RNNState{});
     Tensor z = zeros({2, 6});

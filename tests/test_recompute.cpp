@@ -19,12 +19,6 @@ using namespace trainer::testing;
 
 namespace {
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape()) return false;
-  std::vector<float> x = a.to_vector<float>(), y = b.to_vector<float>();
-  return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
-}
-
 // [3, 16] token indices below 40, different for each (k, salt).
 Tensor symbols(int k, int salt) {
   std::vector<int64_t> v(48);

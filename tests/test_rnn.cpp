@@ -351,6 +351,21 @@ TEST_CASE("LSTM LM: names, weight tying, overfitting a fixed batch", "[rnn]") {
   CHECK(names.size() == 1 + 8 + 1);
   CHECK(tied->decoder_weight().impl() == tied->encoder->weight.impl());
   CHECK(!tied->decoder);
+  // In the state under both names, as PyTorch's state_dict; a checkpoint
+  // with the embedding only (older ones) still loads, a differing copy does not.
+  std::map<std::string, Tensor> state;
+  for (const NamedTensor& t : tied->state()) state[t.name] = t.tensor;
+  REQUIRE(state.count("decoder.weight"));
+  CHECK(state.at("decoder.weight").impl() == tied->encoder->weight.impl());
+  state.erase("decoder.weight");
+  tied->upgrade_loaded_state(state, "old.safetensors");
+  REQUIRE(state.count("decoder.weight"));
+  CHECK(state.at("decoder.weight").impl() == tied->encoder->weight.impl());
+  state["decoder.weight"] = tied->encoder->weight + 1.0;
+  CHECK_THROWS_WITH(tied->upgrade_loaded_state(state, "other.safetensors"),
+                    Catch::Contains("other.safetensors: decoder.weight differs from "
+                                    "encoder.weight") &&
+                        Catch::Contains("model.tie_weights: false"));
 
   int64_t B = 4, T = 10, V = 16;
   auto lm = make_lstm_lm(

@@ -78,10 +78,6 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                       "parallel.tp; use a multiple of ",
                       p.tp));
   }
-  if (r.model.name == "lstm_lm" && p.pp > 1 && r.model.tie_weights)
-    throw Error(cat(r.source, ": parallel.pp = ", p.pp,
-                    " with model.tie_weights: the LSTM LM's decoder would share the embedding "
-                    "of another stage, which is not supported; set model.tie_weights=false"));
   const ParallelRecipe defaults;
   if (p.time_chunks > 1 || p.schedule == "wavefront") {
     const int64_t seq = r.data.seq_len > 0 ? r.data.seq_len : r.model.context;
