@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <string>
 
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "layers/init.h"
+#include "models/tied.h"
 
 namespace trainer {
 
@@ -106,19 +106,8 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
       it = tensors.erase(it);
     }
   }
-  if (!options_.tie_weights) return;
-  // Tied: one tensor, under both names in nanoGPT's state_dict and ours;
-  // older checkpoints wrote it once, as the embedding.
-  auto wte_it = tensors.find("transformer.wte.weight");
-  auto head_it = tensors.find("lm_head.weight");
-  if (wte_it == tensors.end()) return;  // reported as missing by the loader
-  if (head_it == tensors.end()) {
-    tensors.emplace("lm_head.weight", wte_it->second);
-  } else if (!same_bits(wte_it->second, head_it->second)) {
-    throw Error(cat(file,
-                    ": lm_head.weight differs from transformer.wte.weight, but this GPT ties them "
-                    "(model.tie_weights: true); load it with model.tie_weights: false"));
-  }
+  if (options_.tie_weights)
+    upgrade_tied_weight(tensors, "transformer.wte.weight", "lm_head.weight", file, "this GPT");
 }
 
 void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {

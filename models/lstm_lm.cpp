@@ -2,6 +2,7 @@
 
 #include "core/ops.h"
 #include "layers/init.h"
+#include "models/tied.h"
 
 namespace trainer {
 
@@ -113,18 +114,8 @@ LSTMLMOutput LSTMLM::forward(const Tensor& tokens, const RNNState& state) {
 
 void LSTMLM::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
                                   const std::string& file) const {
-  if (!options_.tie_weights) return;
-  // Tied: one tensor under both names; older checkpoints wrote it once, as the embedding.
-  auto encoder_it = tensors.find("encoder.weight");
-  auto decoder_it = tensors.find("decoder.weight");
-  if (encoder_it == tensors.end()) return;  // reported as missing by the loader
-  if (decoder_it == tensors.end()) {
-    tensors.emplace("decoder.weight", encoder_it->second);
-  } else if (!same_bits(encoder_it->second, decoder_it->second)) {
-    throw Error(cat(file,
-                    ": decoder.weight differs from encoder.weight, but this LSTM LM ties them "
-                    "(model.tie_weights: true); load it with model.tie_weights: false"));
-  }
+  if (options_.tie_weights)
+    upgrade_tied_weight(tensors, "encoder.weight", "decoder.weight", file, "this LSTM LM");
 }
 
 std::shared_ptr<LSTMLM> make_lstm_lm(const LSTMLMOptions& options) {
