@@ -175,9 +175,36 @@ int decode_reduction(int height, int width, int min_side) {
   return 1;
 }
 
+namespace {
+
+// Whether bytes start as one of the formats of image_extensions() does.
+// OpenCV picks its decoder by signature, among others DICOM's (GDCM), which
+// asserts (aborts) on some corrupt input: only these formats reach it.
+bool known_image_signature(const std::vector<uint8_t>& b) {
+  auto starts = [&](std::initializer_list<uint8_t> sig, size_t at = 0) {
+    if (b.size() < at + sig.size()) return false;
+    size_t i = at;
+    for (uint8_t c : sig)
+      if (b[i++] != c) return false;
+    return true;
+  };
+  return starts({0xFF, 0xD8}) ||                                             // JPEG
+         starts({0x89, 'P', 'N', 'G'}) ||                                    // PNG
+         (b.size() >= 2 && b[0] == 'P' && b[1] >= '1' && b[1] <= '6') ||     // PBM, PGM, PPM
+         starts({'B', 'M'}) ||                                               // BMP
+         starts({'I', 'I', 42, 0}) || starts({'M', 'M', 0, 42}) ||           // TIFF
+         (starts({'R', 'I', 'F', 'F'}) && starts({'W', 'E', 'B', 'P'}, 8));  // WebP
+}
+
+}  // namespace
+
 DecodedImage decode_image(const std::vector<uint8_t>& bytes, int min_side,
                           const std::string& what) {
   if (bytes.empty()) throw BadSampleError(cat(what, ": empty file"));
+  if (!known_image_signature(bytes))
+    throw BadSampleError(cat(what,
+                             ": not a decodable image (its first bytes are none of JPEG, PNG, "
+                             "PPM/PGM, BMP, TIFF or WebP)"));
   int flags = cv::IMREAD_COLOR;
   JpegInfo jpeg;
   bool is_jpeg = bytes.size() >= 2 && bytes[0] == 0xFF && bytes[1] == 0xD8;

@@ -112,11 +112,16 @@ TEST_CASE("image folder: broken files are BadSampleErrors naming the file", "[da
   for (size_t i = 0; i < random.size(); ++i) random[i] = uint8_t(i * 7919 % 251);
   std::string text = "this is not an image\n";
   std::vector<uint8_t> text_bytes(text.begin(), text.end());
+  // A corrupt DICOM file (its "DICM" after a 128-byte preamble): OpenCV
+  // handed it to GDCM, which aborted on an assert (found by fuzz_image).
+  std::vector<uint8_t> dicom(128, 0xFF);
+  dicom.insert(dicom.end(), {'D', 'I', 'C', 'M', 0xFF, 0xD8, 0x00});
   for (auto& [bytes, reason] :
        std::vector<std::pair<std::vector<uint8_t>, std::string>>{{truncated, "truncated JPEG"},
                                                                  {header_only, "JPEG header"},
                                                                  {random, "not a decodable"},
                                                                  {text_bytes, "not a decodable"},
+                                                                 {dicom, "none of JPEG, PNG"},
                                                                  {{}, "empty file"}}) {
     REQUIRE_THROWS_MATCHES(decode_image(bytes, 0, "dir/bad.jpg"), BadSampleError,
                            Catch::Matchers::Predicate<BadSampleError>(
