@@ -58,19 +58,25 @@ void fsync_dir(const std::string& dir) {
 }  // namespace
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
+  write_file_atomic(path, std::vector<std::string_view>{bytes});
+}
+
+void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
   std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) throw Error(cat("cannot create ", tmp, ": ", std::strerror(errno)));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      ::close(fd);
-      throw Error(cat("cannot write ", tmp, ": ", std::strerror(e)));
+  for (std::string_view bytes : pieces) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        int e = errno;
+        ::close(fd);
+        throw Error(cat("cannot write ", tmp, ": ", std::strerror(e)));
+      }
+      done += size_t(n);
     }
-    done += size_t(n);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0)
     throw Error(cat("cannot flush ", tmp, ": ", std::strerror(errno)));
@@ -102,13 +108,15 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   }
   std::string h = header.dump();
   h.resize((h.size() + 7) / 8 * 8, ' ');  // align the data to 8 bytes, as the reference writer
-  std::string out;
-  out.reserve(8 + h.size() + offset);
-  uint64_t n = h.size();
-  for (int i = 0; i < 8; ++i) out.push_back(char((n >> (8 * i)) & 0xff));
-  out += h;
-  for (const Tensor& c : cpu) out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
-  write_file_atomic(path, out);
+  std::string length;
+  const uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) length.push_back(char((n >> (8 * i)) & 0xff));
+  // Written from the tensors' own memory: a checkpoint costs no copy of
+  // the state it saves.
+  std::vector<std::string_view> pieces = {length, h};
+  for (const Tensor& c : cpu)
+    pieces.emplace_back(static_cast<const char*>(c.data_ptr()), size_t(c.nbytes()));
+  write_file_atomic(path, pieces);
 }
 
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {

@@ -17,6 +17,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -44,6 +45,8 @@ inline constexpr uint64_t kSafetensorsMaxHeader = 100 * 1000 * 1000;
 // Writes bytes to path atomically: temporary file, fsync, rename, fsync of
 // the directory.
 void write_file_atomic(const std::string& path, const std::string& bytes);
+// The same, the file being the pieces one after the other.
+void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces);
 // The whole regular file (data/files.h: FIFOs, devices and directories are
 // refused before reading); `what` names it in errors ("the trainer state").
 std::string read_file(const std::string& path, const std::string& what = "the file");
