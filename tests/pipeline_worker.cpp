@@ -9,8 +9,10 @@
 //       pp = 3, M = 4 micro-batches, two steps per schedule: every rank
 //       compares its stage's parameter gradients bit for bit with the same
 //       model run whole in this process (gradient accumulation of loss / M),
-//       the last stage also its outputs; every rank checks that the plan
-//       sends the skip from piece 0 straight to piece 2, past stage 1.
+//       the last stage also its outputs; after the steps, an evaluation of
+//       4 batches (forward only) gives the whole model's outputs bit for
+//       bit; every rank checks that the plan sends the skip from piece 0
+//       straight to piece 2, past stage 1.
 //       Prints mismatches (rank, what, index, expected, actual) and last
 //       "rank R: N checks, F failed"; exit 0 only without failures.
 //   pipeline_worker mismatch
@@ -266,6 +268,25 @@ int run_equiv(comm::Communicator& world, const std::shared_ptr<comm::Communicato
                cat(what, ": parameter ", params[i].name, " against ", ref_params[i].name));
         expect_same_bits(cat(what, ": gradient of ", params[i].name), params[i].tensor.grad(),
                          ref_params[i].tensor.grad());
+      }
+    }
+    {
+      // Evaluation between steps: forward only, batch after batch (the
+      // sends of batch m - 2 completed before batch m); the last stage's
+      // outputs are the whole model's.
+      autograd::NoGradGuard no_grad;
+      const std::vector<MicroBatch> batches = micro_batches(7, kRows);
+      std::vector<TensorList> kept;
+      for (int m = 0; m < kMicroBatches; ++m)
+        kept.push_back(rt.evaluate(m, {batches[size_t(m)].input}));
+      rt.finish_step();
+      for (int m = 0; m < kMicroBatches; ++m) {
+        const std::string what = cat(name, " evaluation of batch ", m, " on stage ", stage);
+        if (rt.is_last_piece(0))
+          expect_same_bits(what, kept[size_t(m)].at(0),
+                           whole->blocks.run({batches[size_t(m)].input})[0]);
+        else
+          expect(!kept[size_t(m)].at(0).defined(), cat(what, ": an output before the last stage"));
       }
     }
     std::printf("rank %d: %s: stage %d gradients of %zu parameters compared\n", g_rank,

@@ -55,10 +55,10 @@ inline std::vector<std::string> mlp_sgd_args(const std::string& out,
 }
 #endif
 
-// A run's training losses and gradient norms, and its evaluations' losses,
-// by step, from its metrics.jsonl.
+// A run's training losses and gradient norms, and its evaluations' losses
+// (and top-1 for classifiers), by step, from its metrics.jsonl.
 struct StepLog {
-  std::map<int64_t, double> loss, grad_norm, val_loss;
+  std::map<int64_t, double> loss, grad_norm, val_loss, val_top1;
 };
 inline StepLog step_log(const std::string& run) {
   StepLog log;
@@ -66,7 +66,10 @@ inline StepLog step_log(const std::string& run) {
   for (std::string line; std::getline(in, line);) {
     nlohmann::json j = nlohmann::json::parse(line);
     const std::string split = j.value("split", "");
-    if (split == "val") log.val_loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    if (split == "val") {
+      log.val_loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
+      if (j.contains("top1")) log.val_top1[j["step"].get<int64_t>()] = j["top1"].get<double>();
+    }
     if (split != "train") continue;
     log.loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
     if (j.contains("grad_norm")) log.grad_norm[j["step"].get<int64_t>()] = j["grad_norm"];

@@ -56,8 +56,9 @@ std::vector<std::string> trainer_args(const std::string& recipe, const std::stri
   return a;
 }
 
-// pp = P with M micro-batches against pp = 1 with grad_accum = M; returns
-// the pipeline run's output.
+// pp = P with M micro-batches against pp = 1 with grad_accum = M, and
+// their evaluations (the pipeline's runs stage by stage, on batches padded
+// to the micro-batch size); returns the pipeline run's output.
 std::string check_pipeline_matches(const std::string& recipe, std::vector<std::string> common,
                                    int pp, int micro_batches, const std::string& schedule,
                                    int steps, double tolerance = 0, int chunks = 1) {
@@ -77,6 +78,9 @@ std::string check_pipeline_matches(const std::string& recipe, std::vector<std::s
   REQUIRE(rb.code == 0);
   CHECK(rb.output.find(cat("pp=", pp)) != std::string::npos);
   check_models(model_at(a, steps), model_at(b, steps), tolerance);
+  const StepLog expected = step_log(a), got = step_log(b);
+  check_close(expected.val_loss, got.val_loss, tolerance > 0 ? 1e-4 : 1e-5, "evaluation loss");
+  if (!expected.val_top1.empty()) check_close(expected.val_top1, got.val_top1, 0, "top-1");
   return rb.output;
 }
 
@@ -137,8 +141,11 @@ TEST_CASE(
     "pipeline: an MLP on 2 stages trains bit for bit as gradient accumulation, every "
     "schedule",
     "[parallel][mp]") {
+  // Evaluations after steps 2 and 4; the last of their batches of 8 holds
+  // one image (1001 of them), padded to 8 between the stages.
   const std::vector<std::string> common = {"training.global_batch=32", "optimizer.name=sgd",
-                                           "optimizer.lr=0.05", "optimizer.momentum=0.9"};
+                                           "optimizer.lr=0.05",        "optimizer.momentum=0.9",
+                                           "training.eval_every=2",    "data.val_samples=1001"};
   for (const char* schedule : {"gpipe", "1f1b", "zbh1"}) {
     SECTION(schedule) { check_pipeline_matches("fmnist_mlp.yaml", common, 2, 4, schedule, 4); }
   }
@@ -168,6 +175,7 @@ TEST_CASE(
                                         "model.n_head=2",
                                         "model.context=32",
                                         "data.seq_len=32",
+                                        "data.val_windows=10",
                                         "optimizer.clip_grad_norm=1.0"};
   // The tied weight's two gradients add in another order than in one process.
   SECTION("gpt, 1f1b") { check_pipeline_matches("gpt_kjv.yaml", gpt, 2, 2, "1f1b", 3, 1e-5); }
@@ -246,6 +254,9 @@ TEST_CASE(
       check_close(expected.loss, got.loss, 1e-5, "loss");
       check_close(expected.grad_norm, got.grad_norm, 1e-4, "gradient norm");
       check_models(model_at(a, 50), model_at(b, 50), 1e-5);
+      // The final evaluation's streams carry each layer's state on its stage
+      // (not carrying it: 4e-5 to 1.4e-4 off).
+      check_close(expected.val_loss, got.val_loss, 1e-6, "evaluation loss");
     }
   }
 }

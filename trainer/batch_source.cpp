@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/ops.h"
 #include "models/registry.h"
 
 namespace trainer {
@@ -39,6 +40,23 @@ std::string EvalMetrics::final_text(double best) const {
 Scalars EvalMetrics::scalars() const {
   if (language_model) return {{"loss", loss}, {"bits_per_char", bits_per_char}};
   return {{"loss", loss}, {"top1", top1}, {"top5", top5}};
+}
+
+StepBatch time_chunk(const StepBatch& batch, int m, int K) {
+  if (K == 1) return batch;
+  const int64_t T = batch.inputs.size(1), width = T / K;
+  CHECK_EQ(width * K, T) << "time chunks of a window";
+  StepBatch chunk = batch;
+  chunk.inputs = batch.inputs.narrow(1, m * width, width).contiguous();
+  chunk.targets = batch.targets.narrow(1, m * width, width).contiguous();
+  return chunk;
+}
+
+Tensor pad_samples(const Tensor& t, int64_t rows) {
+  if (t.size(0) >= rows) return t;
+  Shape padding = t.shape();
+  padding[0] = rows - t.size(0);
+  return concat({t, zeros(padding, t.dtype(), t.device())}, 0);
 }
 
 const data::Vocab& BatchSource::vocab() const {

@@ -131,6 +131,24 @@ class BatchSource {
   // Sums over this dp rank's share of the validation set.
   virtual EvalSums evaluate_shard() = 0;
 
+  // Evaluation in the pieces a pipeline stage runs (DistributedRun::evaluate):
+  // start_eval, then next_eval until it returns false, gives this dp rank's
+  // evaluation batches in the order evaluate_shard() reads them, each padded
+  // with all-zero samples to the micro-batch size, so that every tensor
+  // passed between stages keeps its training shape (batch.items counts the
+  // real samples, which are the targets; on a stage that reads no batches
+  // the batches have no tensors). eval_inputs gives a batch's model inputs
+  // in boundary(0) order: for the LSTM LM's evaluation streams, with the
+  // state carried from the previous chunk. keep_eval_outputs keeps that
+  // state from the model outputs this stage wrote. add_eval_sums adds a
+  // batch's sums from the model outputs (on the stage with the last piece).
+  virtual void start_eval() = 0;
+  virtual bool next_eval(StepBatch& batch) = 0;
+  virtual TensorList eval_inputs(const StepBatch& batch) = 0;
+  virtual void keep_eval_outputs(const TensorList& /*outputs*/) {}
+  virtual void add_eval_sums(const StepBatch& batch, const TensorList& outputs,
+                             EvalSums& sums) const = 0;
+
   // Training state beside the model and optimizer (the carried LSTM state),
   // saved per rank with checkpoints; nullopt when the source carries none.
   virtual std::optional<std::vector<NamedTensor>> stream_state() const { return std::nullopt; }
@@ -146,6 +164,14 @@ class BatchSource {
   std::shared_ptr<Module> model_;
   bool reads_batches_ = true;  // false: next() gives positions only
 };
+
+// Time chunk m of K of a batch of token windows [N, T]: its columns
+// [m T/K, (m + 1) T/K) (the LSTM LM's wavefront); the batch itself for K = 1.
+StepBatch time_chunk(const StepBatch& batch, int m, int K);
+
+// t [n, ...] with all-zero samples appended up to `rows` (t itself when it
+// has as many already): an evaluation batch at the shape of a micro-batch.
+Tensor pad_samples(const Tensor& t, int64_t rows);
 
 // What a source may do when the recipe's dataset is not on disk. read:
 // an Error naming it. assume_if_missing (dry runs and plans, which never

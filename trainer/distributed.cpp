@@ -408,15 +408,6 @@ double DistributedRun::clip_gradients(double max_norm) const {
   return norm;
 }
 
-void DistributedRun::gather_pipeline_model() const {
-  const parallel::PipelinePlan& plan = *session_->pipeline_plan();
-  comm::Communicator& pp = *dist_.mesh.pp_comm();
-  for (int s = 0; s < plan.split().stages; ++s)
-    for (const NamedTensor& t :
-         parallel::StageModule(session_->blocks(), plan.blocks_of_stage(s)).state())
-      comm::broadcast(pp, t.tensor, s);
-}
-
 void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
   // The sharded optimizer forgets its reduction; DataParallel then points
   // the gradients at its zeroed buckets again.
@@ -427,12 +418,7 @@ void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
 EvalMetrics DistributedRun::evaluate(Session& session) const {
   if (!dist_.active()) return session.evaluate();
   if (dp_) dp_->broadcast_buffers(0);
-  // A pipeline rank holds the other stages' tensors for the evaluation only.
-  if (pipeline_) {
-    session.reallocate_other_stages();
-    gather_pipeline_model();
-  }
-  EvalSums mine = session.evaluate_shard();
+  EvalSums mine = pipeline_ ? evaluate_pipeline(session) : session.evaluate_shard();
   // Gathered, not allreduced: a ring's sums would round differently on each
   // rank, and best-checkpoint decisions must agree.
   const double local[4] = {mine.loss, double(mine.top1), double(mine.top5), double(mine.samples)};
@@ -447,8 +433,36 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
     sums.top5 += int64_t(v[2]);
     sums.samples += int64_t(v[3]);
   }
-  if (pipeline_) session.release_other_stages();
   return eval_metrics(sums, session.is_language_model());
+}
+
+EvalSums DistributedRun::evaluate_pipeline(Session& session) const {
+  const parallel::PipelinePlan& plan = pipeline_->plan();
+  const int last = plan.split().stage_of(plan.pieces() - 1);
+  const bool sums_here = dist_.layout.coord.pp == last;
+  BatchSource& source = session.data();
+  EvalSums sums;
+  {
+    autograd::NoGradGuard no_grad;
+    session.model().eval();
+    source.start_eval();
+    // The wavefront's messages are time chunks of the windows (probed so).
+    const int K = std::max(1, int(session.recipe().parallel.time_chunks));
+    StepBatch batch;
+    for (int64_t m = 0; source.next_eval(batch); ++m)
+      for (int k = 0; k < K; ++k) {
+        const StepBatch chunk = time_chunk(batch, k, K);
+        const TensorList outputs = pipeline_->evaluate(m * K + k, source.eval_inputs(chunk));
+        source.keep_eval_outputs(outputs);
+        if (sums_here) source.add_eval_sums(chunk, outputs, sums);
+      }
+    pipeline_->finish_step();
+    session.model().train();
+  }
+  // The last stage's sums, to every stage of this pipeline.
+  double v[4] = {sums.loss, double(sums.top1), double(sums.top5), double(sums.samples)};
+  comm::broadcast(*dist_.mesh.pp_comm(), v, sizeof v, last);
+  return EvalSums{v[0], int64_t(v[1]), int64_t(v[2]), int64_t(v[3])};
 }
 
 StepVerdict DistributedRun::agree(double loss, bool finite, bool stop, bool has_loss) const {

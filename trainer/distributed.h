@@ -57,6 +57,7 @@ namespace trainer {
 class Session;
 class PipelineRuntime;
 struct EvalMetrics;
+struct EvalSums;
 
 // This process's place in the job: the training data is sharded over the
 // dp ranks, the global batch split over dp_size() of them.
@@ -150,7 +151,9 @@ class DistributedRun {
   // The validation metrics, the same bits on every rank: dp rank 0's
   // buffers are broadcast, each dp rank evaluates its share of the
   // validation set and the shares are added up in rank order (collective
-  // over the dp ranks).
+  // over the dp ranks). On a pipeline each stage runs only its own pieces
+  // (forward only, batch after batch, as a training forward passes
+  // activations) and the stage with the last piece computes the sums.
   EvalMetrics evaluate(Session& session) const;
 
   // One small allreduce over the world per step (local values on a single
@@ -176,9 +179,9 @@ class DistributedRun {
   void write_trace(const std::string& path) const;
 
  private:
-  // Pipeline: every stage's tensors broadcast from the stage holding them,
-  // so each rank holds the whole trained model (evaluation).
-  void gather_pipeline_model() const;
+  // This pipeline's sums over this dp rank's share of the validation set,
+  // on every stage (collective over the pp group).
+  EvalSums evaluate_pipeline(Session& session) const;
   // Adds the other stage's gradient of tied weight k (tied_across_stages) to
   // grad, which that stage exchanges too (collective over the pair).
   void add_tied_gradient(size_t k, Tensor& grad) const;

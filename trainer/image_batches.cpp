@@ -176,6 +176,32 @@ class ImageBatches final : public BatchSource {
 
   EvalSums evaluate_shard() override;
 
+  void start_eval() override {
+    if (reads_batches_) val_loader_->start_epoch(0);
+    eval_left_ = val_loader_->batches_per_epoch();
+  }
+  bool next_eval(StepBatch& batch) override {
+    if (!reads_batches_) {
+      // As many batches as the loader gives (drop_last off: the last may be short).
+      if (eval_left_ == 0) return false;
+      --eval_left_;
+      batch = StepBatch{};
+      return true;
+    }
+    data::Batch b;
+    if (!val_loader_->next(b)) return false;
+    const Device device = module_device(*model_);
+    batch = StepBatch{to_device(pad_samples(b.images, micro_batch_), device),
+                      to_device(b.labels, device), b.position, b.labels.numel()};
+    return true;
+  }
+  TensorList eval_inputs(const StepBatch& batch) override {
+    if (!batch.inputs.defined()) return {Tensor()};
+    return model_inputs(batch);
+  }
+  void add_eval_sums(const StepBatch& batch, const TensorList& outputs,
+                     EvalSums& sums) const override;
+
  private:
   // Logits for a batch of NHWC images [N, H, W, C] (viewed as NCHW channels-last).
   Tensor forward(const Tensor& images) {
@@ -189,6 +215,7 @@ class ImageBatches final : public BatchSource {
   std::string assumed_;  // the summary's note when the datasets are stand-ins
   const int64_t micro_batch_;
   int64_t position_ = 0, end_ = 0;  // without reading batches: this epoch's positions
+  int64_t eval_left_ = 0;           // pipelined evaluation: batches still to come
 };
 
 ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch,
@@ -273,27 +300,34 @@ EvalSums ImageBatches::evaluate_shard() {
   EvalSums sums;
   val_loader_->start_epoch(0);
   data::Batch batch;
-  CrossEntropyOptions sum_loss;
-  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
-  while (val_loader_->next(batch)) {
-    Tensor logits = forward(batch.images);
-    sums.loss +=
-        cross_entropy(logits, to_device(batch.labels, logits.device()), sum_loss).item<double>();
-    std::vector<float> l = logits.to_vector<float>();
-    std::vector<int64_t> y = batch.labels.to_vector<int64_t>();
-    int64_t C = logits.size(1);
-    for (size_t n = 0; n < y.size(); ++n) {
-      // Rank of the target: how many classes score strictly higher.
-      float target = l[n * size_t(C) + size_t(y[n])];
-      int64_t higher = 0;
-      for (int64_t c = 0; c < C; ++c) higher += l[n * size_t(C) + size_t(c)] > target;
-      sums.top1 += higher < 1;
-      sums.top5 += higher < 5;
-    }
-    sums.samples += int64_t(y.size());
-  }
+  while (val_loader_->next(batch))
+    add_eval_sums(StepBatch{Tensor(), batch.labels}, {forward(batch.images)}, sums);
   model_->train();
   return sums;
+}
+
+void ImageBatches::add_eval_sums(const StepBatch& batch, const TensorList& outputs,
+                                 EvalSums& sums) const {
+  const int64_t N = batch.targets.size(0);
+  if (N == 0) return;  // every sample of the batch was a bad file
+  // The real samples' logits: the rows after them are padding.
+  const Tensor logits = outputs.at(0).narrow(0, 0, N);
+  CrossEntropyOptions sum_loss;
+  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
+  sums.loss +=
+      cross_entropy(logits, to_device(batch.targets, logits.device()), sum_loss).item<double>();
+  std::vector<float> l = logits.to_vector<float>();
+  std::vector<int64_t> y = batch.targets.to_vector<int64_t>();
+  const int64_t C = logits.size(1);
+  for (size_t n = 0; n < y.size(); ++n) {
+    // Rank of the target: how many classes score strictly higher.
+    float target = l[n * size_t(C) + size_t(y[n])];
+    int64_t higher = 0;
+    for (int64_t c = 0; c < C; ++c) higher += l[n * size_t(C) + size_t(c)] > target;
+    sums.top1 += higher < 1;
+    sums.top5 += higher < 5;
+  }
+  sums.samples += int64_t(y.size());
 }
 
 }  // namespace

@@ -454,18 +454,66 @@ bool PipelineRuntime::run(const Action& a) {
   return false;
 }
 
-void PipelineRuntime::finish_step() {
-  const int64_t begin = parallel::trace_now_us();
-  for (comm::Work& w : sends_) {
+void PipelineRuntime::wait_sends(size_t n) {
+  for (size_t i = 0; i < n; ++i) {
     try {
-      w.wait();
+      sends_[i].wait();
     } catch (const Error& e) {
       throw Error(cat("pipeline stage ", stage_, ", completing the step's sends: ", e.what()));
     }
   }
+  sends_.erase(sends_.begin(), sends_.begin() + ptrdiff_t(n));
+  send_buffers_.erase(send_buffers_.begin(), send_buffers_.begin() + ptrdiff_t(n));
+}
+
+TensorList PipelineRuntime::evaluate(int64_t m, const TensorList& model_inputs) {
+  CHECK(posted_.empty()) << "pipeline stage " << stage_ << ": evaluation inside a training step";
+  while (eval_sends_.size() >= 2) {
+    wait_sends(eval_sends_.front());
+    eval_sends_.pop_front();
+  }
+  // Batches in flight are at most 2 apart, so the tag's micro-batch field
+  // may wrap around.
+  const int b = int(m % (int64_t(1) << comm::P2PTag::kMicroBatchBits));
+  const size_t sends_before = sends_.size();
+  const bool carry = carry_state_;
+  carry_state_ = false;
+  TensorList kept(blocks_.boundary(blocks_.size()).size());
+  for (int chunk = 0; chunk < plan_.split().chunks; ++chunk) {
+    const Action a{ActionKind::recv_activation, b, chunk};
+    InFlight& f = in_flight(b, chunk);
+    std::vector<comm::Work> works;
+    for (int t : piece(chunk).receives) {
+      Tensor buffer = wire_buffer(plan_.transfers()[size_t(t)]);
+      works.push_back(
+          message(false, wire(buffer, plan_.transfers()[size_t(t)].channels_last), t, a));
+      f.received[t] = buffer;
+    }
+    for (size_t k = 0; k < works.size(); ++k) {
+      try {
+        works[k].wait();
+      } catch (const Error& e) {
+        const parallel::Transfer& tr = plan_.transfers()[size_t(piece(chunk).receives[k])];
+        throw Error(cat(where(a), " of an evaluation, waiting on stage ", peer_of(tr.from), " ('",
+                        tr.name, "'): ", e.what()));
+      }
+    }
+    const TensorList out = forward(b, chunk, model_inputs);
+    for (size_t j = 0; j < out.size(); ++j)
+      if (out[j].defined()) kept[j] = out[j];
+    send_activation(b, chunk);
+    in_flight_.erase({b, chunk});
+  }
+  carry_state_ = carry;
+  eval_sends_.push_back(sends_.size() - sends_before);
+  return kept;
+}
+
+void PipelineRuntime::finish_step() {
+  const int64_t begin = parallel::trace_now_us();
+  wait_sends(sends_.size());
   record("sends", parallel::Track::comm, begin);
-  sends_.clear();
-  send_buffers_.clear();
+  eval_sends_.clear();
   posted_.clear();
   in_flight_.clear();
 }

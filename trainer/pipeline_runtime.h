@@ -36,6 +36,7 @@
 // which the wavefront schedule runs next (backwards in reverse order).
 #pragma once
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -87,6 +88,17 @@ class PipelineRuntime {
   // W) and returns true; false for the actions the caller runs (F, which
   // needs the batch, grad_sync, optimizer_step).
   bool run(const parallel::Action& a);
+
+  // Evaluation, forward only (the caller holds a NoGradGuard): runs batch m
+  // of an evaluation through this stage's pieces in order, receiving each
+  // piece's inputs and sending its outputs as a training forward does (the
+  // same transfers and shapes: evaluation batches are padded to the
+  // micro-batch size), and returns the model outputs this stage keeps. A
+  // stage goes on to batch m + 1 while the next stage runs m; the sends of
+  // batch m - 2 complete before batch m runs, and finish_step() waits for
+  // the rest. The carried state is the caller's (model_inputs), not the
+  // previous batch's.
+  TensorList evaluate(int64_t m, const TensorList& model_inputs);
 
   // Call once per step before running its actions: the receives it will post.
   void begin_step(const std::vector<parallel::Action>& actions);
@@ -149,6 +161,9 @@ class PipelineRuntime {
   std::map<std::tuple<int, int, int>, size_t> recv_index_;  // (gradient?, m, chunk) -> action
   std::vector<comm::Work> sends_;
   std::vector<Tensor> send_buffers_;
+  std::deque<size_t> eval_sends_;  // evaluation: the sends of each batch in flight, oldest first
+  // Waits for sends_[0, n) and drops them (an Error naming this stage).
+  void wait_sends(size_t n);
 };
 
 }  // namespace trainer

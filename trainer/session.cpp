@@ -272,10 +272,6 @@ void Session::release_other_stages() {
   for (const Tensor& t : other_stages_) release_storage(t);
 }
 
-void Session::reallocate_other_stages() {
-  for (const Tensor& t : other_stages_) reallocate_storage(t);
-}
-
 std::vector<optim::ParamGroup> Session::trained_param_groups() const {
   std::vector<optim::ParamGroup> groups = param_groups(recipe_, *model_);
   if (!stage_module_) return groups;

@@ -95,14 +95,11 @@ class Session {
   // pp > 1 the session builds the model deferred (core/tensor.h
   // DeferredInit): its structure whole, from the same seed as one process,
   // but memory and values only for what set_pipeline materialises, this
-  // stage's tensors. The other stages' are only read when
-  // gather_pipeline_model() refreshes them (evaluation).
+  // stage's tensors. Nothing reads the other stages' (evaluation runs
+  // stage by stage too, DistributedRun::evaluate).
   void set_pipeline(const parallel::StageSplit& split, int stage);
-  // Keeps the other stages' tensors as shapes (no memory), or gives them
-  // memory (uninitialised): around evaluation, which refreshes them from
-  // their stages.
+  // Keeps the other stages' tensors as shapes (no memory).
   void release_other_stages();
-  void reallocate_other_stages();
   // Every tensor of the model made (a dry run's whole-model measurement).
   void materialize_model();
   // The tensors this rank holds: its stage's under a pipeline, else the model's.

@@ -12,21 +12,6 @@ namespace trainer {
 using parallel::Action;
 using parallel::ActionKind;
 
-namespace {
-
-// Time chunk m of K of a batch of token windows: its columns [m T/K, (m + 1) T/K).
-StepBatch time_chunk(const StepBatch& batch, int m, int K) {
-  if (K == 1) return batch;
-  const int64_t T = batch.inputs.size(1), width = T / K;
-  CHECK_EQ(width * K, T) << "time chunks of a window";
-  StepBatch chunk = batch;
-  chunk.inputs = batch.inputs.narrow(1, m * width, width).contiguous();
-  chunk.targets = batch.targets.narrow(1, m * width, width).contiguous();
-  return chunk;
-}
-
-}  // namespace
-
 parallel::Schedule training_schedule(const Recipe& recipe, const RankLayout& layout) {
   if (layout.job.mesh.pp == 1) return parallel::one_stage_schedule(int(recipe.training.grad_accum));
   // The LSTM LM's wavefront: the time chunks are the micro-batches.

@@ -69,6 +69,12 @@ class TextBatches final : public BatchSource {
   StepBatch probe_batch(int64_t n) override;
   void set_holds_carried_state(bool holds) override { holds_state_ = holds; }
   EvalSums evaluate_shard() override;
+  void start_eval() override;
+  bool next_eval(StepBatch& batch) override;
+  TensorList eval_inputs(const StepBatch& batch) override;
+  void keep_eval_outputs(const TensorList& outputs) override;
+  void add_eval_sums(const StepBatch& batch, const TensorList& outputs,
+                     EvalSums& sums) const override;
 
   std::optional<std::vector<NamedTensor>> stream_state() const override;
   void load_stream_state(const std::string& dir, int64_t position) override;
@@ -98,6 +104,11 @@ class TextBatches final : public BatchSource {
   // model inputs after the tokens); on a pipeline stage only its layers'.
   std::vector<Tensor> carried_;
   bool holds_state_ = true;  // false on a pipeline stage without the LSTM
+  // Pipelined evaluation: the next batch (a chunk of the streams, or the
+  // next of this rank's windows) and the state carried through the
+  // evaluation streams, laid out as carried_.
+  int64_t eval_next_ = 0;
+  std::vector<Tensor> eval_carried_;
 };
 
 TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
@@ -211,8 +222,6 @@ Tensor TextBatches::probe_loss(int64_t n) {
 EvalSums TextBatches::evaluate_shard() {
   autograd::NoGradGuard no_grad;
   model_->eval();
-  CrossEntropyOptions sum_loss;
-  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
   EvalSums sums;
   const data::EvalWindows& val = *val_windows_;
   const Device device = module_device(*model_);
@@ -233,20 +242,68 @@ EvalSums TextBatches::evaluate_shard() {
       } else {
         logits = (*model_)(b.inputs);
       }
-      sums.loss += token_cross_entropy(loss_model_, logits, b.targets, sum_loss).item<double>();
-      sums.samples += b.targets.numel();
+      add_eval_sums(StepBatch{b.inputs, b.targets}, {logits}, sums);
     }
   } else {
     const int64_t stride = micro_batch_ * layout_.dp_size();
     for (int64_t first = micro_batch_ * layout_.dp_rank(); first < val.size(); first += stride) {
       data::TextBatch b = on_device(val.batch(first, micro_batch_));
-      sums.loss +=
-          token_cross_entropy(loss_model_, (*model_)(b.inputs), b.targets, sum_loss).item<double>();
-      sums.samples += b.targets.numel();
+      add_eval_sums(StepBatch{b.inputs, b.targets}, {(*model_)(b.inputs)}, sums);
     }
   }
   model_->train();
   return sums;
+}
+
+void TextBatches::add_eval_sums(const StepBatch& batch, const TensorList& outputs,
+                                EvalSums& sums) const {
+  CrossEntropyOptions sum_loss;
+  sum_loss.reduction = CrossEntropyOptions::Reduction::sum;
+  // The real windows' logits: the rows after them are padding.
+  const Tensor logits = outputs.at(0).narrow(0, 0, batch.targets.size(0));
+  sums.loss += token_cross_entropy(loss_model_, logits, batch.targets, sum_loss).item<double>();
+  sums.samples += batch.targets.numel();
+}
+
+void TextBatches::start_eval() {
+  eval_next_ = 0;
+  eval_carried_.assign(carried_.size(), Tensor());
+}
+
+bool TextBatches::next_eval(StepBatch& batch) {
+  // The windows evaluate_shard() reads, in its order.
+  const data::EvalWindows& val = *val_windows_;
+  int64_t first = 0;
+  if (val.streams() > 0) {
+    if (eval_next_ >= val.size() / val.streams()) return false;
+    first = eval_next_ * val.streams() + micro_batch_ * layout_.dp_rank();
+  } else {
+    first = micro_batch_ * (layout_.dp_rank() + eval_next_ * layout_.dp_size());
+    if (first >= val.size()) return false;
+  }
+  ++eval_next_;
+  // A window starts from zeros unless the streams carry the state.
+  if (val.streams() == 0) eval_carried_.assign(eval_carried_.size(), Tensor());
+  data::TextBatch b = val.batch(first, micro_batch_);
+  const Device device = module_device(*model_);
+  batch = StepBatch{to_device(pad_samples(b.inputs, micro_batch_), device),
+                    to_device(b.targets, device), eval_next_, b.targets.numel()};
+  return true;
+}
+
+TensorList TextBatches::eval_inputs(const StepBatch& batch) {
+  TensorList in = {batch.inputs};
+  if (!lstm_) return in;
+  for (const Tensor& t : eval_carried_) in.push_back(t);
+  return in;
+}
+
+void TextBatches::keep_eval_outputs(const TensorList& outputs) {
+  // Carried to the next time chunk of the batch, and to the next batch of
+  // the streams (whole batches: no padding rows).
+  if (!lstm_) return;
+  for (size_t k = 0; k < eval_carried_.size(); ++k)
+    if (outputs.at(k + 1).defined()) eval_carried_[k] = outputs[k + 1];
 }
 
 std::optional<std::vector<NamedTensor>> TextBatches::stream_state() const {
