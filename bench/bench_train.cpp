@@ -1,6 +1,7 @@
 // Training-step throughput and peak memory: forward, backward and an SGD
 // (momentum) step on synthetic data, for the small CNN at batch 128,
-// ResNet-18 at 64x64 and 224x224, and ResNet-50 at 224x224, and in tokens/s
+// ResNet-18 at 64x64 and 224x224 (and with the 3x3 stem at 28x28, batch 8:
+// bench_pipeline's), and ResNet-50 at 224x224, and in tokens/s
 // for the LSTM language model (2 x 512, sequence 128, batch 32, byte
 // vocabulary) and GPT (6 layers, 384 wide, 6 heads, context 256, batch 8,
 // byte vocabulary). Each case runs in its own child process so its peak resident
@@ -43,6 +44,8 @@ DType g_precision = DType::f32;
 
 const ImageCase kCases[] = {
     {"small_cnn_28", "small_cnn", 128, 28, 1, 10},
+    // bench_pipeline's ResNet-18: the 3x3 stem, 28x28 grey images, its micro-batch.
+    {"resnet18_small_28", "resnet18_small", 8, 28, 1, 10},
     {"resnet18_64", "resnet18", 32, 64, 3, 1000},
     {"resnet18_224", "resnet18", 16, 224, 3, 1000},
     {"resnet50_224", "resnet50", 16, 224, 3, 1000},
@@ -168,7 +171,7 @@ void print_row(const char* name, int64_t batch, int threads, const Result& ours,
     std::snprintf(ratio, sizeof ratio, "%6.2fx",
                   ours.samples_per_second / torch.samples_per_second);
   }
-  std::printf("%-14s %5lld %3d | %12.1f %9.0f | %s | %s\n", name, (long long)batch, threads,
+  std::printf("%-17s %5lld %3d | %12.1f %9.0f | %s | %s\n", name, (long long)batch, threads,
               ours.samples_per_second, ours.peak_mib, torch_cols, ratio);
   std::fflush(stdout);
 }
@@ -214,7 +217,7 @@ int main(int argc, char** argv) {
       "steps, %s\n",
       steps, g_precision == DType::bf16 ? "bf16 autocast (both sides)" : "fp32");
   std::printf("%s\n", cpu::describe_machine().c_str());
-  std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr", "ours samp/s",
+  std::printf("%-17s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr", "ours samp/s",
               "peak MiB", "torch samp/s", "peak MiB", "ratio");
   for (const ImageCase& c : kCases) {
     if (!only.empty() && only != c.name) continue;
@@ -234,7 +237,7 @@ int main(int argc, char** argv) {
   for (const LMCase& c : kLMCases) {
     if (!only.empty() && only != c.name) continue;
     if (!header) {
-      std::printf("%-14s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr",
+      std::printf("%-17s %5s %3s | %12s %9s | %12s %9s | %7s\n", "case", "batch", "thr",
                   "ours tok/s", "peak MiB", "torch tok/s", "peak MiB", "ratio");
       header = true;
     }

@@ -113,6 +113,12 @@ def image_model(a):
         return SmallCNN(a.channels, a.classes, a.size)
     import torchvision
 
+    if a.model == "resnet18_small":
+        # models/resnet.h small_input: a 3x3 stride-1 stem and no max-pool.
+        m = torchvision.models.resnet18(num_classes=a.classes)
+        m.conv1 = nn.Conv2d(a.channels, 64, 3, 1, 1, bias=False)
+        m.maxpool = nn.Identity()
+        return m
     return getattr(torchvision.models, a.model)(num_classes=a.classes)
 
 
