@@ -59,11 +59,7 @@ Tensor reduce_scatter_seq(const Tensor& x, TensorParallelGroup& g) {
 }
 
 // x summed over the group, in a copy (never the caller's tensor).
-Tensor summed(const Tensor& x, TensorParallelGroup& g) {
-  Tensor out = x.is_contiguous() ? x.clone() : x.contiguous();
-  g.allreduce(out);
-  return out;
-}
+Tensor summed(const Tensor& x, TensorParallelGroup& g) { return g.sum(x); }
 
 // [..., k] -> [..., n k], rank r's values at [r k, (r + 1) k): gathered
 // along dim 0 as [n, rows, k], then put side by side.

@@ -46,6 +46,12 @@ class TensorParallelGroup {
   virtual bool sequence_parallel() const = 0;
   // In place, over the group: the sum (or the maximum) of t on every rank.
   virtual void allreduce(const Tensor& t, bool max = false) = 0;
+  // The sum of x over the group, in a new tensor (x is left as it is).
+  virtual Tensor sum(const Tensor& x) {
+    Tensor out = x.is_contiguous() ? x.clone() : x.contiguous();
+    allreduce(out);
+    return out;
+  }
   // t [k, ...] -> [size() * k, ...], block r from rank r.
   virtual Tensor allgather(const Tensor& t) = 0;
   // t [size() * k, ...] -> [k, ...]: block rank() of the sum over the group.

@@ -1,6 +1,7 @@
 #include "parallel/tensor_parallel.h"
 
 #include "comm/collectives.h"
+#include "comm/shm_region.h"
 #include "core/autograd.h"
 #include "core/ops.h"
 
@@ -11,6 +12,34 @@ CommGroup::CommGroup(std::shared_ptr<comm::Communicator> comm, bool sequence_par
   CHECK(comm_) << "a tensor-parallel group needs a communicator";
 }
 
+namespace {
+
+// Buffers below this go through the channel's staging areas: its small
+// allreduce is one copy in and out, as cheap as the in-place one.
+constexpr size_t kInPlaceMinBytes = 64 << 10;
+
+// The first region: enough for GPT-small activations (8 x 256 x 768 f32).
+constexpr size_t kFirstRegionBytes = 8 << 20;
+
+// A CPU tensor of shape and dtype over the bytes at data (not owned).
+Tensor over(char* data, const Shape& shape, DType dtype) {
+  return from_external(data, shape, dtype, Device{}, nullptr);
+}
+
+}  // namespace
+
+char* CommGroup::scratch(size_t bytes) {
+  if (no_region_ || bytes < kInPlaceMinBytes) return nullptr;
+  if (region_ && region_->bytes() >= bytes) return region_->local();
+  // Every rank asks for the same bytes here, so they create the region together.
+  size_t want = region_ ? 2 * region_->bytes() : kFirstRegionBytes;
+  while (want < bytes) want *= 2;
+  region_.reset();
+  region_ = comm_->share_memory(want);
+  no_region_ = region_ == nullptr;
+  return region_ ? region_->local() : nullptr;
+}
+
 void CommGroup::allreduce(const Tensor& t, bool max) {
   CHECK(t.is_contiguous()) << "tensor-parallel allreduce of a non-contiguous tensor";
   traffic_.allreduce_bytes += int64_t(t.nbytes());
@@ -18,16 +47,48 @@ void CommGroup::allreduce(const Tensor& t, bool max) {
   comm::allreduce(*comm_, t, {.op = max ? comm::ReduceOp::max : comm::ReduceOp::sum});
 }
 
+Tensor CommGroup::sum(const Tensor& x) {
+  char* s = x.device().is_cpu() ? scratch(size_t(x.nbytes())) : nullptr;
+  if (!s) return TensorParallelGroup::sum(x);
+  traffic_.allreduce_bytes += int64_t(x.nbytes());
+  ++traffic_.calls;
+  // x copied into the region (where a plain sum clones it), reduced there
+  // in place, and copied out: no staging copies through the channel.
+  Tensor in_region = over(s, x.shape(), x.dtype());
+  in_region.copy_(x);
+  comm::allreduce(*comm_, s, size_t(x.numel()), x.dtype(), {.op = comm::ReduceOp::sum});
+  return in_region.clone();
+}
+
 Tensor CommGroup::allgather(const Tensor& t) {
   traffic_.allgather_bytes += int64_t(t.nbytes()) * size() / 2;
   ++traffic_.calls;
-  return comm::allgather(*comm_, t.contiguous());
+  const size_t bytes = size_t(t.nbytes());
+  char* s = t.device().is_cpu() ? scratch(bytes * size_t(size())) : nullptr;
+  if (!s) return comm::allgather(*comm_, t.contiguous());
+  // The output in the region: each rank writes its block into every rank's.
+  const Tensor in = t.contiguous();
+  Shape shape = t.shape();
+  shape[0] *= size();
+  comm::allgather(*comm_, in.data_ptr(), s, bytes, {.shared_region = true});
+  return over(s, shape, t.dtype()).clone();
 }
 
 Tensor CommGroup::reduce_scatter(const Tensor& t) {
   traffic_.reduce_scatter_bytes += int64_t(t.nbytes()) / 2;
   ++traffic_.calls;
-  return comm::reduce_scatter(*comm_, t.contiguous());
+  char* s = t.device().is_cpu() ? scratch(size_t(t.nbytes())) : nullptr;
+  if (!s) return comm::reduce_scatter(*comm_, t.contiguous());
+  // The input in the region: each rank folds its block from every rank's.
+  CHECK(t.size(0) % size() == 0) << "reduce-scatter of " << t.shape_str() << " over " << size()
+                                 << " ranks";
+  over(s, t.shape(), t.dtype()).copy_(t);
+  Shape shape = t.shape();
+  shape[0] /= size();
+  Tensor out = empty(shape, t.dtype());
+  comm::reduce_scatter(*comm_, s, out.data_ptr(), size_t(out.numel()), t.dtype(),
+                       {.shared_region = true});
+  return out;
 }
 
 std::shared_ptr<CommGroup> make_comm_group(std::shared_ptr<comm::Communicator> comm,

@@ -44,17 +44,31 @@ class CommGroup final : public TensorParallelGroup {
   int size() const override { return comm_->size(); }
   bool sequence_parallel() const override { return sequence_parallel_; }
   void allreduce(const Tensor& t, bool max) override;
+  Tensor sum(const Tensor& x) override;
   Tensor allgather(const Tensor& t) override;
   Tensor reduce_scatter(const Tensor& t) override;
 
   comm::Communicator& comm() const { return *comm_; }
+  // Whether the collectives run in place over a shared region (below);
+  // false before the first one, and on ranks of several hosts.
+  bool in_place() const { return region_ != nullptr; }
   const TensorParallelTraffic& traffic() const { return traffic_; }
   void reset_traffic() { traffic_ = {}; }
 
  private:
+  // A buffer of at least `bytes` in this rank's part of the group's shared
+  // region (comm/shm_region.h), at the same offset on every rank, so a
+  // collective on it runs in place over the shared-memory channel; null
+  // when the ranks share no channel (several hosts) or cannot map one. The
+  // region grows (collectively: every rank asks for the same sizes in the
+  // same order, as they run the same layers) to the largest size asked.
+  char* scratch(size_t bytes);
+
   std::shared_ptr<comm::Communicator> comm_;
   bool sequence_parallel_;
   TensorParallelTraffic traffic_;
+  std::shared_ptr<comm::ShmRegion> region_;
+  bool no_region_ = false;  // the ranks share no region: ordinary collectives
 };
 
 std::shared_ptr<CommGroup> make_comm_group(std::shared_ptr<comm::Communicator> comm,

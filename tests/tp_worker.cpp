@@ -9,7 +9,9 @@
 //   tp_worker regions
 //       copy_to_region, reduce_from_region, gather_last_dim, gather_sequence,
 //       reduce_scatter_sequence and split_sequence, forward and gradient,
-//       against what the whole-tensor op gives.
+//       against what the whole-tensor op gives: small tensors (staged
+//       through the shared-memory channel) and large ones (in place in the
+//       group's shared region, before and after it grows).
 //   tp_worker loss
 //       vocab_parallel_cross_entropy against cross_entropy over the whole
 //       logits (mean, sum, none; label smoothing 0 and 0.1; ignored rows),
@@ -237,9 +239,12 @@ void compare_parameters(const std::string& what, const Module& split, const Modu
 
 // ---- 1. the region ops ----
 
-void check_regions(TensorParallelGroup& g) {
+// width: the last dim of every tensor. Small ones go through the
+// shared-memory channel's staging areas; from 64 KiB on, a CommGroup runs
+// its collectives in place in its shared region, which grows to fit.
+void check_regions(TensorParallelGroup& g, int64_t width) {
   const int n = g.size(), r = g.rank();
-  const Shape whole{kBatch, kSeq, 5}, part{kBatch, kSeq / n, 5};
+  const Shape whole{kBatch, kSeq, width}, part{kBatch, kSeq / n, width};
   const std::string name = group_name(g);
 
   {  // f: x as is; every rank's cotangent reaches x, so its gradient is their sum.
@@ -262,13 +267,14 @@ void check_regions(TensorParallelGroup& g) {
   }
   {  // The ranks' [B, T, 3] side by side; replicated output, this rank's
      // columns of the cotangent.
-    TensorList xs = per_rank({kBatch, kSeq, 3}, 5, n);
+    TensorList xs = per_rank(whole, 5, n);
     Tensor x = leaf(xs[size_t(r)]);
-    Tensor v = random({kBatch, kSeq, 3 * n}, 6);
+    Tensor v = random({kBatch, kSeq, width * n}, 6);
     Tensor y = gather_last_dim(x, g);
     expect_close("gather_last_dim forward", y, concat(xs, 2), 0.0);
     y.backward(v);
-    expect_close("gather_last_dim gradient", x.grad(), v.narrow(2, 3 * r, 3).contiguous(), 0.0);
+    expect_close("gather_last_dim gradient", x.grad(), v.narrow(2, width * r, width).contiguous(),
+                 0.0);
   }
   {  // The ranks' [B, T/n, D] parts in sequence order. Each rank's cotangent
      // differs (the column-parallel layer after it): x_r's gradient is its
@@ -613,7 +619,13 @@ int main(int argc, char** argv) {
     const Group plain = parallel::make_comm_group(mesh.tp_comm(), false);
     const Group sp = parallel::make_comm_group(mesh.tp_comm(), true);
     if (mode == "regions") {
-      check_regions(*plain);
+      // Staged; in place (256 KiB tensors of f64 at width 2048); in place
+      // after the region grows past its first 8 MiB (width 65536).
+      for (int64_t width : {5, 2048, 65536}) {
+        check_regions(*plain, width);
+        if (width == 2048) expect(plain->in_place(), "no shared region for 256 KiB tensors");
+      }
+      expect(plain->in_place(), "no shared region after the growth");
     } else if (mode == "loss") {
       check_loss(*plain);
     } else if (mode == "linear") {
