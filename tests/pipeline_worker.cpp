@@ -21,9 +21,13 @@
 //   pipeline_worker kill VICTIM
 //       pp = 2: VICTIM SIGKILLs itself before its first backward; the others
 //       must get an Error naming their stage and the receive they waited on.
+//   pipeline_worker kill-evaluation VICTIM
+//       pp = world size: an evaluation of 4 batches (forward only); VICTIM
+//       SIGKILLs itself before its batch 2.
 //   In mismatch and kill, a rank that catches an Error prints
 //   "rank R: error: ..." and exits 3; one that finishes the step prints
-//   "rank R: finished the step" and exits 1.
+//   "rank R: finished the step" and exits 1 (kill-evaluation: "finished
+//   the evaluation").
 #include <signal.h>
 #include <unistd.h>
 
@@ -330,6 +334,34 @@ int run_kill(const std::shared_ptr<comm::Communicator>& pp, int victim) {
   });
 }
 
+// pp = world size: an evaluation of 4 batches of the skip model; VICTIM
+// SIGKILLs itself before its batch 2.
+int run_kill_evaluation(const std::shared_ptr<comm::Communicator>& pp, int victim) {
+  std::unique_ptr<SkipModel> model = make_skip_model();
+  PipelinePlan plan(model->blocks, even_split(model->blocks.size(), pp->size(), 1));
+  PipelineRuntime rt(plan, pp->rank(), pp, model->blocks, nullptr);
+  try {
+    rt.probe({micro_batches(0, kRows)[0].input}, DType::f32);
+    autograd::NoGradGuard no_grad;
+    const std::vector<MicroBatch> batches = micro_batches(7, kRows);
+    for (int m = 0; m < kMicroBatches; ++m) {
+      if (pp->rank() == victim && m == 2) {
+        std::printf("rank %d: killing itself before evaluating batch 2\n", g_rank);
+        std::fflush(stdout);
+        ::raise(SIGKILL);
+      }
+      rt.evaluate(m, {batches[size_t(m)].input});
+    }
+    rt.finish_step();
+  } catch (const Error& e) {
+    std::printf("rank %d: error: %s\n", g_rank, e.what());
+    std::fflush(stdout);
+    return 3;
+  }
+  std::printf("rank %d: finished the evaluation\n", g_rank);
+  return 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -346,10 +378,13 @@ int main(int argc, char** argv) {
       return run_equiv(*world, pp, std::vector<std::string>(argv + 2, argv + argc));
     if (mode == "mismatch" && argc == 2) return run_failing_step(pp, kRows, kRows - 1, {});
     if (mode == "kill" && argc == 3) return run_kill(pp, std::atoi(argv[2]));
+    if (mode == "kill-evaluation" && argc == 3) return run_kill_evaluation(pp, std::atoi(argv[2]));
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());
     return 2;
   }
-  std::fprintf(stderr, "usage: pipeline_worker equiv SCHEDULE... | mismatch | kill VICTIM\n");
+  std::fprintf(stderr,
+               "usage: pipeline_worker equiv SCHEDULE... | mismatch | kill VICTIM | "
+               "kill-evaluation VICTIM\n");
   return 64;
 }

@@ -207,4 +207,18 @@ TEST_CASE(
             contains(ranks[2].output, "sending 'x' to stage 1"))));
     for (int r : {0, 2}) CHECK(ranks[size_t(r)].seconds < kDetectSeconds);
   }
+  SECTION("pp 2, the first stage dies during an evaluation") {
+    // Stage 0 has sent batches 0 and 1; stage 1 waits for batch 2's inputs.
+    std::vector<RankOutcome> ranks =
+        finish_ranks(start_ranks(2, {"kill-evaluation", "0"}, "pp-kill-eval"));
+    INFO(all_outputs(ranks));
+    CHECK(ranks[0].code == 128 + SIGKILL);
+    CHECK(contains(ranks[0].output, "rank 0: killing itself before evaluating batch 2"));
+    REQUIRE(ranks[1].code == 3);
+    CHECK(
+        contains(ranks[1].output,
+                 "rank 1: error: pipeline stage 1 (recvA2) of an evaluation, waiting on stage 0"));
+    CHECK(contains(ranks[1].output, "the peer failed"));
+    CHECK(ranks[1].seconds < kDetectSeconds);
+  }
 }
