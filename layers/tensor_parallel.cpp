@@ -12,11 +12,6 @@ namespace trainer {
 
 namespace {
 
-void check_cpu(const Tensor& x, const char* what) {
-  CHECK(x.device().is_cpu()) << what << ": tensor parallelism runs on CPU tensors, got "
-                             << x.device();
-}
-
 // [B, T, ...] blocks of the sequence: [n, B, T / n, ...] -> [B, T, ...].
 Tensor blocks_to_sequence(const Tensor& blocks, int n, const Shape& local) {
   std::vector<int> order(size_t(blocks.dim()));
@@ -259,39 +254,38 @@ struct VocabParallelCrossEntropyFn {
 }  // namespace
 
 Tensor copy_to_region(const Tensor& x, TensorParallelGroup& g) {
-  check_cpu(x, "copy_to_region");
   return autograd::apply<RegionFn<CopyToRegion>>(x, &g);
 }
 
 Tensor reduce_from_region(const Tensor& x, TensorParallelGroup& g) {
-  check_cpu(x, "reduce_from_region");
   return autograd::apply<RegionFn<ReduceFromRegion>>(x, &g);
 }
 
 Tensor gather_last_dim(const Tensor& x, TensorParallelGroup& g) {
-  check_cpu(x, "gather_last_dim");
   return autograd::apply<RegionFn<GatherLastDim>>(x, &g);
 }
 
 Tensor gather_sequence(const Tensor& x, TensorParallelGroup& g) {
-  check_cpu(x, "gather_sequence");
   return autograd::apply<RegionFn<GatherSequence>>(x, &g);
 }
 
 Tensor reduce_scatter_sequence(const Tensor& x, TensorParallelGroup& g) {
-  check_cpu(x, "reduce_scatter_sequence");
   return autograd::apply<RegionFn<ReduceScatterSequence>>(x, &g);
 }
 
 Tensor split_sequence(const Tensor& x, TensorParallelGroup& g) {
-  check_cpu(x, "split_sequence");
   return autograd::apply<RegionFn<SplitSequence>>(x, &g);
 }
 
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     int64_t vocab_start, TensorParallelGroup& g,
                                     const CrossEntropyOptions& options) {
-  check_cpu(logits, "vocab_parallel_cross_entropy");
+  if (!logits.device().is_cpu())
+    // Reduced in host memory (its [N, V / tp] logits and their gradient
+    // cross once each way per step), the result back on the device.
+    return vocab_parallel_cross_entropy(logits.to(Device{}), targets.to(Device{}), vocab_start, g,
+                                        options)
+        .to(logits.device());
   CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
         targets.dtype() == DType::i64)
       << "vocab_parallel_cross_entropy: logits " << logits.shape_str() << ", targets "

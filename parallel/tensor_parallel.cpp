@@ -40,15 +40,25 @@ char* CommGroup::scratch(size_t bytes) {
   return region_ ? region_->local() : nullptr;
 }
 
+// Device tensors (CUDA) go through host memory, as DataParallel stages its
+// buckets: the collectives run on the host copies.
+
 void CommGroup::allreduce(const Tensor& t, bool max) {
   CHECK(t.is_contiguous()) << "tensor-parallel allreduce of a non-contiguous tensor";
+  if (!t.device().is_cpu()) {
+    const Tensor host = t.to(Device{});
+    allreduce(host, max);
+    Tensor(t).copy_(host);  // the same storage: t's handle is const, its values are not
+    return;
+  }
   traffic_.allreduce_bytes += int64_t(t.nbytes());
   ++traffic_.calls;
   comm::allreduce(*comm_, t, {.op = max ? comm::ReduceOp::max : comm::ReduceOp::sum});
 }
 
 Tensor CommGroup::sum(const Tensor& x) {
-  char* s = x.device().is_cpu() ? scratch(size_t(x.nbytes())) : nullptr;
+  if (!x.device().is_cpu()) return sum(x.to(Device{})).to(x.device());
+  char* s = scratch(size_t(x.nbytes()));
   if (!s) return TensorParallelGroup::sum(x);
   traffic_.allreduce_bytes += int64_t(x.nbytes());
   ++traffic_.calls;
@@ -61,10 +71,11 @@ Tensor CommGroup::sum(const Tensor& x) {
 }
 
 Tensor CommGroup::allgather(const Tensor& t) {
+  if (!t.device().is_cpu()) return allgather(t.to(Device{})).to(t.device());
   traffic_.allgather_bytes += int64_t(t.nbytes()) * size() / 2;
   ++traffic_.calls;
   const size_t bytes = size_t(t.nbytes());
-  char* s = t.device().is_cpu() ? scratch(bytes * size_t(size())) : nullptr;
+  char* s = scratch(bytes * size_t(size()));
   if (!s) return comm::allgather(*comm_, t.contiguous());
   // The output in the region: each rank writes its block into every rank's.
   const Tensor in = t.contiguous();
@@ -75,9 +86,10 @@ Tensor CommGroup::allgather(const Tensor& t) {
 }
 
 Tensor CommGroup::reduce_scatter(const Tensor& t) {
+  if (!t.device().is_cpu()) return reduce_scatter(t.to(Device{})).to(t.device());
   traffic_.reduce_scatter_bytes += int64_t(t.nbytes()) / 2;
   ++traffic_.calls;
-  char* s = t.device().is_cpu() ? scratch(size_t(t.nbytes())) : nullptr;
+  char* s = scratch(size_t(t.nbytes()));
   if (!s) return comm::reduce_scatter(*comm_, t.contiguous());
   // The input in the region: each rank folds its block from every rank's.
   CHECK(t.size(0) % size() == 0) << "reduce-scatter of " << t.shape_str() << " over " << size()

@@ -96,3 +96,11 @@ TEST_CASE(
     "[parallel][mp]") {
   require_passed("gpt", 100, {"gpt"}, true);
 }
+
+TEST_CASE(
+    "tensor parallel on CUDA tensors: the region ops and the vocabulary-parallel loss give the "
+    "CPU's values and gradients",
+    "[parallel][mp][cuda]") {
+  trainer::testing::require_gpu_or_skip();
+  require_passed("cuda", 2 * 5 + 5, {"cuda"}, false);
+}

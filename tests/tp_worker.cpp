@@ -27,6 +27,9 @@
 //       a small GPT split with shard_tensor_parallel: its vocabulary-parallel
 //       loss and gradients against the unsplit model's, and its checkpoint
 //       state through gather_whole and take_shards.
+//   tp_worker cuda
+//       (a GPU) the region ops and the vocabulary-parallel loss on CUDA
+//       tensors against the same on the CPU, in f32.
 //
 // Mismatches print rank, what, index, expected and actual; each part prints
 // "rank R: <part>, n = N: compared" and the rank last
@@ -34,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -604,6 +608,57 @@ void check_gpt(const Group& g) {
   std::printf("rank %d: gpt, %s: compared\n", g_rank, group_name(*g).c_str());
 }
 
+// ---- 6. CUDA tensors ----
+
+// The group moves device tensors through host memory: the region ops and
+// the vocabulary-parallel loss on CUDA copies of f32 inputs give the CPU's
+// values (forward and gradient) to f32 rounding.
+void expect_close_f32(const std::string& what, const Tensor& actual, const Tensor& expected) {
+  ++g_checks;
+  const Tensor a = actual.to(Device{}).to(DType::f64), e = expected.to(DType::f64);
+  const std::string why = testing::mismatch(a, e, 1e-5, 1e-5 * max_abs(e));
+  if (why.empty()) return;
+  std::printf("rank %d: %s: %s\n", g_rank, what.c_str(), why.c_str());
+  std::fflush(stdout);
+  ++g_failures;
+}
+
+void check_cuda(TensorParallelGroup& g) {
+  const int n = g.size(), r = g.rank();
+  const Device gpu{kCUDA, 0};
+  // op on x (this rank's input) on the CPU and on the GPU, backward with
+  // the same cotangent v: outputs and input gradients compared.
+  auto compare = [&](const std::string& what, const Tensor& x, const Tensor& v,
+                     const std::function<Tensor(const Tensor&)>& op) {
+    Tensor xc = x.to(DType::f32).detach(), xg = x.to(DType::f32).to(gpu).detach();
+    xc.requires_grad_();
+    xg.requires_grad_();
+    Tensor yc = op(xc), yg = op(xg);
+    expect(yg.device() == gpu, what + ": the result left the GPU");
+    expect_close_f32(what + " forward", yg, yc);
+    yc.backward(v.to(DType::f32));
+    yg.backward(v.to(DType::f32).to(gpu));
+    expect_close_f32(what + " gradient", xg.grad(), xc.grad());
+  };
+  const Shape whole{kBatch, kSeq, 64}, part{kBatch, kSeq / n, 64};
+  compare("reduce_from_region", per_rank(whole, 31, n)[size_t(r)], random(whole, 32),
+          [&](const Tensor& x) { return reduce_from_region(x, g); });
+  compare("copy_to_region", random(whole, 33), per_rank(whole, 34, n)[size_t(r)],
+          [&](const Tensor& x) { return copy_to_region(x, g); });
+  compare("gather_sequence", per_rank(part, 35, n)[size_t(r)], per_rank(whole, 36, n)[size_t(r)],
+          [&](const Tensor& x) { return gather_sequence(x, g); });
+  compare("reduce_scatter_sequence", per_rank(whole, 37, n)[size_t(r)],
+          per_rank(part, 38, n)[size_t(r)],
+          [&](const Tensor& x) { return reduce_scatter_sequence(x, g); });
+  const int64_t width = kVocab / n;
+  const Tensor targets = loss_targets(-100);
+  compare("vocab_parallel_cross_entropy", per_rank({kRows, width}, 39, n)[size_t(r)],
+          random({}, 40), [&](const Tensor& x) {
+            return vocab_parallel_cross_entropy(x, targets.to(x.device()), width * r, g, {});
+          });
+  std::printf("rank %d: cuda, %s: compared\n", g_rank, group_name(g).c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -634,8 +689,10 @@ int main(int argc, char** argv) {
       for (const Group& g : {plain, sp}) check_block(g);
     } else if (mode == "gpt") {
       for (const Group& g : {plain, sp}) check_gpt(g);
+    } else if (mode == "cuda") {
+      check_cuda(*plain);
     } else {
-      std::fprintf(stderr, "usage: tp_worker regions | loss | linear | block | gpt\n");
+      std::fprintf(stderr, "usage: tp_worker regions | loss | linear | block | gpt | cuda\n");
       return 64;
     }
   } catch (const Error& e) {
