@@ -109,6 +109,11 @@ std::string dnnl_isa_name() {
   }
 }
 
+bool has_brgemm_convolution() {
+  static const bool has = dnnl_isa_name().rfind("avx512_core", 0) == 0;
+  return has;
+}
+
 KernelIsas kernel_isas() {
 #ifdef __AVX512F__
   const Isa baseline = Isa::avx512;  // TRAINER_NATIVE on an AVX-512 machine

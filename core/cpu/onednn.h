@@ -53,6 +53,9 @@ bool has_bf16_kernels();
 // oneDNN's instruction set in effect (its own name, e.g. "avx512_core_amx"),
 // after DNNL_MAX_CPU_ISA.
 std::string dnnl_isa_name();
+// Whether oneDNN's f32 convolutions here are its brgemm kernels (AVX-512
+// core and up in oneDNN 2.6; below that it runs the older jit ones).
+bool has_brgemm_convolution();
 
 // Runs p on the process's stream and waits for it.
 void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args);
