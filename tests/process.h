@@ -15,8 +15,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -43,13 +45,24 @@ struct ProcessOptions {
 };
 
 // Runs argv (argv[0] is the program's path) in its own process group and waits for it.
+// Tests call it from several threads at once (one per rank), and Catch's
+// assertions are not thread-safe: a pipe or fork that fails is a result
+// (code -1, the reason as output) for the caller's REQUIRE on its own thread.
 inline ProcessResult run_process(const std::vector<std::string>& argv,
                                  const ProcessOptions& options = {}) {
+  auto failed = [](const char* what) {
+    return ProcessResult{-1, std::string("run_process: ") + what + ": " + std::strerror(errno)};
+  };
   int out[2];
-  REQUIRE(::pipe2(out, O_CLOEXEC) == 0);  // dup2 below clears it on 1 and 2
+  if (::pipe2(out, O_CLOEXEC) != 0) return failed("pipe2");  // dup2 below clears it on 1 and 2
   auto start = std::chrono::steady_clock::now();
   pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
+  if (pid < 0) {
+    ProcessResult r = failed("fork");
+    ::close(out[0]);
+    ::close(out[1]);
+    return r;
+  }
   if (pid == 0) {
     ::setpgid(0, 0);
     ::dup2(out[1], 1);
