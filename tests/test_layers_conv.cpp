@@ -6,6 +6,8 @@
 #include <optional>
 #include <random>
 
+#include "core/backend.h"
+#include "core/cpu/conv_direct_avx2.h"
 #include "core/ops_conv.h"
 #include "layers/linear.h"
 
@@ -169,6 +171,93 @@ TEST_CASE("conv2d: stride-1 and 1x1 fast backward paths match the reference", "[
     TensorList in = {image_cl({2, I, 5, 6}, gen), rand_tensor({O, I, 3, 3}, gen)};
     check_fast_vs_reference([&](const TensorList& t) { return conv2d(t[0], t[1], Tensor(), a); },
                             in, conv_reduction(in[0], in[1]));
+  }
+}
+
+namespace {
+
+// Runs the own AVX2 convolution (core/cpu/conv_direct_avx2.h) wherever it
+// can, whatever this machine's automatic choice, for the guard's lifetime.
+// Largest |a - b| of two f32 tensors of one shape.
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  Tensor ca = a.contiguous(), cb = b.contiguous();
+  double m = 0;
+  for (int64_t i = 0; i < ca.numel(); ++i)
+    m = std::max(m, double(std::abs(ca.data<float>()[i] - cb.data<float>()[i])));
+  return m;
+}
+
+struct DirectConvGuard {
+  explicit DirectConvGuard(cpu::DirectConvUse use) : before(cpu::direct_conv_use()) {
+    cpu::set_direct_conv_use(use);
+  }
+  ~DirectConvGuard() { cpu::set_direct_conv_use(before); }
+  cpu::DirectConvUse before;
+};
+
+}  // namespace
+
+TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]") {
+  // Forward (with bias, fused relu) and, at stride 1, the data gradient (the
+  // flipped weights packed straight from w). Batches 1..13 give tiles of 1 to
+  // 6 pairs and pairs of several pixels and images; O not a multiple of 16
+  // gives a partial panel; padding beyond the kernel gives skipped taps.
+  struct Case {
+    int64_t N, C, H, W, O, kh, kw, stride, pad, dilation;
+    bool bias, relu;
+  };
+  const Case cases[] = {
+      {1, 16, 6, 7, 16, 3, 3, 1, 1, 1, false, false},
+      {2, 5, 9, 8, 20, 3, 3, 1, 1, 1, true, false},
+      {3, 17, 7, 7, 33, 3, 3, 2, 1, 1, false, true},
+      {4, 8, 5, 9, 7, 1, 1, 1, 0, 1, true, false},
+      {7, 24, 6, 5, 16, 5, 5, 1, 2, 1, false, false},
+      {6, 3, 8, 8, 40, 3, 3, 1, 2, 2, true, true},
+      {13, 16, 4, 4, 48, 3, 3, 1, 1, 1, false, false},
+      {5, 9, 10, 7, 12, 1, 3, 1, 0, 1, true, false},
+      {2, 32, 9, 9, 17, 3, 3, 3, 3, 1, false, false},
+      {8, 12, 7, 6, 64, 2, 2, 1, 1, 1, true, false},
+  };
+  DirectConvGuard always(cpu::DirectConvUse::always);
+  Generator gen(21);
+  for (const Case& c : cases) {
+    Conv2dAttrs a{.stride = {c.stride, c.stride},
+                  .padding = {c.kh == c.kw ? c.pad : 0, c.pad},
+                  .dilation = {c.dilation, c.dilation}};
+    INFO("N " << c.N << " C " << c.C << " " << c.H << "x" << c.W << " O " << c.O << " k " << c.kh
+              << "x" << c.kw << " stride " << c.stride << " pad " << c.pad << " dilation "
+              << c.dilation);
+    TensorList in = {image_cl({c.N, c.C, c.H, c.W}, gen), rand_tensor({c.O, c.C, c.kh, c.kw}, gen)};
+    if (c.bias) in.push_back(rand_tensor({c.O}, gen));
+    check_fast_vs_reference(
+        [&](const TensorList& t) {
+          return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a, c.relu);
+        },
+        in, conv_reduction(in[0], in[1]));
+  }
+}
+
+TEST_CASE("conv2d: the own AVX2 kernel's results do not depend on the batch", "[layers][conv]") {
+  // Every output is one FMA chain in a fixed order, however the pairs are
+  // tiled: each image of a batch of 11 equals that image alone, bit for bit,
+  // forward and data gradient.
+  DirectConvGuard always(cpu::DirectConvUse::always);
+  Generator gen(22);
+  Conv2dAttrs a{.padding = {1, 1}};
+  Tensor x = image_cl({11, 24, 6, 5}, gen), w = rand_tensor({40, 24, 3, 3}, gen);
+  Tensor b = rand_tensor({40}, gen), gy = image_cl({11, 40, 6, 5}, gen);
+  autograd::NoGradGuard no_grad;
+  Backend& cpu_backend = backend(Device{});
+  Tensor y = empty_channels_last({11, 40, 6, 5}), gx = empty_channels_last({11, 24, 6, 5});
+  cpu_backend.conv2d(x, w, b, a, false, y);
+  cpu_backend.conv2d_backward_data(gy, w, a, gx);
+  for (int64_t n = 0; n < 11; ++n) {
+    INFO("image " << n);
+    Tensor y1 = empty_channels_last({1, 40, 6, 5}), gx1 = empty_channels_last({1, 24, 6, 5});
+    cpu_backend.conv2d(x.slice(0, n, n + 1), w, b, a, false, y1);
+    cpu_backend.conv2d_backward_data(gy.slice(0, n, n + 1), w, a, gx1);
+    CHECK(max_abs_diff(y.slice(0, n, n + 1), y1) == 0.0);
+    CHECK(max_abs_diff(gx.slice(0, n, n + 1), gx1) == 0.0);
   }
 }
 

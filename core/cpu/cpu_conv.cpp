@@ -9,7 +9,10 @@
 // many"). Where oneDNN has brgemm convolutions (AVX-512), stride-1 data
 // gradients run as forward convolutions of the flipped weights; strided 1x1
 // gradients run as sgemm (core/cpu/conv_pointwise.h; both faster than oneDNN
-// 2.6's backward kernels). bf16 convolutions run
+// 2.6's backward kernels). Where oneDNN's convolutions are its AVX2 jit ones,
+// the forward of 3x3 (and larger) convolutions and the data gradient of large
+// stride-1 ones run the project's own kernel (core/cpu/conv_direct_avx2.h:
+// 1.1-1.5x oneDNN 2.6's on ResNet-18's shapes). bf16 convolutions run
 // cpu_conv_bf16.cpp, f16 ones the f32 kernels on converted copies
 // (core/cpu/lowp.h); other types run the reference kernels.
 #include <omp.h>
@@ -22,6 +25,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "core/cpu/conv_direct_avx2.h"
 #include "core/cpu/conv_pointwise.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/lowp.h"
@@ -119,6 +123,45 @@ memory weights_for(const std::optional<dnnl::reorder>& reorder, const memory::de
   return m;
 }
 
+// ---- the project's own AVX2 kernel (core/cpu/conv_direct_avx2.h) ----
+
+// The kernel's description of a convolution of `in` (channels-last) into
+// `out` with O x C x KH x KW weights, or nullopt where it does not run.
+std::optional<cpu::DirectConv> direct_conv(const Tensor& in, int64_t O, int64_t KH, int64_t KW,
+                                           const Tensor& out, const Conv2dAttrs& a,
+                                           const Pair& padding, bool data_gradient) {
+  const cpu::DirectConvUse use = cpu::direct_conv_use();
+  if (use == cpu::DirectConvUse::never || a.groups != 1) return std::nullopt;
+  if (!is_channels_last(in) || !is_channels_last(out)) return std::nullopt;
+  cpu::DirectConv s{.N = in.size(0),
+                    .H = in.size(2),
+                    .W = in.size(3),
+                    .C = in.size(1),
+                    .O = O,
+                    .KH = KH,
+                    .KW = KW,
+                    .OH = out.size(2),
+                    .OW = out.size(3)};
+  for (int d = 0; d < 2; ++d) {
+    s.stride[d] = a.stride[d];
+    s.padding[d] = padding[d];
+    s.dilation[d] = a.dilation[d];
+  }
+  if (!cpu::direct_conv_supported(s)) return std::nullopt;
+  if (use == cpu::DirectConvUse::automatic && !cpu::direct_conv_automatic(s, data_gradient))
+    return std::nullopt;
+  return s;
+}
+
+void run_direct_conv(const cpu::DirectConv& s, const Tensor& in, const float* w,
+                     const cpu::WeightStrides& ws, const Tensor& bias, bool relu,
+                     const Tensor& out) {
+  Tensor panels = empty({cpu::direct_conv_packed_size(s)});
+  cpu::pack_direct_conv_weights(w, ws, s, panels.data<float>());
+  cpu::direct_conv_avx2(in.data<float>(), panels.data<float>(),
+                        bias.defined() ? bias.data<float>() : nullptr, relu, out.data<float>(), s);
+}
+
 }  // namespace
 
 void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
@@ -132,6 +175,11 @@ void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bia
     });
   if (!fast_dtype({&x, &weight, &bias, &out}))
     return RefBackend::conv2d(x, weight, bias, a, fuse_relu, out);
+  const int64_t KH = weight.size(2), KW = weight.size(3);
+  if (auto s = direct_conv(x, weight.size(0), KH, KW, out, a, a.padding, false);
+      s && weight.is_contiguous() && (!bias.defined() || bias.is_contiguous()))
+    return run_direct_conv(*s, x, weight.data<float>(), {weight.size(1) * KH * KW, KH * KW, KW, 1},
+                           bias, fuse_relu, out);
   static Cache<ConvForward> cache;
   Key key = make_key("conv_fwd").add(x).add(weight).add(bias).add(out).add(a).add({fuse_relu});
   const ConvForward& e = cache.get(key, [&] {
@@ -167,10 +215,11 @@ namespace {
 // do. Below AVX-512 both are oneDNN 2.6's jit kernels, and there the
 // backward-data ones are the faster: 5-40% per ResNet-18 3x3 convolution on
 // a Zen 4 capped at AVX2, one thread (64 channels at 28x28 batch 8: 5.3 ms
-// against 7.1; 512 at 4x4: 7.3 against 11.3).
+// against 7.1; 512 at 4x4: 7.3 against 11.3). The own AVX2 kernel takes the
+// larger ones (conv_direct_avx2.h), w' packed straight from w.
 
-bool backward_data_as_forward(const Tensor& weight, const Conv2dAttrs& a) {
-  if (a.groups != 1 || !cpu::has_brgemm_convolution()) return false;
+bool backward_data_as_forward(const Tensor& weight, const Conv2dAttrs& a, bool brgemm_only = true) {
+  if (a.groups != 1 || (brgemm_only && !cpu::has_brgemm_convolution())) return false;
   for (int d = 0; d < 2; ++d)
     if (a.stride[d] != 1 || a.padding[d] > a.dilation[d] * (weight.size(2 + d) - 1)) return false;
   return true;
@@ -257,6 +306,16 @@ void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weig
     return RefBackend::conv2d_backward_data(grad_out, weight, a, grad_x);
   if (a.stride != Pair{1, 1} && cpu::pointwise(weight.shape(), a, grad_x, grad_out))
     return cpu::pointwise_backward_data(grad_out, weight, a, grad_x);
+  if (backward_data_as_forward(weight, a, /*brgemm_only=*/false) && weight.is_contiguous()) {
+    // The forward of w' (above) read straight from w: w'(i, o, ky, kx) at
+    // w + o I K + i K + (kH-1-ky) kW + (kW-1-kx), K = kH kW.
+    const int64_t I = weight.size(1), KH = weight.size(2), KW = weight.size(3);
+    const Pair pad = {a.dilation[0] * (KH - 1) - a.padding[0],
+                      a.dilation[1] * (KW - 1) - a.padding[1]};
+    if (auto s = direct_conv(grad_out, I, KH, KW, grad_x, a, pad, true))
+      return run_direct_conv(*s, grad_out, weight.data<float>() + KH * KW - 1,
+                             {KH * KW, I * KH * KW, -KW, -1}, Tensor(), false, grad_x);
+  }
   if (backward_data_as_forward(weight, a))
     return conv2d_backward_data_as_forward(grad_out, weight, a, grad_x);
   static Cache<ConvBackwardData> cache;

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/cpu/conv_direct_avx2.h"
+
 namespace trainer::cpu {
 
 namespace {
@@ -132,9 +134,14 @@ std::string cpu_name(const CpuFeatures& f) {
 
 std::string describe_kernel_isas() {
   const KernelIsas k = kernel_isas();
+  std::string own_conv;
+  if (direct_conv_in_use())
+    own_conv =
+        "; convolutions larger than 1x1 on 16+ channels own avx2 (direct, "
+        "core/cpu/conv_direct_avx2.h)";
   return "oneDNN " + k.onednn + " (matmul, convolution, pooling, batch norm); elementwise " +
          isa_name(k.loops) + " (chosen at run time); softmax, layer norm, attention, RNN cells, " +
-         "optimizers " + isa_name(k.baseline) + " (the build's target)";
+         "optimizers " + isa_name(k.baseline) + " (the build's target)" + own_conv;
 }
 
 std::string describe_machine() {

@@ -1,0 +1,140 @@
+// f32 convolutions of ResNet-18 and the small CNN, forward and data
+// gradient, on oneDNN against the project's own AVX2 kernel
+// (core/cpu/conv_direct_avx2.h), both measured in the same run, alternating.
+// With --isa avx2 oneDNN is capped at AVX2 (DNNL_MAX_CPU_ISA), which is what
+// an AVX2-only CPU runs; on an AVX-512 machine without it oneDNN runs its
+// brgemm kernels.
+//
+//   bench_conv [--threads N] [--reps N] [--isa avx2] [--quick]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/cpu/conv_direct_avx2.h"
+#include "core/cpu/isa.h"
+#include "core/cpu/threads.h"
+#include "core/ops.h"
+#include "core/ops_conv.h"
+
+using namespace trainer;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Case {
+  const char* model;
+  int64_t N, C, H, O, K, stride;
+};
+
+// The distinct convolutions with at least 16 input channels: ResNet-18 at
+// 224 x 224, batch 16 (bench_train's resnet18_224), at 28 x 28 with the 3x3
+// stem, batch 8 (resnet18_small_28), and the small CNN's second conv (batch 128).
+const Case kCases[] = {
+    {"resnet18_224", 16, 64, 56, 64, 3, 1},      {"resnet18_224", 16, 64, 56, 128, 3, 2},
+    {"resnet18_224", 16, 128, 28, 128, 3, 1},    {"resnet18_224", 16, 128, 28, 256, 3, 2},
+    {"resnet18_224", 16, 256, 14, 256, 3, 1},    {"resnet18_224", 16, 256, 14, 512, 3, 2},
+    {"resnet18_224", 16, 512, 7, 512, 3, 1},     {"resnet18_224", 16, 64, 56, 128, 1, 2},
+    {"resnet18_small_28", 8, 64, 28, 64, 3, 1},  {"resnet18_small_28", 8, 128, 14, 128, 3, 1},
+    {"resnet18_small_28", 8, 256, 7, 256, 3, 1}, {"resnet18_small_28", 8, 512, 4, 512, 3, 1},
+    {"small_cnn_28", 128, 32, 14, 64, 3, 1},
+};
+
+// Median seconds of fn over reps runs after one warm-up.
+template <typename Fn>
+double median_seconds(int reps, Fn fn) {
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 1, reps = 7;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--threads" && i + 1 < argc) {
+      threads = std::atoi(argv[++i]);
+    } else if (a == "--reps" && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--quick") {
+      quick = true;
+    } else if (a == "--isa" && i + 1 < argc && std::string(argv[i + 1]) == "avx2") {
+      ++i;
+      setenv("DNNL_MAX_CPU_ISA", "AVX2", 1);  // before oneDNN's first use
+      cpu::set_max_isa(cpu::Isa::avx2);
+    } else {
+      std::fprintf(stderr, "usage: bench_conv [--threads N] [--reps N] [--isa avx2] [--quick]\n");
+      return 2;
+    }
+  }
+  set_num_threads(threads);
+  if (quick) reps = 1;
+  std::printf("f32 convolution, channels-last, %d thread(s), median of %d runs; GFLOP/s\n", threads,
+              reps);
+  std::printf("%s\n", cpu::describe_machine().c_str());
+  std::printf("%-17s %4s %4s %4s %4s %2s %2s | %-9s %8s %8s %7s | %-9s %8s %8s %7s\n", "model", "N",
+              "C", "HW", "O", "k", "s", "forward", "oneDNN", "own", "ratio", "data grad", "oneDNN",
+              "own", "ratio");
+  Backend& cpu_backend = backend(Device{});
+  Generator gen(1);
+  double geo_fwd = 0, geo_bwd = 0;
+  int n_fwd = 0, n_bwd = 0;
+  for (const Case& c : kCases) {
+    if (quick && n_fwd > 0) break;
+    const int64_t pad = c.K / 2, OH = (c.H + 2 * pad - c.K) / c.stride + 1;
+    Tensor x = to_channels_last(uniform({c.N, c.C, c.H, c.H}, -1.0, 1.0, gen));
+    Tensor w = uniform({c.O, c.C, c.K, c.K}, -1.0, 1.0, gen);
+    Tensor y = empty_channels_last({c.N, c.O, OH, OH});
+    Tensor gy = to_channels_last(uniform({c.N, c.O, OH, OH}, -1.0, 1.0, gen));
+    Tensor gx = empty_channels_last({c.N, c.C, c.H, c.H});
+    Conv2dAttrs a{.stride = {c.stride, c.stride}, .padding = {pad, pad}};
+    const double flops = 2.0 * c.N * OH * OH * c.O * c.C * c.K * c.K;
+    // Alternating the two within one shape, so that drift hits both alike.
+    double t[2][2] = {{1e30, 1e30}, {1e30, 1e30}};  // [forward, data grad][oneDNN, own]
+    for (int round = 0; round < 2; ++round)
+      for (int own = 0; own < 2; ++own) {
+        cpu::set_direct_conv_use(own ? cpu::DirectConvUse::always : cpu::DirectConvUse::never);
+        t[0][own] = std::min(t[0][own], median_seconds(reps, [&] {
+                               cpu_backend.conv2d(x, w, Tensor(), a, false, y);
+                             }));
+        t[1][own] =
+            std::min(t[1][own],
+                     median_seconds(reps, [&] { cpu_backend.conv2d_backward_data(gy, w, a, gx); }));
+      }
+    cpu::set_direct_conv_use(cpu::DirectConvUse::automatic);
+    // The own kernel takes data gradients of stride-1 convolutions only.
+    const bool bwd_own = c.stride == 1;
+    std::printf("%-17s %4lld %4lld %4lld %4lld %2lld %2lld | %-9s %8.1f %8.1f %6.2fx | %-9s %8.1f ",
+                c.model, (long long)c.N, (long long)c.C, (long long)c.H, (long long)c.O,
+                (long long)c.K, (long long)c.stride, "", flops / t[0][0] * 1e-9,
+                flops / t[0][1] * 1e-9, t[0][0] / t[0][1], "", flops / t[1][0] * 1e-9);
+    if (bwd_own)
+      std::printf("%8.1f %6.2fx\n", flops / t[1][1] * 1e-9, t[1][0] / t[1][1]);
+    else
+      std::printf("%8s %7s\n", "-", "-");
+    geo_fwd += std::log(t[0][0] / t[0][1]);
+    ++n_fwd;
+    if (bwd_own) {
+      geo_bwd += std::log(t[1][0] / t[1][1]);
+      ++n_bwd;
+    }
+  }
+  std::printf("geometric mean of own over oneDNN speed: forward %.2fx, data gradient %.2fx\n",
+              std::exp(geo_fwd / n_fwd), n_bwd ? std::exp(geo_bwd / n_bwd) : 1.0);
+  return 0;
+}
