@@ -1,5 +1,5 @@
-// f32 convolutions of ResNet-18 and the small CNN, forward and data
-// gradient, on oneDNN against the project's own AVX2 kernel
+// f32 convolutions of ResNet-18 and the small CNN, forward, data gradient
+// and weight gradient, on oneDNN against the project's own AVX2 kernel
 // (core/cpu/conv_direct_avx2.h), both measured in the same run, alternating.
 // With --isa avx2 oneDNN is capped at AVX2 (DNNL_MAX_CPU_ISA), which is what
 // an AVX2-only CPU runs; on an AVX-512 machine without it oneDNN runs its
@@ -84,28 +84,37 @@ int main(int argc, char** argv) {
   }
   set_num_threads(threads);
   if (quick) reps = 1;
-  std::printf("f32 convolution, channels-last, %d thread(s), median of %d runs; GFLOP/s\n", threads,
-              reps);
+  std::printf(
+      "f32 convolution, channels-last, %d thread(s), median of %d runs; GFLOP/s of oneDNN and of "
+      "the own kernel, ratio of their speeds\n",
+      threads, reps);
   std::printf("%s\n", cpu::describe_machine().c_str());
-  std::printf("%-17s %4s %4s %4s %4s %2s %2s | %-9s %8s %8s %7s | %-9s %8s %8s %7s\n", "model", "N",
-              "C", "HW", "O", "k", "s", "forward", "oneDNN", "own", "ratio", "data grad", "oneDNN",
-              "own", "ratio");
+  std::printf("%-17s %4s %4s %4s %4s %2s %2s | %-22s | %-22s | %-22s\n", "", "", "", "", "", "", "",
+              "forward", "data gradient", "weight gradient");
+  std::printf("%-17s %4s %4s %4s %4s %2s %2s | %6s %6s %8s | %6s %6s %8s | %6s %6s %8s\n", "model",
+              "N", "C", "HW", "O", "k", "s", "oneDNN", "own", "ratio", "oneDNN", "own", "ratio",
+              "oneDNN", "own", "ratio");
   Backend& cpu_backend = backend(Device{});
   Generator gen(1);
-  double geo_fwd = 0, geo_bwd = 0;
-  int n_fwd = 0, n_bwd = 0;
+  double geo[3] = {0, 0, 0};
+  int counted[3] = {0, 0, 0};
+  int cases = 0;
   for (const Case& c : kCases) {
-    if (quick && n_fwd > 0) break;
+    if (quick && cases > 0) break;
+    ++cases;
     const int64_t pad = c.K / 2, OH = (c.H + 2 * pad - c.K) / c.stride + 1;
     Tensor x = to_channels_last(uniform({c.N, c.C, c.H, c.H}, -1.0, 1.0, gen));
     Tensor w = uniform({c.O, c.C, c.K, c.K}, -1.0, 1.0, gen);
     Tensor y = empty_channels_last({c.N, c.O, OH, OH});
     Tensor gy = to_channels_last(uniform({c.N, c.O, OH, OH}, -1.0, 1.0, gen));
     Tensor gx = empty_channels_last({c.N, c.C, c.H, c.H});
+    Tensor gw = empty({c.O, c.C, c.K, c.K});
     Conv2dAttrs a{.stride = {c.stride, c.stride}, .padding = {pad, pad}};
     const double flops = 2.0 * c.N * OH * OH * c.O * c.C * c.K * c.K;
-    // Alternating the two within one shape, so that drift hits both alike.
-    double t[2][2] = {{1e30, 1e30}, {1e30, 1e30}};  // [forward, data grad][oneDNN, own]
+    // Alternating the two within one shape, so that drift hits both alike;
+    // the faster of two rounds' medians.
+    double t[3][2];  // [forward, data, weights][oneDNN, own]
+    for (auto& pass : t) pass[0] = pass[1] = 1e30;
     for (int round = 0; round < 2; ++round)
       for (int own = 0; own < 2; ++own) {
         cpu::set_direct_conv_use(own ? cpu::DirectConvUse::always : cpu::DirectConvUse::never);
@@ -115,26 +124,32 @@ int main(int argc, char** argv) {
         t[1][own] =
             std::min(t[1][own],
                      median_seconds(reps, [&] { cpu_backend.conv2d_backward_data(gy, w, a, gx); }));
+        t[2][own] = std::min(t[2][own], median_seconds(reps, [&] {
+                               cpu_backend.conv2d_backward_weights(gy, x, a, gw, Tensor());
+                             }));
       }
     cpu::set_direct_conv_use(cpu::DirectConvUse::automatic);
-    // The own kernel takes data gradients of stride-1 convolutions only.
-    const bool bwd_own = c.stride == 1;
-    std::printf("%-17s %4lld %4lld %4lld %4lld %2lld %2lld | %-9s %8.1f %8.1f %6.2fx | %-9s %8.1f ",
-                c.model, (long long)c.N, (long long)c.C, (long long)c.H, (long long)c.O,
-                (long long)c.K, (long long)c.stride, "", flops / t[0][0] * 1e-9,
-                flops / t[0][1] * 1e-9, t[0][0] / t[0][1], "", flops / t[1][0] * 1e-9);
-    if (bwd_own)
-      std::printf("%8.1f %6.2fx\n", flops / t[1][1] * 1e-9, t[1][0] / t[1][1]);
-    else
-      std::printf("%8s %7s\n", "-", "-");
-    geo_fwd += std::log(t[0][0] / t[0][1]);
-    ++n_fwd;
-    if (bwd_own) {
-      geo_bwd += std::log(t[1][0] / t[1][1]);
-      ++n_bwd;
+    std::printf("%-17s %4lld %4lld %4lld %4lld %2lld %2lld", c.model, (long long)c.N,
+                (long long)c.C, (long long)c.H, (long long)c.O, (long long)c.K,
+                (long long)c.stride);
+    for (int pass = 0; pass < 3; ++pass) {
+      // The own kernel takes data gradients of stride-1 convolutions only.
+      const bool own = pass != 1 || c.stride == 1;
+      std::printf(" | %6.1f ", flops / t[pass][0] * 1e-9);
+      if (own) {
+        std::printf("%6.1f %7.2fx", flops / t[pass][1] * 1e-9, t[pass][0] / t[pass][1]);
+        geo[pass] += std::log(t[pass][0] / t[pass][1]);
+        ++counted[pass];
+      } else {
+        std::printf("%6s %8s", "-", "-");
+      }
     }
+    std::printf("\n");
   }
-  std::printf("geometric mean of own over oneDNN speed: forward %.2fx, data gradient %.2fx\n",
-              std::exp(geo_fwd / n_fwd), n_bwd ? std::exp(geo_bwd / n_bwd) : 1.0);
+  auto mean = [&](int pass) { return counted[pass] ? std::exp(geo[pass] / counted[pass]) : 1.0; };
+  std::printf(
+      "geometric mean of own over oneDNN speed: forward %.2fx, data gradient %.2fx, weight "
+      "gradient %.2fx\n",
+      mean(0), mean(1), mean(2));
   return 0;
 }

@@ -78,9 +78,9 @@ grep -q "usage: bench_recompute" "$out" || fail "bench_recompute --bogus: no usa
 grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: no figures row"
 
 "$build/bench_conv" --quick > "$out"
-grep -Eq "^resnet18_224 +16 +64 +56 +64 +3 +1 \| +$num +$num +${num}x \| +$num +$num +${num}x$" "$out" ||
+grep -Eq "^resnet18_224 +16 +64 +56 +64 +3 +1( \| +$num +$num +${num}x){3}$" "$out" ||
   fail "bench_conv: no first row"
-grep -Eq "^geometric mean of own over oneDNN speed: forward ${num}x, data gradient ${num}x" "$out" ||
+grep -Eq "^geometric mean of own over oneDNN speed: forward ${num}x, data gradient ${num}x, weight gradient ${num}x" "$out" ||
   fail "bench_conv: no summary"
 if "$build/bench_conv" --bogus > "$out" 2>&1; then fail "bench_conv accepted --bogus"; fi
 grep -q "usage: bench_conv" "$out" || fail "bench_conv --bogus: no usage"

@@ -50,9 +50,11 @@ struct WeightStrides {
 // packing the weights costs more than the kernel gains: ResNet-18's
 // 512-channel 3x3 at 4 x 4, batch 8, packs 9.4 MB for 0.6 GFLOP); data
 // gradients from 8192 pixels (oneDNN's jit:avx2 backward-data kernels are
-// within 5% of this one below: bench/bench_conv.cpp). always: every f32
-// convolution without groups on channels-last images (the tests). never:
-// oneDNN's.
+// within 5% of this one below: bench/bench_conv.cpp); weight gradients where
+// C O <= 256 x 256 (the threads' sums of larger weights, 9.4 MB each at 512
+// x 512, cost more than the kernel gains on the small images such weights
+// see). always: every f32 convolution without groups on channels-last images
+// (the tests). never: oneDNN's.
 // TRAINER_CONV=direct|onednn in the environment sets always or never for a
 // run; set_direct_conv_use() overrides it.
 enum class DirectConvUse { automatic, always, never };
@@ -62,7 +64,8 @@ void set_direct_conv_use(DirectConvUse use);
 bool direct_conv_in_use();
 struct DirectConv;
 // Whether automatic picks this kernel for s on this machine.
-bool direct_conv_automatic(const DirectConv& s, bool data_gradient);
+enum class DirectPass { forward, data, weights };
+bool direct_conv_automatic(const DirectConv& s, DirectPass pass);
 
 // Whether the kernel takes this shape (at most 64 taps).
 bool direct_conv_supported(const DirectConv& s);
@@ -76,5 +79,18 @@ void pack_direct_conv_weights(const float* w, const WeightStrides& ws, const Dir
 // weights) + bias (O floats, or null), then max(0, .) when relu.
 void direct_conv_avx2(const float* x, const float* panels, const float* bias, bool relu, float* out,
                       const DirectConv& s);
+
+// The weight gradient, a GEMM over the pairs:
+//   grad_w[o, c, t] = sum_m x[m at tap t, c] dy[m, o],   grad_bias[o] = sum_m dy[m, o].
+// Tiles of 6 input channels x 16 outputs keep 12 ymm sums while they walk the
+// pairs whose tap lies inside the image (per pixel two loads of dy, one
+// broadcast of x per channel). Each thread sums its range of output rows;
+// the threads' sums are added in thread order at the end.
+// Floats of workspace it needs with omp_get_max_threads() threads.
+int64_t direct_conv_weights_workspace(const DirectConv& s);
+// grad_w [O, C, KH, KW] (contiguous) and grad_bias [O] (or null) from x
+// [N, H, W, C] and dy [N, OH, OW, O], both contiguous.
+void direct_conv_backward_weights_avx2(const float* x, const float* dy, float* grad_w,
+                                       float* grad_bias, const DirectConv& s, float* workspace);
 
 }  // namespace trainer::cpu

@@ -129,7 +129,7 @@ memory weights_for(const std::optional<dnnl::reorder>& reorder, const memory::de
 // `out` with O x C x KH x KW weights, or nullopt where it does not run.
 std::optional<cpu::DirectConv> direct_conv(const Tensor& in, int64_t O, int64_t KH, int64_t KW,
                                            const Tensor& out, const Conv2dAttrs& a,
-                                           const Pair& padding, bool data_gradient) {
+                                           const Pair& padding, cpu::DirectPass pass) {
   const cpu::DirectConvUse use = cpu::direct_conv_use();
   if (use == cpu::DirectConvUse::never || a.groups != 1) return std::nullopt;
   if (!is_channels_last(in) || !is_channels_last(out)) return std::nullopt;
@@ -148,7 +148,7 @@ std::optional<cpu::DirectConv> direct_conv(const Tensor& in, int64_t O, int64_t 
     s.dilation[d] = a.dilation[d];
   }
   if (!cpu::direct_conv_supported(s)) return std::nullopt;
-  if (use == cpu::DirectConvUse::automatic && !cpu::direct_conv_automatic(s, data_gradient))
+  if (use == cpu::DirectConvUse::automatic && !cpu::direct_conv_automatic(s, pass))
     return std::nullopt;
   return s;
 }
@@ -176,7 +176,7 @@ void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bia
   if (!fast_dtype({&x, &weight, &bias, &out}))
     return RefBackend::conv2d(x, weight, bias, a, fuse_relu, out);
   const int64_t KH = weight.size(2), KW = weight.size(3);
-  if (auto s = direct_conv(x, weight.size(0), KH, KW, out, a, a.padding, false);
+  if (auto s = direct_conv(x, weight.size(0), KH, KW, out, a, a.padding, cpu::DirectPass::forward);
       s && weight.is_contiguous() && (!bias.defined() || bias.is_contiguous()))
     return run_direct_conv(*s, x, weight.data<float>(), {weight.size(1) * KH * KW, KH * KW, KW, 1},
                            bias, fuse_relu, out);
@@ -312,7 +312,7 @@ void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weig
     const int64_t I = weight.size(1), KH = weight.size(2), KW = weight.size(3);
     const Pair pad = {a.dilation[0] * (KH - 1) - a.padding[0],
                       a.dilation[1] * (KW - 1) - a.padding[1]};
-    if (auto s = direct_conv(grad_out, I, KH, KW, grad_x, a, pad, true))
+    if (auto s = direct_conv(grad_out, I, KH, KW, grad_x, a, pad, cpu::DirectPass::data))
       return run_direct_conv(*s, grad_out, weight.data<float>() + KH * KW - 1,
                              {KH * KW, I * KH * KW, -KW, -1}, Tensor(), false, grad_x);
   }
@@ -361,6 +361,14 @@ void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x
     return RefBackend::conv2d_backward_weights(grad_out, x, a, grad_weight, grad_bias);
   if (!grad_bias.defined() && cpu::pointwise(grad_weight.shape(), a, x, grad_out))
     return cpu::pointwise_backward_weights(grad_out, x, a, grad_weight);
+  if (auto s = direct_conv(x, grad_weight.size(0), grad_weight.size(2), grad_weight.size(3),
+                           grad_out, a, a.padding, cpu::DirectPass::weights);
+      s && grad_weight.is_contiguous() && (!grad_bias.defined() || grad_bias.is_contiguous())) {
+    Tensor workspace = empty({cpu::direct_conv_weights_workspace(*s)});
+    return cpu::direct_conv_backward_weights_avx2(
+        x.data<float>(), grad_out.data<float>(), grad_weight.data<float>(),
+        grad_bias.defined() ? grad_bias.data<float>() : nullptr, *s, workspace.data<float>());
+  }
   static Cache<ConvBackwardWeights> cache;
   Key key =
       make_key("conv_bwd_weights").add(grad_out).add(x).add(grad_weight).add(grad_bias).add(a);
