@@ -10,11 +10,12 @@
 // gradients run as forward convolutions of the flipped weights; strided 1x1
 // gradients run as sgemm (core/cpu/conv_pointwise.h; both faster than oneDNN
 // 2.6's backward kernels). Where oneDNN's convolutions are its AVX2 jit ones,
-// the forward of 3x3 (and larger) convolutions and the data gradient of large
-// stride-1 ones run the project's own kernel (core/cpu/conv_direct_avx2.h:
-// 1.1-1.5x oneDNN 2.6's on ResNet-18's shapes). bf16 convolutions run
-// cpu_conv_bf16.cpp, f16 ones the f32 kernels on converted copies
-// (core/cpu/lowp.h); other types run the reference kernels.
+// the forward and weight gradient of 3x3 (and larger) convolutions and the
+// data gradient of large stride-1 ones run the project's own kernels
+// (core/cpu/conv_direct_avx2.h: 1.1-1.6x oneDNN 2.6's on ResNet-18's
+// shapes). bf16 convolutions run cpu_conv_bf16.cpp, f16 ones the f32 kernels
+// on converted copies (core/cpu/lowp.h); other types run the reference
+// kernels.
 #include <omp.h>
 
 #include <algorithm>
