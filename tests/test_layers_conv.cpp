@@ -198,10 +198,11 @@ struct DirectConvGuard {
 }  // namespace
 
 TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]") {
-  // Forward (with bias, fused relu) and, at stride 1, the data gradient (the
-  // flipped weights packed straight from w). Batches 1..13 give tiles of 1 to
-  // 6 pairs and pairs of several pixels and images; O not a multiple of 16
-  // gives a partial panel; padding beyond the kernel gives skipped taps.
+  // Forward (with bias, fused relu), weight gradient and, at stride 1, the
+  // data gradient (the flipped weights packed straight from w). Batches
+  // 1..13 give tiles of 1 to 6 pairs and pairs of several pixels and images;
+  // O not a multiple of 16 gives a partial panel; padding beyond the kernel
+  // gives skipped taps.
   struct Case {
     int64_t N, C, H, W, O, kh, kw, stride, pad, dilation;
     bool bias, relu;
@@ -217,6 +218,11 @@ TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]")
       {5, 9, 10, 7, 12, 1, 3, 1, 0, 1, true, false},
       {2, 32, 9, 9, 17, 3, 3, 3, 3, 1, false, false},
       {8, 12, 7, 6, 64, 2, 2, 1, 1, 1, true, false},
+      // Weight-gradient tiles of 1 and 2 channels; from 256 channels the
+      // weight gradient packs its input channels (260: tiles of 5 and 6).
+      {3, 1, 6, 6, 10, 3, 3, 1, 1, 1, true, false},
+      {2, 2, 5, 7, 16, 3, 3, 2, 0, 1, false, false},
+      {2, 260, 5, 4, 20, 3, 3, 1, 1, 1, false, false},
   };
   DirectConvGuard always(cpu::DirectConvUse::always);
   Generator gen(21);
