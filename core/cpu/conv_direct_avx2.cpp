@@ -88,10 +88,6 @@ struct Tile {
   const float* x[kMaxTaps * kMaxRows];
 };
 
-}  // namespace
-
-namespace {
-
 DirectConvUse use_from_environment() {
   const char* v = std::getenv("TRAINER_CONV");
   if (v && std::strcmp(v, "direct") == 0) return DirectConvUse::always;
@@ -104,17 +100,15 @@ std::atomic<DirectConvUse>& use_setting() {
   return use;
 }
 
-}  // namespace
-
-DirectConvUse direct_conv_use() { return use_setting().load(); }
-void set_direct_conv_use(DirectConvUse use) { use_setting().store(use); }
-
-namespace {
 bool onednn_at_avx2() {
   static const bool avx2 = dnnl_isa_name().rfind("avx2", 0) == 0;
   return avx2;
 }
+
 }  // namespace
+
+DirectConvUse direct_conv_use() { return use_setting().load(); }
+void set_direct_conv_use(DirectConvUse use) { use_setting().store(use); }
 
 bool direct_conv_in_use() {
   const DirectConvUse use = direct_conv_use();
@@ -349,10 +343,23 @@ int weight_threads(const DirectConv& s) {
   return int(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), s.N * s.OH)));
 }
 
+// Output rows of a block, and whether a block packs its input channels
+// (see below).
+int64_t weight_block_rows(const DirectConv& s) { return std::max<int64_t>(1, kBlockPixels / s.OW); }
+bool weight_pack_x(const DirectConv& s) { return s.C >= 256; }
+
+// A thread's part of the workspace: its [taps][C][O] sums, its bias sums and,
+// when packing, a block's input channels by tiles, [tile][pixel][6].
+int64_t weight_part_floats(const DirectConv& s) {
+  const int64_t c_tiles = (s.C + kMaxRows - 1) / kMaxRows;
+  const int64_t packed = weight_pack_x(s) ? c_tiles * weight_block_rows(s) * s.OW * kMaxRows : 0;
+  return s.KH * s.KW * s.C * s.O + s.O + packed;
+}
+
 }  // namespace
 
 int64_t direct_conv_weights_workspace(const DirectConv& s) {
-  return weight_threads(s) * (s.KH * s.KW * s.C * s.O + s.O);
+  return weight_threads(s) * weight_part_floats(s);
 }
 
 // Each thread sums a contiguous range of output rows (n, oh) into its own
@@ -364,22 +371,21 @@ int64_t direct_conv_weights_workspace(const DirectConv& s) {
 void direct_conv_backward_weights_avx2(const float* x, const float* dy, float* grad_w,
                                        float* grad_bias, const DirectConv& s, float* workspace) {
   const int64_t taps = s.KH * s.KW, rows_n = s.N * s.OH;
-  const int64_t sum_floats = taps * s.C * s.O, part = sum_floats + s.O;
+  const int64_t sum_floats = taps * s.C * s.O, part = weight_part_floats(s);
   const int threads = weight_threads(s);
   const int64_t c_tiles = (s.C + kMaxRows - 1) / kMaxRows;
   const int64_t panels_n = (s.O + kPanel - 1) / kPanel;
-  const int64_t rows_per_block = std::max<int64_t>(1, kBlockPixels / s.OW);
+  const int64_t rows_per_block = weight_block_rows(s), block_pixels = rows_per_block * s.OW;
+  const bool pack_x = weight_pack_x(s);
 #pragma omp parallel num_threads(threads) if (!omp_in_parallel())
   {
     std::vector<Run> runs;
-    const int64_t block_pixels = rows_per_block * s.OW;
-    const bool pack_x = s.C >= 256;
-    std::vector<float> packed(pack_x ? size_t(c_tiles * block_pixels * kMaxRows) : 0);
     // One part per thread; all of them in turn where the team is smaller.
     for (int t = omp_get_thread_num(); t < threads; t += omp_get_num_threads()) {
       float* sum = workspace + t * part;
       float* bias_sum = sum + sum_floats;
-      std::fill(sum, sum + part, 0.0f);
+      float* packed = bias_sum + s.O;
+      std::fill(sum, sum + sum_floats + s.O, 0.0f);
       const int64_t r0 = rows_n * t / threads, r1 = rows_n * (t + 1) / threads;
       for (int64_t b0 = r0; b0 < r1; b0 += rows_per_block) {
         const int64_t b1 = std::min(r1, b0 + rows_per_block);
@@ -407,25 +413,24 @@ void direct_conv_backward_weights_avx2(const float* x, const float* dy, float* g
           // pixels from one stream instead of one cache line per pixel, 1 KiB
           // and more apart (1.2x at 512 channels, 7 x 7; below 256 channels
           // the copy costs more than it saves).
-          int64_t pixels = 0;
-          for (Run& run : runs) {
-            if (!pack_x) break;
-            const float* from = x + run.x;
-            for (int64_t i = 0; i < run.count; ++i, from += s.stride[1] * s.C)
-              for (int64_t ct = 0; ct < c_tiles; ++ct) {
-                const int64_t c0 = s.C * ct / c_tiles, c1 = s.C * (ct + 1) / c_tiles;
-                std::copy(from + c0, from + c1,
-                          packed.data() + (ct * block_pixels + pixels + i) * kMaxRows);
-              }
-            run.x = pixels * kMaxRows;
-            pixels += run.count;
-          }
+          if (pack_x)
+            for (int64_t pixels = 0; Run & run : runs) {
+              const float* from = x + run.x;
+              for (int64_t i = 0; i < run.count; ++i, from += s.stride[1] * s.C)
+                for (int64_t ct = 0; ct < c_tiles; ++ct) {
+                  const int64_t c0 = s.C * ct / c_tiles, c1 = s.C * (ct + 1) / c_tiles;
+                  std::copy(from + c0, from + c1,
+                            packed + (ct * block_pixels + pixels + i) * kMaxRows);
+                }
+              run.x = pixels * kMaxRows;
+              pixels += run.count;
+            }
           float* sum_tap = sum + tap * s.C * s.O;
           for (int64_t p = 0; p < panels_n; ++p) {
             const int64_t cols = std::min(kPanel, s.O - p * kPanel);
             for (int64_t ct = 0; ct < c_tiles; ++ct) {
               const int64_t c0 = s.C * ct / c_tiles, c1 = s.C * (ct + 1) / c_tiles;
-              const float* xs = pack_x ? packed.data() + ct * block_pixels * kMaxRows : x + c0;
+              const float* xs = pack_x ? packed + ct * block_pixels * kMaxRows : x + c0;
               kWeightTiles[c1 - c0](runs.data(), int64_t(runs.size()), xs,
                                     pack_x ? kMaxRows : s.stride[1] * s.C, dy + p * kPanel, s.O,
                                     sum_tap + c0 * s.O + p * kPanel, s.O, cols);

@@ -1,8 +1,9 @@
 // The project's own f32 convolution for AVX2 machines: channels-last images,
 // no groups, any stride, padding and dilation. core/cpu/cpu_conv.cpp runs it
 // where oneDNN's best convolutions are its 2.6 jit:avx2 ones (no brgemm
-// convolutions below AVX-512 in the Debian build), for the forward and for
-// stride-1 data gradients (a forward of the transposed, flipped weights).
+// convolutions below AVX-512 in the Debian build), for the forward, for
+// stride-1 data gradients (a forward of the transposed, flipped weights) and
+// for weight gradients (below).
 //
 // It is a GEMM with the image gathered on the fly (implicit im2col):
 //   out[m, o] = bias[o] + sum_{t, c} x[m at tap t, c] * w[o, c, t],
@@ -62,8 +63,7 @@ DirectConvUse direct_conv_use();
 void set_direct_conv_use(DirectConvUse use);
 // Whether the kernel runs any convolution here (for `trainer info`).
 bool direct_conv_in_use();
-struct DirectConv;
-// Whether automatic picks this kernel for s on this machine.
+// Whether automatic picks this kernel for s, in pass, on this machine.
 enum class DirectPass { forward, data, weights };
 bool direct_conv_automatic(const DirectConv& s, DirectPass pass);
 

@@ -219,11 +219,17 @@ namespace {
 // against 7.1; 512 at 4x4: 7.3 against 11.3). The own AVX2 kernel takes the
 // larger ones (conv_direct_avx2.h), w' packed straight from w.
 
-bool backward_data_as_forward(const Tensor& weight, const Conv2dAttrs& a, bool brgemm_only = true) {
-  if (a.groups != 1 || (brgemm_only && !cpu::has_brgemm_convolution())) return false;
+bool backward_data_as_forward(const Tensor& weight, const Conv2dAttrs& a) {
+  if (a.groups != 1) return false;
   for (int d = 0; d < 2; ++d)
     if (a.stride[d] != 1 || a.padding[d] > a.dilation[d] * (weight.size(2 + d) - 1)) return false;
   return true;
+}
+
+// p' of the formula above, per dimension (h, w).
+Pair flipped_padding(const Tensor& weight, const Conv2dAttrs& a) {
+  return {a.dilation[0] * (weight.size(2) - 1) - a.padding[0],
+          a.dilation[1] * (weight.size(3) - 1) - a.padding[1]};
 }
 
 // w' of the formula above as a plain [I, O, kH, kW] buffer. Tiles of
@@ -266,8 +272,8 @@ void conv2d_backward_data_as_forward(const Tensor& grad_out, const Tensor& weigh
   bool pointwise = weight.size(2) == 1 && weight.size(3) == 1;
   const ConvBackwardDataAsForward& e = cache.get(key, [&] {
     int64_t O = weight.size(0), I = weight.size(1), KH = weight.size(2), KW = weight.size(3);
-    memory::dims pad = {a.dilation[0] * (KH - 1) - a.padding[0],
-                        a.dilation[1] * (KW - 1) - a.padding[1]};
+    const Pair p = flipped_padding(weight, a);
+    const memory::dims pad = {p[0], p[1]};
     auto desc = DNNL_CHECK(dnnl::convolution_forward::desc(
         dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, image_md(grad_out),
         DNNL_CHECK(memory::desc({I, O, KH, KW}, kF32, tag::any)), memory::desc(), image_md(grad_x),
@@ -307,18 +313,19 @@ void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weig
     return RefBackend::conv2d_backward_data(grad_out, weight, a, grad_x);
   if (a.stride != Pair{1, 1} && cpu::pointwise(weight.shape(), a, grad_x, grad_out))
     return cpu::pointwise_backward_data(grad_out, weight, a, grad_x);
-  if (backward_data_as_forward(weight, a, /*brgemm_only=*/false) && weight.is_contiguous()) {
-    // The forward of w' (above) read straight from w: w'(i, o, ky, kx) at
-    // w + o I K + i K + (kH-1-ky) kW + (kW-1-kx), K = kH kW.
+  if (backward_data_as_forward(weight, a)) {
+    // The forward of w' (above): on the own AVX2 kernel, w' read straight
+    // from w, w'(i, o, ky, kx) at w + o I K + i K + (kH-1-ky) kW + (kW-1-kx),
+    // K = kH kW; on oneDNN where it has brgemm convolutions.
     const int64_t I = weight.size(1), KH = weight.size(2), KW = weight.size(3);
-    const Pair pad = {a.dilation[0] * (KH - 1) - a.padding[0],
-                      a.dilation[1] * (KW - 1) - a.padding[1]};
-    if (auto s = direct_conv(grad_out, I, KH, KW, grad_x, a, pad, cpu::DirectPass::data))
+    if (auto s = direct_conv(grad_out, I, KH, KW, grad_x, a, flipped_padding(weight, a),
+                             cpu::DirectPass::data);
+        s && weight.is_contiguous())
       return run_direct_conv(*s, grad_out, weight.data<float>() + KH * KW - 1,
                              {KH * KW, I * KH * KW, -KW, -1}, Tensor(), false, grad_x);
+    if (cpu::has_brgemm_convolution())
+      return conv2d_backward_data_as_forward(grad_out, weight, a, grad_x);
   }
-  if (backward_data_as_forward(weight, a))
-    return conv2d_backward_data_as_forward(grad_out, weight, a, grad_x);
   static Cache<ConvBackwardData> cache;
   Key key = make_key("conv_bwd_data").add(grad_out).add(weight).add(grad_x).add(a);
   const ConvBackwardData& e = cache.get(key, [&] {
