@@ -14,7 +14,9 @@
 // reads the files to name a rank that stops being scheduled (SIGSTOP, a
 // frozen VM) within its heartbeat timeout, and, when the job fails, to print
 // one line per rank: host, last completed operation, the operation it waits
-// in and for whom, and the ranks that never arrived.
+// in and for whom, and the ranks that never arrived. The heartbeat and the
+// rank's identity are always readable; the operation fields are not when the
+// rank stopped in the middle of updating them (Status::ops_consistent).
 //
 //   watchdog::start(boot);                                  // init_world does this
 //   watchdog::Wait w("allreduce(ring)", comm_id, seq, peer);  // around a wait
@@ -22,6 +24,7 @@
 //   std::optional<watchdog::Status> s = watchdog::read_status(watchdog::status_path(dir, 3));
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -75,18 +78,57 @@ struct Status {
   long pid = 0;
   std::string host;
   int64_t heartbeat_ns = 0;  // the last heartbeat (0: none yet)
-  uint64_t completed = 0;    // waits completed
+  // False when the rank was in the middle of updating its operation fields
+  // at every try of the reader (it was stopped there): completed, last and
+  // waiting are then unknown and left empty.
+  bool ops_consistent = true;
+  uint64_t completed = 0;  // waits completed
   Op last, waiting;
+  // Not in the file: the launcher sets it for a rank a signal ended (the
+  // record is what it left; what it waited on is not why it ended).
+  bool killed = false;
 };
 
 std::string status_path(const std::string& dir, int rank);
-// nullopt when the file is missing, short or not a status file yet.
+// nullopt when the file is missing, short or not a status file yet. Never
+// blocks: a record whose operation fields stay mid-update for about a
+// millisecond comes back with ops_consistent false, its heartbeat read.
 std::optional<Status> read_status(const std::string& path);
 
+// The status file's layout, the same in the rank and the launcher (one
+// binary). rank, pid and host are written once, before magic; heartbeat_ns
+// by the heartbeat thread alone, at any time. The operation fields
+// (completed, last, waiting) change under the writers' mutex with generation
+// odd meanwhile, so a reader in another process takes them as of an even,
+// unchanged generation; a rank stopped (SIGSTOP, a frozen VM) inside an
+// update leaves generation odd for good.
+struct StatusOpRecord {
+  char name[48];  // NUL-terminated by the writer; readers bound it all the same
+  uint32_t comm, seq;
+  int32_t peer;
+  uint32_t pad;
+  int64_t since_ns;
+  uint64_t owner;  // the Wait that wrote it (0: none)
+};
+struct StatusRecord {
+  static constexpr uint32_t kMagic = 0x57444f47;  // "WDOG"
+  static constexpr uint32_t kVersion = 1;
+  uint32_t magic, version;
+  int32_t rank, pid;
+  char host[64];  // as name
+  std::atomic<uint32_t> generation;
+  uint32_t pad;
+  std::atomic<int64_t> heartbeat_ns;
+  uint64_t completed;
+  StatusOpRecord last, waiting;
+};
+static_assert(std::atomic<int64_t>::is_always_lock_free);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
 // Lines describing the ranks (one each, then the ranks that never arrived:
-// those waited on that wait on nothing themselves), for the launcher.
-// stale_ns: ranks whose heartbeat is older than this are reported as not
-// running; now_ns: the reader's clock.
+// those waited on that wait on nothing themselves, or were killed), for the
+// launcher. stale_ns: ranks whose heartbeat is older than this are reported
+// as not running; now_ns: the reader's clock.
 std::vector<std::string> report(const std::vector<Status>& ranks, int64_t now_ns, int64_t stale_ns);
 
 }  // namespace trainer::comm::watchdog

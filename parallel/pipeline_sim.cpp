@@ -3,9 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <map>
 #include <nlohmann/json.hpp>
-#include <tuple>
 
 #include "core/check.h"
 
@@ -82,8 +80,9 @@ SimResult simulate(const Schedule& schedule, const PipelineCosts& costs) {
   result.times.resize(size_t(stages));
   for (int stage = 0; stage < stages; ++stage)
     result.times[size_t(stage)].resize(schedule.stages[size_t(stage)].size());
-  // When each message is usable: (is gradient, micro-batch, receiving virtual stage).
-  std::map<std::tuple<bool, int, int>, double> arrival;
+  // When each message is usable (-1: not sent yet), by MessageIndex.
+  const MessageIndex message{schedule.micro_batches, stages * schedule.chunks};
+  std::vector<double> arrival(message.count(), -1.0);
   std::vector<size_t> next(size_t(stages), 0);
   std::vector<double> clock(size_t(stages), 0.0);
   // Rounds over the stages, each running until a receive whose send is not
@@ -99,13 +98,13 @@ SimResult simulate(const Schedule& schedule, const PipelineCosts& costs) {
         ActionTime& time = result.times[size_t(stage)][i];
         time.start = now;
         if (a.kind == ActionKind::recv_activation || a.kind == ActionKind::recv_gradient) {
-          auto it = arrival.find({a.kind == ActionKind::recv_gradient, a.micro_batch, v});
-          if (it == arrival.end()) break;
-          now = std::max(now, it->second);
+          const double at = arrival[message(a.kind == ActionKind::recv_gradient, a.micro_batch, v)];
+          if (at < 0) break;
+          now = std::max(now, at);
         } else if (a.kind == ActionKind::send_activation) {
-          arrival[{false, a.micro_batch, v + 1}] = now + costs.latency;
+          arrival[message(false, a.micro_batch, v + 1)] = now + costs.latency;
         } else if (a.kind == ActionKind::send_gradient) {
-          arrival[{true, a.micro_batch, v - 1}] = now + costs.latency;
+          arrival[message(true, a.micro_batch, v - 1)] = now + costs.latency;
         } else {
           const double cost = cost_of(a, forward[size_t(stage)], backward[size_t(stage)], costs);
           now += cost;

@@ -44,11 +44,17 @@ std::string fixed(double value, int digits) {
   return text;
 }
 
+// The divisors of n >= 1 in increasing order, in O(sqrt n) steps (a loop
+// up to n overflowed at INT_MAX and took seconds for a large world).
 std::vector<int> divisors(int n) {
-  std::vector<int> out;
-  for (int d = 1; d <= n; ++d)
-    if (n % d == 0) out.push_back(d);
-  return out;
+  std::vector<int> small, large;
+  for (int64_t d = 1; d * d <= n; ++d) {
+    if (n % d != 0) continue;
+    small.push_back(int(d));
+    if (d * d != n) large.push_back(int(n / d));
+  }
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
 }
 
 // A ring allreduce over n ranks: reduce-scatter then all-gather, 2(n - 1)
@@ -510,9 +516,10 @@ std::string tp_problem(const ModelDesc& model, const ClusterSpec& cluster, int t
     *reason = "tp splits transformer layers and ResNet blocks only";
     return cat("tp=", tp, ": ", model.name, " plans dp x pp");
   }
+  // The vocabulary need not divide: the trainer pads it to a multiple of tp
+  // (Megatron's make-vocab-size-divisible-by), a few rows the cost ignores.
   std::vector<std::pair<const char*, int64_t>> sizes = {{"channels", model.tp_channels}};
-  if (model.n_head > 0)
-    sizes = {{"n_head", model.n_head}, {"d_model", model.d_model}, {"vocab", model.vocab}};
+  if (model.n_head > 0) sizes = {{"n_head", model.n_head}, {"d_model", model.d_model}};
   for (const auto& [key, size] : sizes)
     if (size % tp != 0) {
       *reason = cat("tp does not divide ", key);

@@ -2,9 +2,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <map>
-#include <set>
-#include <tuple>
 
 #include "core/check.h"
 
@@ -15,9 +12,6 @@ namespace {
 bool is_per_micro_batch(ActionKind kind) {
   return kind != ActionKind::grad_sync && kind != ActionKind::optimizer_step;
 }
-
-// A message between virtual stages: (is gradient, micro-batch, receiving virtual stage).
-using Message = std::tuple<bool, int, int>;
 
 // What one stage's list does to one (micro-batch, chunk), and in which order.
 struct MicroBatchTrack {
@@ -40,7 +34,10 @@ class Checker {
       : s_(s),
         limits_(limits),
         stages_(int(s.stages.size())),
-        virtual_stages_(stages_ * s.chunks) {}
+        virtual_stages_(stages_ * s.chunks),
+        message_{std::max(1, s.micro_batches), std::max(1, virtual_stages_)},
+        sent_(message_.count()),
+        received_(message_.count()) {}
 
   std::vector<std::string> run() {
     if (stages_ < 1 || s_.micro_batches < 1 || s_.chunks < 1) {
@@ -90,7 +87,8 @@ class Checker {
 
   void check_stage(int stage) {
     const std::vector<Action>& actions = s_.stages[size_t(stage)];
-    std::map<std::pair<int, int>, MicroBatchTrack> track;
+    // Per (micro-batch, chunk), flat: a map here took most of a large plan's time.
+    std::vector<MicroBatchTrack> track(size_t(s_.micro_batches) * size_t(s_.chunks));
     int syncs = 0, steps = 0;
     bool backward_after_sync = false;
     for (size_t i = 0; i < actions.size(); ++i) {
@@ -115,7 +113,7 @@ class Checker {
       }
       const int v = virtual_stage(stage, a.chunk);
       const bool first = v == 0, last = v == virtual_stages_ - 1;
-      MicroBatchTrack& t = track[{a.micro_batch, a.chunk}];
+      MicroBatchTrack& t = track[size_t(a.micro_batch) * size_t(s_.chunks) + size_t(a.chunk)];
       const bool backwarded = t.backward > 0 || t.backward_input > 0;
       switch (a.kind) {
         case ActionKind::forward:
@@ -147,13 +145,13 @@ class Checker {
           if (t.forward == 0)
             problem(
                 cat(where(stage, i), ": sent before its forward", missing(ActionKind::forward, a)));
-          if (!last) sent_[{false, a.micro_batch, v + 1}].push_back({stage, i});
+          if (!last) sent_[message_(false, a.micro_batch, v + 1)].add(stage, i);
           break;
         case ActionKind::recv_activation:
           if (first)
             problem(cat(where(stage, i), ": the first virtual stage receives no activation"));
           t.activation_received = true;
-          if (!first) received_[{false, a.micro_batch, v}].push_back({stage, i});
+          if (!first) received_[message_(false, a.micro_batch, v)].add(stage, i);
           break;
         case ActionKind::send_gradient:
           if (first) problem(cat(where(stage, i), ": the first virtual stage sends no gradient"));
@@ -162,12 +160,12 @@ class Checker {
                         to_string(Action{ActionKind::backward, a.micro_batch, a.chunk}), " or ",
                         to_string(Action{ActionKind::backward_input, a.micro_batch, a.chunk}),
                         " before it)"));
-          if (!first) sent_[{true, a.micro_batch, v - 1}].push_back({stage, i});
+          if (!first) sent_[message_(true, a.micro_batch, v - 1)].add(stage, i);
           break;
         case ActionKind::recv_gradient:
           if (last) problem(cat(where(stage, i), ": the last virtual stage receives no gradient"));
           t.gradient_received = true;
-          if (!last) received_[{true, a.micro_batch, v}].push_back({stage, i});
+          if (!last) received_[message_(true, a.micro_batch, v)].add(stage, i);
           break;
         case ActionKind::grad_sync:
         case ActionKind::optimizer_step:
@@ -179,7 +177,7 @@ class Checker {
     if (backward_after_sync) problem(cat("stage ", stage, ": a backward after the gradient sync"));
     for (int m = 0; m < s_.micro_batches; ++m)
       for (int c = 0; c < s_.chunks; ++c) {
-        const MicroBatchTrack& t = track[{m, c}];
+        const MicroBatchTrack& t = track[size_t(m) * size_t(s_.chunks) + size_t(c)];
         const std::string what = cat("stage ", stage, " micro-batch ", m, " chunk ", c, ": ");
         if (t.forward != 1) problem(cat(what, "forwarded ", t.forward, " times, not once"));
         const bool whole = t.backward == 1 && t.backward_input == 0 && t.backward_weight == 0;
@@ -215,18 +213,21 @@ class Checker {
   }
 
   void check_messages() {
-    for (const auto& [message, senders] : sent_) {
-      auto it = received_.find(message);
-      const size_t receivers = it == received_.end() ? 0 : it->second.size();
-      const auto [stage, index] = senders.front();
-      if (senders.size() != 1 || receivers != 1)
-        problem(cat(where(stage, index), ": sent ", senders.size(), " times, received ", receivers,
+    for (size_t message = 0; message < sent_.size(); ++message) {
+      const Ends& senders = sent_[message];
+      if (senders.count == 0) continue;
+      const int receivers = received_[message].count;
+      const int stage = senders.stage;
+      const size_t index = senders.index;
+      if (senders.count != 1 || receivers != 1)
+        problem(cat(where(stage, index), ": sent ", senders.count, " times, received ", receivers,
                     " times; each message is sent and received once (by ",
                     partner_text(stage, index), ")"));
     }
-    for (const auto& [message, receivers] : received_)
-      if (!sent_.count(message)) {
-        const auto [stage, index] = receivers.front();
+    for (size_t message = 0; message < received_.size(); ++message)
+      if (received_[message].count > 0 && sent_[message].count == 0) {
+        const int stage = received_[message].stage;
+        const size_t index = received_[message].index;
         problem(
             cat(where(stage, index), ": nothing sends it (no ", partner_text(stage, index), ")"));
       }
@@ -236,7 +237,7 @@ class Checker {
   // their send: every list must reach its end.
   void check_deadlock() {
     std::vector<size_t> next(size_t(stages_), 0);
-    std::set<Message> delivered;
+    std::vector<char> delivered(message_.count(), 0);
     for (bool progress = true; progress;) {
       progress = false;
       for (int stage = 0; stage < stages_; ++stage) {
@@ -244,13 +245,12 @@ class Checker {
         for (size_t& i = next[size_t(stage)]; i < actions.size(); ++i, progress = true) {
           const Action& a = actions[i];
           const int v = virtual_stage(stage, a.chunk);
-          if (a.kind == ActionKind::recv_activation && !delivered.count({false, a.micro_batch, v}))
+          if (a.kind == ActionKind::recv_activation && !delivered[message_(false, a.micro_batch, v)])
             break;
-          if (a.kind == ActionKind::recv_gradient && !delivered.count({true, a.micro_batch, v}))
+          if (a.kind == ActionKind::recv_gradient && !delivered[message_(true, a.micro_batch, v)])
             break;
-          if (a.kind == ActionKind::send_activation)
-            delivered.insert({false, a.micro_batch, v + 1});
-          if (a.kind == ActionKind::send_gradient) delivered.insert({true, a.micro_batch, v - 1});
+          if (a.kind == ActionKind::send_activation) delivered[message_(false, a.micro_batch, v + 1)] = 1;
+          if (a.kind == ActionKind::send_gradient) delivered[message_(true, a.micro_batch, v - 1)] = 1;
         }
       }
     }
@@ -269,8 +269,18 @@ class Checker {
   const Schedule& s_;
   const ScheduleLimits& limits_;
   const int stages_, virtual_stages_;
-  // Where each message is sent and received: (stage, action index).
-  std::map<Message, std::vector<std::pair<int, size_t>>> sent_, received_;
+  const MessageIndex message_;
+  // How often each message is sent and received, and where first: (stage,
+  // action index), by MessageIndex.
+  struct Ends {
+    int count = 0;
+    int stage = 0;
+    size_t index = 0;
+    void add(int at_stage, size_t at_index) {
+      if (count++ == 0) stage = at_stage, index = at_index;
+    }
+  };
+  std::vector<Ends> sent_, received_;
   std::vector<std::string> problems_;
 };
 
@@ -348,6 +358,13 @@ void require_shape(const std::string& name, int stages, int micro_batches, int c
   if (stages < 1 || micro_batches < 1 || chunks < 1)
     throw Error(cat("schedule '", name, "': ", stages, " stages, ", micro_batches,
                     " micro-batches, ", chunks, " chunks per stage; each must be at least 1"));
+  const int64_t passes = int64_t(stages) * micro_batches * chunks;
+  if (passes > kMaxSchedulePasses)
+    throw Error(cat("schedule '", name, "': ", stages, " stages x ", micro_batches,
+                    " micro-batches x ", chunks, " chunks = ", passes,
+                    " forward passes per step, more than the ", kMaxSchedulePasses,
+                    " a schedule is built for; use fewer micro-batches (a larger micro-batch) or "
+                    "fewer stages"));
 }
 
 // The table of a schedule whose stage s computes order(s): each compute

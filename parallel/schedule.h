@@ -54,6 +54,8 @@
 // backwarded there (see InFlightUntil).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -104,6 +106,20 @@ Schedule interleaved_schedule(int stages, int micro_batches, int chunks);
 Schedule zero_bubble_h1_schedule(int stages, int micro_batches);
 Schedule wavefront_schedule(int stages, int micro_batches);
 
+// A message between virtual stages, (is gradient, micro-batch, receiving
+// virtual stage), as one index of a flat table of count() entries, in the
+// order of those tuples. The checker and the simulator keep their
+// per-message state in such tables (maps took most of a large plan's time).
+struct MessageIndex {
+  int micro_batches, virtual_stages;
+  size_t operator()(bool gradient, int micro_batch, int virtual_stage) const {
+    return (size_t(gradient) * size_t(micro_batches) + size_t(micro_batch)) *
+               size_t(virtual_stages) +
+           size_t(virtual_stage);
+  }
+  size_t count() const { return 2 * size_t(micro_batches) * size_t(virtual_stages); }
+};
+
 // "gpipe", "1f1b", "interleaved", "zbh1", "wavefront": the names
 // make_schedule() takes.
 const std::vector<std::string>& schedule_names();
@@ -112,6 +128,11 @@ const std::vector<std::string>& schedule_names();
 // whichever the schedule. An unknown name throws trainer::Error listing the
 // known ones.
 Schedule make_schedule(const std::string& name, int stages, int micro_batches, int chunks = 1);
+// The largest schedule the generators build: stages x micro-batches x chunks
+// forward passes per step (about six actions each). Larger asks throw
+// Error: such a table takes seconds to build and simulate, and no step of
+// that many micro-batches is worth its bubble-free share.
+inline constexpr int64_t kMaxSchedulePasses = int64_t(1) << 18;
 
 // When a split backward frees a micro-batch's activations. A whole backward
 // B frees them; of a split one, the input half I frees the bulk (the

@@ -22,7 +22,7 @@ shift || true
 TARGETS=("$@")
 # The store's target (a server over loopback, checked by a client with a 10 s
 # deadline) runs by name only: scripts/fuzz.sh 60 store.
-[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(recipe safetensors trainer_state idx image)
+[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(recipe safetensors trainer_state idx image cluster command_line)
 CXX=${FUZZ_CXX:-clang++}
 OUT=$BUILD/fuzz
 mkdir -p "$OUT"
@@ -44,6 +44,13 @@ declare -A SOURCES=(
   [idx]="data/idx.cpp data/files.cpp"
   [image]="data/image_folder.cpp data/files.cpp"
   [store]="comm/store.cpp comm/store_server.cpp"
+  [cluster]="trainer/cluster_file.cpp trainer/numbers.cpp data/files.cpp"
+  [command_line]="trainer/plan.cpp trainer/launch.cpp trainer/numbers.cpp trainer/cluster_file.cpp trainer/recipe.cpp data/files.cpp"
+)
+# Libraries of the existing build a target needs beyond the engine's (the
+# command-line target calls into the trainer's own library).
+declare -A EXTRA_LIBS=(
+  [command_line]="app data"
 )
 # The rest of the engine, from the existing build (not instrumented).
 LIBS=()
@@ -62,9 +69,14 @@ for target in "${TARGETS[@]}"; do
   binary=$OUT/fuzz_$target
   sources=()
   for s in ${SOURCES[$target]}; do sources+=("$ROOT/$s"); done
+  extra=()
+  for lib in ${EXTRA_LIBS[$target]:-}; do
+    [ -f "$BUILD/libtrainer_$lib.a" ] || { echo "error: $BUILD/libtrainer_$lib.a is missing; build the trainer in $BUILD first" >&2; exit 1; }
+    extra+=("$BUILD/libtrainer_$lib.a")
+  done
   echo "== building fuzz_$target"
   "$CXX" "${FLAGS[@]}" "$ROOT/fuzz/fuzz_$target.cpp" "${sources[@]}" -o "$binary" \
-      -Wl,--start-group "${LIBS[@]}" -Wl,--end-group "${SYSTEM_LIBS[@]}"
+      -Wl,--start-group "${extra[@]}" "${LIBS[@]}" -Wl,--end-group "${SYSTEM_LIBS[@]}"
   corpus=$OUT/corpus/$target
   mkdir -p "$corpus"
   echo "== running fuzz_$target for ${SECONDS_EACH}s"

@@ -2,21 +2,28 @@
 // that die with their launcher, and restarts that resume a killed job from
 // its newest complete checkpoint and end bit for bit where an uninterrupted
 // run ends.
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/inotify.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
+#include <new>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "comm/bootstrap.h"
 #include "comm/watchdog.h"
 #include "tests/runs.h"
 #include "trainer/checkpoint.h"
@@ -123,6 +130,37 @@ fs::path reference_run(const std::vector<std::string>& layout, int nproc) {
   REQUIRE(r.code == 0);
   return ref;
 }
+
+// The hidden case below that writes a status record as fast as it can: run
+// by the stop tests as a process of its own (this binary, by name).
+constexpr const char* kStatusWriterCase = "watchdog: status writer for the stop tests";
+
+// The state letter of /proc/pid/stat ('T': stopped), '?' when unreadable.
+char process_state(pid_t pid) {
+  std::ifstream stat(cat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
+}
+
+// SIGSTOP to pid, then waits until it is stopped (false after 10 s).
+bool stop(pid_t pid) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (process_state(pid) != 'T')
+    if (std::chrono::steady_clock::now() > give_up) return false;
+  return true;
+}
+
+// Kills a child's process group when the test ends, however it ends.
+struct KillAtExit {
+  pid_t pid;  // 0 once reaped
+  ~KillAtExit() {
+    if (pid <= 0) return;
+    ::kill(-pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+};
 
 }  // namespace
 
@@ -332,7 +370,181 @@ TEST_CASE("watchdog: the status file a launcher reads, and its report", "[launch
   CHECK(lines[3] ==
         "never arrived: 5 (of another node), 7 (of another node) (waited on by the "
         "ranks above, and waiting on nothing)");
+  // Rank 8, killed by a signal while it waited on 4, which waits on it:
+  // where the job stopped is 8, not 4.
+  wd::Status r8 = r4;
+  r8.rank = 8;
+  r8.killed = true;
+  r8.waiting.peer = 4;
+  r4.waiting.peer = 8;
+  lines = wd::report({r4, r8}, s->heartbeat_ns, int64_t(1e9));
+  REQUIRE(lines.size() == 3);
+  CHECK(contains(lines[1],
+                 "rank 8 on h (pid 0): killed by a signal; no operation completed; was "
+                 "waiting in allreduce(ring) #42 of communicator 0 for rank 4"));
+  CHECK(lines[2] == "never arrived: 8 (waited on by the ranks above, and waiting on nothing)");
   // Not a status file: nothing.
   CHECK(!wd::read_status((dir / "missing").string()));
   CHECK(!wd::read_status(dir.string()));
+}
+
+TEST_CASE("watchdog: a record left in the middle of an update still gives the heartbeat",
+          "[launch]") {
+  namespace wd = comm::watchdog;
+  const fs::path dir = fresh("torn_record");
+  fs::create_directories(dir);
+  const std::string path = wd::status_path(dir.string(), 1);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, sizeof(wd::StatusRecord)) == 0);
+  void* mapped =
+      ::mmap(nullptr, sizeof(wd::StatusRecord), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  REQUIRE(mapped != MAP_FAILED);
+  // What a rank stopped inside an update leaves: generation odd for good,
+  // names half written (no NUL anywhere).
+  auto* record = new (mapped) wd::StatusRecord{};
+  record->magic = wd::StatusRecord::kMagic;
+  record->version = wd::StatusRecord::kVersion;
+  record->rank = 1;
+  record->pid = 4242;
+  std::memset(record->host, 'h', sizeof record->host);
+  record->heartbeat_ns.store(int64_t(7e9));
+  record->completed = 9;
+  std::memset(record->last.name, 'x', sizeof record->last.name);
+  std::memset(record->waiting.name, 'y', sizeof record->waiting.name);
+  record->waiting.peer = 0;
+  record->generation.store(5);
+
+  std::optional<wd::Status> s = wd::read_status(path);
+  REQUIRE(s);
+  CHECK(s->rank == 1);
+  CHECK(s->pid == 4242);
+  CHECK(s->host == std::string(sizeof record->host, 'h'));
+  CHECK(s->heartbeat_ns == int64_t(7e9));
+  CHECK(!s->ops_consistent);
+  CHECK(s->completed == 0);
+  CHECK(s->last.name.empty());
+  CHECK(s->waiting.name.empty());
+  // Stopped there: the report says so, and names it as where the job stopped.
+  wd::Status r0;
+  r0.rank = 0;
+  r0.host = "h";
+  r0.heartbeat_ns = int64_t(12e9);
+  r0.waiting = {"allreduce(ring)", 0, 3, 1, int64_t(11e9)};
+  std::vector<std::string> lines = wd::report({r0, *s}, int64_t(12e9), int64_t(1e9));
+  REQUIRE(lines.size() == 3);
+  CHECK(contains(lines[1],
+                 "not running: no heartbeat for 5.0 s; stopped in the middle of updating its "
+                 "operation record: last completed and waited-on operations unknown"));
+  CHECK(contains(lines[2], "never arrived: 1 "));
+  // Running (only descheduled inside the update): not said to have stopped.
+  lines = wd::report({r0, *s}, int64_t(7.5e9), int64_t(1e9));
+  REQUIRE(lines.size() == 2);
+  CHECK(contains(lines[1], "its operation record was being updated at every read"));
+  CHECK(!contains(lines[1], "not running"));
+
+  // The update done: the operations read, names bounded by their fields.
+  record->generation.store(6);
+  s = wd::read_status(path);
+  REQUIRE(s);
+  CHECK(s->ops_consistent);
+  CHECK(s->completed == 9);
+  CHECK(s->last.name == std::string(sizeof record->last.name, 'x'));
+  CHECK(s->waiting.name == std::string(sizeof record->waiting.name, 'y'));
+  ::munmap(mapped, sizeof(wd::StatusRecord));
+}
+
+// Not a test of its own: the rank the stop tests stop. Alone (ctest lists
+// it) it has no status directory and nothing to do.
+TEST_CASE("watchdog: status writer for the stop tests", "[.][launch]") {
+  namespace wd = comm::watchdog;
+  const comm::Bootstrap boot = comm::detect_bootstrap();
+  if (boot.status_dir.empty()) return;
+  wd::start(boot);
+  std::printf("writing %s\n", wd::status_path(boot.status_dir, boot.rank).c_str());
+  std::fflush(stdout);
+  // Two minutes at most, should the test that started it be gone.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (uint32_t i = 1; i % 4096 || std::chrono::steady_clock::now() < end; ++i) {
+    wd::Wait wait("allreduce(ring)", 0, i, 1);
+    wait.done();
+    wd::completed("broadcast", 1, i);
+  }
+}
+
+TEST_CASE("watchdog: a rank stopped at 200 random moments shows its heartbeat each time",
+          "[launch]") {
+  namespace wd = comm::watchdog;
+  const fs::path dir = fresh("random_stops");
+  fs::create_directories(dir);
+  Child writer = start({fs::read_symlink("/proc/self/exe").string(), kStatusWriterCase},
+                       {{"TRAINER_STATUS_DIR", dir.string()}, {"TRAINER_HEARTBEAT_MS", "10"}});
+  KillAtExit guard{writer.pid};
+  REQUIRE(wait_for_output(writer, "writing ", 60));
+  const std::string path = wd::status_path(dir.string(), 0);
+  std::mt19937 random(std::random_device{}());
+  int torn = 0;
+  for (int i = 0; i < 200; ++i) {
+    INFO("stop " << i);
+    std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
+    REQUIRE(stop(writer.pid));
+    std::optional<wd::Status> s = wd::read_status(path);
+    REQUIRE(s);
+    CHECK(s->rank == 0);
+    CHECK(s->pid == writer.pid);
+    CHECK(s->heartbeat_ns > 0);
+    CHECK(!s->host.empty());
+    if (s->ops_consistent) {
+      // Never a mix of two updates.
+      CHECK(s->last.name == (s->last.comm == 0 ? "allreduce(ring)" : "broadcast"));
+      CHECK((s->waiting.name.empty() || s->waiting.name == "allreduce(ring)"));
+    } else {
+      ++torn;
+      CHECK(s->last.name.empty());
+    }
+    REQUIRE(::kill(writer.pid, SIGCONT) == 0);
+  }
+  // The case this test is for came up (a stop inside an update).
+  INFO(torn << " of 200 stops came inside an update");
+  CHECK(torn > 0);
+  ::unlink(writer.output_path.c_str());
+}
+
+TEST_CASE("launch: a rank stopped in the middle of updating its status record is named",
+          "[launch][mp]") {
+  namespace wd = comm::watchdog;
+  Child c = start({TRAINER_BINARY, "launch", "--nproc-per-node", "1", "--grace-seconds", "2",
+                   "--heartbeat-timeout", "1", "--program",
+                   fs::read_symlink("/proc/self/exe").string(), "--", kStatusWriterCase});
+  KillAtExit guard{c.pid};
+  REQUIRE(wait_for_output(c, "writing ", 60));
+  const std::string output = output_of(c);
+  const size_t at = output.find("writing ") + 8;
+  const std::string path = output.substr(at, output.find('\n', at) - at);
+  const pid_t rank = launched_rank(c.pid, 0);
+  REQUIRE(rank > 0);
+  // Stopped (briefly) until a stop lands inside an update; left stopped there.
+  std::mt19937 random(std::random_device{}());
+  bool torn = false;
+  for (int i = 0; i < 2000 && !torn; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(random() % 2000));
+    REQUIRE(stop(rank));
+    std::optional<wd::Status> s = wd::read_status(path);
+    REQUIRE(s);
+    torn = !s->ops_consistent;
+    if (!torn) REQUIRE(::kill(rank, SIGCONT) == 0);
+  }
+  REQUIRE(torn);
+  const auto stopped = std::chrono::steady_clock::now();
+  ProcessResult r = finish(c, 30);
+  guard.pid = 0;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+  INFO(r.output);
+  CHECK(r.code == 128 + SIGKILL);
+  CHECK(seconds < 1 + 10);  // the timeout, the grace period, and slack for a loaded machine
+  CHECK(contains(r.output, cat("rank 0 (pid ", rank, ") stopped making progress")));
+  CHECK(contains(r.output, "process stopped by a signal"));
+  CHECK(contains(r.output, "stopped in the middle of updating its operation record"));
 }

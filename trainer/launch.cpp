@@ -19,12 +19,14 @@
 #include <memory>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "comm/bootstrap.h"
 #include "comm/watchdog.h"
 #include "core/check.h"
 #include "core/cpu/threads.h"
 #include "trainer/node_rendezvous.h"
+#include "trainer/numbers.h"
 
 extern char** environ;
 
@@ -39,6 +41,19 @@ void on_signal(int sig) { g_signal = sig; }
 
 // How often the supervisor looks at its children.
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
+
+// Bounds on what one launcher takes on. Correctness tests run up to 4 ranks
+// per core (8 ranks on 2 cores); past 8 a job is almost surely a typo, and
+// --oversubscribe says it is not (as mpirun's does).
+constexpr int kRanksPerCore = 8;
+constexpr int kMaxRanksPerNode = 4096;
+constexpr int kMaxNodes = 65536;
+constexpr int64_t kMaxWorld = 1 << 20;  // the recipe's parallel.dp bound
+constexpr int kMaxRestarts = 1000;
+constexpr double kMaxSeconds = 3600;
+constexpr double kMaxHeartbeatSeconds = 86400;
+// The commands a rank of the trainer binary can run.
+constexpr const char* kRankCommands[] = {"train", "eval", "sample", "plan", "info"};
 
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -130,43 +145,44 @@ std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc)
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "start the ranks of this node (torchrun-style) and supervise them");
-  cmd->add_option("--nproc-per-node", o.nproc_per_node, "ranks on this node")
+  cmd->add_option("--nproc-per-node", o.nproc_per_node,
+                  cat("ranks on this node (at most ", kRanksPerCore,
+                      " per core unless --oversubscribe)"))
       ->required()
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxRanksPerNode));
+  cmd->add_flag("--oversubscribe", o.oversubscribe,
+                cat("allow more than ", kRanksPerCore, " ranks per core of this host"));
   cmd->add_option_function<std::string>(
          "--nnodes",
          [&o](const std::string& v) {
            const size_t colon = v.find(':');
            auto number = [&](const std::string& text) {
-             size_t used = 0;
-             int n = 0;
-             try {
-               n = std::stoi(text, &used);
-             } catch (const std::exception&) {
-               used = 0;
-             }
-             if (used != text.size() || n < 1)
-               throw CLI::ValidationError("--nnodes", cat(v, ": use N or MIN:MAX, N >= 1"));
-             return n;
+             const std::optional<int64_t> n = parse_integer(text);
+             if (!n || *n < 1 || *n > kMaxNodes)
+               throw CLI::ValidationError(
+                   "--nnodes", cat("'", v, "': use N or MIN:MAX, each in [1, ", kMaxNodes, "]"));
+             return int(*n);
            };
            o.nnodes = number(v.substr(colon == std::string::npos ? 0 : colon + 1));
            o.min_nodes = colon == std::string::npos ? 0 : number(v.substr(0, colon));
            if (o.min_nodes > o.nnodes)
-             throw CLI::ValidationError("--nnodes", cat(v, ": MIN is above MAX"));
+             throw CLI::ValidationError("--nnodes", cat("'", v, "': MIN is above MAX"));
          },
          "nodes in the job: N, or MIN:MAX to run on the nodes that come (elastic)")
       ->type_name("N|MIN:MAX");
   cmd->add_option("--settle-seconds", o.settle_seconds,
                   "with --nnodes MIN:MAX: how long node 0 waits for more nodes once MIN joined")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--node-rank", o.node_rank, "index of this node")->check(CLI::NonNegativeNumber);
+      ->check(number_in(0, kMaxSeconds));
+  cmd->add_option("--node-rank", o.node_rank, "index of this node")
+      ->check(integer_in(0, kMaxNodes - 1));
   cmd->add_option("--master-addr", o.master_addr, "host of rank 0 (serves the rendezvous store)");
   cmd->add_option("--master-port", o.master_port,
                   "port of the store; 0 picks a free one (single node)")
-      ->check(CLI::Range(0, 65535));
+      ->check(integer_in(0, 65535));
   cmd->add_option("--program", o.program, "run this program instead of the trainer binary");
   cmd->add_option("--grace-seconds", o.grace_seconds,
-                  "SIGTERM to SIGKILL delay when stopping ranks");
+                  "SIGTERM to SIGKILL delay when stopping ranks")
+      ->check(number_in(0, kMaxSeconds));
   cmd->add_option("--bind-to", o.bind_to,
                   "core: each local rank runs on its own share of the cores; none: the "
                   "scheduler places them; auto (default): core when there are at least as many "
@@ -175,11 +191,11 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   cmd->add_option("--max-restarts", o.max_restarts,
                   "after a failure, stop every rank and start the job again, up to this many "
                   "times; `trainer train` resumes from the newest complete checkpoint")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, kMaxRestarts));
   cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout,
                   "seconds without a heartbeat after which a rank is reported as not running "
                   "(stopped, not scheduled) and the job fails; 0: off")
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_in(0, kMaxHeartbeatSeconds));
   cmd->add_option("args", o.args, "arguments of every rank, after --");
   return cmd;
 }
@@ -328,8 +344,11 @@ void Attempt::print_report() {
   if (status_dir_.empty()) return;
   std::vector<comm::watchdog::Status> statuses;
   for (const Child& c : children_)
-    if (auto s = comm::watchdog::read_status(comm::watchdog::status_path(status_dir_, c.rank)))
+    if (auto s = comm::watchdog::read_status(comm::watchdog::status_path(status_dir_, c.rank))) {
+      // The failing rank, ended by a signal: its record is what it left.
+      s->killed = !c.running && c.rank == failed_rank_ && result_ > 128;
       statuses.push_back(*s);
+    }
   if (statuses.empty()) return;
   const int64_t stale = int64_t(o_.heartbeat_timeout * 1e9);
   std::fprintf(stderr, "trainer launch: what the ranks of this host were doing:\n");
@@ -444,11 +463,44 @@ class StatusDir {
 
 }  // namespace
 
-int run_launch(const LaunchOptions& o) {
-  if (o.node_rank >= o.nnodes)
+void validate_launch_options(const LaunchOptions& o) {
+  if (o.program.empty() && o.args.empty())
+    throw Error(cat("trainer launch: give the ranks' command after --, e.g. `trainer launch "
+                    "--nproc-per-node ",
+                    o.nproc_per_node, " -- train recipes/fmnist_cnn.yaml`"));
+  if (o.program.empty()) {
+    bool known = false;
+    for (const char* command : kRankCommands) known = known || o.args[0] == command;
+    if (!known)
+      throw Error(cat("trainer launch: '", o.args[0],
+                      "' is not a trainer command; the ranks run train, eval, sample, plan or "
+                      "info (or give --program)"));
+  }
+  if (o.nproc_per_node < 1 || o.nproc_per_node > kMaxRanksPerNode)
+    throw Error(cat("--nproc-per-node ", o.nproc_per_node, " is out of range [1, ",
+                    kMaxRanksPerNode, "]"));
+  if (o.nnodes < 1 || o.nnodes > kMaxNodes)
+    throw Error(cat("--nnodes ", o.nnodes, " is out of range [1, ", kMaxNodes, "]"));
+  checked_product(o.nnodes, o.nproc_per_node, kMaxWorld, "the job's ranks --nnodes x --nproc-per-node");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw Error(cat("--node-rank ", o.node_rank, " is not below --nnodes ", o.nnodes));
   if (o.nnodes > 1 && o.master_port == 0)
     throw Error("--master-port is required with --nnodes > 1 (every node must name the same port)");
+  for (const auto& [name, value, hi] :
+       {std::tuple{"--grace-seconds", o.grace_seconds, kMaxSeconds},
+        std::tuple{"--settle-seconds", o.settle_seconds, kMaxSeconds},
+        std::tuple{"--heartbeat-timeout", o.heartbeat_timeout, kMaxHeartbeatSeconds}})
+    if (const std::string problem = number_problem(value, 0, hi); !problem.empty())
+      throw Error(cat(name, ": ", problem));
+  const int64_t cores = std::max<int64_t>(1, int64_t(allowed_cores().size()));
+  if (!o.oversubscribe && o.nproc_per_node > kRanksPerCore * cores)
+    throw Error(cat("--nproc-per-node ", o.nproc_per_node, " is more than ", kRanksPerCore,
+                    " ranks per core of this host's ", cores, " cores (", kRanksPerCore * cores,
+                    "); lower it, or pass --oversubscribe to start them anyway"));
+}
+
+int run_launch(const LaunchOptions& o) {
+  validate_launch_options(o);
   const std::string token = comm::job_token_from_environment().value_or(
       o.nnodes > 1 ? cat("launch:", o.master_addr, ":", o.master_port) : random_token());
 

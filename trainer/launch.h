@@ -67,10 +67,17 @@ struct LaunchOptions {
   double settle_seconds = 10;  // elastic: how long node 0 waits for more than MIN nodes
   int max_restarts = 0;        // restarts of the whole job after a failure
   double heartbeat_timeout = 30;  // seconds without a heartbeat that fail a rank; 0: off
+  bool oversubscribe = false;     // allow more ranks per core than the launcher's bound
 };
 
 // Registers the subcommand; its options fill `options`.
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& options);
+
+// Throws Error naming the option when `options` cannot make a job: no
+// command for the ranks, a node rank past --nnodes, more ranks than the
+// bounds (per core of this host without --oversubscribe; 2^20 in the job),
+// a non-finite or out-of-range time. run_launch calls it first.
+void validate_launch_options(const LaunchOptions& options);
 
 // Runs the local ranks to completion; returns the launcher's exit code.
 int run_launch(const LaunchOptions& options);

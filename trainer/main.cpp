@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 
 #include "core/cpu/isa.h"
 #include "core/cpu/threads.h"
@@ -19,6 +20,7 @@
 #include "trainer/device.h"
 #include "trainer/last_net.h"
 #include "trainer/launch.h"
+#include "trainer/numbers.h"
 #include "trainer/plan.h"
 #include "trainer/recipe.h"
 #include "trainer/train.h"
@@ -26,6 +28,28 @@
 using namespace trainer;
 
 namespace {
+
+// The longest text `trainer sample` generates in one call.
+constexpr int64_t kMaxSampleTokens = 10000000;
+
+// Parses the command line; an exit code when the process should end here:
+// 0 after --help, 1 for a bad option (every user error exits 1, as
+// docs/cli.md says; CLI11's own codes 105-115 are not used).
+std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string command = "trainer";
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+      if (argc > 1 && sub->get_name() == argv[1]) command += cat(" ", argv[1]);
+    std::fprintf(stderr, "error: %s (`%s --help` lists the options)\n", e.what(),
+                 command.c_str());
+    return 1;
+  }
+  return std::nullopt;
+}
 
 int run_info() {
   std::printf("trainer %s\n", "0.1.0");
@@ -102,24 +126,24 @@ int main(int argc, char** argv) {
                      "start at a line break");
   sample->add_option("--tokens", sample_args.tokens, "tokens to generate")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, kMaxSampleTokens));
   sample
       ->add_option("--temperature", sample_args.temperature,
                    "divides the logits; 0: greedy (always the most likely token)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_in(0, 1e6));
   sample
       ->add_option("--top-k", sample_args.top_k,
                    "sample among the k most likely tokens only; 0: all")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, 10000000));
   sample->add_option("--seed", sample_args.seed, "the same seed gives the same text")
       ->capture_default_str();
   LaunchOptions launch_options;
   CLI::App* launch = add_launch_command(app, launch_options);
   PlanArgs plan_args;
   CLI::App* plan = add_plan_command(app, plan_args);
-  CLI11_PARSE(app, argc, argv);
+  if (const std::optional<int> code = parse_command_line(app, argc, argv)) return *code;
   return run_with_last_net([&] {
     if (*info) return run_info();
     if (*train) return train_command(train_args);

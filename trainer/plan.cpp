@@ -6,10 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 
 #include "data/files.h"
 #include "parallel/pipeline_sim.h"
 #include "parallel/schedule.h"
+#include "trainer/cluster_file.h"
+#include "trainer/numbers.h"
 #include "trainer/plan_parts.h"
 #include "trainer/recipe.h"
 #include "trainer/safetensors.h"
@@ -26,6 +29,33 @@ namespace {
 
 // Widest swimlane before its cells grow: one terminal screen or two.
 constexpr int kMaxSwimlaneCells = 160;
+
+// The bounds of the options, those of the recipe keys they stand for
+// (parallel.pp, parallel.micro_batches, parallel.virtual_stages; the
+// schedule's size is bounded by make_schedule), the cluster file's per_node,
+// and a stage time of a day.
+constexpr int kMaxStages = 4096;
+constexpr int kMaxMicroBatches = 65536;
+constexpr int kMaxChunks = 1024;
+constexpr double kMaxStageMs = 86400e3;
+constexpr int kMaxPlanNodes = 65536;
+constexpr int kMaxPerNode = 1024;
+// The largest cluster planned: every layout of it is scored in well under a
+// second (bench_planner); the biggest training clusters have about 1e5 GPUs.
+constexpr int64_t kMaxPlanWorld = 1 << 17;
+
+// An output file the user named: refused early when it is a directory or
+// its directory does not exist, so that nothing is left behind.
+void check_output_file(const std::string& path, const char* option) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (fs::is_directory(path, error))
+    throw Error(cat(option, " ", path, " is a directory; give a file name, e.g. ",
+                    (fs::path(path) / "plan.json").string()));
+  const fs::path parent = fs::path(path).parent_path();
+  if (!parent.empty() && !fs::is_directory(parent, error))
+    throw Error(cat(option, " ", path, ": the directory ", parent.string(), " does not exist"));
+}
 
 std::string percent(double fraction) {
   char text[32];
@@ -75,36 +105,38 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& args) {
   cmd->add_option("recipe", args.recipe, "recipe YAML file (its parallel section gives defaults)");
   cmd->add_option("overrides", args.overrides, "key=value overrides of recipe keys");
   cmd->add_option("--pp", args.pp, "pipeline stages P (default: parallel.pp)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxStages));
   cmd->add_option("--micro-batches", args.micro_batches,
                   "micro-batches M per step (default: parallel.micro_batches)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxMicroBatches));
   cmd->add_option("--schedule", args.schedule,
                   "gpipe, 1f1b, interleaved or zbh1 (default: parallel.schedule)");
   cmd->add_option("--chunks", args.chunks,
                   "model chunks V per stage, for interleaved (default: the recipe's "
                   "parallel.virtual_stages, at least 2)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxChunks));
   cmd->add_option("--fwd-ms", args.fwd_ms,
                   "forward time of one micro-batch through a stage, ms: one value, or one per "
                   "stage separated by commas (default: 1)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(number_in(0, kMaxStageMs));
   cmd->add_option("--bwd-ms", args.bwd_ms,
                   "backward time of one micro-batch through a stage, ms: one value, or one per "
                   "stage separated by commas (default: 2)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(number_in(0, kMaxStageMs));
   cmd->add_option("--trace", args.trace, "write the simulated timeline as a Chrome trace here");
   cmd->add_option("--nodes", args.nodes,
                   "plan the whole cluster: nodes N (ranks every dp x pp x tp layout)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxPlanNodes));
   cmd->add_option("--per-node", args.per_node, "GPUs per node G (default: the device's, 8)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxPerNode));
   cmd->add_option("--device", args.device,
                   "a100-40gb, a100-80gb (default) or h100-80gb (with --nodes)");
   cmd->add_option("--cluster", args.cluster,
                   "YAML file describing the device and links (docs/planner.md)");
   cmd->add_option("--top", args.top, "rows of the ranked plan table (default 10)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, 1000000));
   cmd->add_option("--format", args.format,
                   "table (default) or tsv: every ranked plan, one tab-separated line each")
       ->check(CLI::IsMember({"table", "tsv"}));
@@ -116,19 +148,27 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& args) {
   return cmd;
 }
 
-std::string plan_report(const PlanArgs& args) {
-  if (args.nodes > 0) return cluster_plan_report(args);
+std::string plan_report(const PlanArgs& args, bool* found) {
+  if (found) *found = true;
+  if (args.nodes > 0) return cluster_plan_report(args, found);
   if (args.per_node > 0 || !args.device.empty() || !args.cluster.empty())
     throw Error("--per-node, --device and --cluster plan a cluster: give --nodes N too");
   const Recipe recipe = load_recipe(args.recipe, args.overrides);
   const int stages = args.pp > 0 ? args.pp : int(recipe.parallel.pp);
-  const int micro_batches =
-      args.micro_batches > 0 ? args.micro_batches : int(recipe.parallel.micro_batches);
   const std::string name = args.schedule.empty() ? recipe.parallel.schedule : args.schedule;
   const int chunks = args.chunks > 0                      ? args.chunks
                      : name != "interleaved"              ? 1
                      : recipe.parallel.virtual_stages > 1 ? int(recipe.parallel.virtual_stages)
                                                           : 2;
+  // The recipe's count, or what a run of this pipeline would choose (auto).
+  Recipe pipeline = recipe;
+  pipeline.parallel.pp = stages;
+  pipeline.parallel.schedule = name;
+  pipeline.parallel.virtual_stages = chunks;
+  const int micro_batches =
+      args.micro_batches > 0
+          ? args.micro_batches
+          : int(resolved_micro_batches(pipeline, std::max<int64_t>(1, recipe.parallel.dp)));
   const parallel::Schedule schedule = parallel::make_schedule(name, stages, micro_batches, chunks);
 
   const std::vector<double> fwd = stage_times(args.fwd_ms, 1.0, stages, "--fwd-ms");
@@ -172,6 +212,7 @@ std::string plan_report(const PlanArgs& args) {
     out += row.erase(row.find_last_not_of(' ') + 1) + "\n";
   }
   if (!args.trace.empty()) {
+    check_output_file(args.trace, "--trace");
     write_file_atomic(args.trace, parallel::chrome_trace_json(schedule, result));
     out += cat("trace written to ", args.trace, " (ui.perfetto.dev opens it)\n");
   }
@@ -234,99 +275,6 @@ parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::st
 
 namespace {
 
-double positive_number(const YAML::Node& value, const std::string& where, const std::string& key) {
-  double number = 0;
-  bool ok = value.IsScalar();
-  if (ok) {
-    try {
-      number = value.as<double>();
-    } catch (const YAML::Exception&) {
-      ok = false;
-    }
-  }
-  if (!ok || !(number > 0) || !std::isfinite(number))
-    throw Error(cat(where, ": key '", key, "' expects a number > 0, got ",
-                    value.IsScalar() ? "'" + value.Scalar() + "'" : "a map or list"));
-  return number;
-}
-
-}  // namespace
-
-parallel::ClusterSpec load_cluster_file(const std::string& path, parallel::ClusterSpec base) {
-  // Refuses a FIFO, a device or a directory before reading (data/files.h).
-  const std::string text = data::read_regular_file(path, "the cluster file (--cluster)", 1 << 24);
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::Exception& e) {
-    throw Error(cat(path, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));
-  }
-  if (root.IsNull()) return base;
-  if (!root.IsMap()) throw Error(cat(path, ": a cluster file is a YAML map of keys"));
-  const char* const kKeys =
-      "device, peak_tflops, memory_gib, per_node, achievable, intra.alpha_us, intra.gbps, "
-      "inter.alpha_us, inter.gbps, p2p.alpha_us, p2p.gbps";
-  auto where = [&](const YAML::Node& node) {
-    return node.Mark().line >= 0 ? cat(path, ":", node.Mark().line + 1) : path;
-  };
-  auto unknown = [&](const YAML::Node& node, const std::string& key) {
-    return Error(cat(where(node), ": unknown key '", key, "'; the keys are ", kKeys));
-  };
-  // The device first: the other keys change its figures.
-  if (const YAML::Node device = root["device"]) {
-    if (!device.IsScalar())
-      throw Error(cat(where(device), ": key 'device' expects a device name, e.g. h100-80gb"));
-    const int nodes = base.nodes, per_node = base.per_node;
-    // A CPU cluster's figures come from this machine (this_machine_cluster).
-    if (device.Scalar() != parallel::kCpuDevice || base.device.name != parallel::kCpuDevice) {
-      base = parallel::cluster_for(device.Scalar(), nodes);
-      base.per_node = per_node;
-    }
-  }
-  for (auto it = root.begin(); it != root.end(); ++it) {
-    const std::string key = it->first.as<std::string>();
-    // A copy (a Node is a handle): it-> returns a proxy that dies with the
-    // statement, so a reference to its second would dangle (ASan: stack-use-after-scope).
-    const YAML::Node value = it->second;
-    const std::string at = where(it->first);
-    if (key == "device") continue;
-    if (key == "peak_tflops") {
-      base.device.peak_tflops = positive_number(value, at, key);
-    } else if (key == "memory_gib") {
-      base.device.memory_gib = positive_number(value, at, key);
-    } else if (key == "per_node") {
-      const double per_node = positive_number(value, at, key);
-      if (per_node != std::floor(per_node) || per_node > 1024)
-        throw Error(cat(at, ": key 'per_node' expects a whole number of GPUs, got ", per_node));
-      base.per_node = int(per_node);
-    } else if (key == "achievable") {
-      base.device.achievable = std::min(1.0, positive_number(value, at, key));
-    } else if (key == "intra" || key == "inter" || key == "p2p") {
-      parallel::LinkSpec& link = key == "intra"   ? base.intra
-                                 : key == "inter" ? base.inter
-                                                  : base.intra_p2p;
-      if (!value.IsMap()) throw Error(cat(at, ": key '", key, "' expects a map {alpha_us, gbps}"));
-      for (auto field = value.begin(); field != value.end(); ++field) {
-        const std::string name = field->first.as<std::string>();
-        const std::string full = key + "." + name;
-        const std::string field_at = where(field->first);
-        if (name == "alpha_us")
-          link.alpha_us = positive_number(field->second, field_at, full);
-        else if (name == "gbps")
-          link.gbps = positive_number(field->second, field_at, full);
-        else
-          throw unknown(field->first, full);
-      }
-    } else {
-      throw unknown(it->first, key);
-    }
-  }
-  base.device.name = root["device"] ? base.device.name : base.device.name + " (cluster file)";
-  return base;
-}
-
-namespace {
-
 // One line per ranked plan, tab-separated, times in seconds: what a
 // benchmark reads to run the same layouts.
 std::string plan_tsv(const parallel::PlanResult& result) {
@@ -352,7 +300,7 @@ std::string plan_tsv(const parallel::PlanResult& result) {
 
 }  // namespace
 
-std::string cluster_plan_report(const PlanArgs& args) {
+std::string cluster_plan_report(const PlanArgs& args, bool* found) {
   const bool cpu = args.device == parallel::kCpuDevice;
   const Recipe recipe = cpu ? with_data_vocabulary(load_recipe(args.recipe, args.overrides))
                             : load_recipe(args.recipe, args.overrides);
@@ -366,6 +314,8 @@ std::string cluster_plan_report(const PlanArgs& args) {
     cluster = load_cluster_file(args.cluster, cluster);
     if (args.per_node > 0) cluster.per_node = args.per_node;
   }
+  checked_product(cluster.nodes, cluster.per_node, kMaxPlanWorld,
+                  "the cluster's GPUs (--nodes x --per-node)");
   std::unique_ptr<parallel::BlockTimer> timer;
   parallel::PlanRequest request;
   if (cpu) {
@@ -378,6 +328,7 @@ std::string cluster_plan_report(const PlanArgs& args) {
     timer = std::make_unique<parallel::FlopBlockTimer>(cluster.device, peak_scale);
   }
   const parallel::PlanResult result = parallel::plan_cluster(model, request, *timer);
+  if (found) *found = !result.ranked.empty();
   if (args.format == "tsv") return plan_tsv(result);
 
   std::string out =
@@ -410,7 +361,11 @@ int plan_command(const PlanArgs& args) {
   if (args.calibrate_rank) return calibrate_rank(args);
   if (args.calibrate) return calibrate_command(args);
   if (args.recipe.empty()) throw Error("trainer plan: give a recipe (or --calibrate)");
-  std::fputs(plan_report(args).c_str(), stdout);
+  bool found = true;
+  std::fputs(plan_report(args, &found).c_str(), stdout);
+  if (!found)
+    throw Error(cat("trainer plan: no layout of ", args.nodes, " nodes fits the recipe (the reasons "
+                    "are above); give more nodes or memory, or a smaller model or batch"));
   return 0;
 }
 

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "parallel/planner.h"
+#include "trainer/cluster_file.h"
 #include "trainer/distributed.h"
 
 namespace CLI {
@@ -76,18 +77,13 @@ struct PlanArgs {
 
 struct Recipe;
 
-// A cluster file (YAML) applied over `base`: device, peak_tflops,
-// memory_gib, per_node, achievable, intra {alpha_us, gbps}, inter
-// {alpha_us, gbps}. An unknown key or a bad value throws Error naming the
-// file, the line and the key.
-parallel::ClusterSpec load_cluster_file(const std::string& path, parallel::ClusterSpec base);
-
 // The planner's description of the recipe's model; what was assumed (a
 // vocabulary the data would give) is appended to `notes`.
 parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::string>* notes);
 
-// The cluster planner's report (args.nodes > 0).
-std::string cluster_plan_report(const PlanArgs& args);
+// The cluster planner's report (args.nodes > 0); *found (when given) says
+// whether any plan fits.
+std::string cluster_plan_report(const PlanArgs& args, bool* found = nullptr);
 
 // CPU mode's measured figures for a recipe: block profiles at each needed
 // micro-batch size and tp (one thread), and the optimizer step per parameter.
@@ -124,9 +120,10 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& args);
 
 // The report `trainer plan` prints (throws trainer::Error on a bad schedule,
 // count or time), and writes the Chrome trace when args.trace is set.
-std::string plan_report(const PlanArgs& args);
+std::string plan_report(const PlanArgs& args, bool* found = nullptr);
 
-// Prints plan_report(); returns the exit code.
+// Prints plan_report(); returns the exit code (an Error after the report
+// when no cluster plan fits).
 int plan_command(const PlanArgs& args);
 
 }  // namespace trainer

@@ -259,7 +259,7 @@ parallel::ClusterSpec this_machine_cluster(int nodes, int per_node) {
 }
 
 // CPU mode reads the data anyway: a language model's vocabulary is the
-// data's (tp must divide it), not the planning default.
+// data's (padded to a multiple of tp by the trainer), not the planning default.
 Recipe with_data_vocabulary(Recipe recipe) {
   const bool text = recipe.model.name == "gpt" || recipe.model.name == "lstm_lm";
   if (!text || recipe.model.vocab_size > 0) return recipe;

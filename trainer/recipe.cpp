@@ -3,10 +3,12 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <limits>
 #include <map>
+#include <type_traits>
 
 #include "core/check.h"
 #include "data/files.h"
@@ -63,6 +65,10 @@ T scalar_as(const YAML::Node& v, const Origin& o, const std::string& path, const
 
 template <class T>
 void check_range(T value, T lo, T hi, const Origin& o, const std::string& path) {
+  if constexpr (std::is_floating_point_v<T>)
+    if (!std::isfinite(value))
+      throw Error(cat(o.text, ": key '", path, "' = ", value, " is not a finite number; give one in [",
+                      lo, ", ", hi, "]"));
   if (value < lo || value > hi)
     throw Error(
         cat(o.text, ": key '", path, "' = ", value, " is out of range [", lo, ", ", hi, "]"));
@@ -254,7 +260,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("parallel.pp", &p.pp, 1, 4096),
       int_field("parallel.tp", &p.tp, 1, 4096),
       bool_field("parallel.sequence_parallel", &p.sequence_parallel),
-      int_field("parallel.micro_batches", &p.micro_batches, 1, 65536),
+      int_field("parallel.micro_batches", &p.micro_batches, 0, 65536),
       string_field("parallel.schedule", &p.schedule,
                    {"gpipe", "1f1b", "interleaved", "zbh1", "wavefront"}),
       int_field("parallel.virtual_stages", &p.virtual_stages, 1, 1024),
