@@ -102,14 +102,15 @@ class P2POperation final : public Work::Operation {
 };
 
 // "rank 0 of communicator 2: send of activation micro-batch 3 stream 0 (f32 [4, 8]) to rank 1
-// (world rank 5)"
+// (world rank 5)", with the caller's label for the message when it gave one.
 std::string describe(const Communicator& comm, bool is_send, const Tensor& tensor, int peer,
-                     const P2PTag& tag) {
+                     const P2PTag& tag, const std::string& label) {
   std::string peer_str = peer >= 0 && peer < comm.size()
                              ? cat("rank ", peer, " (world rank ", comm.world_rank(peer), ")")
                              : cat("rank ", peer);
   return cat("rank ", comm.rank(), " of communicator ", comm.id(), " (", comm.size(),
-             " ranks): ", is_send ? "send of " : "receive of ", p2p_tag_str(tag), " (",
+             " ranks): ", is_send ? "send of " : "receive of ",
+             label.empty() ? p2p_tag_str(tag) : label, " (",
              tensor.defined()
                  ? cat(tensor.dtype(), " ", tensor.shape_str(), " on ", tensor.device())
                  : std::string("undefined tensor"),
@@ -118,7 +119,7 @@ std::string describe(const Communicator& comm, bool is_send, const Tensor& tenso
 
 Work post(Communicator& comm, bool is_send, const Tensor& tensor, int peer, const P2PTag& tag,
           const P2POptions& options) {
-  const std::string what = describe(comm, is_send, tensor, peer, tag);
+  const std::string what = describe(comm, is_send, tensor, peer, tag, options.label);
   if (peer < 0 || peer >= comm.size() || peer == comm.rank())
     throw Error(cat(what, ": the peer must be another rank of the communicator, in [0, ",
                     comm.size(), ") and not ", comm.rank()));

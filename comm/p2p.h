@@ -1,14 +1,16 @@
 // Point-to-point messages between two ranks of a communicator, the traffic
 // of pipeline parallelism: a stage sends its activations forward and its
 // input gradients backward, once per micro-batch, receives posted ahead and
-// sends overlapped with compute. Communicator::send and recv (declared in
-// comm/communicator.h, implemented in comm/p2p.cpp) take a contiguous tensor
-// whose shape and dtype both sides know in advance, so messages carry no
-// header: a receive names the peer and the P2PTag, and matches the send of
-// that peer with the same tag (messages with equal tags between the same
-// pair match in send order). Both return at once with the same Work handle
-// as the collectives; the thread that calls Work::test() or wait() progresses
-// the transport.
+// sends overlapped with compute; and of parameter servers (gradient pushes
+// and parameter pulls, parallel/parameter_server.h), which reuse the tag's
+// fields and name their messages with P2POptions::label. Communicator::send
+// and recv (declared in comm/communicator.h, implemented in comm/p2p.cpp)
+// take a contiguous tensor whose shape and dtype both sides know in advance,
+// so messages carry no header: a receive names the peer and the P2PTag, and
+// matches the send of that peer with the same tag (messages with equal tags
+// between the same pair match in send order). Both return at once with the
+// same Work handle as the collectives; the thread that calls Work::test() or
+// wait() progresses the transport.
 //
 //   Work r = pp->recv(input, stage - 1, {.micro_batch = 3});          // posted ahead
 //   Work s = pp->send(output, stage + 1, {.micro_batch = 2});
@@ -16,6 +18,7 @@
 //                     {.micro_batch = 1, .direction = P2PDirection::gradient});
 //   ... compute ...
 //   r.wait();   // Error: "... receive of activation micro-batch 3 stream 0 from rank 0 ..."
+//   Work p = ps->send(grads, server, tag, {.label = "the gradients of gradient push message 12"});
 //
 // The tag lives in the communicator's point-to-point field of the transport
 // tag (comm/transport.h: 31 bits, transport tag bits [50..20]), laid out
@@ -65,6 +68,9 @@ static_assert(P2PTag::kMicroBatchBits + P2PTag::kStreamBits + 1 == kTagSeqBits +
 
 struct P2POptions {
   Millis timeout{0};  // of each wait without progress; 0: the communicator's
+  // What the message is, for errors and logs ("the gradients of gradient
+  // push message 12"); empty: the pipeline's reading of the tag, p2p_tag_str.
+  std::string label{};
 };
 
 // "activation micro-batch 3 stream 0", for messages.

@@ -5,8 +5,12 @@
 #include <climits>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <thread>
+#include <utility>
 
+#include "comm/transport.h"
+#include "comm/watchdog.h"
 #include "core/autograd.h"
 #include "core/check.h"
 #include "optim/clip.h"
@@ -19,11 +23,70 @@ enum Command : int { kInit = 1, kPush = 2, kGetState = 3, kSetState = 4, kDone =
 constexpr int64_t kHeader = 4;  // f64: command, step, lr, unused | version, staleness, -, -
 constexpr int64_t kTagWrap = int64_t(1) << comm::P2PTag::kMicroBatchBits;
 
-// Stream 0 carries headers, 1 payloads; activation: worker -> server, gradient: back.
+// Stream 0 carries headers, 1 payloads; the tag's direction says which way
+// (activation: worker -> server, gradient: back), not what the message is:
+// label() does, for errors.
 comm::P2PTag tag(int64_t message, bool to_server, int stream) {
   return {.micro_batch = message % kTagWrap,
           .direction = to_server ? comm::P2PDirection::activation : comm::P2PDirection::gradient,
           .stream = stream};
+}
+
+// What a worker's message of command is ("gradient push").
+const char* command_name(int command) {
+  switch (command) {
+    case kInit:
+      return "initial parameters";
+    case kPush:
+      return "gradient push";
+    case kGetState:
+      return "optimizer state request";
+    case kSetState:
+      return "optimizer state upload";
+    case kDone:
+      return "end of training";
+    default:
+      return "unknown command";
+  }
+}
+
+// "the gradients of gradient push message 12": part of message number n
+// (counted per direction, as the tag) of a kind.
+comm::P2POptions label(const char* part, const char* kind, int64_t n) {
+  return {.label = cat("the ", part, " of ", kind, " message ", n)};
+}
+
+// The ranks among peers (of world) whose process has died, with how: a
+// transport error about a peer can come before its death is known (a receive
+// from a killed sender fails as its memory goes, before its process has
+// exited), so they are polled for up to a second.
+std::vector<std::pair<int, std::string>> dead_peers(comm::Communicator& world,
+                                                    const std::vector<int>& peers) {
+  std::vector<std::pair<int, std::string>> dead;
+  for (int attempt = 0; attempt < 100 && dead.empty(); ++attempt) {
+    if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (int peer : peers)
+      if (std::string failure = world.transport().poll_peer(world.world_rank(peer));
+          !failure.empty())
+        dead.push_back({peer, failure});
+  }
+  return dead;
+}
+
+// error (of an exchange of `me` with its peers) said as the death of the
+// peers that died, each named by its role ("worker", "parameter server" k =
+// rank - first), with what to do.
+Error death_error(const std::string& me, const char* role, int first,
+                  const std::vector<std::pair<int, std::string>>& dead, const Error& error) {
+  std::string who;
+  for (const auto& [peer, failure] : dead)
+    who +=
+        cat(who.empty() ? "" : "; ", role, " ", peer - first, " (rank ", peer, ") died: ", failure);
+  return Error(cat(me, ": ", who, "; the job cannot go on without ",
+                   dead.size() == 1 ? "it" : "them",
+                   ": restart the job (trainer launch --max-restarts N resumes it from the newest "
+                   "checkpoint). Noticed in: ",
+                   error.what()));
 }
 
 std::vector<NamedTensor> flat_params(const std::vector<optim::ParamGroup>& groups) {
@@ -194,20 +257,41 @@ ParameterServerClient::~ParameterServerClient() {
   }
 }
 
-void ParameterServerClient::send(Link& link, double command, const Tensor* payload) const {
+void ParameterServerClient::send(Link& link, int command, const Tensor* payload) const {
   double* h = link.header.data<double>();
   h[0] = command;
   h[1] = double(step_);
   h[2] = lr_;
-  comm::Work head = world_->send(link.header, link.server, tag(link.sent, true, 0));
+  const char* kind = command_name(command);
+  comm::Work head = world_->send(link.header, link.server, tag(link.sent, true, 0),
+                                 label("header", kind, link.sent));
   comm::Work body;
-  if (payload) body = world_->send(*payload, link.server, tag(link.sent, true, 1));
+  if (payload)
+    body = world_->send(*payload, link.server, tag(link.sent, true, 1),
+                        label(command == kInit ? "parameters" : "state", kind, link.sent));
   ++link.sent;
   head.wait();
   body.wait();
 }
 
 void ParameterServerClient::step() {
+  try {
+    push_and_pull();
+  } catch (const Error& e) {
+    rethrow_naming_dead_servers(e);
+  }
+}
+
+void ParameterServerClient::rethrow_naming_dead_servers(const Error& error) const {
+  std::vector<int> servers;
+  for (const auto& link : links_) servers.push_back(link->server);
+  const std::vector<std::pair<int, std::string>> dead = dead_peers(*world_, servers);
+  if (dead.empty()) throw error;
+  throw death_error(cat("worker ", world_->rank(), " (rank ", world_->rank(), ")"),
+                    "parameter server", workers_, dead, error);
+}
+
+void ParameterServerClient::push_and_pull() {
   autograd::NoGradGuard no_grad;
   if (!initialized_) {
     // Worker 0's parameters (fresh, or loaded from a checkpoint) seed the servers.
@@ -226,15 +310,19 @@ void ParameterServerClient::step() {
     h[0] = kPush;
     h[1] = double(step_);
     h[2] = lr_;
-    sends.push_back(world_->send(link->header, link->server, tag(link->sent, true, 0)));
-    sends.push_back(world_->send(link->payload, link->server, tag(link->sent, true, 1)));
+    sends.push_back(world_->send(link->header, link->server, tag(link->sent, true, 0),
+                                 label("header", "gradient push", link->sent)));
+    sends.push_back(world_->send(link->payload, link->server, tag(link->sent, true, 1),
+                                 label("gradients", "gradient push", link->sent)));
     ++link->sent;
   }
   for (comm::Work& w : sends) w.wait();
   last_staleness_ = 0;
   for (auto& link : links_) {
-    recvs.push_back(world_->recv(link->reply, link->server, tag(link->received, false, 0)));
-    recvs.push_back(world_->recv(link->payload, link->server, tag(link->received, false, 1)));
+    recvs.push_back(world_->recv(link->reply, link->server, tag(link->received, false, 0),
+                                 label("header", "parameter pull", link->received)));
+    recvs.push_back(world_->recv(link->payload, link->server, tag(link->received, false, 1),
+                                 label("parameters", "parameter pull", link->received)));
     ++link->received;
   }
   for (comm::Work& w : recvs) w.wait();
@@ -255,13 +343,20 @@ std::vector<NamedTensor> ParameterServerClient::state() const {
   std::vector<NamedTensor> state = shadow_->state();
   // The other workers' copy is the layout only (what they loaded, if anything).
   if (world_->rank() != 0) return state;
-  for (auto& link : links_) {
-    send(*link, kGetState, nullptr);
-    Tensor flat =
-        empty({std::max<int64_t>(1, state_elements(state, shards_, link->k))}, DType::f64);
-    world_->recv(flat, link->server, tag(link->received, false, 1)).wait();
-    ++link->received;
-    unpack_state(state, shards_, link->k, flat.data<double>());
+  try {
+    for (auto& link : links_) {
+      send(*link, kGetState, nullptr);
+      Tensor flat =
+          empty({std::max<int64_t>(1, state_elements(state, shards_, link->k))}, DType::f64);
+      world_
+          ->recv(flat, link->server, tag(link->received, false, 1),
+                 label("state", "optimizer state reply", link->received))
+          .wait();
+      ++link->received;
+      unpack_state(state, shards_, link->k, flat.data<double>());
+    }
+  } catch (const Error& e) {
+    rethrow_naming_dead_servers(e);
   }
   return state;
 }
@@ -271,11 +366,15 @@ void ParameterServerClient::load_state(const std::vector<NamedTensor>& state) {
   step_ = 0;
   if (world_->rank() != 0) return;
   const std::vector<NamedTensor> loaded = shadow_->state();
-  for (auto& link : links_) {
-    Tensor flat =
-        empty({std::max<int64_t>(1, state_elements(loaded, shards_, link->k))}, DType::f64);
-    pack_state(loaded, shards_, link->k, flat.data<double>());
-    send(*link, kSetState, &flat);
+  try {
+    for (auto& link : links_) {
+      Tensor flat =
+          empty({std::max<int64_t>(1, state_elements(loaded, shards_, link->k))}, DType::f64);
+      pack_state(loaded, shards_, link->k, flat.data<double>());
+      send(*link, kSetState, &flat);
+    }
+  } catch (const Error& e) {
+    rethrow_naming_dead_servers(e);
   }
 }
 
@@ -324,16 +423,62 @@ class Server {
   }
 
   ServerReport run() {
+    try {
+      return serve();
+    } catch (const Error& e) {
+      std::vector<int> workers(static_cast<size_t>(workers_));
+      std::iota(workers.begin(), workers.end(), 0);
+      const std::vector<std::pair<int, std::string>> dead = dead_peers(*world_, workers);
+      if (dead.empty()) throw;
+      // The record is left waiting on the dead worker, so the launcher's
+      // report names it as where the job stopped, not this server that the
+      // others wait on; the answers in flight end first (their waits would
+      // replace the record as the error unwinds).
+      settle_answers();
+      const int first = dead.front().first;
+      comm::watchdog::Wait on_the_dead("gradient push", world_->id(),
+                                       uint32_t(peers_[size_t(first)].received),
+                                       world_->world_rank(first));
+      throw death_error(cat("parameter server ", k_, " (rank ", world_->rank(), ")"), "worker", 0,
+                        dead, e);
+    }
+  }
+
+ private:
+  struct Peer {
+    Tensor header, reply, gradient, answer;
+    comm::Work next, sending, sending_body;
+    int64_t received = 0, sent = 0;
+    int64_t clock = 0;      // gradients applied
+    int64_t pulled = 0;     // the shard's version its last answer carried
+    int64_t staleness = 0;  // of its last applied gradient
+    bool parked = false, done = false;
+  };
+
+  ServerReport serve() {
     for (int w = 0; w < workers_; ++w) post(w);
     int done = 0;
+    // Between messages: waiting on the worker furthest behind, for the
+    // launcher's report of who waits on whom (comm/watchdog.h).
+    std::optional<comm::watchdog::Wait> waiting;
     for (int idle = 0; done < workers_;) {
       bool any = false;
       for (int w = 0; w < workers_; ++w) {
         Peer& p = peers_[size_t(w)];
         // Worker 0's parameters (after its checkpoint's state) come first.
         if (!initialized_ && w != 0) continue;
-        if (p.done || !p.next.test()) continue;
+        if (p.done) continue;
+        if (!waiting) {
+          const int slowest = furthest_behind();
+          waiting.emplace("gradient push", world_->id(), uint32_t(peers_[size_t(slowest)].received),
+                          world_->world_rank(slowest));
+        }
+        if (!p.next.test()) continue;
         any = true;
+        if (waiting) {
+          waiting->done();
+          waiting.reset();
+        }
         const double* h = p.header.data<double>();
         const int command = int(h[0]);
         if (command == kDone) {
@@ -355,32 +500,48 @@ class Server {
     return report_;
   }
 
- private:
-  struct Peer {
-    Tensor header, reply, gradient, answer;
-    comm::Work next, sending, sending_body;
-    int64_t received = 0, sent = 0;
-    int64_t clock = 0;      // gradients applied
-    int64_t pulled = 0;     // the shard's version its last answer carried
-    int64_t staleness = 0;  // of its last applied gradient
-    bool parked = false, done = false;
-  };
+  // Waits out the answers in flight, whatever becomes of them.
+  void settle_answers() {
+    for (Peer& p : peers_)
+      for (comm::Work* answer : {&p.sending, &p.sending_body}) {
+        try {
+          answer->wait();
+        } catch (const Error&) {
+          // An answer to a dead worker: its failure is already the error.
+        }
+      }
+  }
+
+  // The running worker with the fewest messages received (the lowest rank of those).
+  int furthest_behind() const {
+    int slowest = 0;
+    for (int w = 0; w < workers_; ++w) {
+      const Peer& p = peers_[size_t(w)];
+      if (!p.done &&
+          (peers_[size_t(slowest)].done || p.received < peers_[size_t(slowest)].received))
+        slowest = w;
+    }
+    return slowest;
+  }
 
   void post(int w) {
     Peer& p = peers_[size_t(w)];
-    p.next = world_->recv(p.header, w, tag(p.received, true, 0));
+    p.next = world_->recv(
+        p.header, w, tag(p.received, true, 0),
+        {.label = cat("the header of the next gradient push or command, message ", p.received)});
   }
-  // The payload that follows the header just received.
-  void receive_payload(int w, const Tensor& into) {
+  // The payload (part) that follows the header of command just received.
+  void receive_payload(int w, int command, const char* part, const Tensor& into) {
     Peer& p = peers_[size_t(w)];
-    world_->recv(into, w, tag(p.received, true, 1)).wait();
+    world_->recv(into, w, tag(p.received, true, 1), label(part, command_name(command), p.received))
+        .wait();
   }
   void handled(int w) { ++peers_[size_t(w)].received; }
 
   void handle(int w, int command, int64_t step, double lr) {
     Peer& p = peers_[size_t(w)];
     if (command == kInit) {
-      receive_payload(w, p.gradient);
+      receive_payload(w, command, "parameters", p.gradient);
       unpack_params(params_, p.gradient.data<float>());
       handled(w);
       initialized_ = true;
@@ -390,7 +551,7 @@ class Server {
       std::vector<NamedTensor> state =
           optimizer_ ? optimizer_->state() : std::vector<NamedTensor>();
       Tensor flat = empty({std::max<int64_t>(1, state_elements(state, shards_, k_))}, DType::f64);
-      receive_payload(w, flat);
+      receive_payload(w, command, "state", flat);
       unpack_state(state, shards_, k_, flat.data<double>());
       handled(w);
       return;
@@ -403,12 +564,13 @@ class Server {
       pack_state(state, shards_, k_, flat.data<double>());
       p.sending.wait();
       p.sending_body.wait();
-      world_->send(flat, w, tag(p.sent, false, 1)).wait();
+      world_->send(flat, w, tag(p.sent, false, 1), label("state", "optimizer state reply", p.sent))
+          .wait();
       ++p.sent;
       return;
     }
     CHECK(command == kPush) << "parameter server: command " << command << " from rank " << w;
-    receive_payload(w, p.gradient);
+    receive_payload(w, command, "gradients", p.gradient);
     handled(w);
     if (options_.sync == Sync::bsp) {
       p.parked = true;
@@ -486,8 +648,10 @@ class Server {
     r[0] = double(version_);
     r[1] = double(options_.sync == Sync::bsp ? 0 : p.staleness);
     pack_params(params_, p.answer.data<float>());
-    p.sending = world_->send(p.reply, w, tag(p.sent, false, 0));
-    p.sending_body = world_->send(p.answer, w, tag(p.sent, false, 1));
+    p.sending =
+        world_->send(p.reply, w, tag(p.sent, false, 0), label("header", "parameter pull", p.sent));
+    p.sending_body = world_->send(p.answer, w, tag(p.sent, false, 1),
+                                  label("parameters", "parameter pull", p.sent));
     ++p.sent;
     p.pulled = version_;
   }

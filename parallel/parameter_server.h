@@ -32,7 +32,12 @@
 // checkpoint was loaded), kPush (gradients; answered by a header {version,
 // staleness} and the parameters), kGetState / kSetState (the shard's
 // optimizer state, flattened in the order LocalOptimizer::state() lists it,
-// f64, for checkpoints) and kDone.
+// f64, for checkpoints) and kDone. Errors name each message by what it is
+// ("the gradients of gradient push message 12"), and a rank that dies by its
+// role: the ranks exchanging with it say "parameter server 0 (rank 2):
+// worker 1 (rank 1) died: ...", and a server leaves its watchdog record
+// waiting on the dead worker, so `trainer launch` reports that worker, not
+// the server the others wait on, as the one that never arrived.
 //
 // Glossary: shard = the whole tensors one server owns (balanced by bytes);
 // version = the number of updates a shard has received; clock = the number
@@ -95,7 +100,11 @@ class ParameterServerClient final : public optim::Optimizer {
 
  private:
   struct Link;  // one server's buffers and message counters
-  void send(Link& link, double command, const Tensor* payload) const;
+  void send(Link& link, int command, const Tensor* payload) const;
+  void push_and_pull();
+  // An Error of an exchange with the servers, as the death of those that
+  // died (rethrown as it is when none did).
+  [[noreturn]] void rethrow_naming_dead_servers(const Error& error) const;
 
   std::shared_ptr<comm::Communicator> world_;
   ShardMap shards_;

@@ -1,6 +1,7 @@
 // Parameter servers (parallel/parameter_server.h) through the trainer:
 // bsp against allreduce data parallelism, exact resume, asp and ssp
-// training with their staleness, shard assignment, and the recipe's errors.
+// training with their staleness, shard assignment, the recipe's errors, and
+// what the others say when a server or a worker dies.
 #include <regex>
 #include <string>
 #include <vector>
@@ -189,7 +190,7 @@ TEST_CASE("parameter server: recipes it cannot train are refused with the key to
   }
 }
 
-TEST_CASE("parameter server: a dead server or worker is an error naming its rank",
+TEST_CASE("parameter server: a dead server or worker is an error naming its role and rank",
           "[parallel][mp]") {
   for (int victim : {2, 1}) {  // the server, then a worker
     INFO("rank " << victim << " killed");
@@ -207,8 +208,28 @@ TEST_CASE("parameter server: a dead server or worker is an error naming its rank
     INFO(r.output);
     CHECK(r.code == 128 + SIGKILL);
     CHECK(contains(r.output, cat("rank ", victim, " exited with code 137")));
-    // The survivors' errors name it.
-    CHECK(contains(r.output, cat("rank ", victim, " (")));
-    CHECK(contains(r.output, "error: rank "));
+    // The launcher's report names it as where the job stopped, not a rank
+    // that was waiting on it.
+    CHECK(contains(r.output, cat("never arrived: ", victim, " ")));
+    // The survivors' errors name it by its role, as dead (its exit or UCX's
+    // lost connection, whichever they saw first), and say what the message
+    // they were exchanging with it is.
+    const std::string died = cat(" (rank ", victim, ") died: ");
+    std::string error;  // the first survivor's error naming it
+    for (size_t at = r.output.find("error: "); at != std::string::npos && error.empty();
+         at = r.output.find("error: ", at + 1)) {
+      const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+      if (contains(line, died)) error = line;
+    }
+    REQUIRE(!error.empty());
+    if (victim == 2) {
+      CHECK(error.starts_with("error: worker "));
+      CHECK(contains(error, cat(": parameter server 0", died)));
+    } else {
+      CHECK(error.starts_with(cat("error: parameter server 0 (rank 2): worker 1", died)));
+      CHECK(contains(error, "gradient push"));
+    }
+    CHECK(contains(error, "restart the job"));
+    CHECK(!contains(r.output, "activation micro-batch"));
   }
 }
