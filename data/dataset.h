@@ -19,6 +19,12 @@
 
 namespace trainer::data {
 
+// The shorter side below which an image is refused: upsampled to the
+// model's input it would be a few blocks of flat colour, nothing to learn
+// from; such sides come from a corrupt header or the wrong file. The
+// smallest classic classification images (scikit-learn's digits) are 8x8.
+inline constexpr int kMinImageSide = 8;
+
 // A sample that cannot be read: a corrupt, truncated or non-image file. The
 // loader skips it with a warning or rethrows it, per LoaderOptions::bad_files.
 class BadSampleError : public Error {

@@ -236,6 +236,13 @@ MnistDataset load_fashion_mnist(const std::string& dir, Split split) {
     throw Error(cat(images_path, ": images ", images.shape_str(),
                     ": expected at least one image, each side in [1, ", kMaxSide,
                     "]; the file is corrupt or not Fashion-MNIST's"));
+  if (images.size(1) < kMinImageSide || images.size(2) < kMinImageSide)
+    throw Error(cat(images_path, ": images ", images.shape_str(),
+                    " (count, height, width) are too small to ",
+                    split == Split::train ? "train" : "test", " on: expected each side at least ",
+                    kMinImageSide,
+                    " pixels (Fashion-MNIST's are 28x28); the file is corrupt or not "
+                    "Fashion-MNIST's"));
   if (labels.dtype() != DType::u8 || labels.dim() != 1 || labels.size(0) != images.size(0))
     throw Error(cat(labels_path, ": expected ", images.size(0), " u8 labels, got ",
                     dtype_name(labels.dtype()), " ", labels.shape_str()));
@@ -246,6 +253,17 @@ MnistDataset load_fashion_mnist(const std::string& dir, Split split) {
       throw Error(cat(labels_path, ": label ", int(raw[i]), " of item ", i, " is outside [0, ",
                       num_classes, ")"));
   return MnistDataset(images, labels.to(DType::i64), num_classes, images_path);
+}
+
+void check_same_image_size(const MnistDataset& train, const MnistDataset& val) {
+  const Tensor &a = train.images(), &b = val.images();
+  if (a.size(1) == b.size(1) && a.size(2) == b.size(2)) return;
+  throw Error(cat(val.source(), ": test images ", b.shape_str(),
+                  " (count, height, width) differ in size from the training images of ",
+                  train.source(), " ", a.shape_str(),
+                  ": expected test images of the training images' size; the files come from "
+                  "different datasets: point data.root at a folder holding one dataset's four "
+                  "files"));
 }
 
 const std::vector<std::string>& fashion_mnist_classes() {

@@ -52,6 +52,8 @@ class MnistDataset final : public Dataset {
 
   const Tensor& images() const { return images_; }
   const Tensor& labels() const { return labels_; }
+  // The images' file.
+  const std::string& source() const { return source_; }
 
  private:
   Tensor images_, labels_;
@@ -61,9 +63,13 @@ class MnistDataset final : public Dataset {
 
 // Fashion-MNIST from dir: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz].
 // 60000 training and 10000 test images of 28x28, 10 classes; the test set
-// is the val split. Files missing, mismatched or with labels outside [0, 10)
-// are a trainer::Error.
+// is the val split. Files missing, mismatched, with labels outside [0, 10)
+// or images with a side below kMinImageSide are a trainer::Error.
 MnistDataset load_fashion_mnist(const std::string& dir, Split split);
+// A trainer::Error naming both files when the test images are not the size
+// of the training images: a model learns one size, and evaluating it on
+// images resized from another measures something else.
+void check_same_image_size(const MnistDataset& train, const MnistDataset& val);
 
 // Fashion-MNIST's class names, in label order.
 const std::vector<std::string>& fashion_mnist_classes();

@@ -110,7 +110,13 @@ std::string ImageFolder::path(int64_t index) const {
 
 DecodedImage ImageFolder::load(int64_t index, int min_side) const {
   std::string file = path(index);
-  return decode_image(read_file(file), min_side, file);
+  DecodedImage image = decode_image(read_file(file), min_side, file);
+  if (std::min(image.source_height, image.source_width) < kMinImageSide)
+    throw BadSampleError(cat(file, ": an image ", image.source_width, " pixels wide and ",
+                             image.source_height,
+                             " high, too small to learn from: images need each side at least ",
+                             kMinImageSide, " pixels"));
+  return image;
 }
 
 ImageFolderSplits open_image_folder_splits(const std::string& root) {

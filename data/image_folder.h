@@ -12,7 +12,8 @@
 // shorter side is much larger than the transform needs decodes at 1/2, 1/4
 // or 1/8 scale in libjpeg's DCT: the largest reduction that keeps the
 // shorter side >= min_side. A file that cannot be decoded (corrupt,
-// truncated, not an image) is a BadSampleError naming it.
+// truncated, not an image), or an image with a side below kMinImageSide,
+// is a BadSampleError naming it.
 //
 //   ImageFolderSplits data = open_image_folder_splits("/data/imagenet");   // train/ and val/
 //   DecodedImage img = data.train.load(0, /*min_side=*/224);

@@ -40,6 +40,7 @@ class Loader::Core {
   int64_t samples_per_epoch() const { return sampler_.num_samples(); }
   EpochStats stats() const;
   int64_t skipped_total() const;
+  void set_bad_sample_warnings(bool on);
 
  private:
   // The batch buffers of a batch being filled, and the fate of each row.
@@ -76,6 +77,7 @@ class Loader::Core {
   std::condition_variable work_cv_;   // workers: work became claimable, or stop
   std::condition_variable ready_cv_;  // consumer: a sample finished, or a worker exited
   bool stop_ = false;
+  bool warn_bad_samples_ = true;
   int busy_ = 0;                  // workers decoding a sample
   int running_ = 0;               // workers not yet exited
   std::vector<int64_t> reading_;  // per worker: the dataset index it decodes, or -1
@@ -126,6 +128,7 @@ int64_t Loader::batches_per_epoch() const { return core_->batches_per_epoch(); }
 int64_t Loader::samples_per_epoch() const { return core_->samples_per_epoch(); }
 EpochStats Loader::stats() const { return core_->stats(); }
 int64_t Loader::skipped_total() const { return core_->skipped_total(); }
+void Loader::set_bad_sample_warnings(bool on) { core_->set_bad_sample_warnings(on); }
 
 void Loader::Core::start_workers(const std::shared_ptr<Core>& self) {
   slots_.resize(size_t(options_.prefetch_batches));
@@ -251,7 +254,7 @@ void Loader::Core::worker_loop(int worker) {
     }
 
     lock.lock();
-    if (!warning.empty() && !stop_) {
+    if (!warning.empty() && !stop_ && warn_bad_samples_) {
       lock.unlock();
       log(warning);
       lock.lock();
@@ -333,9 +336,11 @@ bool Loader::Core::next(Batch& batch) {
     work_cv_.notify_all();
     std::rethrow_exception(error);
   }
-  if (slot.rows > 0 && std::count(slot.ok.begin(), slot.ok.end(), char(1)) == 0) {
+  if (slot.rows > 0 && std::count(slot.ok.begin(), slot.ok.end(), char(1)) == 0 &&
+      !options_.empty_batches) {
     // Nothing to deliver: an empty batch would reach the model (batch norm
-    // over zero samples), so a batch of bad files only is an error.
+    // over zero samples), so a batch of bad files only is an error unless
+    // the consumer takes empty batches.
     const std::string first = dataset_.describe(slot.indices[0]);
     const int64_t rows = slot.rows;
     release_slot(slot);
@@ -400,6 +405,11 @@ EpochStats Loader::Core::stats() const {
 int64_t Loader::Core::skipped_total() const {
   std::lock_guard<std::mutex> lock(mu_);
   return skipped_total_;
+}
+
+void Loader::Core::set_bad_sample_warnings(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  warn_bad_samples_ = on;
 }
 
 void Loader::Core::log(const std::string& message) const {

@@ -19,7 +19,10 @@
 // Bad samples (BadSampleError: corrupt, truncated or non-image files): with
 // BadFilePolicy::skip the sample is left out of its batch (which comes out
 // shorter), counted, and a warning naming the file is logged; with
-// BadFilePolicy::error next() throws it when its batch is due.
+// BadFilePolicy::error next() throws it when its batch is due. Under skip, a
+// batch of bad files only is a BadSampleError too (a training step cannot
+// run on zero samples), unless LoaderOptions::empty_batches lets it through
+// with zero rows (evaluation, which counts what it could read).
 //
 // Shutdown: the destructor stops the workers and joins them; it never waits
 // for more than the samples being decoded, whether or not the consumer
@@ -67,6 +70,9 @@ struct LoaderOptions {
   int prefetch_batches = 4;  // batches decoded ahead of the consumer
   bool drop_last = false;    // drop the epoch's last, partial batch
   BadFilePolicy bad_files = BadFilePolicy::skip;
+  // Under skip: a batch whose samples were all bad files is delivered with
+  // zero rows (true) or is a BadSampleError (false).
+  bool empty_batches = false;
   // Receives the bad-sample warnings and the end-of-epoch report; called
   // from worker threads. Default: a line on stderr.
   std::function<void(const std::string&)> log = nullptr;
@@ -118,6 +124,10 @@ class Loader {
   int64_t samples_per_epoch() const;
   EpochStats stats() const;
   int64_t skipped_total() const;
+  // Whether bad samples are logged one warning each (the default) or only
+  // counted: a loader reading the same files again (evaluation) need not
+  // name them every time.
+  void set_bad_sample_warnings(bool on);
 
  private:
   // Everything the workers touch, shared with them: a worker stuck in a

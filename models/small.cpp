@@ -1,10 +1,15 @@
 #include "models/small.h"
 
+#include <algorithm>
+
 namespace trainer {
 
 SmallCNN::SmallCNN(const SmallCNNOptions& o) {
-  CHECK(o.image_size >= 4 && o.image_size % 4 == 0)
-      << "SmallCNN: image size " << o.image_size << " must be a multiple of 4";
+  // A user's choice (data.image_size), so an Error rather than a CHECK.
+  if (o.image_size < 4 || o.image_size % 4 != 0)
+    throw Error(cat("model small_cnn: image size ", o.image_size,
+                    " (data.image_size) must be a multiple of 4, for its two 2x2 poolings; use ",
+                    std::max<int64_t>(4, o.image_size / 4 * 4), " or ", o.image_size / 4 * 4 + 4));
   Generator gen(o.seed, kStreamInit);
   Conv2dAttrs same{.padding = {1, 1}};
   conv1_ = register_module(

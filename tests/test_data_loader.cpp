@@ -212,6 +212,38 @@ TEST_CASE("loader: bad samples are skipped and counted, or thrown in order", "[d
   REQUIRE(b.indices == std::vector<int64_t>{8, 9, 10, 11});
 }
 
+TEST_CASE("loader: a batch of bad files only is an error, or comes empty under empty_batches",
+          "[data][loader]") {
+  SyntheticDataset ds(6, 1, 4, /*bad=*/{2, 3});
+  DistributedSampler sampler(SamplerOptions{6, 0, 1, 0, /*shuffle=*/false});
+  std::atomic<int> warnings{0};
+  LoaderOptions o = quiet(2, 2, 2);
+  o.log = [&](const std::string&) { ++warnings; };
+  o.report_epochs = false;
+  {
+    Loader training(ds, ImageTransform(plain(4, 1), 1), sampler, o);
+    training.start_epoch(0);
+    Batch b;
+    REQUIRE(training.next(b));
+    REQUIRE_THROWS_WITH(training.next(b), Catch::Contains("all 2 samples of batch 1") &&
+                                              Catch::Contains("synthetic[2]"));
+  }
+  o.empty_batches = true;
+  Loader evaluation(ds, ImageTransform(plain(4, 1), 1), sampler, o);
+  for (bool warn : {true, false}) {
+    INFO("warnings " << warn);
+    warnings = 0;
+    evaluation.set_bad_sample_warnings(warn);
+    Epoch e = read_epoch(evaluation, 0);
+    REQUIRE(e.indices == std::vector<std::vector<int64_t>>{{0, 1}, {}, {4, 5}});
+    REQUIRE(e.labels[2] == std::vector<int64_t>{4, 5});
+    REQUIRE(e.images[2][0] == float(pixel(4, 0, 0, 0)) / 255.0f);
+    REQUIRE(evaluation.stats().skipped == 2);
+    REQUIRE(evaluation.stats().images == 4);
+    REQUIRE(warnings == (warn ? 2 : 0));
+  }
+}
+
 TEST_CASE("loader: early shutdown and abandoned epochs never hang", "[data][loader]") {
   SyntheticDataset ds(200, 3, 16, {}, /*sleep_us=*/500);
   DistributedSampler sampler(SamplerOptions{200, 0, 1, 2});

@@ -4,6 +4,7 @@
 
 #include "core/ops.h"
 #include "models/registry.h"
+#include "trainer/checkpoint.h"
 
 namespace trainer {
 
@@ -11,6 +12,7 @@ EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
   EvalMetrics m;
   m.language_model = language_model;
   m.samples = sums.samples;
+  m.skipped = sums.skipped;
   if (sums.samples == 0) return m;
   m.loss = sums.loss / double(sums.samples);
   if (language_model) {
@@ -23,21 +25,32 @@ EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
 }
 
 bool EvalMetrics::improves_on(double best) const {
+  if (samples == 0) return false;
   return language_model ? best < 0 || loss < best : top1 > best;
 }
 
 std::string EvalMetrics::text() const {
-  if (language_model) return cat("loss ", loss, " | ", bits_per_char, " bits/char");
-  return cat("loss ", loss, " | top1 ", top1, "% | top5 ", top5, "%");
+  if (samples == 0 && skipped > 0)
+    return cat("nothing evaluated: all ", skipped,
+               " validation files read were bad and skipped (fix or replace them)");
+  const std::string skips = skipped > 0 ? cat(" | ", skipped, " bad files skipped") : "";
+  if (language_model) return cat("loss ", loss, " | ", bits_per_char, " bits/char", skips);
+  return cat("loss ", loss, " | top1 ", top1, "% | top5 ", top5, "%", skips);
 }
 
 std::string EvalMetrics::final_text(double best) const {
+  if (samples == 0 && skipped > 0) {
+    std::string text = cat("final eval: nothing evaluated (", skipped, " bad files skipped)");
+    if (best < 0) return text;  // no evaluation ever read a file
+    return language_model ? cat(text, ", best loss ", best) : cat(text, ", best ", best, "%");
+  }
   if (language_model)
     return cat("final eval loss ", loss, ", ", bits_per_char, " bits/char, best loss ", best);
   return cat("final eval top1 ", top1, "%, best ", best, "%");
 }
 
 Scalars EvalMetrics::scalars() const {
+  if (samples == 0) return {};
   if (language_model) return {{"loss", loss}, {"bits_per_char", bits_per_char}};
   return {{"loss", loss}, {"top1", top1}, {"top5", top5}};
 }
@@ -57,6 +70,19 @@ Tensor pad_samples(const Tensor& t, int64_t rows) {
   Shape padding = t.shape();
   padding[0] = rows - t.size(0);
   return concat({t, zeros(padding, t.dtype(), t.device())}, 0);
+}
+
+void BatchSource::load_stream_state(const std::string& dir, int64_t position) {
+  const int64_t epoch = samples_per_epoch();
+  if (position < 0 || position > epoch)
+    throw Error(cat(trainer_state_file(dir), ": \"position\" is ", position,
+                    " (this data-parallel rank's ",
+                    is_language_model() ? "text windows" : "samples",
+                    " of the epoch consumed), but an epoch of the recipe's data holds ", epoch,
+                    " per rank, so it must be in [0, ", epoch,
+                    "]: the file was edited, or the checkpoint belongs to a larger dataset. "
+                    "Resume from a checkpoint of this dataset, or start without --resume"));
+  restore_stream_state(dir, position);
 }
 
 const data::Vocab& BatchSource::vocab() const {

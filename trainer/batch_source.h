@@ -51,6 +51,7 @@ struct EvalSums {
   double loss = 0;  // summed cross-entropy
   int64_t top1 = 0, top5 = 0;
   int64_t samples = 0;  // images, or tokens
+  int64_t skipped = 0;  // bad files left out (data.bad_files: skip)
 };
 
 struct EvalMetrics {
@@ -60,18 +61,23 @@ struct EvalMetrics {
   double top5 = 0;           // percent (classifiers)
   double bits_per_char = 0;  // loss / ln 2 (language models)
   int64_t samples = 0;       // images, or tokens
+  int64_t skipped = 0;       // bad files left out
 
   // The metric the best checkpoint is chosen by: top-1 for classifiers
   // (higher is better), the loss for language models (lower is better).
   double best_metric() const { return language_model ? loss : top1; }
-  // Whether these metrics beat best (-1: none yet).
+  // Whether these metrics beat best (-1: none yet); an evaluation of no
+  // samples (every file bad) beats nothing.
   bool improves_on(double best) const;
-  // "loss 0.41 | top1 85.2% | top5 99.1%" or "loss 1.52 | 2.19 bits/char".
+  // "loss 0.41 | top1 85.2% | top5 99.1%" or "loss 1.52 | 2.19 bits/char",
+  // with "| 3 bad files skipped" when some were; "nothing evaluated: ..."
+  // when every file was bad.
   std::string text() const;
   // "final eval top1 85.2%, best 86.0%" or "final eval loss 1.52, 2.19
   // bits/char, best loss 1.50", for the end of training.
   std::string final_text(double best) const;
-  // {"loss", ...} and {"top1", "top5"} or {"bits_per_char"}, for the metrics log.
+  // {"loss", ...} and {"top1", "top5"} or {"bits_per_char"}, for the metrics
+  // log; none when nothing was evaluated.
   Scalars scalars() const;
 };
 EvalMetrics eval_metrics(const EvalSums& sums, bool language_model);
@@ -91,9 +97,11 @@ class BatchSource {
   virtual int64_t vocab_size() const { return 0; }
   // The vocabulary (language models only).
   virtual const data::Vocab& vocab() const;
-  // This rank's micro-batches in one epoch, and what an epoch holds in
+  // This rank's micro-batches in one epoch, its samples (images, or text
+  // windows: what a data position counts), and what an epoch holds in
   // words ("60000 training samples") for messages.
   virtual int64_t batches_per_epoch() const = 0;
+  virtual int64_t samples_per_epoch() const = 0;
   virtual std::string epoch_text() const = 0;
   // The lines the summary prints about the data ("" when nothing to add).
   virtual std::string summary() const { return ""; }
@@ -152,15 +160,21 @@ class BatchSource {
   // Training state beside the model and optimizer (the carried LSTM state),
   // saved per rank with checkpoints; nullopt when the source carries none.
   virtual std::optional<std::vector<NamedTensor>> stream_state() const { return std::nullopt; }
-  // Restores it from a checkpoint at `position` of an epoch (nothing when
-  // the source carries none); Error naming the file when it does not fit.
-  virtual void load_stream_state(const std::string& /*dir*/, int64_t /*position*/) {}
+  // Resuming from checkpoint dir at `position` (this rank's samples of the
+  // epoch consumed): checks that the position lies within this data's epoch
+  // (an Error naming trainer_state.json otherwise: an edited file, or a
+  // checkpoint of a larger dataset), then restores the carried state.
+  void load_stream_state(const std::string& dir, int64_t position);
   // Checks a checkpoint's vocabulary against the data's (language models);
   // Error naming the file when they differ.
   virtual void check_vocab(const std::string& /*state_path*/,
                            const std::vector<int64_t>& /*symbols*/) const {}
 
  protected:
+  // load_stream_state's restoring part (nothing when the source carries no
+  // state); Error naming the file when the saved state does not fit.
+  virtual void restore_stream_state(const std::string& /*dir*/, int64_t /*position*/) {}
+
   std::shared_ptr<Module> model_;
   bool reads_batches_ = true;  // false: next() gives positions only
 };

@@ -125,6 +125,7 @@ class ImageBatches final : public BatchSource {
   bool is_language_model() const override { return false; }
   const char* item_name() const override { return "samples"; }
   int64_t batches_per_epoch() const override { return train_loader_->batches_per_epoch(); }
+  int64_t samples_per_epoch() const override { return train_loader_->samples_per_epoch(); }
   std::string epoch_text() const override { return cat(train_set_->size(), " training samples"); }
   std::string summary() const override { return assumed_; }
 
@@ -177,7 +178,7 @@ class ImageBatches final : public BatchSource {
   EvalSums evaluate_shard() override;
 
   void start_eval() override {
-    if (reads_batches_) val_loader_->start_epoch(0);
+    if (reads_batches_) start_val_epoch();
     eval_left_ = val_loader_->batches_per_epoch();
   }
   bool next_eval(StepBatch& batch) override {
@@ -191,6 +192,7 @@ class ImageBatches final : public BatchSource {
     data::Batch b;
     if (!val_loader_->next(b)) return false;
     const Device device = module_device(*model_);
+    // A batch of bad files only comes empty: all padding, no targets.
     batch = StepBatch{to_device(pad_samples(b.images, micro_batch_), device),
                       to_device(b.labels, device), b.position, b.labels.numel()};
     return true;
@@ -203,6 +205,14 @@ class ImageBatches final : public BatchSource {
                      EvalSums& sums) const override;
 
  private:
+  // The validation loader at the start of its one epoch. It names each bad
+  // file in a warning during the first evaluation only: later ones read the
+  // same files, and their metrics count them.
+  void start_val_epoch() {
+    val_loader_->set_bad_sample_warnings(evaluations_++ == 0);
+    val_loader_->start_epoch(0);
+  }
+
   // Logits for a batch of NHWC images [N, H, W, C] (viewed as NCHW channels-last).
   Tensor forward(const Tensor& images) {
     return (*model_)(to_device(images, module_device(*model_)).permute({0, 3, 1, 2}));
@@ -216,11 +226,17 @@ class ImageBatches final : public BatchSource {
   const int64_t micro_batch_;
   int64_t position_ = 0, end_ = 0;  // without reading batches: this epoch's positions
   int64_t eval_left_ = 0;           // pipelined evaluation: batches still to come
+  int64_t evaluations_ = 0;         // validation epochs started
 };
 
 ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch,
                            DataAccess access)
     : image_size_(r.data.image_size), channels_(r.model.in_channels), micro_batch_(micro_batch) {
+  if (r.data.image_size < data::kMinImageSide)
+    throw Error(cat(r.source, ": data.image_size ", r.data.image_size,
+                    " is too small: the model would see images of ", r.data.image_size, "x",
+                    r.data.image_size, " pixels; expected at least ", data::kMinImageSide,
+                    " (Fashion-MNIST's images are 28x28, the ImageNet recipes crop 224)"));
   if (access == DataAccess::assume_if_missing && !data_on_disk(r)) {
     AssumedSize a = assumed_size(r);
     train_set_ =
@@ -233,10 +249,13 @@ ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t mi
                    "and channel counts are checked against the real data when training starts\n");
   } else if (r.data.name == "fashion_mnist") {
     const std::string dir = fashion_mnist_dir(r);
-    train_set_ =
+    auto train =
         std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::train));
-    val_set_ =
+    auto val =
         std::make_unique<data::MnistDataset>(data::load_fashion_mnist(dir, data::Split::val));
+    data::check_same_image_size(*train, *val);
+    train_set_ = std::move(train);
+    val_set_ = std::move(val);
   } else if (r.data.name == "image_folder") {
     if (r.data.root.empty())
       throw Error(
@@ -288,6 +307,10 @@ ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t mi
                           .shuffle = false,
                           .exact = true};
   lo.drop_last = false;
+  // Evaluation counts what it can read: under bad_files: skip a batch of bad
+  // files only is no reason to lose the run (training stops on one: it
+  // cannot step on zero samples).
+  lo.empty_batches = true;
   val_loader_ = std::make_unique<data::Loader>(
       *val_set_,
       data::ImageTransform(transform_options(r, false, val_set_->channels()), val_set_->channels()),
@@ -298,10 +321,12 @@ EvalSums ImageBatches::evaluate_shard() {
   autograd::NoGradGuard no_grad;
   model_->eval();
   EvalSums sums;
-  val_loader_->start_epoch(0);
+  start_val_epoch();
   data::Batch batch;
   while (val_loader_->next(batch))
-    add_eval_sums(StepBatch{Tensor(), batch.labels}, {forward(batch.images)}, sums);
+    if (batch.labels.numel() > 0)
+      add_eval_sums(StepBatch{Tensor(), batch.labels}, {forward(batch.images)}, sums);
+  sums.skipped = val_loader_->stats().skipped;
   model_->train();
   return sums;
 }

@@ -49,6 +49,7 @@ class TextBatches final : public BatchSource {
   int64_t batches_per_epoch() const override {
     return train_windows_->windows_per_epoch() / micro_batch_;
   }
+  int64_t samples_per_epoch() const override { return train_windows_->windows_per_epoch(); }
   std::string epoch_text() const override {
     return cat(train_windows_->windows_per_epoch(), " training windows");
   }
@@ -77,11 +78,11 @@ class TextBatches final : public BatchSource {
                      EvalSums& sums) const override;
 
   std::optional<std::vector<NamedTensor>> stream_state() const override;
-  void load_stream_state(const std::string& dir, int64_t position) override;
   void check_vocab(const std::string& state_path,
                    const std::vector<int64_t>& symbols) const override;
 
  private:
+  void restore_stream_state(const std::string& dir, int64_t position) override;
   // Whether the LSTM LM carries its state between micro-batches
   // (data.sampling: contiguous), saved per rank with checkpoints.
   bool carries_state() const {
@@ -318,7 +319,7 @@ std::optional<std::vector<NamedTensor>> TextBatches::stream_state() const {
   return state;
 }
 
-void TextBatches::load_stream_state(const std::string& dir, int64_t position) {
+void TextBatches::restore_stream_state(const std::string& dir, int64_t position) {
   if (!carries_state()) return;
   const std::string path = stream_state_file(dir, layout_.rank);
   std::map<std::string, Tensor> saved = read_stream_state(dir, layout_.rank);
