@@ -3,6 +3,7 @@
 // without one, model parts written by several ranks), and the step
 // executor's one-stage schedule against the gradient-accumulation loop it
 // replaced, bit for bit.
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -132,6 +133,99 @@ TEST_CASE(
              Catch::Contains("metadata 'tp' = '2 2' is not the tensor-parallel layout"));
 }
 
+TEST_CASE("checkpoint: ZeRO-1 shard files must be those of the ranks that wrote them",
+          "[checkpoint]") {
+  // dp 2: w [4] as w.exp_avg[0:2] on rank 0, w.exp_avg[2:4] on rank 1.
+  fs::path dir = fresh_temp_dir("ckpt_zero_files");
+  const std::map<std::string, Shape> shapes = {{"w", {4}}};
+  const std::string dir_name = dir.string();
+  auto shard = [&](int rank) { return optimizer_file(dir_name, true, rank); };
+  auto write_shard = [&](int rank, int64_t begin, int64_t end) {
+    std::vector<float> v;
+    for (int64_t i = begin; i < end; ++i) v.push_back(float(i));
+    write_safetensors(shard(rank), {{cat("w.exp_avg[", begin, ":", end, "]"), from_vector(v)}});
+  };
+  write_shard(0, 0, 2);
+  write_shard(1, 2, 4);
+  CHECK(read_sharded_optimizer_whole(dir_name, shapes).at("w.exp_avg").to_vector<float>() ==
+        std::vector<float>{0, 1, 2, 3});
+
+  // Two shards holding the same elements: both files and the range named,
+  // not taken for a missing file (the hint it used to get).
+  write_shard(2, 1, 3);
+  std::string overlap = error_of([&] { read_sharded_optimizer_whole(dir_name, shapes); });
+  CHECK_THAT(overlap, Catch::Contains(shard(2) +
+                                      ": entry 'w.exp_avg[1:3]' holds elements [1, 2) "
+                                      "of 'w.exp_avg', which entry 'w.exp_avg[0:2]' "
+                                      "of " +
+                                      shard(0) + " holds too") &&
+                          Catch::Contains("a shard file is extra"));
+  CHECK(overlap.find("missing") == std::string::npos);
+  fs::remove(shard(2));
+  // A hole: the range no shard holds.
+  write_shard(1, 3, 4);
+  CHECK_THAT(error_of([&] { read_sharded_optimizer_whole(dir_name, shapes); }),
+             Catch::Contains(dir_name + ": the ZeRO-1 shards of 'w.exp_avg' cover 3 of 4 "
+                                        "elements: [2, 3) is in none; is a rank's optimizer file "
+                                        "missing?"));
+  write_shard(1, 2, 4);
+
+  // With the trainer state of 2 ranks: a third rank's file, even one that
+  // fits (it used to be ignored on the same layout), and a missing one.
+  TrainerStateFile state;
+  state.state.layout = layout_of(2, 1, 1, true);
+  write_trainer_state(dir_name, state);
+  CHECK_NOTHROW(read_sharded_optimizer_whole(dir_name, shapes));
+  CHECK(read_optimizer(dir_name, true, 1).size() == 1);
+  write_safetensors(shard(2), {});
+  const std::string extra = shard(2) +
+                            ": a ZeRO-1 shard of rank 2, but the checkpoint was written by 2 "
+                            "ranks (" +
+                            trainer_state_file(dir_name) +
+                            "): the file is not part of it; remove it, or use an earlier "
+                            "checkpoint";
+  CHECK_THAT(error_of([&] { read_sharded_optimizer_whole(dir_name, shapes); }),
+             Catch::Contains(extra));
+  CHECK_THAT(error_of([&] { read_optimizer(dir_name, true, 0); }), Catch::Contains(extra));
+  fs::remove(shard(2));
+  fs::rename(shard(1), dir / "elsewhere");
+  const std::string missing = shard(1) + ": missing: each of the 2 ranks that wrote the checkpoint";
+  CHECK_THAT(error_of([&] { read_sharded_optimizer_whole(dir_name, shapes); }),
+             Catch::Contains(missing));
+  CHECK_THAT(error_of([&] { read_optimizer(dir_name, true, 0); }), Catch::Contains(missing));
+  fs::rename(dir / "elsewhere", shard(1));
+  // A shard file's name without a rank number is not taken for one.
+  write_shard(0, 0, 2);
+  fs::copy_file(shard(0), dir / "optimizer.rank01.safetensors");
+  CHECK_THAT(error_of([&] { read_sharded_optimizer_whole(dir_name, shapes); }),
+             Catch::Contains("optimizer.rank01.safetensors: not the name of a rank's ZeRO-1 "
+                             "shard"));
+}
+
+TEST_CASE("checkpoint: readers name the part holding a non-finite tensor when asked",
+          "[checkpoint]") {
+  fs::path dir = fresh_temp_dir("ckpt_nonfinite_parts");
+  Tensor good = from_vector<float>({1, 2, 3, 4}), bad = from_vector<float>({1, 2, 3, INFINITY});
+  // Pipeline stages' parts: "a" and its state in the first, "b" in the second.
+  for (int stage = 0; stage < 2; ++stage) {
+    const std::string name = stage == 0 ? "a" : "b";
+    const Tensor& value = stage == 0 ? good : bad;
+    CheckpointPart part;
+    part.model = {{name, value}};
+    part.model_part = part.optimizer_part = stage;
+    part.model_parts = part.optimizer_parts = 2;
+    part.optimizer = std::vector<NamedTensor>{{name + ".momentum_buffer", value}};
+    write_checkpoint_part(dir.string(), stage, part);
+  }
+  CHECK(read_model(dir.string()).size() == 2);  // the default: loaded as it is
+  CHECK_THAT(error_of([&] { read_model(dir.string(), {.refuse_non_finite = true}); }),
+             Catch::Contains(model_part_file(dir.string(), 1, 2) +
+                             ": tensor 'b' holds inf at element 3 (a non-finite value)"));
+  CHECK_THAT(error_of([&] { read_optimizer(dir.string(), false, 0, {.refuse_non_finite = true}); }),
+             Catch::Contains(optimizer_part_file(dir.string(), 1, 2) +
+                             ": tensor 'b.momentum_buffer' holds inf"));
+}
+
 TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full layout",
           "[checkpoint]") {
   fs::path dir = fresh_temp_dir("ckpt_state");
@@ -184,6 +278,37 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
   write_file_atomic(trainer_state_file(dir.string()), j.dump());
   CHECK_THAT(error_of([&] { read_trainer_state(dir.string()); }),
              Catch::Contains("trainer_state.json: missing or wrong field"));
+}
+
+TEST_CASE("checkpoint: trainer_state.json with a key given twice is refused, naming it",
+          "[checkpoint]") {
+  // nlohmann::json keeps the last of two values: the file is damaged, and
+  // which value was meant is not known.
+  auto error_for = [](const std::string& text) {
+    return error_of([&] { parse_trainer_state(text, "s/trainer_state.json"); });
+  };
+  const std::string fields =
+      R"("epoch": 0, "position": 0, "best_metric": -1, "nonfinite_skipped": 0)";
+  CHECK_NOTHROW(parse_trainer_state(cat(R"({"step": 3, )", fields, "}"), "x"));
+  CHECK_THAT(error_for(cat(R"({"step": 3, "step": 5, )", fields, "}")),
+             Catch::Contains("s/trainer_state.json: key 'step' is given twice; the file is "
+                             "damaged: use an earlier checkpoint"));
+  CHECK_THAT(error_for(cat(R"({"step": 3, )", fields,
+                           R"(, "parallel": {"world_size": 1, "zero1": false, "zero1": true}})")),
+             Catch::Contains("key 'zero1' is given twice in 'parallel'"));
+  CHECK_THAT(error_for(cat(R"({"step": 3, )", fields,
+                           R"(, "link_models": [{"ranks": [0]}, {"ranks": [0], "ranks": [1]}]})")),
+             Catch::Contains("key 'ranks' is given twice in 'link_models[1]'"));
+  // The same key in two objects is fine.
+  CHECK_NOTHROW(parse_trainer_state(
+      cat(R"({"step": 3, )", fields,
+          R"(, "link_models": [{"ranks": [0], "alpha_s": 0, "beta_s_per_byte": 0,)"
+          R"( "gamma_s_per_byte": 0}, {"ranks": [0], "alpha_s": 0, "beta_s_per_byte": 0,)"
+          R"( "gamma_s_per_byte": 0}]})"),
+      "x"));
+  // What follows a NUL byte was never read.
+  CHECK_THAT(error_for(cat(R"({"step": 3, )", fields, "}", std::string(1, '\0'), "{}")),
+             Catch::Contains("s/trainer_state.json: 3 bytes after the JSON value"));
 }
 
 TEST_CASE("checkpoint: resharding says what a resume changes of the layout", "[checkpoint]") {

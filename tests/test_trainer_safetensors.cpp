@@ -127,3 +127,65 @@ TEST_CASE("safetensors: hostile headers are rejected", "[checkpoint]") {
   std::string huge(8, '\xff');
   rejects(huge, "exceeds");
 }
+
+TEST_CASE("safetensors: a key given twice or bytes after the header's JSON are refused",
+          "[checkpoint]") {
+  // The format forbids duplicate keys, and nlohmann::json keeps the last of
+  // two: a damaged or hostile file loaded with whichever came last. After
+  // the JSON object only spaces may pad the header, and nlohmann::json
+  // stops reading at a NUL byte, so anything after one was never looked at.
+  auto file_with_header = [](const std::string& header) {
+    std::string b(8, '\0');
+    uint64_t n = header.size();
+    std::memcpy(b.data(), &n, 8);
+    return b + header + std::string(8, '\0');  // two F32 or I32
+  };
+  auto error_for = [](const std::string& bytes) {
+    try {
+      parse_safetensors(bytes, "x.safetensors");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string a = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const std::string a_i32 = R"("a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]})";
+  CHECK_NOTHROW(parse_safetensors(file_with_header("{" + a + "}"), "x.safetensors"));
+  struct Case {
+    std::string header, message;
+  };
+  const std::vector<Case> cases = {
+      // A tensor twice on the same bytes: the data is covered either way.
+      {"{" + a + "," + a_i32 + "}", "header: key 'a' is given twice"},
+      {R"({"a":{"dtype":"F32","dtype":"I32","shape":[2],"data_offsets":[0,8]}})",
+       "header: key 'dtype' is given twice in 'a'"},
+      {R"({"a":{"dtype":"F32","shape":[2],"shape":[1,2],"data_offsets":[0,8]}})",
+       "header: key 'shape' is given twice in 'a'"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4],"data_offsets":[0,8]}})",
+       "header: key 'data_offsets' is given twice in 'a'"},
+      {R"({"__metadata__":{"step":"1"},"__metadata__":{"step":"2"},)" + a + "}",
+       "header: key '__metadata__' is given twice"},
+      {R"({"__metadata__":{"step":"1","step":"2"},)" + a + "}",
+       "header: key 'step' is given twice in '__metadata__'"},
+      {"{" + a + "}" + std::string(1, '\0') + "junk",
+       "header: 5 bytes after the JSON value, from byte 54 (a NUL byte)"},
+      {"{" + a + "}    " + std::string(3, '\0'), "header: 3 bytes after the JSON value"},
+      {"{" + a + "} x", "header: not valid JSON"},
+      {" {" + a + "}", "header is not a JSON object (it must begin with '{')"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.header);
+    CHECK_THAT(error_for(file_with_header(c.header)),
+               Catch::Contains("x.safetensors: not a valid safetensors file: " + c.message) &&
+                   Catch::Contains("use an earlier checkpoint"));
+  }
+  // Spaces (and JSON's other whitespace) after the object pad the header:
+  // the reference writer pads it to a multiple of 8 bytes.
+  for (const std::string& padding : {std::string("   "), std::string(" \n\t\r ")}) {
+    SafetensorsFile f = parse_safetensors(file_with_header("{" + a + "}" + padding), "x");
+    CHECK(f.tensors.at("a").shape() == Shape{2});
+  }
+  // The same key in two objects is no duplicate.
+  CHECK_NOTHROW(parse_safetensors(file_with_header(R"({"__metadata__":{"dtype":"x"},)" + a + "}"),
+                                  "x.safetensors"));
+}

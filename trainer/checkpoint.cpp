@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -292,12 +293,10 @@ TrainerStateFile read_trainer_state(const std::string& dir) {
 }
 
 TrainerStateFile parse_trainer_state(const std::string& text, const std::string& path) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    throw Error(cat(path, ": not valid JSON (", e.what(), "); use an earlier checkpoint"));
-  }
+  // A key given twice is refused: which of the two values holds is not known.
+  const json j = parse_strict_json(text, [&](const std::string& problem) {
+    throw Error(cat(path, ": ", problem, "; the file is damaged: use an earlier checkpoint"));
+  });
   if (!j.is_object())
     throw Error(
         cat(path, ": not a JSON object but ", j.type_name(), "; use an earlier checkpoint"));
@@ -378,6 +377,45 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
   return out;
 }
 
+// ---- non-finite values ----
+
+namespace {
+
+// The first NaN or Inf of a floating-point tensor (CPU, as loaded) and its
+// index, or -1.
+std::pair<int64_t, double> first_non_finite(const Tensor& t) {
+  if (!is_floating(t.dtype()) || t.numel() == 0) return {-1, 0};
+  auto scan = [](const auto* x, int64_t n) -> std::pair<int64_t, double> {
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(double(x[i]))) return {i, double(x[i])};
+    return {-1, 0};
+  };
+  if (t.dtype() == DType::f32) return scan(t.contiguous().data<float>(), t.numel());
+  return scan(t.to(DType::f64).contiguous().data<double>(), t.numel());
+}
+
+// A file's tensors, checked as the options ask.
+std::map<std::string, Tensor> read_tensors(const std::string& path,
+                                           const CheckpointReadOptions& options) {
+  std::map<std::string, Tensor> tensors = read_safetensors(path).tensors;
+  if (options.refuse_non_finite) require_finite(tensors, path);
+  return tensors;
+}
+
+}  // namespace
+
+void require_finite(const std::map<std::string, Tensor>& tensors, const std::string& file) {
+  for (const auto& [name, t] : tensors) {
+    const auto [index, value] = first_non_finite(t);
+    if (index < 0) continue;
+    throw Error(cat(file, ": tensor '", name, "' holds ", value, " at element ", index,
+                    " (a non-finite value): the file is poisoned. Use an earlier checkpoint, or "
+                    "set training.allow_non_finite=true to load it anyway"));
+  }
+}
+
+// ---- ZeRO-1 shards ----
+
 namespace {
 
 // A shard file's tensor-parallel metadata (CheckpointPart::optimizer_metadata).
@@ -409,40 +447,121 @@ ShardFileTp shard_file_tp(const std::map<std::string, std::string>& metadata,
   return tp;
 }
 
-}  // namespace
+// optimizer.rank<r>.safetensors -> r; -1 for another name, -2 for an
+// optimizer.rank<...>.safetensors whose <...> is no rank number.
+int shard_file_rank(const std::string& name) {
+  const std::string prefix = "optimizer.rank", suffix = ".safetensors";
+  if (name.size() <= prefix.size() + suffix.size() || !name.starts_with(prefix) ||
+      !name.ends_with(suffix))
+    return -1;
+  const std::string digits =
+      name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  const bool number =
+      digits.size() <= 7 && (digits.size() == 1 || digits[0] != '0') &&
+      std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+  return number ? std::stoi(digits) : -2;
+}
 
-std::map<std::string, Tensor> read_sharded_optimizer_whole(
-    const std::string& dir, const std::map<std::string, Shape>& shapes) {
-  // Per entry, the flat tensor of each tensor-parallel part (one, size 1,
-  // unless the parameter was split), and the elements each part received.
-  struct Joined {
-    ParameterSplit split;  // size 1: not split
-    std::vector<Tensor> parts;
-    std::vector<int64_t> covered;
-    Tensor step;  // a step count: the same in every shard
-  };
-  std::map<std::string, Joined> joined;
-  int files = 0;
+// The ZeRO-1 shard files of a checkpoint, by rank. When its
+// trainer_state.json records the layout that wrote it, they are exactly one
+// per rank of that world: a file of a rank beyond it (left by another run,
+// or copied in) would be joined into the state or silently ignored, and a
+// missing one leaves a hole; either is an Error naming the file.
+std::map<int, std::string> shard_files(const std::string& dir) {
   std::vector<fs::path> paths;
   checked_fs(dir, [&] {
     for (const auto& e : fs::directory_iterator(dir)) paths.push_back(e.path());
   });
-  for (const fs::path& e : paths) {
-    const std::string file = e.filename().string();
-    const std::string prefix = "optimizer.rank", suffix = ".safetensors";
-    if (file.size() <= prefix.size() + suffix.size() || file.rfind(prefix, 0) != 0 ||
-        file.compare(file.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    ++files;
-    const std::string path = e.string();
+  std::map<int, std::string> files;
+  for (const fs::path& p : paths) {
+    const int rank = shard_file_rank(p.filename().string());
+    if (rank == -2)
+      throw Error(cat(p.string(), ": not the name of a rank's ZeRO-1 shard ",
+                      "(optimizer.rank<r>.safetensors); remove or rename the file"));
+    if (rank >= 0) files[rank] = p.string();
+  }
+  const std::string state = trainer_state_file(dir);
+  if (!fs::is_regular_file(status_of(state))) return files;
+  const int world = read_trainer_state(dir).state.layout.world_size();
+  for (const auto& [rank, path] : files)
+    if (rank >= world)
+      throw Error(cat(path, ": a ZeRO-1 shard of rank ", rank,
+                      ", but the checkpoint was written by ", world, " rank", world == 1 ? "" : "s",
+                      " (", state,
+                      "): the file is not part of it; remove it, or use an earlier checkpoint"));
+  for (int rank = 0; rank < world; ++rank)
+    if (!files.count(rank))
+      throw Error(cat(optimizer_file(dir, true, rank), ": missing: each of the ", world,
+                      " ranks that wrote the checkpoint (", state,
+                      ") saves its ZeRO-1 shard of the optimizer state; use an earlier "
+                      "checkpoint"));
+  return files;
+}
+
+// One shard of an entry: elements [begin, end) of its (part's) flat tensor.
+struct ShardRange {
+  int64_t begin, end;
+  std::string file, name;
+};
+
+// The shards of one entry's part must hold each element once: a range held
+// twice names both files (one is extra or damaged), a range held by none is
+// named as a missing file's.
+void check_shard_ranges(std::vector<ShardRange> ranges, int64_t numel, const std::string& dir,
+                        const std::string& what) {
+  std::sort(ranges.begin(), ranges.end(),
+            [](const ShardRange& x, const ShardRange& y) { return x.begin < y.begin; });
+  int64_t covered = 0;
+  for (const ShardRange& r : ranges) covered += r.end - r.begin;
+  auto hole = [&](int64_t begin, int64_t end) {
+    return Error(cat(dir, ": the ZeRO-1 shards of ", what, " cover ", covered, " of ", numel,
+                     " elements: [", begin, ", ", end,
+                     ") is in none; is a rank's optimizer file missing?"));
+  };
+  int64_t pos = 0;
+  const ShardRange* previous = nullptr;
+  for (const ShardRange& r : ranges) {
+    if (r.begin > pos) throw hole(pos, r.begin);
+    if (r.begin < pos)  // then previous, the range reaching furthest so far, is set
+      throw Error(cat(r.file, ": entry '", r.name, "' holds elements [", r.begin, ", ",
+                      std::min(pos, r.end), ") of ", what, ", which entry '", previous->name,
+                      "' of ", previous->file, " holds too: a shard file is extra (of another ",
+                      "checkpoint or layout) or damaged; remove it, or use an earlier checkpoint"));
+    if (r.end > pos) {
+      pos = r.end;
+      previous = &r;
+    }
+  }
+  if (pos < numel) throw hole(pos, numel);
+}
+
+}  // namespace
+
+std::map<std::string, Tensor> read_sharded_optimizer_whole(
+    const std::string& dir, const std::map<std::string, Shape>& shapes,
+    const CheckpointReadOptions& options) {
+  // Per entry, the flat tensor of each tensor-parallel part (one, size 1,
+  // unless the parameter was split), and the ranges each part received.
+  struct Joined {
+    ParameterSplit split;  // size 1: not split
+    std::vector<Tensor> parts;
+    std::vector<std::vector<ShardRange>> ranges;
+    Tensor step;  // a step count: the same in every shard
+  };
+  std::map<std::string, Joined> joined;
+  const std::map<int, std::string> files = shard_files(dir);
+  if (files.empty()) throw Error(cat(dir, ": no optimizer.rank<r>.safetensors (ZeRO-1 shards)"));
+  for (const auto& [rank, path] : files) {
     SafetensorsFile f = read_safetensors(path);
+    if (options.refuse_non_finite) require_finite(f.tensors, path);
     const ShardFileTp tp = shard_file_tp(f.metadata, path);
     for (const auto& [name, t] : f.tensors) {
       if (name.rfind("zero1.rank", 0) == 0) continue;  // the shard's layout record
       const size_t open = name.rfind('[');
       long long begin = 0, end = 0;
       if (open == std::string::npos ||
-          std::sscanf(name.c_str() + open, "[%lld:%lld]", &begin, &end) != 2 || end < begin)
+          std::sscanf(name.c_str() + open, "[%lld:%lld]", &begin, &end) != 2 || end < begin ||
+          begin < 0)
         throw Error(cat(path, ": entry '", name, "' is not a ZeRO-1 shard (<param>.<slot>[b:e])"));
       const std::string entry = name.substr(0, open);
       const size_t dot = entry.rfind('.');
@@ -474,7 +593,7 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
       if (j.parts.empty()) {
         j.split = s;
         j.parts.resize(size_t(s.size));
-        j.covered.assign(size_t(s.size), 0);
+        j.ranges.resize(size_t(s.size));
       } else if (j.split.size != s.size || j.split.dim != s.dim || j.split.parts != s.parts) {
         throw Error(cat(path, ": entry '", name, "' is split unlike the other ranks' shards of '",
                         entry, "'; use an earlier checkpoint"));
@@ -487,10 +606,9 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
       Tensor& w = j.parts[part];
       if (!w.defined()) w = zeros({numel}, t.dtype());
       w.narrow(0, begin, end - begin).copy_(t.reshape({-1}));
-      j.covered[part] += end - begin;
+      j.ranges[part].push_back({begin, end, path, name});
     }
   }
-  if (files == 0) throw Error(cat(dir, ": no optimizer.rank<r>.safetensors (ZeRO-1 shards)"));
   std::map<std::string, Tensor> whole;
   for (auto& [entry, j] : joined) {
     if (j.parts.empty()) {
@@ -502,11 +620,9 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
     if (j.split.size > 1) part_shape[size_t(j.split.dim)] /= j.split.size;
     TensorList parts;
     for (size_t r = 0; r < j.parts.size(); ++r) {
-      if (j.covered[r] != shape_numel(part_shape))
-        throw Error(cat(dir, ": the ZeRO-1 shards of '", entry, "'",
-                        j.split.size > 1 ? cat(" (tensor-parallel part ", r, ")") : "", " cover ",
-                        j.covered[r], " of ", shape_numel(part_shape),
-                        " elements; is a rank's optimizer file missing?"));
+      check_shard_ranges(
+          j.ranges[r], shape_numel(part_shape), dir,
+          cat("'", entry, "'", j.split.size > 1 ? cat(" (tensor-parallel part ", r, ")") : ""));
       parts.push_back(j.parts[r].reshape(part_shape));
     }
     whole[entry] = parts.size() == 1 ? parts[0] : unshard(parts, j.split);
@@ -530,11 +646,14 @@ void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPar
 
 namespace {
 
-// The tensors of `whole`, or of its parts <stem>-0000k-of-0000n.safetensors merged.
+// The tensors of `whole`, or of its parts <stem>-0000k-of-0000n.safetensors
+// merged; each file checked as the options ask, so an Error names the part
+// that holds the tensor.
 std::map<std::string, Tensor> read_merged(const std::string& dir, const std::string& whole,
                                           const char* stem, const char* what,
-                                          std::string (*part_file)(const std::string&, int, int)) {
-  if (fs::exists(status_of(whole))) return read_safetensors(whole).tensors;
+                                          std::string (*part_file)(const std::string&, int, int),
+                                          const CheckpointReadOptions& options) {
+  if (fs::exists(status_of(whole))) return read_tensors(whole, options);
   int parts = 0;
   const std::string pattern = cat(stem, "-%5d-of-%5d.safetensors");
   checked_fs(dir, [&] {
@@ -551,7 +670,7 @@ std::map<std::string, Tensor> read_merged(const std::string& dir, const std::str
     const std::string path = part_file(dir, part, parts);
     if (!fs::exists(status_of(path)))
       throw Error(cat(path, ": missing part of the ", what, "; use an earlier checkpoint"));
-    for (auto& [name, tensor] : read_safetensors(path).tensors)
+    for (auto& [name, tensor] : read_tensors(path, options))
       if (!merged.emplace(name, tensor).second)
         throw Error(cat(path, ": tensor '", name, "' is also in another part of the ", what));
   }
@@ -560,16 +679,26 @@ std::map<std::string, Tensor> read_merged(const std::string& dir, const std::str
 
 }  // namespace
 
-std::map<std::string, Tensor> read_model(const std::string& dir) {
-  return read_merged(dir, model_file(dir), "model", "model", model_part_file);
+std::map<std::string, Tensor> read_model(const std::string& dir,
+                                         const CheckpointReadOptions& options) {
+  return read_merged(dir, model_file(dir), "model", "model", model_part_file, options);
 }
 
-std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank) {
+std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank,
+                                        const CheckpointReadOptions& options) {
+  std::map<std::string, Tensor> tensors;
+  if (sharded) {
+    const std::map<int, std::string> files = shard_files(dir);
+    auto mine = files.find(rank);
+    if (mine == files.end())
+      throw Error(cat(optimizer_file(dir, true, rank), ": missing: rank ", rank,
+                      "'s ZeRO-1 shard of the optimizer state; use an earlier checkpoint"));
+    tensors = read_tensors(mine->second, options);
+  } else {
+    tensors = read_merged(dir, optimizer_file(dir, false, rank), "optimizer", "optimizer state",
+                          optimizer_part_file, options);
+  }
   std::vector<NamedTensor> state;
-  const std::map<std::string, Tensor> tensors =
-      sharded ? read_safetensors(optimizer_file(dir, sharded, rank)).tensors
-              : read_merged(dir, optimizer_file(dir, false, rank), "optimizer", "optimizer state",
-                            optimizer_part_file);
   for (const auto& [name, tensor] : tensors) state.push_back({name, tensor});
   return state;
 }

@@ -1,5 +1,5 @@
-// Checkpoints (DESIGN.md "Checkpoints"): the files of one checkpoint, who
-// writes each, the trainer state's JSON, and the directories they live in.
+// Checkpoints: the files of one checkpoint, who writes each, the trainer
+// state's JSON, and the directories they live in.
 //
 // Layout under the run's checkpoint dir:
 //   step_00001200/            one complete checkpoint
@@ -101,6 +101,18 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
 // "dp 2 -> 4, zero1 on -> off".
 std::string resharding(const ParallelLayout& saved, const ParallelLayout& current);
 
+// How the tensor readers below treat what they load.
+struct CheckpointReadOptions {
+  // A NaN or Inf in a floating tensor is an Error naming the tensor and the
+  // file that holds it (a part of a pipeline checkpoint, a rank's shard):
+  // weights or optimizer state poisoned by a diverged run would otherwise
+  // train on silently. Off for training.allow_non_finite (inspecting such a run).
+  bool refuse_non_finite = false;
+};
+// The check itself: Error naming `file`, the tensor, the first non-finite
+// element and its index, and what to do.
+void require_finite(const std::map<std::string, Tensor>& tensors, const std::string& file);
+
 // A ZeRO-1 checkpoint's optimizer state as whole tensors: the shards of
 // every rank's optimizer.rank<r>.safetensors ("<param>.<slot>[b:e]") joined
 // into "<param>.<slot>" of the parameter's shape (from `shapes`, by name),
@@ -108,10 +120,15 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
 // CheckpointPart), each tp rank's shards are joined into its part first and
 // the parts into the whole; a parameter every tp rank holds whole is taken
 // from tp rank 0's files. Error naming the file for a shard of an unknown
-// parameter, or when the shards leave a parameter's elements uncovered (a
-// rank's file missing).
+// parameter, for a shard whose elements another shard holds too (the
+// ranges and both files named: a file extra or damaged), and for elements
+// no shard holds (the range named: a rank's file missing). With the
+// checkpoint's trainer_state.json, the files must be those of the ranks
+// that wrote it: one per rank of its world, none beyond (Error naming the
+// file missing or extra).
 std::map<std::string, Tensor> read_sharded_optimizer_whole(
-    const std::string& dir, const std::map<std::string, Shape>& shapes);
+    const std::string& dir, const std::map<std::string, Shape>& shapes,
+    const CheckpointReadOptions& options = {});
 
 // One rank's tensors of a checkpoint.
 struct CheckpointPart {
@@ -136,10 +153,14 @@ struct CheckpointPart {
 void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPart& part);
 // The logical model of a checkpoint: model.safetensors, or every part file
 // merged (Error naming the file for a missing part or a tensor in two).
-std::map<std::string, Tensor> read_model(const std::string& dir);
+std::map<std::string, Tensor> read_model(const std::string& dir,
+                                         const CheckpointReadOptions& options = {});
 // A rank's optimizer state or stream state (Error naming a missing file).
-// Not sharded: optimizer.safetensors, or every part file merged.
-std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank);
+// Not sharded: optimizer.safetensors, or every part file merged. Sharded:
+// the rank's optimizer.rank<r>.safetensors, the checkpoint's shard files
+// checked against its world as read_sharded_optimizer_whole does.
+std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank,
+                                        const CheckpointReadOptions& options = {});
 std::map<std::string, Tensor> read_stream_state(const std::string& dir, int rank);
 
 class CheckpointDir {

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 
 #include "data/files.h"
 
@@ -47,6 +49,75 @@ bool parse_dtype(const std::string& s, DType* out) {
           ". The file may be truncated or corrupt; use an earlier checkpoint or re-export it"));
 }
 
+// Finds the first key given twice in one object of a JSON text, with the
+// keys that lead to its object, as SAX events: no tree is built, and each
+// object's keys are held only while it is open.
+class DuplicateKeyFinder : public nlohmann::json_sax<json> {
+ public:
+  // "key 'dtype' is given twice in 'fc.weight'", or nothing.
+  const std::optional<std::string>& found() const { return found_; }
+
+  bool null() override { return element(); }
+  bool boolean(bool) override { return element(); }
+  bool number_integer(number_integer_t) override { return element(); }
+  bool number_unsigned(number_unsigned_t) override { return element(); }
+  bool number_float(number_float_t, const string_t&) override { return element(); }
+  bool string(string_t&) override { return element(); }
+  bool binary(binary_t&) override { return element(); }
+  bool start_object(std::size_t) override { return begin(true); }
+  bool key(string_t& name) override {
+    Open& object = open_.back();
+    if (!object.keys.insert(name).second) {
+      found_ = cat("key '", name, "' is given twice",
+                   open_.size() > 1 ? cat(" in '", where(), "'") : std::string());
+      return false;  // stops the parse
+    }
+    object.last_key = name;
+    return true;
+  }
+  bool end_object() override {
+    open_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return begin(false); }
+  bool end_array() override {
+    open_.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const json::exception&) override {
+    return false;
+  }
+
+ private:
+  struct Open {  // an object or array being read
+    bool object = false;
+    std::set<std::string> keys;  // an object's keys so far
+    std::string last_key;
+    int64_t elements = 0;  // an array's elements begun so far
+  };
+  bool element() {
+    if (!open_.empty() && !open_.back().object) ++open_.back().elements;
+    return true;
+  }
+  bool begin(bool object) {
+    element();
+    open_.emplace_back();
+    open_.back().object = object;
+    return true;
+  }
+  // The innermost object's place: "parallel", "link_models[1]", "fc.weight".
+  std::string where() const {
+    std::string out;
+    for (size_t i = 0; i + 1 < open_.size(); ++i)
+      out += open_[i].object ? cat(out.empty() ? "" : ".", open_[i].last_key)
+                             : cat("[", open_[i].elements - 1, "]");
+    return out;
+  }
+
+  std::vector<Open> open_;
+  std::optional<std::string> found_;
+};
+
 void fsync_dir(const std::string& dir) {
   int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (fd >= 0) {
@@ -73,15 +144,22 @@ void write_file_atomic(const std::string& path, const std::vector<std::string_vi
         if (errno == EINTR) continue;
         int e = errno;
         ::close(fd);
+        ::unlink(tmp.c_str());  // a failed write leaves nothing behind
         throw Error(cat("cannot write ", tmp, ": ", std::strerror(e)));
       }
       done += size_t(n);
     }
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0)
-    throw Error(cat("cannot flush ", tmp, ": ", std::strerror(errno)));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw Error(cat("cannot rename ", tmp, " to ", path, ": ", std::strerror(errno)));
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw Error(cat("cannot flush ", tmp, ": ", std::strerror(e)));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw Error(cat("cannot rename ", tmp, " to ", path, ": ", std::strerror(e)));
+  }
   fsync_dir(std::filesystem::path(path).parent_path().string());
 }
 
@@ -127,13 +205,13 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
   if (n > kSafetensorsMaxHeader) bad(name, cat("header length ", n, " exceeds the limit"));
   if (n > bytes.size() - 8)
     bad(name, cat("header length ", n, " exceeds the ", bytes.size() - 8, " bytes that follow"));
-  json header;
-  try {
-    header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + int64_t(n));
-  } catch (const json::exception& e) {
-    bad(name, cat("header is not valid JSON (", e.what(), ")"));
-  }
-  if (!header.is_object()) bad(name, "header is not a JSON object");
+  // The format's header begins with '{' and may be padded with spaces after
+  // the object (the reference writer pads to 8 bytes).
+  const std::string_view text(bytes.data() + 8, n);
+  if (text.empty() || text[0] != '{')
+    bad(name, "header is not a JSON object (it must begin with '{')");
+  json header = parse_strict_json(
+      text, [&](const std::string& problem) { bad(name, cat("header: ", problem)); });
 
   const uint64_t data_start = 8 + n;
   const uint64_t data_size = bytes.size() - data_start;
@@ -207,6 +285,29 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
     file.tensors.emplace(s.name, std::move(t));
   }
   return file;
+}
+
+nlohmann::json parse_strict_json(std::string_view text,
+                                 const std::function<void(const std::string&)>& refuse) {
+  auto fail = [&](const std::string& problem) {
+    refuse(problem);
+    CHECK(false) << "parse_strict_json: refuse() returned for: " << problem;
+  };
+  json value;
+  try {
+    value = json::parse(text.begin(), text.end());
+  } catch (const json::exception& e) {
+    fail(cat("not valid JSON (", e.what(), ")"));
+  }
+  // JSON text holds no NUL byte (in a string it is escaped as \u0000): the
+  // parser took it for the end of the input and ignored what follows.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos)
+    fail(cat(text.size() - nul, " bytes after the JSON value, from byte ", nul,
+             " (a NUL byte); only spaces may follow it"));
+  DuplicateKeyFinder finder;
+  json::sax_parse(text.begin(), text.end(), &finder);
+  if (finder.found()) fail(*finder.found());
+  return value;
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {

@@ -5,17 +5,21 @@
 // then the raw little-endian tensor bytes, offsets relative to the data start.
 //
 // Loading validates everything before touching tensor memory: the header
-// length against the file size and a cap, the JSON, each dtype, shape and
-// offset pair (size = numel x element size, inside the data, no overlaps,
-// no gaps), so a truncated, corrupt or hostile file is a trainer::Error that
-// names the file and the entry, never a crash.
+// length against the file size and a cap, the JSON (it begins with '{',
+// only whitespace follows the object, no key is given twice: the format
+// forbids duplicate keys), each dtype, shape and offset pair (size = numel x
+// element size, inside the data, no overlaps, no gaps), so a truncated,
+// corrupt or hostile file is a trainer::Error that names the file and the
+// entry, never a crash.
 //
 //   write_safetensors("model.safetensors", {{"fc.weight", w}}, {{"step", "100"}});
 //   SafetensorsFile f = read_safetensors("model.safetensors");
 //   Tensor w = f.tensors.at("fc.weight");
 #pragma once
 
+#include <functional>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -50,5 +54,14 @@ void write_file_atomic(const std::string& path, const std::vector<std::string_vi
 // The whole regular file (data/files.h: FIFOs, devices and directories are
 // refused before reading); `what` names it in errors ("the trainer state").
 std::string read_file(const std::string& path, const std::string& what = "the file");
+
+// JSON text parsed as nlohmann::json::parse does, refusing two flaws it lets
+// through: bytes after the value (it stops reading at a NUL byte) and a key
+// given twice in one object (it keeps the last value silently, so a damaged
+// file would load with whichever copy came last). `refuse` receives what is
+// wrong, ready to follow the file's name ("key 'dtype' is given twice in
+// 'fc.weight'"), and must throw. Also the trainer state's reader.
+nlohmann::json parse_strict_json(std::string_view text,
+                                 const std::function<void(const std::string&)>& refuse);
 
 }  // namespace trainer
