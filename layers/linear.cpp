@@ -145,6 +145,14 @@ void Linear::shard(std::shared_ptr<TensorParallelGroup> g, LinearSplit split, in
   split_ = split;
 }
 
+void Linear::pad_outputs(int64_t features) {
+  CHECK(split_ == LinearSplit::none) << "Linear::pad_outputs after shard";
+  if (features == weight.size(0)) return;
+  autograd::NoGradGuard no_grad;
+  weight = replace_parameter("weight", zero_padded_rows(weight.detach(), features));
+  if (bias.defined()) bias = replace_parameter("bias", zero_padded_rows(bias.detach(), features));
+}
+
 void Linear::share_sharded_weight(std::shared_ptr<TensorParallelGroup> g, Tensor w,
                                   const ParameterSplit& split) {
   CHECK(split_ == LinearSplit::none && !bias.defined() && split.dim == 0)

@@ -44,6 +44,10 @@ class Linear : public Module {
   // over the vocabulary-parallel token embedding), recorded as split like it.
   void share_sharded_weight(std::shared_ptr<TensorParallelGroup> g, Tensor weight,
                             const ParameterSplit& split);
+  // Zero output features appended up to `features` (rows of weight and
+  // bias; before shard, so they divide by the group): an LM head over a
+  // padded vocabulary.
+  void pad_outputs(int64_t features);
   LinearSplit split() const { return split_; }
 
   Tensor weight, bias;  // [out, in], [out] (undefined without bias)

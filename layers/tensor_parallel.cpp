@@ -132,13 +132,15 @@ struct SplitSequence {
   static Tensor backward(const Tensor& grad, TensorParallelGroup& g) { return gather_seq(grad, g); }
 };
 
-// Per row n of logits [N, Vl] (this rank's columns [v0, v0 + Vl) of V):
+// Per row n of logits [N, Vl] (this rank's columns [v0, v0 + Vl) of V; of
+// them the first Vv, those below the vocabulary's end, count):
 //   m = max_j x (over the group), s = sum_j exp(x - m), t = x[target] (on
 //   the rank holding it, else 0), u = sum_j x (label smoothing only), the
 //   last three summed over the group in one allreduce; then
 //   loss = (1 - eps)(log s + m - t) + eps (log s + m - u / V).
 // Backward: grad_x = w (exp(x - lse) - (1 - eps) [j == target] - eps / V),
-// w the row's weight (g / rows counted for mean, 0 for an ignored row).
+// w the row's weight (g / rows counted for mean, 0 for an ignored row); 0
+// for the padding columns j >= Vv.
 struct VocabParallelCrossEntropyFn {
   struct Saved {
     Tensor logits, targets, lse;  // lse [N] f64
@@ -148,11 +150,19 @@ struct VocabParallelCrossEntropyFn {
   };
   static constexpr const char* name = "vocab_parallel_cross_entropy";
 
+  // The columns of this rank's Vl that are vocabulary (the rest padding).
+  static int64_t counted_columns(int64_t vocab_start, int64_t Vl, int64_t vocab) {
+    return std::clamp<int64_t>(vocab - vocab_start, 0, Vl);
+  }
+
   static Tensor forward(Saved& s, const Tensor& logits_in, const Tensor& targets_in,
-                        int64_t vocab_start, TensorParallelGroup* g, const CrossEntropyOptions& o) {
+                        int64_t vocab_start, TensorParallelGroup* g, const CrossEntropyOptions& o,
+                        int64_t vocab) {
     Tensor logits = logits_in.contiguous();
     Tensor targets = targets_in.contiguous();
     const int64_t N = logits.size(0), Vl = logits.size(1);
+    const int64_t V = vocab > 0 ? vocab : Vl * g->size();
+    const int64_t Vv = counted_columns(vocab_start, Vl, V);
     const int64_t* tgt = targets.data<int64_t>();
     Tensor maxima = empty({N}, DType::f64);
     Tensor sums = zeros({3, N}, DType::f64);  // s, t, u
@@ -164,7 +174,7 @@ struct VocabParallelCrossEntropyFn {
       cpu::parallel_for(N, 16, [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; ++n) {
           double best = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j < Vl; ++j) best = std::max(best, double(x[n * Vl + j]));
+          for (int64_t j = 0; j < Vv; ++j) best = std::max(best, double(x[n * Vl + j]));
           m[n] = best;
         }
       });
@@ -174,19 +184,18 @@ struct VocabParallelCrossEntropyFn {
         for (int64_t n = n0; n < n1; ++n) {
           const T* row = x + n * Vl;
           double sum_exp = 0, sum_x = 0;
-          for (int64_t j = 0; j < Vl; ++j) {
+          for (int64_t j = 0; j < Vv; ++j) {
             sum_exp += std::exp(double(row[j]) - m[n]);
             sum_x += double(row[j]);
           }
           const int64_t local = tgt[n] - vocab_start;
           st[n] = sum_exp;
-          st[N + n] = local >= 0 && local < Vl ? double(row[local]) : 0.0;
+          st[N + n] = local >= 0 && local < Vv ? double(row[local]) : 0.0;
           st[2 * N + n] = sum_x;
         }
       });
     });
     g->allreduce(sums);
-    const int64_t V = Vl * g->size();
     const double eps = o.label_smoothing;
     const double* st = sums.data<double>();
     double* l = lse.data<double>();
@@ -230,6 +239,7 @@ struct VocabParallelCrossEntropyFn {
     }
     Tensor gx = empty(x_t.shape(), x_t.dtype());
     const double eps = s.options.label_smoothing, uniform = eps / double(s.vocab);
+    const int64_t Vv = counted_columns(s.vocab_start, Vl, s.vocab);
     const double* lse = s.lse.data<double>();
     dispatch_f32_f64(x_t.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
@@ -239,11 +249,12 @@ struct VocabParallelCrossEntropyFn {
         for (int64_t n = n0; n < n1; ++n) {
           const double wn = w[size_t(n)];
           const int64_t local = tgt[n] - s.vocab_start;
-          for (int64_t j = 0; j < Vl; ++j) {
+          for (int64_t j = 0; j < Vv; ++j) {
             double p = std::exp(double(x[n * Vl + j]) - lse[n]) - uniform;
             if (j == local) p -= 1 - eps;
             out[n * Vl + j] = T(wn * p);
           }
+          for (int64_t j = Vv; j < Vl; ++j) out[n * Vl + j] = T(0);
         }
       });
     });
@@ -279,12 +290,12 @@ Tensor split_sequence(const Tensor& x, TensorParallelGroup& g) {
 
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     int64_t vocab_start, TensorParallelGroup& g,
-                                    const CrossEntropyOptions& options) {
+                                    const CrossEntropyOptions& options, int64_t vocab) {
   if (!logits.device().is_cpu())
     // Reduced in host memory (its [N, V / tp] logits and their gradient
     // cross once each way per step), the result back on the device.
     return vocab_parallel_cross_entropy(logits.to(Device{}), targets.to(Device{}), vocab_start, g,
-                                        options)
+                                        options, vocab)
         .to(logits.device());
   CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
         targets.dtype() == DType::i64)
@@ -292,8 +303,11 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
       << targets.shape_str() << " " << targets.dtype();
   // Low-precision logits (autocast) are reduced in f32, as cross_entropy does.
   const bool lowp = logits.dtype() == DType::bf16 || logits.dtype() == DType::f16;
+  CHECK(vocab >= 0 && vocab <= logits.size(1) * g.size())
+      << "vocab_parallel_cross_entropy: a vocabulary of " << vocab << " in " << logits.size(1)
+      << " x " << g.size() << " columns";
   return autograd::apply<VocabParallelCrossEntropyFn>(
-      lowp ? logits.to(DType::f32) : logits, targets.to(Device{}), vocab_start, &g, options);
+      lowp ? logits.to(DType::f32) : logits, targets.to(Device{}), vocab_start, &g, options, vocab);
 }
 
 Tensor vocab_parallel_lookup(const Tensor& weight, const Tensor& indices, int64_t vocab_start) {
@@ -329,6 +343,22 @@ Shape full_shape(const Shape& shard, const ParameterSplit& split) {
   Shape full = shard;
   if (split.kind == ParameterSplit::Kind::sharded) full[size_t(split.dim)] *= split.size;
   return full;
+}
+
+Tensor zero_padded_rows(const Tensor& t, int64_t rows) {
+  CHECK(t.dim() >= 1 && rows >= t.size(0))
+      << "zero_padded_rows: " << t.shape_str() << " to " << rows << " rows";
+  Shape shape = t.shape();
+  shape[0] = rows;
+  if (is_deferred(t))
+    return deferred_tensor(shape, t.dtype(), t.device(), [t](const Tensor& out) {
+      Tensor whole = out;
+      whole.copy_(zero_padded_rows(value_of(t), whole.size(0)));
+    });
+  autograd::NoGradGuard no_grad;
+  Tensor out = zeros(shape, t.dtype(), t.device());
+  out.narrow(0, 0, t.size(0)).copy_(t);
+  return out;
 }
 
 Tensor shard_of(const Tensor& full, const ParameterSplit& split) {

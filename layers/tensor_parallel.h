@@ -83,9 +83,13 @@ Tensor split_sequence(const Tensor& x, TensorParallelGroup& g);
 // without gathering: the row maxima, sums of exponentials, target logits
 // (and with label smoothing the row sums) are reduced over the group. Every
 // rank gets the same loss; the gradient is this rank's [N, V / n] part.
+// vocab > 0: only entries [0, vocab) are the vocabulary, the columns past it
+// padding (a table padded to a multiple of n): they are left out of the
+// softmax, as cross_entropy over the gathered [N, vocab] would, and get a
+// zero gradient.
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     int64_t vocab_start, TensorParallelGroup& g,
-                                    const CrossEntropyOptions& options = {});
+                                    const CrossEntropyOptions& options = {}, int64_t vocab = 0);
 // The rows [vocab_start, vocab_start + weight.size(0)) of an embedding table
 // this rank holds, looked up for global indices [...] -> [..., D]; indices
 // outside the range give zeros, so the sum over the group (reduce_from_region
@@ -103,5 +107,9 @@ Tensor shard_of(const Tensor& full, const ParameterSplit& split);
 Tensor unshard(const TensorList& parts, const ParameterSplit& split);
 // The shape of the whole tensor of a shard.
 Shape full_shape(const Shape& shard, const ParameterSplit& split);
+// t [R, ...] followed by zero rows up to [rows, ...] (rows >= R), so a
+// vocabulary that does not divide by the group splits (a copy; a deferred t
+// gives a deferred result, made when it is materialised).
+Tensor zero_padded_rows(const Tensor& t, int64_t rows);
 
 }  // namespace trainer

@@ -30,6 +30,13 @@ void Embedding::shard_vocab(std::shared_ptr<TensorParallelGroup> g) {
   group_ = std::move(g);
 }
 
+void Embedding::pad_rows(int64_t rows) {
+  CHECK(!group_) << "Embedding::pad_rows after shard_vocab";
+  if (rows == weight.size(0)) return;
+  autograd::NoGradGuard no_grad;
+  weight = replace_parameter("weight", zero_padded_rows(weight.detach(), rows));
+}
+
 void Embedding::mark_sequence_parallel(const TensorParallelGroup& g) {
   weight = replace_parameter(
       "weight", weight,

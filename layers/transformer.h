@@ -47,6 +47,9 @@ class Embedding : public Module {
   // looks up the indices this rank holds and sums the lookups over g (under
   // sequence parallelism reduce-scattered along dim 1 of [B, T] indices).
   void shard_vocab(std::shared_ptr<TensorParallelGroup> g);
+  // Zero rows appended up to `rows` (before shard_vocab, so the table
+  // divides by the group): indices never pick them.
+  void pad_rows(int64_t rows);
   // Sequence parallelism on a replicated table (positions): each rank looks
   // up its part of the sequence, so its gradient is a share the group adds up.
   void mark_sequence_parallel(const TensorParallelGroup& g);

@@ -18,9 +18,29 @@ void init_linear(Linear& l, double std, Generator& gen) {
   if (l.bias.defined()) l.bias.detach().fill_(0.0);
 }
 
+// A vocabulary of `vocab` rows as a split over tp ranks holds it.
+int64_t padded_vocab(int64_t vocab, int64_t tp) { return (vocab + tp - 1) / tp * tp; }
+
+// Fits tensor `name` of a loaded checkpoint, and its optimizer state
+// ("<name>.<slot>", whole tensors), to `rows` rows of which the first
+// `vocab` are the vocabulary: the rows past it that the writer padded
+// (zero) are dropped and zero rows added up to `rows`. Anything else is
+// left for the loader to report.
+void fit_vocab_rows(std::map<std::string, Tensor>& tensors, const std::string& name, int64_t vocab,
+                    int64_t rows) {
+  for (auto& [key, t] : tensors) {
+    const bool entry = key == name || (key.starts_with(name + ".") &&
+                                       key.find('[') == std::string::npos);  // not a ZeRO-1 shard
+    if (!entry || t.dim() != 2 || t.size(0) == rows || t.size(0) < vocab) continue;
+    const Tensor padding = t.narrow(0, vocab, t.size(0) - vocab);
+    if (padding.numel() > 0 && max(abs(padding.to(DType::f64))).item<double>() != 0) continue;
+    t = zero_padded_rows(t.narrow(0, 0, vocab).contiguous(), rows);
+  }
+}
+
 }  // namespace
 
-GPT::GPT(const GPTOptions& o) : options_(o) {
+GPT::GPT(const GPTOptions& o) : options_(o), vocab_rows_(o.vocab_size) {
   CHECK(o.vocab_size >= 1 && o.block_size >= 1 && o.n_layer >= 0 && o.n_head >= 1 &&
         o.n_embd >= 1 && o.n_embd % o.n_head == 0)
       << "GPT: vocab " << o.vocab_size << ", block " << o.block_size << ", " << o.n_layer
@@ -108,6 +128,15 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
   }
   if (options_.tie_weights)
     upgrade_tied_weight(tensors, "transformer.wte.weight", "lm_head.weight", file, "this GPT");
+  for (const char* name : {"transformer.wte.weight", "lm_head.weight"})
+    fit_vocab_rows(tensors, name, options_.vocab_size, vocab_rows_);
+}
+
+std::map<std::string, Shape> GPT::vocab_shapes(int tp) const {
+  const int64_t rows = padded_vocab(options_.vocab_size, std::max(tp, 1));
+  std::map<std::string, Shape> shapes{{"transformer.wte.weight", {rows, options_.n_embd}}};
+  if (!options_.tie_weights) shapes["lm_head.weight"] = {rows, options_.n_embd};
+  return shapes;
 }
 
 void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
@@ -117,13 +146,10 @@ void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
     throw Error(cat("model.n_head ", options_.n_head, " is not divisible by parallel.tp ", n,
                     ": attention is split by heads; use parallel.tp of ",
                     divisors_of(options_.n_head)));
-  if (options_.vocab_size % n != 0)
-    throw Error(cat(
-        "model.vocab_size ", options_.vocab_size, " is not divisible by parallel.tp ", n,
-        ": the embedding and the LM head are split by vocabulary; set "
-        "model.vocab_size to ",
-        (options_.vocab_size + n - 1) / n * n, " (rows past the corpus's symbols are never used)"));
   if (n == 1) return;
+  vocab_rows_ = padded_vocab(options_.vocab_size, n);
+  wte->pad_rows(vocab_rows_);
+  if (!options_.tie_weights) lm_head->pad_outputs(vocab_rows_);
   wte->shard_vocab(g);
   const ParameterSplit by_vocab{.dim = 0, .rank = g->rank(), .size = n};
   if (options_.tie_weights) {
@@ -145,7 +171,8 @@ void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
 Tensor GPT::output_loss(const Tensor& logits, const Tensor& targets,
                         const CrossEntropyOptions& options) const {
   if (!tp_) return cross_entropy(logits, targets, options);
-  return vocab_parallel_cross_entropy(logits, targets, wte->vocab_start(), *tp_, options);
+  return vocab_parallel_cross_entropy(logits, targets, wte->vocab_start(), *tp_, options,
+                                      options_.vocab_size);
 }
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options) { return std::make_shared<GPT>(options); }

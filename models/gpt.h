@@ -52,8 +52,18 @@ class GPT : public Model {
   const GPTOptions& options() const { return options_; }
   // The LM head's weight [V, D] (transformer.wte.weight when tied).
   const Tensor& lm_head_weight() const { return lm_head->weight; }
+  // The rows of the token embedding and the LM head: vocab_size, padded
+  // under tensor parallelism to a multiple of the group (shard_tensor_parallel).
+  int64_t vocab_rows() const { return vocab_rows_; }
+  // The whole shapes of the vocabulary's tensors (transformer.wte.weight,
+  // and lm_head.weight when untied) in this model split over tp ranks:
+  // what a checkpoint written at that tp holds.
+  std::map<std::string, Shape> vocab_shapes(int tp) const;
   // Renames the older names ("wte.weight", "h.0....") and, tied, checks
   // lm_head.weight equals transformer.wte.weight (or adds it when absent).
+  // The vocabulary's padding rows (zero) of a checkpoint written at another
+  // tp are dropped and this model's added, in the weights and their
+  // optimizer state, so a checkpoint loads at any tp.
   void upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
                             const std::string& file) const override;
   // Megatron-LM's split over g: the token embedding and the LM head by
@@ -61,7 +71,13 @@ class GPT : public Model {
   // heads and MLP by hidden width; wpe and the LayerNorms replicated (under
   // sequence parallelism holding T/n of the sequence). The logits are this
   // rank's [B, T, V/n]; output_loss is the vocabulary-parallel
-  // cross-entropy. Needs n_head and vocab_size divisible by g's size.
+  // cross-entropy. Needs n_head divisible by g's size. A vocabulary that
+  // is not (the KJV's 73 characters at tp 2) is padded with zero rows to the
+  // next multiple, as Megatron-LM's --make-vocab-size-divisible-by does, but
+  // without a draw from the initialisation's stream (the other weights are
+  // one process's) and kept out of the loss's softmax: the padding logits
+  // are never predicted, their rows get no gradient and stay zero, and
+  // training agrees with one process's at vocab_size.
   void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) override;
   Tensor output_loss(const Tensor& logits, const Tensor& targets,
                      const CrossEntropyOptions& options = {}) const override;
@@ -75,6 +91,7 @@ class GPT : public Model {
 
  private:
   GPTOptions options_;
+  int64_t vocab_rows_ = 0;
   std::shared_ptr<TensorParallelGroup> tp_;
 };
 

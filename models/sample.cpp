@@ -89,12 +89,17 @@ namespace {
 template <class Model, class NextLogits>
 std::vector<int64_t> generate(Model& model, const std::vector<int64_t>& prompt,
                               const SampleOptions& o, NextLogits next_logits) {
-  check_request(prompt, o, model.options().vocab_size);
+  const int64_t vocab = model.options().vocab_size;
+  check_request(prompt, o, o.vocab_size > 0 ? std::min(o.vocab_size, vocab) : vocab);
   InferenceScope scope(model);
   Generator gen(o.seed, kStreamSampling);
   std::vector<int64_t> ids = prompt;
-  for (int64_t i = 0; i < o.max_new_tokens; ++i)
-    ids.push_back(pick_token(last_row(next_logits(ids)), o, gen));
+  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
+    std::vector<float> logits = last_row(next_logits(ids));
+    if (o.vocab_size > 0 && o.vocab_size < int64_t(logits.size()))
+      logits.resize(size_t(o.vocab_size));
+    ids.push_back(pick_token(logits, o, gen));
+  }
   return ids;
 }
 

@@ -33,6 +33,10 @@ struct SampleOptions {
   double temperature = 1.0;  // 0: greedy
   int64_t top_k = 0;         // 0: every token
   uint64_t seed = 0;
+  // > 0: only tokens [0, vocab_size) are picked, the logits past them left
+  // out (a model with more rows than the corpus has symbols:
+  // model.vocab_size larger than the data's). 0: every logit.
+  int64_t vocab_size = 0;
 };
 
 // The next token from one row of logits [V], drawing from gen (advanced by

@@ -10,6 +10,10 @@
 // test_parallel_tensor's.)
 #include <regex>
 
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "layers/tensor_parallel.h"
+#include "parallel/tensor_parallel.h"
 #include "tests/process.h"  // last: it brings Catch's CHECK
 
 using namespace trainer;
@@ -73,6 +77,33 @@ TEST_CASE(
     "logits (mean, sum, none, label smoothing, ignored rows) and finite differences",
     "[parallel][mp]") {
   require_passed("loss", 2 * 8 + 2, {"loss", "loss finite differences"}, false);
+}
+
+TEST_CASE(
+    "tensor parallel: vocab_parallel_cross_entropy over a padded vocabulary leaves the padding "
+    "columns out of the softmax and their gradient zero",
+    "[parallel]") {
+  // One rank holding 7 columns of which the first 5 are the vocabulary (as
+  // the last rank of a padded split holds them): cross_entropy over those 5.
+  const auto group = trainer::parallel::shape_only_group(0, 1, false);
+  Generator gen(3, kStreamInit);
+  const Tensor logits = normal({6, 7}, 0.0, 2.0, gen, DType::f64);
+  const Tensor targets = from_vector(std::vector<int64_t>{0, 4, 2, -100, 3, 1}, {6});
+  for (double smoothing : {0.0, 0.1}) {
+    INFO("label smoothing " << smoothing);
+    const CrossEntropyOptions o{.label_smoothing = smoothing, .ignore_index = -100};
+    Tensor whole = logits.narrow(1, 0, 5).contiguous().requires_grad_();
+    Tensor expected = cross_entropy(whole, targets, o);
+    expected.backward();
+    Tensor padded = logits.clone().requires_grad_();
+    Tensor loss = vocab_parallel_cross_entropy(padded, targets, 0, *group, o, /*vocab=*/5);
+    loss.backward();
+    trainer::testing::require_close(loss, expected.detach(), 1e-12, 1e-12, "loss");
+    trainer::testing::require_close(padded.grad().narrow(1, 0, 5).contiguous(), whole.grad(), 1e-12,
+                                    1e-12, "gradient");
+    CHECK(padded.grad().narrow(1, 5, 2).contiguous().to_vector<double>() ==
+          std::vector<double>(12, 0.0));
+  }
 }
 
 TEST_CASE(

@@ -201,6 +201,21 @@ TEST_CASE("sample: GPT and the LSTM LM continue as their full forward pass predi
   REQUIRE_THROWS_WITH(sample(*gpt, {11}, {}), Catch::Contains("outside the model's vocabulary"));
 }
 
+TEST_CASE("sample: only the tokens below SampleOptions::vocab_size are picked", "[lm][sample]") {
+  // Rows past the corpus's symbols (model.vocab_size larger than the
+  // data's): at a high temperature near-uniform logits would pick them often.
+  auto gpt = make_gpt(
+      {.vocab_size = 11, .block_size = 24, .n_layer = 1, .n_head = 2, .n_embd = 8, .seed = 5});
+  for (double temperature : {0.0, 5.0}) {
+    INFO("temperature " << temperature);
+    const std::vector<int64_t> ids =
+        sample(*gpt, {1, 2}, {.max_new_tokens = 200, .temperature = temperature, .vocab_size = 4});
+    CHECK(*std::max_element(ids.begin(), ids.end()) < 4);
+  }
+  REQUIRE_THROWS_WITH(sample(*gpt, {5}, {.vocab_size = 4}),
+                      Catch::Contains("outside the model's vocabulary"));
+}
+
 TEST_CASE("train: resuming a GPT language model is bit-identical", "[train][lm]") {
   check_lm_resume("gpt");
 }
@@ -391,4 +406,65 @@ TEST_CASE(
     }
   }
   CHECK(sharded > 4);
+}
+
+TEST_CASE(
+    "tensor parallel: a vocabulary tp does not divide gets zero rows, the other tensors stay one "
+    "process's, and checkpoints are fitted to either",
+    "[train][lm][tp]") {
+  // 23 rows over tp = 2: padded to 24, rank 1 holding rows 12..22 and the padding.
+  fs::path dir = fresh("tp_padded_vocab");
+  const std::string recipe = tiny_recipe(dir, "gpt").string();
+  Session whole(load_recipe(recipe, {"model.vocab_size=23"}));
+  std::map<std::string, Tensor> want;
+  for (const NamedTensor& t : whole.model().state()) want[t.name] = t.tensor;
+  const Recipe r = load_recipe(recipe, {"model.vocab_size=23", "parallel.tp=2"});
+  Session part(r, rank_layout(parallel_layout(r, 2), 1));
+  part.set_tensor_parallel(parallel::shape_only_group(1, 2, false));
+  CHECK(part.tensor_parallel_note() ==
+        "model: vocabulary 23 padded to 24 rows for parallel.tp=2; the padded rows are never "
+        "sampled or predicted (zero, and left out of the loss)");
+  const auto& gpt = dynamic_cast<const GPT&>(part.model());
+  CHECK(gpt.vocab_rows() == 24);
+  CHECK(gpt.options().vocab_size == 23);
+  const std::map<std::string, ParameterSplit> splits = part.model().parameter_splits();
+  for (const NamedTensor& t : part.model().state()) {
+    INFO(t.name);
+    if (t.name == "transformer.wte.weight" || t.name == "lm_head.weight") {
+      REQUIRE(t.tensor.shape() == Shape{12, 16});
+      require_close(t.tensor.narrow(0, 0, 11).contiguous(),
+                    want.at(t.name).narrow(0, 12, 11).contiguous(), 0.0, 0.0, t.name);
+      CHECK(t.tensor.narrow(0, 11, 1).to_vector<float>() == std::vector<float>(16, 0.0f));
+      continue;
+    }
+    // No draw of the initialisation's stream went to the padding.
+    auto split = splits.find(t.name);
+    const bool sharded =
+        split != splits.end() && split->second.kind == ParameterSplit::Kind::sharded;
+    require_close(t.tensor, sharded ? shard_of(want.at(t.name), split->second) : want.at(t.name),
+                  0.0, 0.0, t.name);
+  }
+
+  // A checkpoint written at tp = 1, into the padded model: zero rows added
+  // to the weights and their optimizer state.
+  const Tensor wte = want.at("transformer.wte.weight");
+  std::map<std::string, Tensor> loaded{{"transformer.wte.weight", wte},
+                                       {"lm_head.weight", wte},
+                                       {"transformer.wte.weight.exp_avg", wte * 2.0}};
+  part.model().upgrade_loaded_state(loaded, "ckpt");
+  for (const auto& [name, t] : loaded) {
+    INFO(name);
+    REQUIRE(t.shape() == Shape{24, 16});
+    CHECK(t.narrow(0, 23, 1).to_vector<float>() == std::vector<float>(16, 0.0f));
+  }
+  // Written at tp = 2, into the one-process model: the padding dropped.
+  whole.model().upgrade_loaded_state(loaded, "ckpt");
+  for (const auto& [name, t] : loaded) CHECK(t.shape() == Shape{23, 16});
+  require_close(loaded.at("transformer.wte.weight"), wte, 0.0, 0.0, "wte");
+  // Rows past the vocabulary that are not zero are no padding: left for the
+  // loader to report as mis-shaped.
+  std::map<std::string, Tensor> other{{"transformer.wte.weight", ones({24, 16})},
+                                      {"lm_head.weight", ones({24, 16})}};
+  whole.model().upgrade_loaded_state(other, "ckpt");
+  CHECK(other.at("transformer.wte.weight").shape() == Shape{24, 16});
 }

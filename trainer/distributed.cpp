@@ -13,6 +13,7 @@
 #include "comm/collectives.h"
 #include "optim/clip.h"
 #include "parallel/device_staging.h"
+#include "parallel/planner.h"
 #include "parallel/sync_batchnorm.h"
 #include "trainer/device.h"
 #include "trainer/metrics.h"
@@ -53,7 +54,84 @@ int parameter_server_workers(const Recipe& r, int world_size) {
   return world_size - int(p.servers);
 }
 
+// Why the recipe's dp x pp x tp ranks are not the world's, and what to
+// launch or set instead.
+std::string layout_mismatch(const Recipe& r, int world_size) {
+  const ParallelRecipe& p = r.parallel;
+  const int64_t model_ranks = p.pp * p.tp;
+  const std::string ranks = cat(world_size, world_size == 1 ? " rank" : " ranks");
+  if (p.dp > 0 && world_size % model_ranks == 0)
+    // An explicit dp that another count would fit.
+    return cat(r.source, ": parallel.dp = ", p.dp,
+               model_ranks > 1 ? cat(" x pp x tp = ", p.dp * model_ranks) : std::string(),
+               " but the job has ", ranks,
+               "; launch dp x pp x tp ranks (trainer launch --nproc-per-node ", p.dp * model_ranks,
+               ") or set parallel.dp=", world_size / model_ranks);
+  // The world is no multiple of pp x tp: no dp fits it.
+  const std::string dp_text = p.dp > 0 ? cat(p.dp) : std::string("dp");
+  const int64_t launch = p.dp > 0 ? p.dp * model_ranks : model_ranks;
+  return cat(r.source, ": the layout dp x pp x tp = ", dp_text, " x ", p.pp, " x ", p.tp,
+             p.dp > 0 ? cat(" = ", launch, " ranks") : std::string(),
+             " needs a world that is a multiple of pp x tp = ", model_ranks, ", but this job has ",
+             ranks, "; launch dp x pp x tp ranks (trainer launch --nproc-per-node ", launch,
+             p.dp > 0 || launch >= world_size
+                 ? std::string()
+                 : cat(", or ", (world_size + model_ranks - 1) / model_ranks * model_ranks),
+             ") or lower parallel.pp or parallel.tp");
+}
+
+// The count auto chose (parallel.micro_batches unset) and why, or the
+// bubble an explicit count below pp leaves: one line for rank 0 to print,
+// "" when there is nothing to say.
+std::string micro_batches_note(const Recipe& given, int64_t chosen, int64_t dp) {
+  const ParallelRecipe& p = given.parallel;
+  const bool wavefront = p.time_chunks > 1 || p.schedule == "wavefront";
+  if (p.pp == 1 || wavefront) return "";
+  const std::string bubble =
+      cat(int(std::lround(100 * pipeline_bubble(given, chosen))), "% of each step");
+  const int64_t replica_batch = given.training.global_batch / std::max<int64_t>(dp, 1);
+  if (p.micro_batches == 0)
+    return cat("parallel.micro_batches: ", chosen,
+               " (unset: the largest count up to 2 x pp = ", 2 * p.pp,
+               p.schedule == "interleaved" ? ", a multiple of pp," : "", " that divides the ",
+               replica_batch, " samples of a replica's step); the ", p.schedule,
+               " pipeline's bubble is ", bubble,
+               chosen < p.pp ? cat("; a training.global_batch divisible by ", 2 * p.pp * dp,
+                                   " would allow ", 2 * p.pp, " micro-batches")
+                             : std::string());
+  if (p.micro_batches >= p.pp) return "";
+  return cat("warning: parallel.micro_batches = ", p.micro_batches, " with parallel.pp = ", p.pp,
+             ": the stages idle ", bubble, " (the ", p.schedule, " pipeline's bubble",
+             p.schedule == "gpipe" || p.schedule == "1f1b" ? ", (pp - 1) / (M + pp - 1)" : "",
+             "); use at least 2 x pp = ", 2 * p.pp, " micro-batches dividing the ", replica_batch,
+             " samples of a replica's step, or leave parallel.micro_batches unset to have them "
+             "chosen");
+}
+
 }  // namespace
+
+int64_t resolved_micro_batches(const Recipe& recipe, int64_t dp) {
+  const ParallelRecipe& p = recipe.parallel;
+  if (p.micro_batches > 0) return p.micro_batches;
+  if (p.pp == 1 || p.time_chunks > 1 || p.schedule == "wavefront") return 1;
+  const int64_t global = recipe.training.global_batch;
+  if (dp < 1 || global % dp != 0) return 1;  // the session says why the batch does not split
+  const int64_t replica_batch = global / dp;
+  // Interleaved 1F1B runs micro-batches in groups of pp.
+  const int64_t step = p.schedule == "interleaved" ? p.pp : 1;
+  for (int64_t m = 2 * p.pp / step * step; m >= step; m -= step)
+    if (replica_batch % m == 0) return m;
+  return step;
+}
+
+double pipeline_bubble(const Recipe& recipe, int64_t micro_batches) {
+  const ParallelRecipe& p = recipe.parallel;
+  // One micro-batch's forward 1 and backward 2, as `trainer plan` draws them.
+  const double forward = 1, backward = 2;
+  const double step = parallel::pipeline_step_time(p.schedule, int(p.pp), int(micro_batches),
+                                                   int(p.virtual_stages), forward, backward);
+  return step > 0 ? 1 - double(micro_batches) * (forward + backward) / step : 0;
+}
 
 ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   if (r.parallel.mode == "parameter_server") world_size = parameter_server_workers(r, world_size);
@@ -95,7 +173,7 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                       r.model.n_layer,
                       ", one layer each), parallel.schedule=wavefront and parallel.time_chunks >= "
                       "2"));
-    if (p.micro_batches != 1)
+    if (p.micro_batches > 1)
       throw Error(cat(r.source, what, ": the time chunks are the wavefront's micro-batches; set ",
                       "parallel.micro_batches=1 (parallel.micro_batches = ", p.micro_batches, ")"));
     if (seq % p.time_chunks != 0)
@@ -105,12 +183,13 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                       seq));
   }
   if (p.pp == 1) {
-    // Read by pipeline schedules only; accepted at their defaults so recipes can spell them out.
-    if (p.micro_batches != defaults.micro_batches)
+    // Read by pipeline schedules only; accepted at their defaults so recipes
+    // can spell them out (micro_batches: unset, or the 1 it resolves to).
+    if (p.micro_batches > 1)
       throw Error(cat(r.source, ": parallel.micro_batches = ", p.micro_batches,
                       " is the number of micro-batches a pipeline (parallel.pp > 1) splits each "
-                      "step into; with pp = 1 leave it at ",
-                      defaults.micro_batches, " and use training.grad_accum to split a step"));
+                      "step into; with pp = 1 leave it unset (or 1) and use training.grad_accum "
+                      "to split a step"));
     if (p.schedule != defaults.schedule || p.virtual_stages != 1)
       throw Error(cat(r.source, ": parallel.schedule = '", p.schedule,
                       "' (parallel.virtual_stages = ", p.virtual_stages,
@@ -118,6 +197,12 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                       "pp = 1 there is one stage and nothing to order: leave them at '",
                       defaults.schedule, "' and 1"));
   } else {
+    if (r.training.grad_accum != 1)
+      throw Error(cat(r.source, ": training.grad_accum = ", r.training.grad_accum,
+                      " with parallel.pp = ", p.pp,
+                      ": a pipeline splits each step into parallel.micro_batches; set "
+                      "training.grad_accum=1 and parallel.micro_batches=",
+                      r.training.grad_accum * std::max<int64_t>(p.micro_batches, 1)));
     if (p.virtual_stages > 1 && p.schedule != "interleaved")
       throw Error(cat(r.source, ": parallel.virtual_stages = ", p.virtual_stages,
                       " needs parallel.schedule=interleaved (the others run one chunk per stage)"));
@@ -128,12 +213,7 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   }
   const int64_t model_ranks = p.pp * p.tp;
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
-  if (dp * model_ranks != world_size)
-    throw Error(cat(r.source, ": parallel.dp = ", dp,
-                    model_ranks > 1 ? cat(" x pp x tp = ", dp * model_ranks) : std::string(),
-                    " but the job has ", world_size, world_size == 1 ? " rank" : " ranks",
-                    "; launch dp x pp x tp ranks (trainer launch --nproc-per-node ",
-                    dp * model_ranks, ") or set parallel.dp=", world_size / model_ranks));
+  if (dp == 0 || dp * model_ranks != world_size) throw Error(layout_mismatch(r, world_size));
   ParallelLayout layout;
   layout.mesh = {.dp = int(dp), .pp = int(p.pp), .tp = int(p.tp)};
   layout.zero1 = p.zero1 && dp > 1;
@@ -144,8 +224,16 @@ RankLayout rank_layout(const ParallelLayout& job, int rank) {
   return RankLayout{.job = job, .rank = rank, .coord = parallel::mesh_coord(job.mesh, rank)};
 }
 
-Distributed join_job(const Recipe& recipe, bool dry_run) {
+Distributed join_job(Recipe& recipe, bool dry_run) {
   comm::Bootstrap boot = comm::detect_bootstrap();
+  // Here and not in parallel_layout: the planner's CPU profiles time a tp
+  // rank's part on one process with sequence parallelism on (trainer/plan_cpu.cpp).
+  if (recipe.parallel.sequence_parallel && recipe.parallel.tp == 1)
+    throw Error(cat(recipe.source,
+                    ": parallel.sequence_parallel needs parallel.tp > 1: it splits the sequence "
+                    "over the tensor-parallel ranks, and parallel.tp = 1 has none; set "
+                    "parallel.tp=2 (or more, launching as many ranks per replica) or "
+                    "parallel.sequence_parallel=false"));
   // A dry run started alone describes rank 0 of the layout the recipe asks for.
   const int64_t model_ranks = recipe.parallel.pp * recipe.parallel.tp;
   const bool ps = recipe.parallel.mode == "parameter_server";
@@ -165,6 +253,14 @@ Distributed join_job(const Recipe& recipe, bool dry_run) {
                     " ranks per host: some tensor-parallel groups would span two hosts, though ",
                     tp, " ranks fit on one; use a parallel.tp dividing ", local, " (", fits,
                     ") or start a multiple of ", tp, " ranks per host"));
+  }
+  const int64_t micro_batches = resolved_micro_batches(recipe, job.mesh.dp);
+  const std::string note = micro_batches_note(recipe, micro_batches, job.mesh.dp);
+  recipe.parallel.micro_batches = micro_batches;
+  if (!note.empty() && boot.rank == 0) {
+    std::FILE* out = note.starts_with("warning") ? stderr : stdout;
+    std::fprintf(out, "%s\n", note.c_str());
+    std::fflush(out);
   }
   if (world != boot.world_size) return Distributed{.layout = rank_layout(job, 0)};
   Distributed d;
@@ -240,6 +336,10 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   if (dist.layout.job.mesh.tp > 1) {
     tp_ = parallel::make_comm_group(dist.mesh.tp_comm(), recipe.parallel.sequence_parallel);
     session.set_tensor_parallel(tp_);
+    if (dist.is_main() && !session.tensor_parallel_note().empty()) {
+      std::printf("%s\n", session.tensor_parallel_note().c_str());
+      std::fflush(stdout);
+    }
   }
   if (split) {
     session.set_pipeline(*split, dist.layout.coord.pp);
@@ -421,17 +521,20 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
   EvalSums mine = pipeline_ ? evaluate_pipeline(session) : session.evaluate_shard();
   // Gathered, not allreduced: a ring's sums would round differently on each
   // rank, and best-checkpoint decisions must agree.
-  const double local[4] = {mine.loss, double(mine.top1), double(mine.top5), double(mine.samples)};
+  constexpr int kValues = 5;
+  const double local[kValues] = {mine.loss, double(mine.top1), double(mine.top5),
+                                 double(mine.samples), double(mine.skipped)};
   comm::Communicator& dp_comm = *dist_.mesh.dp_comm();
-  std::vector<double> all(4 * size_t(dp_comm.size()));
+  std::vector<double> all(kValues * size_t(dp_comm.size()));
   comm::allgather(dp_comm, local, all.data(), sizeof(local));
   EvalSums sums;
   for (int r = 0; r < dp_comm.size(); ++r) {
-    const double* v = all.data() + 4 * r;
+    const double* v = all.data() + kValues * r;
     sums.loss += v[0];
     sums.top1 += int64_t(v[1]);
     sums.top5 += int64_t(v[2]);
     sums.samples += int64_t(v[3]);
+    sums.skipped += int64_t(v[4]);
   }
   return eval_metrics(sums, session.is_language_model());
 }

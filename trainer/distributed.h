@@ -73,10 +73,10 @@ struct RankLayout {
 };
 
 // The recipe's layout on world_size ranks: parallel.dp (0: world / (pp x
-// tp)) x pp x tp must equal the world; pipeline and tensor parallelism and
-// their keys (micro_batches, schedule) are refused until they are built.
-// zero1 is set when parallel.zero1 has several dp ranks to shard over.
-// Throws Error naming the recipe keys.
+// tp)) x pp x tp must equal the world, so the world must be a multiple of
+// pp x tp; the pipeline keys (micro_batches, schedule) are refused with
+// pp = 1. zero1 is set when parallel.zero1 has several dp ranks to shard
+// over. Throws Error naming the recipe keys and the launch that fits.
 ParallelLayout parallel_layout(const Recipe& recipe, int world_size);
 // World rank `rank` of that layout.
 RankLayout rank_layout(const ParallelLayout& job, int rank);
@@ -97,11 +97,28 @@ struct Distributed {
   const std::shared_ptr<comm::Communicator>& world() const { return mesh.world(); }
 };
 
+// parallel.micro_batches as a run on dp data-parallel replicas uses it. A
+// count the recipe gives is kept. 0 (auto, the default): 1 without a
+// pipeline and under the LSTM LM's wavefront (its time chunks are the
+// micro-batches); on a pipeline the largest count up to 2 x pp that divides
+// the replica's batch (training.global_batch / dp), a multiple of pp under
+// the interleaved schedule. Up to 2 x pp keeps GPipe's and 1F1B's bubble,
+// (pp - 1) / (M + pp - 1), under a third of a step with micro-batches as
+// large as that allows. `trainer plan` resolves the recipe's count with it.
+int64_t resolved_micro_batches(const Recipe& recipe, int64_t dp);
+// The share of a step the recipe's pipeline stages idle with M
+// micro-batches, on uniform stages (parallel::pipeline_step_time): (pp - 1)
+// / (M + pp - 1) for GPipe and 1F1B.
+double pipeline_bubble(const Recipe& recipe, int64_t micro_batches);
+
 // Joins the job the launcher started (comm/bootstrap.h) and builds the
 // mesh; a single process when started alone. Checks the recipe's layout
-// against the world first. dry_run: a process started alone takes the
-// layout of the recipe's dp x pp x tp ranks as rank 0 (no communicator).
-Distributed join_job(const Recipe& recipe, bool dry_run = false);
+// against the world first, then resolves what depends on it in the recipe:
+// parallel.micro_batches (resolved_micro_batches; rank 0 prints what auto
+// chose and why, and warns when a pipeline is given fewer micro-batches
+// than stages). dry_run: a process started alone takes the layout of the
+// recipe's dp x pp x tp ranks as rank 0 (no communicator).
+Distributed join_job(Recipe& recipe, bool dry_run = false);
 
 // What the ranks decided together about one optimizer step.
 struct StepVerdict {

@@ -101,7 +101,9 @@ struct ParallelRecipe {
   // Megatron-SP: LayerNorm and dropout regions split along the sequence
   // over the tp ranks (allgather / reduce-scatter in place of allreduces).
   bool sequence_parallel = false;
-  int64_t micro_batches = 1;
+  // A pipeline's micro-batches per step; 0: chosen for the layout
+  // (trainer/distributed.h resolved_micro_batches), 1 without a pipeline.
+  int64_t micro_batches = 0;
   std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved | zbh1 | wavefront
   int64_t virtual_stages = 1;     // model chunks per stage (interleaved)
   // The LSTM LM's wavefront: each step's sequence cut into this many time

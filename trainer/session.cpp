@@ -1,13 +1,16 @@
 #include "trainer/session.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <set>
 #include <sstream>
 
 #include "core/allocator.h"
 #include "core/ops.h"
 #include "layers/linear.h"
+#include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
 #include "parallel/tensor_parallel.h"
@@ -88,14 +91,12 @@ Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
   const int64_t dp = layout_.dp_size();
   const TrainingRecipe& t = r.training;
   const bool pipeline = layout_.job.mesh.pp > 1;
-  micro_batches_ = pipeline ? r.parallel.micro_batches : t.grad_accum;
   const char* split_key = pipeline ? "parallel.micro_batches" : "training.grad_accum";
-  if (pipeline && t.grad_accum != 1)
-    throw Error(cat(r.source, ": training.grad_accum = ", t.grad_accum,
-                    " with parallel.pp = ", layout_.job.mesh.pp,
-                    ": a pipeline splits each step into parallel.micro_batches; set "
-                    "training.grad_accum=1 and parallel.micro_batches=",
-                    t.grad_accum * r.parallel.micro_batches));
+  CHECK(!pipeline || t.grad_accum == 1)
+      << "a pipeline with training.grad_accum " << t.grad_accum << " (parallel_layout refuses it)";
+  // 0 (auto) as join_job resolved it, for sessions built without it.
+  recipe_.parallel.micro_batches = resolved_micro_batches(r, dp);
+  micro_batches_ = pipeline ? r.parallel.micro_batches : t.grad_accum;
   if (t.global_batch % (micro_batches_ * dp) != 0)
     throw Error(cat(r.source, ": training.global_batch ", t.global_batch, " is not divisible by ",
                     split_key, " x data-parallel ranks (", micro_batches_ * dp, ")"));
@@ -181,6 +182,12 @@ void Session::set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
   } catch (const Error& e) {
     throw Error(cat(recipe_.source, ": ", e.what()));
   }
+  if (const auto* gpt = dynamic_cast<const GPT*>(model);
+      gpt && gpt->vocab_rows() != gpt->options().vocab_size)
+    tensor_parallel_note_ =
+        cat("model: vocabulary ", gpt->options().vocab_size, " padded to ", gpt->vocab_rows(),
+            " rows for parallel.tp=", g->size(),
+            "; the padded rows are never sampled or predicted (zero, and left out of the loss)");
   tp_ = std::move(g);
   // This rank's parts, each made from its whole tensor's record in turn;
   // under a pipeline, only its stage's (set_pipeline).
@@ -405,33 +412,6 @@ std::string join_lines(const std::vector<std::string>& lines) {
   return out;
 }
 
-// The first NaN or Inf of a floating-point tensor (CPU, as loaded) and its
-// index, or -1.
-std::pair<int64_t, double> first_non_finite(const Tensor& t) {
-  if (!is_floating(t.dtype()) || t.numel() == 0) return {-1, 0};
-  auto scan = [](const auto* x, int64_t n) -> std::pair<int64_t, double> {
-    for (int64_t i = 0; i < n; ++i)
-      if (!std::isfinite(double(x[i]))) return {i, double(x[i])};
-    return {-1, 0};
-  };
-  if (t.dtype() == DType::f32) return scan(t.contiguous().data<float>(), t.numel());
-  return scan(t.to(DType::f64).contiguous().data<double>(), t.numel());
-}
-
-// Loaded weights, buffers and optimizer state must be finite: a NaN in a
-// checkpoint would train on silently (ReLU hides it from the loss).
-// training.allow_non_finite lets a user load one anyway.
-void check_finite(const std::map<std::string, Tensor>& tensors, const std::string& file,
-                  bool allow) {
-  if (allow) return;
-  for (const auto& [name, t] : tensors) {
-    const auto [index, value] = first_non_finite(t);
-    if (index < 0) continue;
-    throw Error(cat(file, ": tensor '", name, "' holds ", value, " at element ", index,
-                    " (a non-finite value): the file is poisoned. Use an earlier checkpoint, or "
-                    "set training.allow_non_finite=true to load it anyway"));
-  }
-}
 }  // namespace
 
 TrainState Session::load(const std::string& dir) { return load_checkpoint(dir, true); }
@@ -439,8 +419,11 @@ TrainState Session::load(const std::string& dir) { return load_checkpoint(dir, t
 TrainState Session::load_model(const std::string& dir) { return load_checkpoint(dir, false); }
 
 TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
-  std::map<std::string, Tensor> model = read_model(dir);
-  check_finite(model, model_file(dir), recipe_.training.allow_non_finite);
+  // Loaded weights, buffers and optimizer state must be finite (a NaN would
+  // train on silently: ReLU hides it from the loss); the readers name the
+  // file holding each tensor. training.allow_non_finite loads one anyway.
+  const CheckpointReadOptions reading{.refuse_non_finite = !recipe_.training.allow_non_finite};
+  std::map<std::string, Tensor> model = read_model(dir, reading);
   model_->upgrade_loaded_state(model, model_file(dir));
   // Whole tensors in the file: this rank keeps its parts (tensor parallelism).
   if (tp_) parallel::take_shards(model, *model_);
@@ -459,6 +442,11 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     // r + dp, ...), so the first k samples of each of D ranks are the
     // epoch's first k D, under any D.
     if (saved.mesh.dp != layout_.dp_size() && state.position > 0) {
+      // A hostile position must not overflow here; load_stream_state names
+      // it against the epoch's size below.
+      if (state.position > std::numeric_limits<int64_t>::max() / std::max<int64_t>(1, saved.mesh.dp))
+        throw Error(cat(trainer_state_file(dir), ": \"position\" ", state.position,
+                        " is past any epoch; the file is damaged: use an earlier checkpoint"));
       const int64_t consumed = state.position * saved.mesh.dp;
       const int64_t per_step = micro_batch_ * micro_batches_ * layout_.dp_size();
       if (consumed % per_step != 0)
@@ -479,7 +467,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     std::string optim_file;
     if (saved.zero1 && changes.empty()) {
       optim_file = optimizer_file(dir, true, layout_.rank);
-      for (NamedTensor& t : read_optimizer(dir, true, layout_.rank))
+      for (NamedTensor& t : read_optimizer(dir, true, layout_.rank, reading))
         optim_tensors.emplace(t.name, std::move(t.tensor));
       // A weight tied across stages has its state saved once, by the owning
       // stage's rank of this dp (and tp) coordinate: its shard holds the same
@@ -489,22 +477,31 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
         parallel::MeshCoord owner = layout_.coord;
         owner.pp = t.peer;
         const int owner_rank = parallel::mesh_rank(layout_.job.mesh, owner);
-        for (NamedTensor& e : read_optimizer(dir, true, owner_rank))
+        for (NamedTensor& e : read_optimizer(dir, true, owner_rank, reading))
           if (e.name.starts_with(t.name + ".")) optim_tensors.emplace(e.name, std::move(e.tensor));
       }
     } else if (saved.zero1) {
       // Every rank's shard, joined into whole tensors (through each
-      // tensor-parallel rank's parts, when split).
+      // tensor-parallel rank's parts, when split) of the shapes the
+      // writer's layout held: a vocabulary padded for its tp (models/gpt.h),
+      // fitted to this model's rows by upgrade_loaded_state below.
       std::map<std::string, Shape> shapes;
-      for (const NamedTensor& p : global_params_) shapes[p.name] = p.tensor.shape();
+      const std::map<std::string, ParameterSplit> splits = model_->parameter_splits();
+      for (const NamedTensor& p : global_params_) {
+        auto split = splits.find(p.name);
+        shapes[p.name] =
+            split == splits.end() ? p.tensor.shape() : full_shape(p.tensor.shape(), split->second);
+      }
+      if (const auto* gpt = dynamic_cast<const GPT*>(model_.get()))
+        for (const auto& [name, shape] : gpt->vocab_shapes(saved.mesh.tp))
+          if (shapes.count(name)) shapes[name] = shape;
       optim_file = dir + "/optimizer.rank*.safetensors";
-      optim_tensors = read_sharded_optimizer_whole(dir, shapes);
+      optim_tensors = read_sharded_optimizer_whole(dir, shapes, reading);
     } else {
       optim_file = optimizer_file(dir, false, layout_.rank);
-      for (NamedTensor& t : read_optimizer(dir, false, layout_.rank))
+      for (NamedTensor& t : read_optimizer(dir, false, layout_.rank, reading))
         optim_tensors.emplace(t.name, std::move(t.tensor));
     }
-    check_finite(optim_tensors, optim_file, recipe_.training.allow_non_finite);
     model_->upgrade_loaded_state(optim_tensors, optim_file);
     if (tp_ && !(saved.zero1 && changes.empty())) parallel::take_shards(optim_tensors, *model_);
     // A whole optimizer state (one file, or one part per stage) holds every
@@ -548,7 +545,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
 
 void Session::init_from(const std::string& path, bool strict) {
   SafetensorsFile f = read_safetensors(path);
-  check_finite(f.tensors, path, recipe_.training.allow_non_finite);
+  if (!recipe_.training.allow_non_finite) require_finite(f.tensors, path);
   model_->upgrade_loaded_state(f.tensors, path);
   if (tp_) parallel::take_shards(f.tensors, *model_);
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);
@@ -579,6 +576,7 @@ std::string Session::summary() {
   for (const auto& [name, child] : model_->children())
     out << "  " << name << "  " << with_commas(child->num_parameters()) << "\n";
   out << "  total  " << with_commas(model_->num_parameters()) << " parameters\n";
+  if (!tensor_parallel_note_.empty()) out << tensor_parallel_note_ << "\n";
   out << source_->summary();
 
   // Memory: parameters, gradients (as the parameters) and optimizer state

@@ -88,6 +88,9 @@ class Session {
   void set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g);
   // Null unless set_tensor_parallel ran.
   TensorParallelGroup* tensor_parallel() const { return tp_.get(); }
+  // What the split changed that a user should hear of, one line ("" for
+  // nothing): a vocabulary padded to a multiple of tp (models/gpt.h).
+  const std::string& tensor_parallel_note() const { return tensor_parallel_note_; }
 
   // ---- pipeline stages (pp > 1) ----
   // Makes this rank stage `stage` of split: what it trains, optimizes and
@@ -185,6 +188,7 @@ class Session {
   int64_t micro_batch_ = 0;
   int64_t micro_batches_ = 1;
   std::shared_ptr<TensorParallelGroup> tp_;
+  std::string tensor_parallel_note_;
   std::optional<parallel::PipelinePlan> plan_;
   int stage_ = 0;
   std::shared_ptr<Module> stage_module_;

@@ -446,11 +446,13 @@ int sample_command(const SampleArgs& args) {
                "seed %llu\n",
                (long long)args.tokens, dir.c_str(), (long long)state.step, args.temperature,
                (long long)args.top_k, (unsigned long long)args.seed);
+  // Rows past the corpus's symbols (a larger model.vocab_size) are never picked.
   ids = sample(s.model(), ids,
                {.max_new_tokens = args.tokens,
                 .temperature = args.temperature,
                 .top_k = args.top_k,
-                .seed = args.seed});
+                .seed = args.seed,
+                .vocab_size = s.vocab().size()});
   std::string text = s.vocab().decode(ids).substr(args.prompt.empty() ? 1 : 0);
   std::fwrite(text.data(), 1, text.size(), stdout);
   std::fputc('\n', stdout);

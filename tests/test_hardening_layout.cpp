@@ -1,0 +1,231 @@
+// Parallel layouts a user gets wrong or leaves half set (issue 38): keys
+// that do nothing on the layout asked for are errors, a layout the world
+// cannot hold says what to launch, a vocabulary tp does not divide is
+// padded (and its checkpoints read on one process), and a pipeline left
+// without parallel.micro_batches gets a count chosen for it, with a word
+// about its bubble. The trainer runs as a subprocess, tiny: a 2-layer GPT
+// of width 32 on the KJV characters (73 of them), one thread per rank.
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "tests/hardening.h"
+#include "tests/runs.h"
+#include "trainer/distributed.h"
+#include "trainer/recipe.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+using namespace trainer::testing::hardening;
+namespace fs = std::filesystem;
+
+namespace {
+
+// `train` of recipes/gpt_kjv.yaml made tiny, at a constant learning rate
+// (so that runs of different lengths take the same steps), then extra.
+std::vector<std::string> tiny_gpt_args(const fs::path& out, std::vector<std::string> extra) {
+  std::vector<std::string> a{"train",
+                             kRecipes + "gpt_kjv.yaml",
+                             "output_dir=" + out.string(),
+                             "data.path=" + std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt",
+                             "training.threads=1",
+                             "training.steps=2",
+                             "training.log_every=1",
+                             "training.eval_every=0",
+                             "training.checkpoint_every=0",
+                             "model.n_layer=2",
+                             "model.d_model=32",
+                             "model.n_head=2",
+                             "model.context=32",
+                             "data.seq_len=32",
+                             "data.val_windows=8",
+                             "schedule.name=constant",
+                             "schedule.warmup_steps=0"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// The same arguments for `trainer eval` or `sample` of a run's checkpoints.
+std::vector<std::string> tiny_gpt_reader(const std::string& command, const fs::path& run) {
+  std::vector<std::string> a = tiny_gpt_args(run, {"--checkpoint", run.string()});
+  a[0] = command;
+  return a;
+}
+
+Recipe recipe_with(const std::vector<std::string>& overrides) {
+  return load_recipe(kRecipes + "gpt_kjv.yaml", overrides);
+}
+
+}  // namespace
+
+TEST_CASE("layout: parallel.sequence_parallel with parallel.tp = 1 is an error, not ignored",
+          "[hardening][parallel]") {
+  const fs::path out = fresh_temp_dir("layout_sp", false);
+  require_error(run_trainer(tiny_gpt_args(out, {"parallel.sequence_parallel=true", "--dry-run"})),
+                {"gpt_kjv.yaml: parallel.sequence_parallel needs parallel.tp > 1",
+                 "set parallel.tp=2", "parallel.sequence_parallel=false"});
+  CHECK_FALSE(fs::exists(out));
+}
+
+TEST_CASE("layout: pp x tp larger than the world names the world that fits it",
+          "[hardening][parallel][mp]") {
+  const fs::path out = fresh_temp_dir("layout_world", false);
+  // Before: "launch ... --nproc-per-node 0 or set parallel.dp=0" (world / (pp x tp) = 0).
+  auto no_zero_count = [](const ProcessResult& r) {
+    CHECK(r.output.find("--nproc-per-node 0") == std::string::npos);
+    CHECK(r.output.find("parallel.dp=0") == std::string::npos);
+  };
+  const ProcessResult tp4 = run_ranks(2, tiny_gpt_args(out, {"parallel.tp=4"}));
+  require_error(tp4, {"gpt_kjv.yaml: the layout dp x pp x tp = dp x 1 x 4",
+                      "needs a world that is a multiple of pp x tp = 4", "this job has 2 ranks",
+                      "trainer launch --nproc-per-node 4", "lower parallel.pp or parallel.tp"});
+  no_zero_count(tp4);
+  const ProcessResult pp4 = run_ranks(1, tiny_gpt_args(out, {"parallel.pp=4"}));
+  require_error(pp4, {"dp x 4 x 1 needs a world that is a multiple of pp x tp = 4",
+                      "this job has 1 rank;", "trainer launch --nproc-per-node 4"});
+  no_zero_count(pp4);
+  // An explicit dp: the count it needs.
+  const ProcessResult dp2 = run_ranks(1, tiny_gpt_args(out, {"parallel.pp=2", "parallel.dp=2"}));
+  require_error(dp2, {"dp x pp x tp = 2 x 2 x 1 = 4 ranks", "trainer launch --nproc-per-node 4"});
+  no_zero_count(dp2);
+  // A world that fits as it is named: the dp to set, as before.
+  CHECK_THAT(error_of([] {
+               parallel_layout(recipe_with({"parallel.pp=2", "parallel.dp=2"}), 2);
+             }),
+             Catch::Contains("set parallel.dp=1"));
+}
+
+TEST_CASE(
+    "layout: tp = 2 pads the 73-character vocabulary to 74 rows, trains as one process, and its "
+    "checkpoint evaluates, samples and resumes on one process",
+    "[hardening][parallel][mp]") {
+  const fs::path ref = fresh_temp_dir("layout_vocab_ref", false);
+  const fs::path split = fresh_temp_dir("layout_vocab_tp2", false);
+  // One process, 4 steps with a checkpoint at 2; tp = 2 for the first 2.
+  const ProcessResult r1 =
+      run_ranks(1, tiny_gpt_args(ref, {"training.steps=4", "training.checkpoint_every=2"}));
+  INFO(r1.output);
+  REQUIRE(r1.code == 0);
+  const ProcessResult r2 = run_ranks(2, tiny_gpt_args(split, {"parallel.tp=2"}));
+  INFO(r2.output);
+  REQUIRE(r2.code == 0);
+  CHECK(r2.output.find("model: vocabulary 73 padded to 74 rows for parallel.tp=2; the padded "
+                       "rows are never sampled or predicted") != std::string::npos);
+  const StepLog one = step_log(ref.string()), two = step_log(split.string());
+  std::map<int64_t, double> first_two(one.loss.begin(), one.loss.find(3));
+  check_close(first_two, two.loss, 1e-5, "loss at tp 2");
+
+  // The checkpoint holds the padded rows, zero; the rest is one process's.
+  const std::map<std::string, Tensor> padded = model_at(split.string(), 2),
+                                      whole = model_at(ref.string(), 2);
+  for (const char* name : {"transformer.wte.weight", "lm_head.weight"}) {
+    INFO(name);
+    const Tensor& t = padded.at(name);
+    REQUIRE(t.shape() == Shape{74, 32});
+    CHECK(t.narrow(0, 73, 1).to_vector<float>() == std::vector<float>(32, 0.0f));
+    check_models({{name, whole.at(name)}}, {{name, t.narrow(0, 0, 73).contiguous()}}, 1e-5);
+  }
+
+  // Read on one process: the padding dropped.
+  const ProcessResult eval = run_trainer(tiny_gpt_reader("eval", split));
+  INFO(eval.output);
+  REQUIRE(eval.code == 0);
+  REQUIRE(two.val_loss.count(2) == 1);
+  std::smatch loss;
+  REQUIRE(std::regex_search(eval.output, loss, std::regex("\\): loss ([0-9.]+) \\|")));
+  CHECK(std::stod(loss[1].str()) == Approx(two.val_loss.at(2)).epsilon(1e-4));
+  std::vector<std::string> sample = tiny_gpt_reader("sample", split);
+  sample.insert(sample.end(), {"--tokens", "64", "--temperature", "2"});
+  const ProcessResult text = run_trainer(sample);
+  INFO(text.output);
+  CHECK(text.code == 0);
+
+  // Resumed on one process: the steps one process takes.
+  std::vector<std::string> resume = tiny_gpt_args(split, {"training.steps=4", "--resume", "auto"});
+  const ProcessResult r3 = run_ranks(1, resume);
+  INFO(r3.output);
+  REQUIRE(r3.code == 0);
+  CHECK(r3.output.find("resharded: tp 2 -> 1") != std::string::npos);
+  check_close(one.loss, step_log(split.string()).loss, 1e-4, "loss resumed at tp 1");
+}
+
+TEST_CASE("layout: sampling never picks the rows past the corpus's symbols", "[hardening][lm]") {
+  // model.vocab_size 200 over 73 symbols: near-uniform logits at
+  // initialisation made most picks an id the vocabulary cannot decode.
+  const fs::path out = fresh_temp_dir("layout_sample_rows", false);
+  const ProcessResult trained =
+      run_trainer(tiny_gpt_args(out, {"training.steps=1", "model.vocab_size=200"}));
+  INFO(trained.output);
+  REQUIRE(trained.code == 0);
+  std::vector<std::string> sample = tiny_gpt_reader("sample", out);
+  sample.insert(sample.end(), {"model.vocab_size=200", "--tokens", "200", "--temperature", "3"});
+  const ProcessResult text = run_trainer(sample);
+  INFO(text.output);
+  CHECK(text.code == 0);
+  CHECK(text.output.find("token id") == std::string::npos);
+}
+
+TEST_CASE("layout: micro-batches chosen for a pipeline when unset, resolved before use",
+          "[hardening][parallel]") {
+  auto resolved = [](std::vector<std::string> overrides, int64_t dp) {
+    return resolved_micro_batches(recipe_with(overrides), dp);
+  };
+  // gpt_kjv's global batch is 16.
+  CHECK(recipe_with({}).parallel.micro_batches == 0);
+  CHECK(resolved({}, 1) == 1);
+  CHECK(resolved({"parallel.pp=2"}, 1) == 4);
+  CHECK(resolved({"parallel.pp=2"}, 2) == 4);
+  CHECK(resolved({"parallel.pp=2"}, 8) == 2);
+  CHECK(resolved({"parallel.pp=4"}, 1) == 8);
+  CHECK(resolved({"parallel.pp=4", "training.global_batch=6"}, 1) == 6);
+  CHECK(resolved({"parallel.pp=2", "training.global_batch=5"}, 1) == 1);
+  CHECK(resolved({"parallel.pp=3", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                  "training.global_batch=12"},
+                 1) == 6);
+  CHECK(resolved({"parallel.pp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                  "training.global_batch=12"},
+                 1) == 4);
+  CHECK(resolved({"parallel.pp=2", "parallel.micro_batches=3"}, 1) == 3);
+  CHECK(resolved({"model.name=lstm_lm", "parallel.pp=2", "parallel.schedule=wavefront",
+                  "parallel.time_chunks=4"},
+                 1) == 1);
+  // GPipe and 1F1B idle (pp - 1) / (M + pp - 1) of a step.
+  CHECK(pipeline_bubble(recipe_with({"parallel.pp=2"}), 1) == Approx(0.5));
+  CHECK(pipeline_bubble(recipe_with({"parallel.pp=4", "parallel.schedule=gpipe"}), 8) ==
+        Approx(3.0 / 11));
+  // The pipeline keys with pp = 1: unset or 1, as before.
+  CHECK_NOTHROW(parallel_layout(recipe_with({"parallel.micro_batches=1"}), 1));
+  CHECK_NOTHROW(parallel_layout(recipe_with({"parallel.micro_batches=0"}), 1));
+}
+
+TEST_CASE(
+    "layout: a pipeline without parallel.micro_batches trains on a chosen count, said once, and "
+    "one given fewer micro-batches than stages is warned about its bubble",
+    "[hardening][parallel][mp]") {
+  const fs::path out = fresh_temp_dir("layout_micro", false);
+  const ProcessResult chosen =
+      run_ranks(2, tiny_gpt_args(out, {"training.steps=1", "parallel.pp=2"}));
+  INFO(chosen.output);
+  REQUIRE(chosen.code == 0);
+  CHECK(chosen.output.find("parallel.micro_batches: 4 (unset: the largest count up to 2 x pp = 4 "
+                           "that divides the 16 samples of a replica's step); the 1f1b "
+                           "pipeline's bubble is 20% of each step") != std::string::npos);
+  CHECK(chosen.output.find("\n  micro_batches: 4\n") != std::string::npos);  // the resolved recipe
+  CHECK(chosen.output.find("micro-batch 4 x micro_batches 4 per rank") != std::string::npos);
+  CHECK(chosen.output.find("warning: parallel.micro_batches") == std::string::npos);
+  CHECK(read_file((out / "recipe.yaml").string()).find("micro_batches: 4") != std::string::npos);
+
+  const ProcessResult one =
+      run_ranks(1, tiny_gpt_args(out, {"parallel.pp=2", "parallel.micro_batches=1", "--dry-run"}));
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  CHECK(one.output.find("warning: parallel.micro_batches = 1 with parallel.pp = 2: the stages "
+                        "idle 50% of each step") != std::string::npos);
+  CHECK(one.output.find("parallel.micro_batches: ") == std::string::npos);
+  const ProcessResult enough =
+      run_ranks(1, tiny_gpt_args(out, {"parallel.pp=2", "parallel.micro_batches=2", "--dry-run"}));
+  INFO(enough.output);
+  REQUIRE(enough.code == 0);
+  CHECK(enough.output.find("warning: parallel.micro_batches") == std::string::npos);
+}
