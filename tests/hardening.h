@@ -111,4 +111,15 @@ inline void write_fmnist(const fs::path& dir, uint32_t n, uint32_t h, uint32_t w
 }
 
 
+// The safetensors file rewritten with tensor `name`'s element 3 set to value.
+inline void poison(const fs::path& file, const std::string& name, float value) {
+  SafetensorsFile f = read_safetensors(file.string());
+  std::vector<NamedTensor> tensors;
+  for (auto& [n, t] : f.tensors) {
+    if (n == name) t.data<float>()[3] = value;
+    tensors.push_back({n, t});
+  }
+  write_safetensors(file.string(), tensors, f.metadata);
+}
+
 }  // namespace trainer::testing::hardening

@@ -229,15 +229,6 @@ TEST_CASE("trainer hardening: non-finite weights and optimizer state are refused
           "[hardening][checkpoint]") {
   fs::path run = copy_of_base("nonfinite");
   const fs::path ckpt = step_dir(run, 4);
-  auto poison = [](const fs::path& file, const std::string& name, float value) {
-    SafetensorsFile f = read_safetensors(file.string());
-    std::vector<NamedTensor> tensors;
-    for (auto& [n, t] : f.tensors) {
-      if (n == name) t.data<float>()[3] = value;
-      tensors.push_back({n, t});
-    }
-    write_safetensors(file.string(), tensors, f.metadata);
-  };
   const fs::path model = ckpt / "model.safetensors";
   const std::string weight = read_safetensors(model.string()).tensors.begin()->first;
   const std::string model_bytes = read_file(model.string());

@@ -41,17 +41,6 @@ std::string replace_first(std::string text, const std::string& from, const std::
   return text.replace(at, from.size(), to);
 }
 
-// The file rewritten with tensor `name`'s element 3 set to value.
-void poison(const fs::path& file, const std::string& name, float value) {
-  SafetensorsFile f = read_safetensors(file.string());
-  std::vector<NamedTensor> tensors;
-  for (auto& [n, t] : f.tensors) {
-    if (n == name) t.data<float>()[3] = value;
-    tensors.push_back({n, t});
-  }
-  write_safetensors(file.string(), tensors, f.metadata);
-}
-
 // The MLP trained as `trainer launch` of 2 ranks (SGD with momentum, so
 // the optimizer has state to shard), then extra; 2 steps with a checkpoint
 // at step 2.
