@@ -33,8 +33,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       inside(cluster.device.peak_tflops, "peak_tflops") &&
       inside(cluster.device.memory_gib, "memory_gib") &&
       inside(cluster.device.achievable, "achievable") && inside(cluster.per_node, "per_node") &&
-      inside(cluster.intra.alpha_us, "intra.alpha_us") && inside(cluster.intra.gbps, "intra.gbps") &&
-      inside(cluster.inter.alpha_us, "inter.alpha_us") && inside(cluster.inter.gbps, "inter.gbps") &&
+      inside(cluster.intra.alpha_us, "intra.alpha_us") &&
+      inside(cluster.intra.gbps, "intra.gbps") &&
+      inside(cluster.inter.alpha_us, "inter.alpha_us") &&
+      inside(cluster.inter.gbps, "inter.gbps") &&
       (cluster.intra_p2p.gbps == 0 || (inside(cluster.intra_p2p.gbps, "p2p.gbps") &&
                                        inside(cluster.intra_p2p.alpha_us, "p2p.alpha_us")));
   if (!ok) std::abort();

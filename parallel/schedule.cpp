@@ -245,12 +245,15 @@ class Checker {
         for (size_t& i = next[size_t(stage)]; i < actions.size(); ++i, progress = true) {
           const Action& a = actions[i];
           const int v = virtual_stage(stage, a.chunk);
-          if (a.kind == ActionKind::recv_activation && !delivered[message_(false, a.micro_batch, v)])
+          if (a.kind == ActionKind::recv_activation &&
+              !delivered[message_(false, a.micro_batch, v)])
             break;
           if (a.kind == ActionKind::recv_gradient && !delivered[message_(true, a.micro_batch, v)])
             break;
-          if (a.kind == ActionKind::send_activation) delivered[message_(false, a.micro_batch, v + 1)] = 1;
-          if (a.kind == ActionKind::send_gradient) delivered[message_(true, a.micro_batch, v - 1)] = 1;
+          if (a.kind == ActionKind::send_activation)
+            delivered[message_(false, a.micro_batch, v + 1)] = 1;
+          if (a.kind == ActionKind::send_gradient)
+            delivered[message_(true, a.micro_batch, v - 1)] = 1;
         }
       }
     }

@@ -78,7 +78,8 @@ inline fs::path step_dir(const fs::path& run, int64_t step) {
   return run / "checkpoints" / CheckpointDir::step_name(step);
 }
 
-inline void edit_state(const fs::path& checkpoint, const std::function<void(nlohmann::json&)>& edit) {
+inline void edit_state(const fs::path& checkpoint,
+                       const std::function<void(nlohmann::json&)>& edit) {
   const std::string path = trainer_state_file(checkpoint.string());
   nlohmann::json j = nlohmann::json::parse(read_file(path));
   edit(j);
@@ -109,7 +110,6 @@ inline void write_fmnist(const fs::path& dir, uint32_t n, uint32_t h, uint32_t w
     write_bytes(dir / cat(split, "-labels-idx1-ubyte"), labels);
   }
 }
-
 
 // The safetensors file rewritten with tensor `name`'s element 3 set to value.
 inline void poison(const fs::path& file, const std::string& name, float value) {

@@ -33,7 +33,7 @@ TEST_CASE("thread world: allreduce, reduce-scatter and all-gather over threads",
         const float* p = t.data<float>();
         for (int64_t i = 0; i < count; ++i)
           error = std::max(error, std::abs(double(p[i]) - (n * (n + 1) / 2.0 +
-                                                            double(n) * double(i) / double(count))));
+                                                           double(n) * double(i) / double(count))));
         return error;
       });
       for (double e : worst) CHECK(e < 1e-3);
@@ -49,16 +49,14 @@ TEST_CASE("thread world: allreduce, reduce-scatter and all-gather over threads",
   for (double s : gathered) CHECK(s == 60);
 }
 
-TEST_CASE("thread world: a rank that throws is reported, the others time out naming it",
-          "[comm]") {
-  CHECK_THROWS_WITH(run_thread_ranks<int>(
-                        2,
-                        [](comm::Communicator& world) {
-                          if (world.rank() == 1) throw Error("rank 1 gave up");
-                          Tensor t = full({4}, 1.0f);
-                          comm::allreduce(world, t);
-                          return 0;
-                        },
-                        {.timeout = comm::Millis(2000)}),
+TEST_CASE("thread world: a rank that throws is reported, the others time out naming it", "[comm]") {
+  CHECK_THROWS_WITH(run_thread_ranks<int>(2,
+                                          [](comm::Communicator& world) {
+                                            if (world.rank() == 1) throw Error("rank 1 gave up");
+                                            Tensor t = full({4}, 1.0f);
+                                            comm::allreduce(world, t);
+                                            return 0;
+                                          },
+                                          {.timeout = comm::Millis(2000)}),
                     Catch::Contains("rank"));
 }

@@ -32,7 +32,6 @@ using namespace trainer::testing;
 using namespace trainer::testing::hardening;
 namespace fs = std::filesystem;
 
-
 TEST_CASE("trainer hardening: an output_dir that cannot be made is an error naming it",
           "[hardening]") {
   const fs::path dir = fresh_temp_dir("hardening_outdir");

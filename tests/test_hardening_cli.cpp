@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "parallel/schedule.h"
 #include "tests/hardening.h"
 #include "tests/process.h"
 #include "tests/testing.h"
-#include "parallel/schedule.h"
 #include "trainer/cluster_file.h"
 #include "trainer/numbers.h"
 
@@ -69,15 +69,14 @@ TEST_CASE("numbers: whole-text parsing, ranges and overflow-safe products", "[ha
   CHECK(number_problem(-5, 0, 3600) == "-5 is out of range [0, 3600]");
   CHECK(range_text(0, 1.7976931348623157e308) == "[0, 1.79769e+308]");
   CHECK(checked_product(1 << 20, 1 << 10, int64_t(1) << 30, "x") == int64_t(1) << 30);
-  CHECK_THROWS_WITH(checked_product(int64_t(1) << 40, int64_t(1) << 40, int64_t(1) << 62,
-                                    "--nodes x --per-node"),
-                    Catch::Contains("--nodes x --per-node = 1099511627776 x 1099511627776 is more "
-                                    "than"));
+  CHECK_THROWS_WITH(
+      checked_product(int64_t(1) << 40, int64_t(1) << 40, int64_t(1) << 62, "--nodes x --per-node"),
+      Catch::Contains("--nodes x --per-node = 1099511627776 x 1099511627776 is more "
+                      "than"));
   CHECK_THROWS(checked_product(3, 5, 14, "x"));
 }
 
-TEST_CASE("trainer CLI: option errors exit 1 with one error line, --help exits 0",
-          "[hardening]") {
+TEST_CASE("trainer CLI: option errors exit 1 with one error line, --help exits 0", "[hardening]") {
   require_refused({"plan", kGpt, "--per-node", "99999999999999999999"},
                   {"--per-node", "is not a whole number in [1, 1024]"});
   require_refused({"plan", kGpt, "--bogus"}, {"--bogus", "`trainer plan --help`"});
@@ -97,9 +96,9 @@ TEST_CASE("trainer plan: hostile counts and times are refused before any work", 
   require_refused({"plan", kGpt, "--pp", "100000"}, {"--pp", "[1, 4096]"});
   require_refused({"plan", kGpt, "--pp", "2", "--micro-batches", "2000000000"},
                   {"--micro-batches", "[1, 65536]"});
-  require_refused({"plan", kGpt, "--pp", "2", "--schedule", "interleaved", "--chunks",
-                   "2000000000"},
-                  {"--chunks", "[1, 1024]"});
+  require_refused(
+      {"plan", kGpt, "--pp", "2", "--schedule", "interleaved", "--chunks", "2000000000"},
+      {"--chunks", "[1, 1024]"});
   require_refused({"plan", kGpt, "--fwd-ms", "1e300"}, {"--fwd-ms", "'1e300'"});
   require_refused({"plan", kGpt, "--fwd-ms", ""}, {"--fwd-ms", "''"});
   require_refused({"plan", kGpt, "--bwd-ms", "1,nan"}, {"--bwd-ms", "'nan'"});
@@ -239,9 +238,23 @@ TEST_CASE("trainer launch: hostile options are refused before any rank starts", 
 }
 
 TEST_CASE("trainer plan and launch: a battery of numbers is answered cleanly", "[hardening]") {
-  const std::vector<std::string> values{"0",    "-1",   "1",    "3",     "1e9",     "-0",
-                                        "0.5",  "1e-9", "nan",  "inf",   "2147483648", "",
-                                        "0x10", "1,2",  " 2",   "1e308", "9223372036854775808"};
+  const std::vector<std::string> values{"0",
+                                        "-1",
+                                        "1",
+                                        "3",
+                                        "1e9",
+                                        "-0",
+                                        "0.5",
+                                        "1e-9",
+                                        "nan",
+                                        "inf",
+                                        "2147483648",
+                                        "",
+                                        "0x10",
+                                        "1,2",
+                                        " 2",
+                                        "1e308",
+                                        "9223372036854775808"};
   for (const char* option : {"--pp", "--micro-batches", "--chunks", "--fwd-ms", "--top"})
     for (const std::string& value : values) {
       std::vector<std::string> args{"plan", kGpt, option, value};
@@ -269,8 +282,8 @@ TEST_CASE("trainer plan and launch: a battery of numbers is answered cleanly", "
 TEST_CASE("recipes: non-finite numbers are refused by every float key", "[hardening]") {
   // (yaml-cpp reads "nan" as text, refused as not a number; .nan and .inf are YAML's.)
   for (const char* value : {".nan", ".NaN", ".inf", "-.inf"}) {
-    ProcessResult r =
-        run_bounded({"train", kRecipes + "fmnist_mlp.yaml", cat("optimizer.lr=", value), "--dry-run"});
+    ProcessResult r = run_bounded(
+        {"train", kRecipes + "fmnist_mlp.yaml", cat("optimizer.lr=", value), "--dry-run"});
     INFO(r.output);
     require_error(r, {"optimizer.lr", "is not a finite number"});
   }

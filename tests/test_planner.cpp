@@ -284,7 +284,8 @@ TEST_CASE("planner: the cluster file sets figures and a bad key names file, line
   write("peak_tflops: 300\nmemory_gib: lots\n");
   CHECK_THROWS_WITH(
       load_cluster_file(path, base),
-      Catch::Contains(path + ":2: key 'memory_gib' expects a finite number in [0.001, 1e+06], got 'lots'"));
+      Catch::Contains(
+          path + ":2: key 'memory_gib' expects a finite number in [0.001, 1e+06], got 'lots'"));
   write("peak_tflops: 300\nnvlink: 5\n");
   CHECK_THROWS_WITH(load_cluster_file(path, base),
                     Catch::Contains(path + ":2: unknown key 'nvlink'"));

@@ -18,8 +18,6 @@
 // `timeout` (its error names the peer), so a broken test never hangs.
 #pragma once
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <exception>
@@ -30,22 +28,9 @@
 #include "comm/bootstrap.h"
 #include "comm/communicator.h"
 #include "core/check.h"
+#include "tests/process.h"
 
 namespace trainer::testing {
-
-// A port of this host that was free a moment ago (the store of rank 0 binds it).
-inline int free_tcp_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  CHECK(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 struct ThreadWorldOptions {
   comm::Millis timeout{20000};  // each wait of a collective or message
@@ -56,7 +41,7 @@ template <class Result>
 std::vector<Result> run_thread_ranks(int world_size,
                                      const std::function<Result(comm::Communicator&)>& body,
                                      const ThreadWorldOptions& options = {}) {
-  const int port = free_tcp_port();
+  const int port = free_port();
   static int job = 0;
   const std::string token = cat("thread-world-", ::getpid(), "-", ++job);
   std::vector<Result> results(static_cast<size_t>(world_size), Result{});

@@ -51,9 +51,9 @@ struct Reader {
     for (auto it = map.begin(); it != map.end(); ++it) {
       const std::string at = where(it->first);
       if (!it->first.IsScalar())
-        throw Error(cat(at, ": a key of ", section.empty() ? "the cluster file" : section,
-                        " is a ", it->first.IsSequence() ? "list" : "map",
-                        "; keys are plain names (", keys(), ")"));
+        throw Error(cat(at, ": a key of ", section.empty() ? "the cluster file" : section, " is a ",
+                        it->first.IsSequence() ? "list" : "map", "; keys are plain names (", keys(),
+                        ")"));
       const std::string key = section + it->first.Scalar();
       if (auto [first, fresh] = seen.emplace(key, at); !fresh)
         throw Error(cat(at, ": key '", key, "' is given twice (also at ", first->second,
@@ -126,7 +126,8 @@ parallel::ClusterSpec parse_cluster_file(const std::string& text, const std::str
       if (key == "achievable") base.device.achievable = number;
       if (key == "per_node") {
         if (number != std::floor(number))
-          throw Error(cat(at, ": key 'per_node' expects a whole number of GPUs, got ", value.Scalar()));
+          throw Error(
+              cat(at, ": key 'per_node' expects a whole number of GPUs, got ", value.Scalar()));
         base.per_node = int(number);
       }
     }

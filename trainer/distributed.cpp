@@ -327,7 +327,7 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
     : dist_(dist), session_(&session) {
   if (trace) timeline_ = std::make_unique<parallel::Timeline>(dist.rank());
   if (!dist.active()) return;
-  // Replicas synchronise over the dp ranks only (DESIGN.md "Parallel layout").
+  // Replicas synchronise over the dp ranks only: the other dimensions hold other parts.
   const std::shared_ptr<comm::Communicator>& dp_comm = dist.mesh.dp_comm();
   const Recipe& recipe = session.recipe();
   // The stage split first: "auto" profiles the whole model on rank 0 alone.

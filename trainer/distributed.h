@@ -1,4 +1,4 @@
-// The trainer's side of parallel training (DESIGN.md "parallel/"): joining
+// The trainer's side of parallel training: joining
 // the job when the launcher started several ranks, checking the recipe's
 // layout against the world and laying the ranks out on the mesh
 // (parallel/mesh.h), wrapping the model in DataParallel over the mesh's

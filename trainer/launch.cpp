@@ -145,9 +145,9 @@ std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc)
 CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "start the ranks of this node (torchrun-style) and supervise them");
-  cmd->add_option("--nproc-per-node", o.nproc_per_node,
-                  cat("ranks on this node (at most ", kRanksPerCore,
-                      " per core unless --oversubscribe)"))
+  cmd->add_option(
+         "--nproc-per-node", o.nproc_per_node,
+         cat("ranks on this node (at most ", kRanksPerCore, " per core unless --oversubscribe)"))
       ->required()
       ->check(integer_in(1, kMaxRanksPerNode));
   cmd->add_flag("--oversubscribe", o.oversubscribe,
@@ -465,9 +465,10 @@ class StatusDir {
 
 void validate_launch_options(const LaunchOptions& o) {
   if (o.program.empty() && o.args.empty())
-    throw Error(cat("trainer launch: give the ranks' command after --, e.g. `trainer launch "
-                    "--nproc-per-node ",
-                    o.nproc_per_node, " -- train recipes/fmnist_cnn.yaml`"));
+    throw Error(
+        cat("trainer launch: give the ranks' command after --, e.g. `trainer launch "
+            "--nproc-per-node ",
+            o.nproc_per_node, " -- train recipes/fmnist_cnn.yaml`"));
   if (o.program.empty()) {
     bool known = false;
     for (const char* command : kRankCommands) known = known || o.args[0] == command;
@@ -477,11 +478,12 @@ void validate_launch_options(const LaunchOptions& o) {
                       "info (or give --program)"));
   }
   if (o.nproc_per_node < 1 || o.nproc_per_node > kMaxRanksPerNode)
-    throw Error(cat("--nproc-per-node ", o.nproc_per_node, " is out of range [1, ",
-                    kMaxRanksPerNode, "]"));
+    throw Error(
+        cat("--nproc-per-node ", o.nproc_per_node, " is out of range [1, ", kMaxRanksPerNode, "]"));
   if (o.nnodes < 1 || o.nnodes > kMaxNodes)
     throw Error(cat("--nnodes ", o.nnodes, " is out of range [1, ", kMaxNodes, "]"));
-  checked_product(o.nnodes, o.nproc_per_node, kMaxWorld, "the job's ranks --nnodes x --nproc-per-node");
+  checked_product(o.nnodes, o.nproc_per_node, kMaxWorld,
+                  "the job's ranks --nnodes x --nproc-per-node");
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw Error(cat("--node-rank ", o.node_rank, " is not below --nnodes ", o.nnodes));
   if (o.nnodes > 1 && o.master_port == 0)

@@ -44,8 +44,7 @@ std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
     std::string command = "trainer";
     for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
       if (argc > 1 && sub->get_name() == argv[1]) command += cat(" ", argv[1]);
-    std::fprintf(stderr, "error: %s (`%s --help` lists the options)\n", e.what(),
-                 command.c_str());
+    std::fprintf(stderr, "error: %s (`%s --help` lists the options)\n", e.what(), command.c_str());
     return 1;
   }
   return std::nullopt;

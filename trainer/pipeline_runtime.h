@@ -1,4 +1,4 @@
-// One pipeline stage at run time (DESIGN.md "Pipeline parallelism"): the
+// One pipeline stage at run time: the
 // forward and backward of its pieces per micro-batch, and the activations
 // and gradients it exchanges with the other stages over the mesh's pipeline
 // communicator. The step executor (trainer/step_executor.h) calls it action

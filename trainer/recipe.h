@@ -1,4 +1,4 @@
-// Recipes: YAML files parsed once into typed structs (STYLE.md item 9).
+// Recipes: YAML files parsed once into typed structs, validated against one schema.
 //
 // Every key of the schema is declared once in recipe.cpp (path, type,
 // default, range) and bound to a struct field. Parsing walks the YAML tree;

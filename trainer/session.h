@@ -15,7 +15,7 @@
 // and hands it over (set_sharded_optimizer) before the first step. A
 // checkpoint then holds one optimizer file per rank (trainer/checkpoint.h).
 //
-// Determinism (DESIGN.md): initialisation from Generator(seed, kStreamInit);
+// Determinism (docs/architecture.md): initialisation from Generator(seed, kStreamInit);
 // batches from (seed, epoch, sample index) via the sampler and transforms;
 // dropout re-keyed before every micro-step from (seed, layer, micro-step)
 // (rekey_dropout), so nothing random needs saving and a resumed run

@@ -1,4 +1,4 @@
-// The step executor (DESIGN.md "The step executor"): runs one optimizer
+// The step executor: runs one optimizer
 // step as its schedule's list of actions (parallel/schedule.h) over the
 // micro-batches of the step, and hands back what the loop logs.
 //
