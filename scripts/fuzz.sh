@@ -58,6 +58,15 @@ for lib in parallel optim comm nn core; do
   [ -f "$BUILD/libtrainer_$lib.a" ] || { echo "error: $BUILD/libtrainer_$lib.a is missing; build the trainer in $BUILD first (or set BUILD)" >&2; exit 1; }
   LIBS+=("$BUILD/libtrainer_$lib.a")
 done
+# A CUDA build's parallel library calls into the backend: link it and the
+# toolkit's libraries (listed by CMake in cuda_libraries.txt).
+if [ -f "$BUILD/cuda_libraries.txt" ]; then
+  read -r -a cuda_libs < "$BUILD/cuda_libraries.txt"
+  for lib in "${cuda_libs[@]}"; do
+    LIBS+=("$lib")
+    [[ "$lib" == *.so* ]] && LIBS+=("-Wl,-rpath,$(dirname "$lib")")
+  done
+fi
 SYSTEM_LIBS=(-lyaml-cpp -lz -lopencv_imgcodecs -lopencv_imgproc -lopencv_core -lucp -lucs
              -ldnnl -lgomp -lpthread -ldl)
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
