@@ -1,5 +1,5 @@
 // Per-element steps of the fused attention kernels, written once for host
-// and device (DESIGN.md "Devices"), as core/nn_math.h is for the row
+// and device (docs/architecture.md "Devices"), as core/nn_math.h is for the row
 // kernels: the CPU kernels (core/cpu/cpu_attention.cpp) and the CUDA ones
 // (core/cuda/attention.cu) draw the same dropout mask and rescale their
 // softmax statistics with the same formulas, so the CPU tests check what

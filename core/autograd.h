@@ -1,4 +1,4 @@
-// Define-by-run autograd (DESIGN.md "Autograd").
+// Define-by-run autograd (docs/architecture.md "Autograd").
 //
 // Each differentiable op is a struct with a typed Saved, a forward and a
 // backward; apply<Op>(args...) runs forward and, when grad mode is on and an

@@ -1,4 +1,4 @@
-// The kernel interface every device implements (DESIGN.md "Devices").
+// The kernel interface every device implements (docs/architecture.md "Devices").
 //
 // Ops (core/ops.h) validate, compute output shapes, allocate outputs and
 // record autograd; then they dispatch once, through backend(device), to a

@@ -1,4 +1,4 @@
-// Error channels (DESIGN.md "Errors").
+// Error channels (docs/architecture.md "Errors").
 //
 // 1. Invariants and library calls: CHECK(cond) << context. On failure prints
 //    "[rank R] file:line: CHECK failed: expr: context" and aborts. Backends add

@@ -1,4 +1,4 @@
-// The elementwise math, written once for host and device (DESIGN.md
+// The elementwise math, written once for host and device (docs/architecture.md
 // "Devices"): the CPU reference, the CPU fast path and the CUDA kernels all
 // call these functors, so the CPU tests check the formulas the GPU runs.
 //

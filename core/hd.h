@@ -1,5 +1,5 @@
 // TRAINER_HD marks functions compiled for both host and device, so the CPU
-// kernels and the CUDA kernels run the same math (DESIGN.md "Devices").
+// kernels and the CUDA kernels run the same math (docs/architecture.md "Devices").
 #pragma once
 
 #if defined(__CUDACC__)

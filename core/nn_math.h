@@ -1,5 +1,5 @@
 // Per-element formulas of the softmax, loss, normalisation and pooling
-// kernels, written once for host and device (DESIGN.md "Devices"), as
+// kernels, written once for host and device (docs/architecture.md "Devices"), as
 // core/elementwise_math.h is for the elementwise ops: RefBackend (core/ref)
 // and the CUDA kernels (core/cuda) call them, so the CPU gradient checks
 // test the formulas the GPU runs. The reductions around

@@ -2,7 +2,7 @@
 // they share. Forward and backward of each live in core/ops_conv.cpp; kernels
 // in core/ref/ref_conv.cpp (reference) and core/cpu/cpu_conv.cpp (oneDNN).
 //
-// Layout (DESIGN.md "Layouts"). An image activation has PyTorch's logical
+// Layout (docs/architecture.md "Layouts"). An image activation has PyTorch's logical
 // shape [N, C, H, W] but is channels-last in memory: strides
 // {H*W*C, 1, W*C, C}, a permuted view of an NHWC buffer. Every op here
 // returns channels-last outputs and takes any layout (other layouts are

@@ -1,5 +1,5 @@
 // The per-element optimizer math, written once for host and device
-// (DESIGN.md "Devices"): the optimizer kernels of every backend
+// (docs/architecture.md "Devices"): the optimizer kernels of every backend
 // (core/ref/ref_optim.cpp, core/cpu/cpu_optim.cpp, the CUDA fused multi-tensor
 // kernels of core/cuda/optim.cu) and optim/loss_scaler.cpp call these
 // functions, so the CPU tests check the formulas the GPU runs.

@@ -6,7 +6,7 @@
 // same numbers by construction, in any order and any thread count.
 //
 // Streams name a purpose (init, dropout, augmentation, shuffling...), keyed
-// with rank and step by the caller (DESIGN.md "Determinism").
+// with rank and step by the caller (docs/architecture.md "Determinism").
 //
 // Element i of a draw uses:
 //   uniform / bernoulli: counter offset + i/4, lane i%4

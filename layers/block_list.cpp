@@ -135,14 +135,7 @@ TensorList BlockList::run(size_t first, size_t last, const TensorList& inputs) c
     const Slots& s = slots_[b];
     block_in.clear();
     for (size_t k : s.in) block_in.push_back(slots[k]);
-    TensorList block_out =
-        recompute_ && autograd::grad_enabled()
-            ? autograd::checkpoint(
-                  {.fn = blocks_[b].fn,
-                   .save_state = [&block = blocks_[b],
-                                  root = dropout_root_] { return save_block_state(block, root); }},
-                  block_in)
-            : blocks_[b].fn(block_in);
+    TensorList block_out = call(0, b, block_in);
     CHECK(block_out.size() == s.out.size())
         << "block '" << blocks_[b].name << "' returned " << block_out.size()
         << " tensors, declares " << s.out.size();
@@ -151,6 +144,45 @@ TensorList BlockList::run(size_t first, size_t last, const TensorList& inputs) c
   TensorList out;
   for (size_t k : boundaries_[last].slots) out.push_back(slots[k]);
   return out;
+}
+
+TensorList BlockList::call(size_t w, size_t b, const TensorList& inputs) const {
+  if (w == wrappers_.size()) return blocks_[b].fn(inputs);
+  const BlockFn next = [this, w, b](const TensorList& in) { return call(w + 1, b, in); };
+  return wrappers_[w].run(blocks_[b], inputs, next);
+}
+
+void BlockList::add_wrapper(BlockWrapper wrapper) {
+  CHECK(wrapper.run) << "block wrapper '" << wrapper.name << "' without a function";
+  for (BlockWrapper& w : wrappers_)
+    if (w.name == wrapper.name) {
+      w = std::move(wrapper);
+      return;
+    }
+  wrappers_.push_back(std::move(wrapper));
+}
+
+void BlockList::remove_wrapper(const std::string& name) {
+  std::erase_if(wrappers_, [&](const BlockWrapper& w) { return w.name == name; });
+}
+
+bool BlockList::has_wrapper(const std::string& name) const {
+  return std::any_of(wrappers_.begin(), wrappers_.end(),
+                     [&](const BlockWrapper& w) { return w.name == name; });
+}
+
+void BlockList::set_recompute(bool on, Module* dropout_root) {
+  if (!on) return remove_wrapper("recompute");
+  add_wrapper({.name = "recompute",
+               .run = [dropout_root](const BlockSpec& block, const TensorList& inputs,
+                                     const BlockFn& next) {
+                 if (!autograd::grad_enabled()) return next(inputs);
+                 return autograd::checkpoint(
+                     {.fn = next,
+                      .save_state =
+                          [&block, dropout_root] { return save_block_state(block, dropout_root); }},
+                     inputs);
+               }});
 }
 
 std::vector<NamedTensor> BlockList::named_parameters(size_t first, size_t last) const {

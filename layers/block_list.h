@@ -56,6 +56,18 @@ struct BlockSpec {
   BlockFn fn = {};
 };
 
+// Behaviour around each block's run: recomputation (keep the inputs, run
+// again in backward), and the ones parallelisms add (gather a block's
+// parameters before it and free them after, scatter a sequence). run gets
+// the block and its inputs and must call next (the inner wrappers, then the
+// block's function) at least once; it may call it under a guard, again in
+// backward, or not record a graph.
+struct BlockWrapper {
+  std::string name;  // "recompute"; unique in a BlockList
+  std::function<TensorList(const BlockSpec& block, const TensorList& inputs, const BlockFn& next)>
+      run;
+};
+
 // Two global names of one parameter tensor (GPT's lm_head.weight and
 // transformer.wte.weight), with the blocks that hold each.
 struct TiedParameter {
@@ -91,18 +103,22 @@ class BlockList {
   // Parameters held by several blocks under different names.
   const std::vector<TiedParameter>& tied() const { return tied_; }
 
-  // Activation checkpointing: with recompute on, run() keeps of each block
+  // Wrappers run around every block, the first added outermost. Adding a
+  // wrapper whose name is already there replaces it in place.
+  void add_wrapper(BlockWrapper wrapper);
+  void remove_wrapper(const std::string& name);
+  bool has_wrapper(const std::string& name) const;
+  const std::vector<BlockWrapper>& wrappers() const { return wrappers_; }
+
+  // Activation checkpointing, the wrapper "recompute": run() keeps of each block
   // only its inputs when it records a graph, and the backward runs the block
   // again (autograd::checkpoint) with the first run's dropout masks, leaving
   // generators and buffers (batch norm's running statistics) as they were:
   // the same gradients, bit for bit, for one block's activations at a time.
   // The masks are those of the Dropout layers under dropout_root (the
   // model), or without one those in the blocks' members.
-  void set_recompute(bool on, Module* dropout_root = nullptr) {
-    recompute_ = on;
-    dropout_root_ = dropout_root;
-  }
-  bool recompute() const { return recompute_; }
+  void set_recompute(bool on, Module* dropout_root = nullptr);
+  bool recompute() const { return has_wrapper("recompute"); }
 
  private:
   struct Boundary {
@@ -118,8 +134,10 @@ class BlockList {
   std::vector<Boundary> boundaries_;  // size() + 1
   size_t num_slots_ = 0;
   std::vector<TiedParameter> tied_;
-  bool recompute_ = false;
-  Module* dropout_root_ = nullptr;
+  std::vector<BlockWrapper> wrappers_;
+
+  // Block b's function through wrappers [w, end).
+  TensorList call(size_t w, size_t b, const TensorList& inputs) const;
 };
 
 // A model: a Module whose forward is its block list. Single-input,

@@ -16,7 +16,7 @@
 // f becomes `gather_sequence` (allgather forward, reduce-scatter backward)
 // and g `reduce_scatter_sequence` (the reverse).
 //
-//   auto g = make_comm_group(mesh.tp_comm());            // parallel/tensor_parallel.h
+//   auto g = make_comm_group(mesh.comm(Dim::tp));          // parallel/tensor_parallel.h
 //   fc1.shard(g, LinearSplit::column);                  // [in] -> [4d / n]
 //   fc2.shard(g, LinearSplit::row);                     // [4d / n] -> [d], summed over g
 //   Tensor loss = vocab_parallel_cross_entropy(local_logits, targets, v0, *g);

@@ -1,5 +1,5 @@
 // DataParallel: data-parallel training of any Module over a communicator
-// (DESIGN.md "parallel/"), in the manner of PyTorch's DistributedDataParallel.
+// (docs/architecture.md "Parallelism"), in the manner of PyTorch's DistributedDataParallel.
 //
 // At construction the parameters and buffers are broadcast from rank 0, so
 // every replica starts equal. The parameters that require a gradient are

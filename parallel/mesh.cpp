@@ -4,48 +4,118 @@
 
 namespace trainer::parallel {
 
-const char* mesh_dim_name(MeshDim dim) {
+const char* dim_name(Dim dim) {
   switch (dim) {
-    case MeshDim::dp:
-      return "dp";
-    case MeshDim::pp:
+    case Dim::dp_replicate:
+      return "dp_replicate";
+    case Dim::dp_shard:
+      return "dp_shard";
+    case Dim::ep:
+      return "ep";
+    case Dim::pp:
       return "pp";
-    case MeshDim::tp:
+    case Dim::cp:
+      return "cp";
+    case Dim::tp:
       return "tp";
   }
   return "?";
 }
 
+std::optional<Dim> dim_from_name(std::string_view name) {
+  for (Dim d : kAllDims)
+    if (name == dim_name(d)) return d;
+  return std::nullopt;
+}
+
+std::string to_string(Dims dims) {
+  std::string s;
+  for (Dim d : kAllDims)
+    if (dims.contains(d)) s += cat(s.empty() ? "" : " x ", dim_name(d));
+  return s.empty() ? "()" : s;
+}
+
+MeshShape::MeshShape(std::initializer_list<std::pair<Dim, int>> sizes) {
+  sizes_.fill(1);
+  for (const auto& [dim, size] : sizes) set(dim, size);
+}
+
+MeshShape& MeshShape::set(Dim dim, int size) {
+  CHECK(size >= 1) << dim_name(dim) << " = " << size;
+  sizes_[size_t(dim)] = size;
+  return *this;
+}
+
+int MeshShape::size(Dims dims) const {
+  int n = 1;
+  for (Dim d : kAllDims)
+    if (dims.contains(d)) n *= (*this)[d];
+  return n;
+}
+
 MeshCoord mesh_coord(const MeshShape& shape, int rank) {
-  CHECK(shape.dp >= 1 && shape.pp >= 1 && shape.tp >= 1) << to_string(shape);
   CHECK(rank >= 0 && rank < shape.size()) << "rank " << rank << " outside " << to_string(shape);
-  return MeshCoord{
-      .dp = rank / (shape.pp * shape.tp), .pp = rank / shape.tp % shape.pp, .tp = rank % shape.tp};
+  MeshCoord c;
+  for (size_t i = kAllDims.size(); i-- > 0;) {  // innermost first
+    const Dim d = kAllDims[i];
+    c.set(d, rank % shape[d]);
+    rank /= shape[d];
+  }
+  return c;
+}
+
+int group_index(const MeshShape& shape, const MeshCoord& c, Dims dims) {
+  int index = 0;
+  for (Dim d : kAllDims) {
+    if (!dims.contains(d)) continue;
+    CHECK(c[d] >= 0 && c[d] < shape[d])
+        << dim_name(d) << " index " << c[d] << " outside " << to_string(shape);
+    index = index * shape[d] + c[d];
+  }
+  return index;
 }
 
 int mesh_rank(const MeshShape& shape, const MeshCoord& c) {
-  CHECK(c.dp >= 0 && c.dp < shape.dp && c.pp >= 0 && c.pp < shape.pp && c.tp >= 0 &&
-        c.tp < shape.tp)
-      << "coordinates (" << c.dp << ", " << c.pp << ", " << c.tp << ") outside "
-      << to_string(shape);
-  return (c.dp * shape.pp + c.pp) * shape.tp + c.tp;
+  return group_index(shape, c, Dims::all());
 }
 
-std::vector<int> mesh_group(const MeshShape& shape, int rank, MeshDim dim) {
+std::vector<int> mesh_group(const MeshShape& shape, int rank, Dims dims) {
   const MeshCoord mine = mesh_coord(shape, rank);
-  const int n = dim == MeshDim::dp ? shape.dp : dim == MeshDim::pp ? shape.pp : shape.tp;
   std::vector<int> group;
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0, n = shape.size(dims); i < n; ++i) {
+    // The i-th member: i as a mixed-radix number over dims, innermost last.
     MeshCoord c = mine;
-    (dim == MeshDim::dp ? c.dp : dim == MeshDim::pp ? c.pp : c.tp) = i;
+    int rest = i;
+    for (size_t k = kAllDims.size(); k-- > 0;) {
+      const Dim d = kAllDims[k];
+      if (!dims.contains(d)) continue;
+      c.set(d, rest % shape[d]);
+      rest /= shape[d];
+    }
     group.push_back(mesh_rank(shape, c));
   }
   return group;
 }
 
 std::string to_string(const MeshShape& shape) {
-  return cat("dp=", shape.dp, ", pp=", shape.pp, ", tp=", shape.tp);
+  const bool hybrid = shape[Dim::dp_replicate] > 1 && shape[Dim::dp_shard] > 1;
+  std::string s =
+      hybrid ? cat("dp_replicate=", shape[Dim::dp_replicate], ", dp_shard=", shape[Dim::dp_shard])
+             : cat("dp=", shape.size(kDataParallel));
+  for (Dim d : {Dim::ep, Dim::pp, Dim::cp, Dim::tp})
+    if (shape[d] > 1 || d == Dim::pp || d == Dim::tp) s += cat(", ", dim_name(d), "=", shape[d]);
+  return s;
 }
+
+namespace {
+
+// A group's colour: the rank's indices along the other dimensions, numbered
+// (so ranks share it exactly when they differ only along dims).
+int group_color(const MeshShape& shape, const MeshCoord& c, Dims dims) {
+  return group_index(shape, c, dims.complement());
+}
+
+}  // namespace
 
 Mesh::Mesh(const MeshShape& shape, std::shared_ptr<comm::Communicator> world)
     : shape_(shape), world_(std::move(world)) {
@@ -53,16 +123,16 @@ Mesh::Mesh(const MeshShape& shape, std::shared_ptr<comm::Communicator> world)
   CHECK_EQ(shape_.size(), world_->size()) << to_string(shape_);
   rank_ = world_->rank();
   coord_ = mesh_coord(shape_, rank_);
-  // A group is the ranks sharing the other two coordinates: that pair,
-  // numbered, is its colour; the index along the dimension orders it.
-  const MeshCoord c = coord_;
-  dp_ = world_->split(c.pp * shape_.tp + c.tp, c.dp);
-  pp_ = world_->split(c.dp * shape_.tp + c.tp, c.pp);
-  tp_ = world_->split(c.dp * shape_.pp + c.pp, c.tp);
+  for (Dim d : kAllDims) comm(d);
+  comm(kDataParallel);
 }
 
-const std::shared_ptr<comm::Communicator>& Mesh::comm(MeshDim dim) const {
-  return dim == MeshDim::dp ? dp_ : dim == MeshDim::pp ? pp_ : tp_;
+std::shared_ptr<comm::Communicator> Mesh::comm(Dims dims) const {
+  if (!world_) return nullptr;
+  std::lock_guard<std::mutex> lock(groups_->mutex);
+  std::shared_ptr<comm::Communicator>& c = groups_->by_dims[dims.bits()];
+  if (!c) c = world_->split(group_color(shape_, coord_, dims), group_index(shape_, coord_, dims));
+  return c;
 }
 
 }  // namespace trainer::parallel

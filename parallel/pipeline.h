@@ -1,4 +1,4 @@
-// A model as a pipeline of stages (DESIGN.md "Pipeline parallelism"): which
+// A model as a pipeline of stages (docs/architecture.md "Parallelism"): which
 // blocks of its block list (layers/block_list.h) each stage runs, which
 // tensors travel between stages, and the stage's own parameters.
 //

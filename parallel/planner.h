@@ -1,10 +1,10 @@
 // The cluster planner: which data x pipeline x tensor parallel layout, how
 // many micro-batches, which pipeline schedule, ZeRO-1 and recomputation to
 // train a model on N nodes of G GPUs, chosen by a cost model you can print
-// (STYLE.md item 11). It enumerates the factorisations of N x G into
-// (dp, pp, tp), the micro-batch counts that divide the batch, the schedules
-// of parallel/schedule.h (with V chunks for interleaved), ZeRO-1 and
-// recomputation; predicts each plan's step time as a sum of named terms and
+// and check before spending a cluster on it. It enumerates the
+// factorisations of N x G into (dp, pp, tp), the micro-batch counts that
+// divide the batch, the schedules of parallel/schedule.h (with V chunks for
+// interleaved), ZeRO-1 and recomputation; predicts each plan's step time as a sum of named terms and
 // its memory per rank; rejects what cannot run, with the reason; and ranks
 // the rest by step time.
 //

@@ -1,4 +1,4 @@
-// Training-step schedules as data (DESIGN.md "The step executor"): one
+// Training-step schedules as data (docs/architecture.md "The step executor"): one
 // list of actions per pipeline stage, over the micro-batches of one
 // optimizer step. A generator produces the table, check_schedule() proves it
 // runnable before anything executes, the trainer's step executor

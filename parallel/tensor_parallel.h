@@ -5,7 +5,7 @@
 // adding up the gradient shares of sequence-parallel parameters, and
 // checkpoints that hold whole tensors under their global names.
 //
-//   auto g = make_comm_group(mesh.tp_comm(), recipe.parallel.sequence_parallel);
+//   auto g = make_comm_group(mesh.comm(Dim::tp), recipe.parallel.sequence_parallel);
 //   gpt->shard_tensor_parallel(g);
 //   ... backward ...
 //   TensorList shares = parameters_split_as(*gpt, ParameterSplit::Kind::partial_gradient);

@@ -1,5 +1,5 @@
 // Timeline: a Chrome-trace (Perfetto) record of compute and communication
-// spans per rank (DESIGN.md "Logs").
+// spans per rank (docs/architecture.md "Logs").
 //
 // Each rank records its own spans into a Timeline (thread-safe: the training
 // thread records forward/backward/optimizer, the communicator's progress

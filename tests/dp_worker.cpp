@@ -20,11 +20,6 @@
 //       and size must give the bits of the plain ring, the reducer must be
 //       called, and DataParallel through parallel::direct_reduce (the path of
 //       parallel.gpu_direct) must average the gradients as the default does.
-//   dp_worker mesh DP PP TP
-//       Lays the world out as parallel::Mesh{DP, PP, TP}: each rank's
-//       coordinates and the members of its dp, pp and tp communicators must
-//       be the closed-form ones (parallel::mesh_group), and an allreduce of
-//       world rank + 1 over each dimension must give the sum over its group.
 //   dp_worker kill VICTIM
 //       DataParallel training in which VICTIM SIGKILLs itself in the third
 //       backward; the others must get an Error naming it and exit 3.
@@ -44,7 +39,6 @@
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/device_staging.h"
-#include "parallel/mesh.h"
 #include "tests/worker_checks.h"
 
 using namespace trainer;
@@ -296,45 +290,6 @@ int run_kill(const std::shared_ptr<comm::Communicator>& world, int victim) {
   return 1;
 }
 
-int run_mesh(const std::shared_ptr<comm::Communicator>& world, int dp, int pp, int tp) {
-  const parallel::MeshShape shape{.dp = dp, .pp = pp, .tp = tp};
-  const int rank = world->rank();
-  parallel::Mesh mesh(shape, world);
-  int checks = 0, failed = 0;
-  auto expect = [&](bool ok, const std::string& what) {
-    ++checks;
-    if (ok) return;
-    ++failed;
-    std::printf("rank %d: MISMATCH %s\n", rank, what.c_str());
-  };
-  const parallel::MeshCoord c = mesh.coord();
-  expect(c == parallel::mesh_coord(shape, rank) && mesh.rank() == rank,
-         cat("coordinates (", c.dp, ", ", c.pp, ", ", c.tp, ")"));
-  for (parallel::MeshDim dim :
-       {parallel::MeshDim::dp, parallel::MeshDim::pp, parallel::MeshDim::tp}) {
-    const comm::Communicator& group = *mesh.comm(dim);
-    const std::vector<int> want = parallel::mesh_group(shape, rank, dim);
-    std::vector<int> members;
-    for (int r = 0; r < group.size(); ++r) members.push_back(group.world_rank(r));
-    const int index = dim == parallel::MeshDim::dp   ? c.dp
-                      : dim == parallel::MeshDim::pp ? c.pp
-                                                     : c.tp;
-    expect(members == want && group.rank() == index,
-           cat(parallel::mesh_dim_name(dim), " group of ", members.size(), " ranks, index ",
-               group.rank(), " (expected ", want.size(), " ranks, index ", index, ")"));
-    double value = rank + 1, expected = 0;
-    for (int member : want) expected += member + 1;
-    comm::allreduce(*mesh.comm(dim), &value, 1, DType::f64, {.op = comm::ReduceOp::sum});
-    expect(value == expected,
-           cat(parallel::mesh_dim_name(dim), " allreduce gave ", value, ", expected ", expected));
-  }
-  // Rank 0 hosts the store the groups' channels meet through: it stays
-  // until every group has finished with it.
-  comm::barrier(*world);
-  std::printf("rank %d: %d checks, %d failed\n", rank, checks, failed);
-  return failed == 0 ? 0 : 1;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -347,14 +302,11 @@ int main(int argc, char** argv) {
                        size_t(std::atoll(argv[4])), argc == 6 ? argv[5] : "default");
     if (mode == "kill" && argc == 3) return run_kill(world, std::atoi(argv[2]));
     if (mode == "reducer" && argc == 2) return run_reducer(world);
-    if (mode == "mesh" && argc == 5)
-      return run_mesh(world, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());
     return 2;
   }
-  std::fprintf(stderr,
-               "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES [PATH] | kill VICTIM | reducer | "
-               "mesh DP PP TP\n");
+  std::fprintf(
+      stderr, "usage: dp_worker equiv OVERLAP ACCUM BUCKET_BYTES [PATH] | kill VICTIM | reducer\n");
   return 64;
 }

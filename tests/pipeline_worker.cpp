@@ -2,7 +2,7 @@
 // (tests/test_parallel_pipeline_runtime.cpp), started by `trainer launch` or
 // by the test with torchrun-style variables. Every rank is one pipeline
 // stage (pp = world size) of a small model with a long skip connection and
-// drives trainer::PipelineRuntime itself, action by action, through a stage
+// drives trainer::parallel::PipelineRuntime itself, action by action, through a stage
 // list of parallel::make_schedule, as the trainer's step executor does.
 //
 //   pipeline_worker equiv SCHEDULE...
@@ -48,9 +48,9 @@
 #include "layers/linear.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline.h"
+#include "parallel/pipeline_runtime.h"
 #include "parallel/schedule.h"
 #include "tests/worker_checks.h"
-#include "trainer/pipeline_runtime.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -372,8 +372,8 @@ int main(int argc, char** argv) {
     // A dead peer is detected within milliseconds; the timeout only bounds a hang.
     auto world = comm::init_world(
         boot, {.timeout = comm::Millis(30000), .connect_timeout = comm::Millis(30000)});
-    Mesh mesh({.dp = 1, .pp = world->size(), .tp = 1}, world);
-    const std::shared_ptr<comm::Communicator>& pp = mesh.pp_comm();
+    Mesh mesh(MeshShape{{Dim::pp, world->size()}}, world);
+    const std::shared_ptr<comm::Communicator> pp = mesh.comm(Dim::pp);
     if (mode == "equiv" && argc > 2)
       return run_equiv(*world, pp, std::vector<std::string>(argv + 2, argv + argc));
     if (mode == "mismatch" && argc == 2) return run_failing_step(pp, kRows, kRows - 1, {});

@@ -330,6 +330,62 @@ TEST_CASE("blocks: a long skip connection is live across every boundary it spans
   CHECK(unread.find("'h' is read before any block writes it") != std::string::npos);
 }
 
+TEST_CASE("blocks: wrappers run around every block in order, and recompute is one of them",
+          "[models][blocks]") {
+  auto plus_one = [](const TensorList& in) { return TensorList{in[0] + 1.0}; };
+  BlockList blocks({"x"}, {"x"}, {{.name = "a", .fn = plus_one}, {.name = "b", .fn = plus_one}});
+  std::vector<std::string> trace;
+  // outer doubles what the inner chain returns; inner adds 10 to the inputs.
+  blocks.add_wrapper(
+      {.name = "outer", .run = [&](const BlockSpec& b, const TensorList& in, const BlockFn& next) {
+         trace.push_back("outer " + b.name);
+         return TensorList{next(in)[0] * 2.0};
+       }});
+  blocks.add_wrapper(
+      {.name = "inner", .run = [&](const BlockSpec& b, const TensorList& in, const BlockFn& next) {
+         trace.push_back("inner " + b.name);
+         return next({in[0] + 10.0});
+       }});
+  Tensor x = from_vector(std::vector<float>{1}, {1});
+  // a: (1 + 10 + 1) * 2 = 24; b: (24 + 10 + 1) * 2 = 70.
+  require_close(blocks.run({x})[0], from_vector(std::vector<float>{70}, {1}), 0, 0, "wrapped");
+  CHECK(trace == std::vector<std::string>{"outer a", "inner a", "outer b", "inner b"});
+  // Replacing keeps the place; removing leaves the block's own function.
+  blocks.add_wrapper(
+      {.name = "outer", .run = [](const BlockSpec&, const TensorList& in, const BlockFn& next) {
+         return next(in);
+       }});
+  CHECK(blocks.wrappers().size() == 2);
+  CHECK(blocks.wrappers()[0].name == "outer");
+  require_close(blocks.run({x})[0], from_vector(std::vector<float>{23}, {1}), 0, 0, "replaced");
+  blocks.remove_wrapper("inner");
+  blocks.remove_wrapper("outer");
+  require_close(blocks.run({x})[0], from_vector(std::vector<float>{3}, {1}), 0, 0, "plain");
+
+  // Recompute as a wrapper: it runs the chain inside it again in backward.
+  Tensor w = from_vector(std::vector<float>{3}, {1}).requires_grad_();
+  int runs = 0;
+  BlockList scaled({"x"}, {"x"}, {{.name = "s", .fn = [&](const TensorList& in) {
+                                     ++runs;
+                                     return TensorList{in[0] * w};
+                                   }}});
+  scaled.set_recompute(true);
+  CHECK(scaled.recompute());
+  scaled.add_wrapper(
+      {.name = "count", .run = [&](const BlockSpec&, const TensorList& in, const BlockFn& next) {
+         trace.push_back("count");
+         return next(in);
+       }});
+  trace.clear();
+  Tensor y = scaled.run({from_vector(std::vector<float>{2}, {1}).requires_grad_()})[0];
+  sum(y).backward();
+  CHECK(runs == 2);  // forward, and again in backward
+  CHECK(trace == std::vector<std::string>{"count", "count"});
+  CHECK(w.grad().item<float>() == 2.0f);
+  scaled.set_recompute(false);
+  CHECK(!scaled.recompute());
+}
+
 // Deferred initialisation (core/tensor.h): a pipeline stage builds the model
 // with no memory for its weights and materialises only its own blocks.
 TEST_CASE("deferred init: every model built deferred is, block by block, the model built at once",

@@ -1,4 +1,4 @@
-// The pipeline runtime (trainer/pipeline_runtime.h) over several processes,
+// The pipeline runtime (parallel/pipeline_runtime.h) over several processes,
 // driven action by action by tests/pipeline_worker.cpp: a model with a long
 // skip connection across two stage boundaries against the same model run
 // whole in one process, bit for bit, under gpipe, 1f1b and zbh1; a boundary

@@ -27,7 +27,10 @@ Recipe recipe_with(const std::vector<std::string>& overrides) {
 }
 
 ParallelLayout layout_of(int dp, int pp, int tp, bool zero1) {
-  return ParallelLayout{.mesh = {.dp = dp, .pp = pp, .tp = tp}, .zero1 = zero1};
+  return ParallelLayout{.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, dp},
+                                                    {parallel::Dim::pp, pp},
+                                                    {parallel::Dim::tp, tp}},
+                        .zero1 = zero1};
 }
 
 void require_same_bits(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>& b) {
@@ -53,8 +56,7 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.dp=2"}), 1); }),
              Catch::Contains("parallel.dp = 2 but the job has 1 rank") &&
                  Catch::Contains("set parallel.dp=1"));
-  CHECK(parallel_layout(recipe_with({"parallel.pp=2"}), 4).mesh ==
-        parallel::MeshShape{.dp = 2, .pp = 2, .tp = 1});
+  CHECK(parallel_layout(recipe_with({"parallel.pp=2"}), 4).mesh == layout_of(2, 2, 1, false).mesh);
   CHECK_THAT(error_of([] { parallel_layout(recipe_with({"parallel.pp=2"}), 3); }),
              Catch::Contains("launch dp x pp x tp ranks"));
   CHECK_THAT(error_of([] {
@@ -68,8 +70,7 @@ TEST_CASE("layout: the recipe's dp x pp x tp against the world, with errors nami
   // fp16 on split models: the ranks agree on overflow (trainer/precision.h).
   CHECK_NOTHROW(parallel_layout(recipe_with({"parallel.pp=2", "precision=fp16"}), 2));
   CHECK_NOTHROW(parallel_layout(recipe_with({"parallel.tp=2", "precision=fp16"}), 2));
-  CHECK(parallel_layout(recipe_with({"parallel.tp=2"}), 4).mesh ==
-        parallel::MeshShape{.dp = 2, .pp = 1, .tp = 2});
+  CHECK(parallel_layout(recipe_with({"parallel.tp=2"}), 4).mesh == layout_of(2, 1, 2, false).mesh);
   // ZeRO-1 shards each tensor-parallel rank's part over its dp group.
   CHECK(parallel_layout(recipe_with({"parallel.tp=2", "parallel.zero1=true"}), 4).zero1);
   // Read by pipeline schedules only: refused, not ignored, with pp = 1.

@@ -669,10 +669,10 @@ int main(int argc, char** argv) {
     // The timeout only bounds a hang (a rank that skipped a collective).
     auto world = comm::init_world(
         boot, {.timeout = comm::Millis(30000), .connect_timeout = comm::Millis(30000)});
-    parallel::Mesh mesh({.dp = 1, .pp = 1, .tp = world->size()}, world);
+    parallel::Mesh mesh(parallel::MeshShape{{parallel::Dim::tp, world->size()}}, world);
     // Two groups over one communicator, used one after the other.
-    const Group plain = parallel::make_comm_group(mesh.tp_comm(), false);
-    const Group sp = parallel::make_comm_group(mesh.tp_comm(), true);
+    const Group plain = parallel::make_comm_group(mesh.comm(parallel::Dim::tp), false);
+    const Group sp = parallel::make_comm_group(mesh.comm(parallel::Dim::tp), true);
     if (mode == "regions") {
       // Staged; in place (256 KiB tensors of f64 at width 2048); in place
       // after the region grows past its first 8 MiB (width 65536).

@@ -249,9 +249,9 @@ struct StateFields {
     if (!v->is_boolean()) wrong_type(prefix + key, *v, "true or false");
     return v->get<bool>();
   }
-  const json& object(const json& parent, const char* key) const {
-    const json& v = *find(parent, key, "", false);
-    if (!v.is_object()) wrong_type(key, v, "an object");
+  const json& object(const json& parent, const char* key, const std::string& prefix = "") const {
+    const json& v = *find(parent, key, prefix, false);
+    if (!v.is_object()) wrong_type(prefix + key, v, "an object");
     return v;
   }
 };
@@ -261,6 +261,7 @@ struct StateFields {
 void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
   const TrainState& s = file.state;
   json j;
+  j["format"] = kTrainerStateFormat;
   j["step"] = s.step;
   j["epoch"] = s.epoch;
   j["position"] = s.position;
@@ -273,10 +274,12 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
               {"augment", "keyed by (seed, epoch, sample index)"}};
   const ParallelLayout& l = s.layout;
   j["parallel"] = {{"world_size", l.world_size()},
-                   {"dp", l.mesh.dp},
-                   {"pp", l.mesh.pp},
-                   {"tp", l.mesh.tp},
+                   {"dp", l.mesh.size(parallel::kDataParallel)},
+                   {"pp", l.mesh[parallel::Dim::pp]},
+                   {"tp", l.mesh[parallel::Dim::tp]},
                    {"zero1", l.zero1}};
+  for (parallel::Dim d : parallel::kAllDims)
+    j["parallel"]["mesh"][parallel::dim_name(d)] = l.mesh[d];
   for (const auto& [ranks, model] : s.link_models)
     j["link_models"].push_back({{"ranks", ranks},
                                 {"alpha_s", model.alpha},
@@ -292,6 +295,31 @@ TrainerStateFile read_trainer_state(const std::string& dir) {
   return parse_trainer_state(read_file(path, "the trainer state"), path);
 }
 
+namespace {
+
+// parallel.mesh (format 2), or the data x pipeline x tensor figures of
+// format 1 (written before pipeline and tensor parallelism had keys: all
+// data-parallel).
+parallel::MeshShape read_mesh(StateFields& fields, const json& p, int64_t world, int64_t max) {
+  parallel::MeshShape mesh;
+  if (!p.contains("mesh")) {
+    mesh.set(parallel::Dim::dp_replicate, int(fields.integer(p, "dp", world, "parallel.", max)));
+    mesh.set(parallel::Dim::pp, int(fields.integer(p, "pp", 1, "parallel.", max)));
+    mesh.set(parallel::Dim::tp, int(fields.integer(p, "tp", 1, "parallel.", max)));
+    return mesh;
+  }
+  const json& m = fields.object(p, "mesh", "parallel.");
+  for (const auto& [key, value] : m.items())
+    if (!parallel::dim_from_name(key))
+      throw Error(cat(fields.path, ": parallel.mesh names a dimension '", key,
+                      "' this build does not know; resume with the trainer that wrote it"));
+  for (parallel::Dim d : parallel::kAllDims)
+    mesh.set(d, int(fields.integer(m, parallel::dim_name(d), 1, "parallel.mesh.", max)));
+  return mesh;
+}
+
+}  // namespace
+
 TrainerStateFile parse_trainer_state(const std::string& text, const std::string& path) {
   // A key given twice is refused: which of the two values holds is not known.
   const json j = parse_strict_json(text, [&](const std::string& problem) {
@@ -301,6 +329,13 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
     throw Error(
         cat(path, ": not a JSON object but ", j.type_name(), "; use an earlier checkpoint"));
   StateFields fields{path};
+  const int64_t format = fields.integer(j, "format", 1);
+  if (format > kTrainerStateFormat)
+    throw Error(cat(path, ": format ", format,
+                    " was written by a newer trainer (this one reads up to ", kTrainerStateFormat,
+                    "); resume with that trainer"));
+  if (format < 1)
+    throw Error(cat(path, ": format ", format, " is not a version; use an earlier checkpoint"));
   TrainerStateFile file;
   TrainState& s = file.state;
   s.step = fields.integer(j, "step");
@@ -316,13 +351,10 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
     // Up to 2^20 ranks per dimension: world_size below cannot overflow.
     constexpr int64_t kMaxRanks = int64_t(1) << 20;
     const int64_t world = fields.integer(p, "world_size", 1, "parallel.", kMaxRanks);
-    // Written before pipeline and tensor parallelism had keys: all data-parallel.
-    s.layout.mesh = {.dp = int(fields.integer(p, "dp", world, "parallel.", kMaxRanks)),
-                     .pp = int(fields.integer(p, "pp", 1, "parallel.", kMaxRanks)),
-                     .tp = int(fields.integer(p, "tp", 1, "parallel.", kMaxRanks))};
+    s.layout.mesh = read_mesh(fields, p, world, kMaxRanks);
     s.layout.zero1 = fields.boolean(p, "zero1", false, "parallel.");
-    if (int64_t(s.layout.mesh.dp) * s.layout.mesh.pp * s.layout.mesh.tp != world)
-      throw Error(cat(path, ": parallel.world_size ", world, " is not dp x pp x tp (",
+    if (int64_t(s.layout.mesh.size()) != world)
+      throw Error(cat(path, ": parallel.world_size ", world, " is not the product of the mesh (",
                       parallel::to_string(s.layout.mesh), "); use an earlier checkpoint"));
   }
   if (j.contains("link_models")) {
@@ -370,9 +402,10 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
     if (was == now) return;
     out += cat(out.empty() ? "" : ", ", what, " ", was, " -> ", now);
   };
-  change("dp", saved.mesh.dp, current.mesh.dp);
-  change("pp", saved.mesh.pp, current.mesh.pp);
-  change("tp", saved.mesh.tp, current.mesh.tp);
+  change("dp", saved.mesh.size(parallel::kDataParallel),
+         current.mesh.size(parallel::kDataParallel));
+  change("pp", saved.mesh[parallel::Dim::pp], current.mesh[parallel::Dim::pp]);
+  change("tp", saved.mesh[parallel::Dim::tp], current.mesh[parallel::Dim::tp]);
   change("zero1", saved.zero1 ? "on" : "off", current.zero1 ? "on" : "off");
   return out;
 }

@@ -55,12 +55,16 @@ std::string optimizer_part_file(const std::string& dir, int part, int parts);
 std::string stream_state_file(const std::string& dir, int rank);
 std::string loss_scaler_file(const std::string& dir);
 std::string trainer_state_file(const std::string& dir);
+// The version of trainer_state.json this build writes: 1 (no "format" key)
+// recorded the layout as parallel.{dp, pp, tp}; 2 adds parallel.mesh, the
+// size of every mesh dimension. Older versions load; a newer one is refused.
+inline constexpr int kTrainerStateFormat = 2;
 
 // The job's parallel layout, recorded with every checkpoint: resuming needs
 // the same (a sample position counts one dp rank's samples, a shard holds
 // one rank's part of the optimizer state).
 struct ParallelLayout {
-  parallel::MeshShape mesh;  // dp x pp x tp = world size
+  parallel::MeshShape mesh;  // its product is the world size
   bool zero1 = false;        // the optimizer state sharded over the dp ranks
   int world_size() const { return mesh.size(); }
   bool operator==(const ParallelLayout&) const = default;

@@ -13,11 +13,11 @@
 #include "comm/collectives.h"
 #include "optim/clip.h"
 #include "parallel/device_staging.h"
+#include "parallel/pipeline_runtime.h"
 #include "parallel/planner.h"
 #include "parallel/sync_batchnorm.h"
 #include "trainer/device.h"
 #include "trainer/metrics.h"
-#include "trainer/pipeline_runtime.h"
 #include "trainer/pipeline_split.h"
 #include "trainer/session.h"
 #include "trainer/tensorboard.h"
@@ -215,7 +215,9 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
   if (dp == 0 || dp * model_ranks != world_size) throw Error(layout_mismatch(r, world_size));
   ParallelLayout layout;
-  layout.mesh = {.dp = int(dp), .pp = int(p.pp), .tp = int(p.tp)};
+  layout.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, int(dp)},
+                                    {parallel::Dim::pp, int(p.pp)},
+                                    {parallel::Dim::tp, int(p.tp)}};
   layout.zero1 = p.zero1 && dp > 1;
   return layout;
 }
@@ -244,7 +246,7 @@ Distributed join_job(Recipe& recipe, bool dry_run) {
   const ParallelLayout job = parallel_layout(recipe, world);
   // The tensor-parallel group is the mesh's innermost dimension: ranks
   // [k tp, (k + 1) tp), on one host when the host's ranks divide by tp.
-  const int tp = job.mesh.tp, local = boot.local_world_size;
+  const int tp = job.mesh[parallel::Dim::tp], local = boot.local_world_size;
   if (tp > 1 && world == boot.world_size && tp <= local && local % tp != 0) {
     std::string fits;
     for (int d = 1; d <= local; ++d)
@@ -254,8 +256,10 @@ Distributed join_job(Recipe& recipe, bool dry_run) {
                     tp, " ranks fit on one; use a parallel.tp dividing ", local, " (", fits,
                     ") or start a multiple of ", tp, " ranks per host"));
   }
-  const int64_t micro_batches = resolved_micro_batches(recipe, job.mesh.dp);
-  const std::string note = micro_batches_note(recipe, micro_batches, job.mesh.dp);
+  const int64_t micro_batches =
+      resolved_micro_batches(recipe, job.mesh.size(parallel::kDataParallel));
+  const std::string note =
+      micro_batches_note(recipe, micro_batches, job.mesh.size(parallel::kDataParallel));
   recipe.parallel.micro_batches = micro_batches;
   if (!note.empty() && boot.rank == 0) {
     std::FILE* out = note.starts_with("warning") ? stderr : stdout;
@@ -297,7 +301,7 @@ parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   const Recipe& r = session.recipe();
   if (r.parallel.stages != "auto" && r.parallel.stage_memory_mb <= 0)
     return choose_split(session, nullptr);
-  const int pieces = int(dist.layout.job.mesh.pp * r.parallel.virtual_stages);
+  const int pieces = int(dist.layout.job.mesh[parallel::Dim::pp] * r.parallel.virtual_stages);
   std::vector<int64_t> bounds(size_t(pieces) + 1, 0);
   std::string error;
   if (dist.is_main()) {
@@ -315,7 +319,7 @@ parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   comm::broadcast(*dist.world(), bounds.data(), bounds.size() * sizeof(int64_t), 0);
   if (bounds[0] < 0)
     throw Error(dist.is_main() ? error : "parallel.stages: auto failed on rank 0 (see its error)");
-  parallel::StageSplit split{.stages = dist.layout.job.mesh.pp,
+  parallel::StageSplit split{.stages = dist.layout.job.mesh[parallel::Dim::pp],
                              .chunks = int(r.parallel.virtual_stages)};
   for (int64_t b : bounds) split.bounds.push_back(size_t(b));
   return split;
@@ -328,13 +332,14 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   if (trace) timeline_ = std::make_unique<parallel::Timeline>(dist.rank());
   if (!dist.active()) return;
   // Replicas synchronise over the dp ranks only: the other dimensions hold other parts.
-  const std::shared_ptr<comm::Communicator>& dp_comm = dist.mesh.dp_comm();
+  const std::shared_ptr<comm::Communicator>& dp_comm = dist.mesh.comm(parallel::kDataParallel);
   const Recipe& recipe = session.recipe();
   // The stage split first: "auto" profiles the whole model on rank 0 alone.
   std::optional<parallel::StageSplit> split;
-  if (dist.layout.job.mesh.pp > 1) split = agreed_split(session, dist);
-  if (dist.layout.job.mesh.tp > 1) {
-    tp_ = parallel::make_comm_group(dist.mesh.tp_comm(), recipe.parallel.sequence_parallel);
+  if (dist.layout.job.mesh[parallel::Dim::pp] > 1) split = agreed_split(session, dist);
+  if (dist.layout.job.mesh[parallel::Dim::tp] > 1) {
+    tp_ = parallel::make_comm_group(dist.mesh.comm(parallel::Dim::tp),
+                                    recipe.parallel.sequence_parallel);
     session.set_tensor_parallel(tp_);
     if (dist.is_main() && !session.tensor_parallel_note().empty()) {
       std::printf("%s\n", session.tensor_parallel_note().c_str());
@@ -342,10 +347,10 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
     }
   }
   if (split) {
-    session.set_pipeline(*split, dist.layout.coord.pp);
-    pipeline_ =
-        std::make_unique<PipelineRuntime>(*session.pipeline_plan(), dist.layout.coord.pp,
-                                          dist.mesh.pp_comm(), session.blocks(), timeline_.get());
+    session.set_pipeline(*split, dist.layout.coord[parallel::Dim::pp]);
+    pipeline_ = std::make_unique<parallel::PipelineRuntime>(
+        *session.pipeline_plan(), dist.layout.coord[parallel::Dim::pp],
+        dist.mesh.comm(parallel::Dim::pp), session.blocks(), timeline_.get());
   }
   std::shared_ptr<Module> model = session.trained_ptr();
   if (tp_) {
@@ -410,14 +415,15 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   // The gradient norm: every stage's parameters, every tensor-parallel
   // rank's parts of the split ones, the whole ones once.
   std::vector<Tensor> skips = tied_copies_counted_elsewhere(session);
-  if (tp_ && dist.layout.coord.tp != 0)
+  if (tp_ && dist.layout.coord[parallel::Dim::tp] != 0)
     for (const Tensor& p : model->parameters())
       if (!sharded_.count(p.impl())) skips.push_back(p);
   zero_ = std::make_shared<parallel::ZeroOptimizer>(
       dp_comm, session.trained_param_groups(), make,
-      parallel::ZeroOptions{.buckets = &dp_->buckets(),
-                            .norm_also_over = {dist.mesh.pp_comm(), dist.mesh.tp_comm()},
-                            .norm_skips = std::move(skips)});
+      parallel::ZeroOptions{
+          .buckets = &dp_->buckets(),
+          .norm_also_over = {dist.mesh.comm(parallel::Dim::pp), dist.mesh.comm(parallel::Dim::tp)},
+          .norm_skips = std::move(skips)});
   session.set_sharded_optimizer(zero_);
 }
 
@@ -460,7 +466,7 @@ void DistributedRun::finish_gradients() {
 void DistributedRun::add_tied_gradient(size_t k, Tensor& grad) const {
   // Both stages compute own + other's: the same bits on both (a + b == b + a).
   const Session::TiedAcrossStages& t = session_->tied_across_stages()[k];
-  comm::Communicator& pp = *dist_.mesh.pp_comm();
+  comm::Communicator& pp = *dist_.mesh.comm(parallel::Dim::pp);
   Tensor mine = grad.contiguous().clone(), theirs = empty_like(mine);
   const comm::P2PTag tag{.micro_batch = (int64_t(1) << comm::P2PTag::kMicroBatchBits) - 1,
                          .direction = comm::P2PDirection::gradient,
@@ -471,8 +477,9 @@ void DistributedRun::add_tied_gradient(size_t k, Tensor& grad) const {
     got.wait();
     sent.wait();
   } catch (const Error& e) {
-    throw Error(cat("pipeline stage ", dist_.layout.coord.pp, ", exchanging the gradient of ",
-                    t.name, " (tied across stages) with stage ", t.peer, ": ", e.what()));
+    throw Error(cat("pipeline stage ", dist_.layout.coord[parallel::Dim::pp],
+                    ", exchanging the gradient of ", t.name, " (tied across stages) with stage ",
+                    t.peer, ": ", e.what()));
   }
   autograd::NoGradGuard no_grad;
   add_(grad, theirs);
@@ -484,7 +491,7 @@ double DistributedRun::clip_gradients(double max_norm) const {
   for (const Tensor& p : session_->trained().parameters()) mine.insert(p.impl());
   for (const Session::TiedAcrossStages& t : session_->tied_across_stages())
     if (!t.owner) not_owned.insert(t.param.impl());
-  const bool first_tp_rank = dist_.layout.coord.tp == 0;
+  const bool first_tp_rank = dist_.layout.coord[parallel::Dim::tp] == 0;
   const std::vector<NamedTensor>& all = session_->global_parameters();
   // One entry per parameter, set by the stage that owns it (a replicated
   // one by the first tensor-parallel rank, a split one by all): the others
@@ -496,10 +503,10 @@ double DistributedRun::clip_gradients(double max_norm) const {
       sums[k] = optim::grad_power_sum(all[k].tensor, 2.0);
   }
   if (pipeline_)
-    comm::allreduce(*dist_.mesh.pp_comm(), sums.data(), sums.size(), DType::f64,
+    comm::allreduce(*dist_.mesh.comm(parallel::Dim::pp), sums.data(), sums.size(), DType::f64,
                     {.op = comm::ReduceOp::sum});
   if (tp_)
-    comm::allreduce(*dist_.mesh.tp_comm(), sums.data(), sums.size(), DType::f64,
+    comm::allreduce(*dist_.mesh.comm(parallel::Dim::tp), sums.data(), sums.size(), DType::f64,
                     {.op = comm::ReduceOp::sum});
   double total = 0;
   for (double v : sums) total += v;
@@ -524,7 +531,7 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
   constexpr int kValues = 5;
   const double local[kValues] = {mine.loss, double(mine.top1), double(mine.top5),
                                  double(mine.samples), double(mine.skipped)};
-  comm::Communicator& dp_comm = *dist_.mesh.dp_comm();
+  comm::Communicator& dp_comm = *dist_.mesh.comm(parallel::kDataParallel);
   std::vector<double> all(kValues * size_t(dp_comm.size()));
   comm::allgather(dp_comm, local, all.data(), sizeof(local));
   EvalSums sums;
@@ -542,7 +549,7 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
 EvalSums DistributedRun::evaluate_pipeline(Session& session) const {
   const parallel::PipelinePlan& plan = pipeline_->plan();
   const int last = plan.split().stage_of(plan.pieces() - 1);
-  const bool sums_here = dist_.layout.coord.pp == last;
+  const bool sums_here = dist_.layout.coord[parallel::Dim::pp] == last;
   BatchSource& source = session.data();
   EvalSums sums;
   {
@@ -564,7 +571,7 @@ EvalSums DistributedRun::evaluate_pipeline(Session& session) const {
   }
   // The last stage's sums, to every stage of this pipeline.
   double v[4] = {sums.loss, double(sums.top1), double(sums.top5), double(sums.samples)};
-  comm::broadcast(*dist_.mesh.pp_comm(), v, sizeof v, last);
+  comm::broadcast(*dist_.mesh.comm(parallel::Dim::pp), v, sizeof v, last);
   return EvalSums{v[0], int64_t(v[1]), int64_t(v[2]), int64_t(v[3])};
 }
 

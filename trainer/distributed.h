@@ -54,8 +54,10 @@
 
 namespace trainer {
 
-class Session;
+namespace parallel {
 class PipelineRuntime;
+}
+class Session;
 struct EvalMetrics;
 struct EvalSums;
 
@@ -66,8 +68,10 @@ struct RankLayout {
   int rank = 0;  // world rank
   parallel::MeshCoord coord;
   int world_size() const { return job.world_size(); }
-  int dp_rank() const { return coord.dp; }
-  int dp_size() const { return job.mesh.dp; }
+  int dp_rank() const { return parallel::group_index(job.mesh, coord, parallel::kDataParallel); }
+  int dp_size() const { return job.mesh.size(parallel::kDataParallel); }
+  int size(parallel::Dims dims) const { return job.mesh.size(dims); }
+  int index(parallel::Dims dims) const { return parallel::group_index(job.mesh, coord, dims); }
   // parallel.zero1 on more than one dp rank.
   bool shards_optimizer() const { return job.zero1; }
 };
@@ -139,7 +143,7 @@ class DistributedRun {
 
   const Distributed& dist() const { return dist_; }
   // This rank's pipeline stage (parallel.pp > 1), else null.
-  PipelineRuntime* pipeline() const { return pipeline_.get(); }
+  parallel::PipelineRuntime* pipeline() const { return pipeline_.get(); }
   parallel::Timeline* timeline() const { return timeline_.get(); }
   parallel::DataParallel* data_parallel() const { return dp_.get(); }
   // The worker's side of parameter servers (parallel.mode), else null.
@@ -211,7 +215,7 @@ class DistributedRun {
   // those whose gradients are shares to sum (sequence parallelism).
   std::set<const TensorImpl*> sharded_;
   TensorList gradient_shares_;
-  std::unique_ptr<PipelineRuntime> pipeline_;
+  std::unique_ptr<parallel::PipelineRuntime> pipeline_;
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;
   std::unique_ptr<parallel::DataParallel> dp_;

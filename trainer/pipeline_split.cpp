@@ -92,7 +92,8 @@ parallel::StageSplit balanced_split(const Session& session, const BlockProfile& 
   }
   try {
     return parallel::balanced_split(cost, memory, p.stage_memory_mb * double(1 << 20),
-                                    session.layout().job.mesh.pp, int(p.virtual_stages));
+                                    session.layout().job.mesh[parallel::Dim::pp],
+                                    int(p.virtual_stages));
   } catch (const Error& e) {
     throw Error(cat(e.what(), " (parallel.schedule ", p.schedule, " keeps up to ", in_flight,
                     " micro-batches in flight on a stage",
@@ -188,7 +189,7 @@ parallel::StageSplit choose_split(const Session& session, const BlockProfile* pr
   const Recipe& r = session.recipe();
   const ParallelRecipe& p = r.parallel;
   const size_t n = session.blocks().size();
-  const int stages = session.layout().job.mesh.pp, chunks = int(p.virtual_stages);
+  const int stages = session.layout().job.mesh[parallel::Dim::pp], chunks = int(p.virtual_stages);
   try {
     parallel::StageSplit split;
     if (p.stages == "list") {

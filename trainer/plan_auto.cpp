@@ -61,7 +61,7 @@ std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t
   if (!listed || p.virtual_stages != 1 || (p.pp > 1 && schedule < 0) || recompute < 0) return {};
   std::vector<int64_t> choice(size, 0);
   const int64_t head[kHead] = {1,
-                               saved.state.layout.mesh.dp,
+                               saved.state.layout.mesh.size(parallel::kDataParallel),
                                p.pp,
                                p.tp,
                                p.pp > 1 ? p.micro_batches : was.training.grad_accum,

@@ -90,7 +90,7 @@ Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
   const Device device = training_device(r, layout_.world_size());
   const int64_t dp = layout_.dp_size();
   const TrainingRecipe& t = r.training;
-  const bool pipeline = layout_.job.mesh.pp > 1;
+  const bool pipeline = layout_.job.mesh[parallel::Dim::pp] > 1;
   const char* split_key = pipeline ? "parallel.micro_batches" : "training.grad_accum";
   CHECK(!pipeline || t.grad_accum == 1)
       << "a pipeline with training.grad_accum " << t.grad_accum << " (parallel_layout refuses it)";
@@ -111,7 +111,7 @@ Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
   total_steps_ = t.steps > 0 ? t.steps : t.epochs * steps_per_epoch_;
 
   // ---- model and optimizer ----
-  const bool split_model = pipeline || layout_.job.mesh.tp > 1;
+  const bool split_model = pipeline || layout_.job.mesh[parallel::Dim::tp] > 1;
   if (split_model) {
     // A pipeline stage gives memory only to its own blocks (set_pipeline), a
     // tensor-parallel rank only to its parts (set_tensor_parallel): until
@@ -191,11 +191,11 @@ void Session::set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
   tp_ = std::move(g);
   // This rank's parts, each made from its whole tensor's record in turn;
   // under a pipeline, only its stage's (set_pipeline).
-  if (layout_.job.mesh.pp == 1) materialize_model();
+  if (layout_.job.mesh[parallel::Dim::pp] == 1) materialize_model();
   global_params_.clear();
   for (const optim::ParamGroup& group : param_groups(recipe_, *model_))
     global_params_.insert(global_params_.end(), group.params.begin(), group.params.end());
-  if (!shards_optimizer() && layout_.job.mesh.pp == 1)
+  if (!shards_optimizer() && layout_.job.mesh[parallel::Dim::pp] == 1)
     optimizer_ = make_optimizer(recipe_, param_groups(recipe_, *model_));
 }
 
@@ -312,7 +312,7 @@ void Session::save(const std::string& dir, const TrainState& state) const {
   if (tp_) {
     // The split tensors gathered whole over the tensor-parallel group
     // (collective); its first rank writes them, as one process would.
-    const bool writes = layout_.coord.dp == 0 && layout_.coord.tp == 0;
+    const bool writes = layout_.dp_rank() == 0 && layout_.coord[parallel::Dim::tp] == 0;
     std::vector<NamedTensor> model =
         parallel::gather_whole(plan_ ? stage_module_->state() : model_->state(), *model_, *tp_);
     // ZeRO-1: every rank writes its shard of its part, as it holds it.
@@ -330,7 +330,8 @@ void Session::save(const std::string& dir, const TrainState& state) const {
     if (writes || sharded) part.optimizer = std::move(optim);
     // ZeRO-1 shards of this rank's parts: how to join them into whole tensors.
     if (sharded) {
-      part.optimizer_metadata["tp"] = cat(layout_.coord.tp, " ", layout_.job.mesh.tp);
+      part.optimizer_metadata["tp"] =
+          cat(layout_.coord[parallel::Dim::tp], " ", layout_.job.mesh[parallel::Dim::tp]);
       for (const auto& [name, split] : model_->parameter_splits())
         if (split.kind == ParameterSplit::Kind::sharded)
           part.optimizer_metadata["tp_split." + name] = cat(split.dim, " ", split.parts);
@@ -342,7 +343,7 @@ void Session::save(const std::string& dir, const TrainState& state) const {
   } else {
     // Each stage's first replica writes its tensors as one part of the model
     // and of the optimizer state; a weight tied across stages goes in once.
-    const bool writes = layout_.coord.dp == 0 && layout_.coord.tp == 0;
+    const bool writes = layout_.dp_rank() == 0 && layout_.coord[parallel::Dim::tp] == 0;
     part.model_part = part.optimizer_part = stage_;
     part.model_parts = part.optimizer_parts = plan_->split().stages;
     if (writes) part.model = stage_module_->state();
@@ -441,13 +442,14 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
     // The windows and images of an epoch are dealt to the ranks in turn (r,
     // r + dp, ...), so the first k samples of each of D ranks are the
     // epoch's first k D, under any D.
-    if (saved.mesh.dp != layout_.dp_size() && state.position > 0) {
+    if (saved.mesh.size(parallel::kDataParallel) != layout_.dp_size() && state.position > 0) {
       // A hostile position must not overflow here; load_stream_state names
       // it against the epoch's size below.
-      if (state.position > std::numeric_limits<int64_t>::max() / std::max<int64_t>(1, saved.mesh.dp))
+      if (state.position > std::numeric_limits<int64_t>::max() /
+                               std::max<int64_t>(1, saved.mesh.size(parallel::kDataParallel)))
         throw Error(cat(trainer_state_file(dir), ": \"position\" ", state.position,
                         " is past any epoch; the file is damaged: use an earlier checkpoint"));
-      const int64_t consumed = state.position * saved.mesh.dp;
+      const int64_t consumed = state.position * saved.mesh.size(parallel::kDataParallel);
       const int64_t per_step = micro_batch_ * micro_batches_ * layout_.dp_size();
       if (consumed % per_step != 0)
         throw Error(cat(dir, " stopped ", consumed, " samples into epoch ", state.epoch,
@@ -475,7 +477,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
       for (const TiedAcrossStages& t : tied_) {
         if (t.owner) continue;
         parallel::MeshCoord owner = layout_.coord;
-        owner.pp = t.peer;
+        owner.set(parallel::Dim::pp, t.peer);
         const int owner_rank = parallel::mesh_rank(layout_.job.mesh, owner);
         for (NamedTensor& e : read_optimizer(dir, true, owner_rank, reading))
           if (e.name.starts_with(t.name + ".")) optim_tensors.emplace(e.name, std::move(e.tensor));
@@ -493,7 +495,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
             split == splits.end() ? p.tensor.shape() : full_shape(p.tensor.shape(), split->second);
       }
       if (const auto* gpt = dynamic_cast<const GPT*>(model_.get()))
-        for (const auto& [name, shape] : gpt->vocab_shapes(saved.mesh.tp))
+        for (const auto& [name, shape] : gpt->vocab_shapes(saved.mesh[parallel::Dim::tp]))
           if (shapes.count(name)) shapes[name] = shape;
       optim_file = dir + "/optimizer.rank*.safetensors";
       optim_tensors = read_sharded_optimizer_whole(dir, shapes, reading);
@@ -533,10 +535,10 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
           cat(changes,
               saved.zero1 || layout_.job.zero1 ? "; the optimizer state re-sliced by parameter name"
                                                : "",
-              saved.mesh.dp != layout_.dp_size() && state.position > 0
+              saved.mesh.size(parallel::kDataParallel) != layout_.dp_size() && state.position > 0
                   ? cat("; the epoch's data position kept: ", file.state.position,
-                        " samples on each of ", saved.mesh.dp, " ranks -> ", state.position,
-                        " on each of ", layout_.dp_size())
+                        " samples on each of ", saved.mesh.size(parallel::kDataParallel),
+                        " ranks -> ", state.position, " on each of ", layout_.dp_size())
                   : "");
   }
   copy_named(held_state(), model);

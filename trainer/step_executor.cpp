@@ -4,8 +4,8 @@
 
 #include "core/autocast.h"
 #include "core/ops.h"
+#include "parallel/pipeline_runtime.h"
 #include "parallel/trace.h"
-#include "trainer/pipeline_runtime.h"
 
 namespace trainer {
 
@@ -13,13 +13,14 @@ using parallel::Action;
 using parallel::ActionKind;
 
 parallel::Schedule training_schedule(const Recipe& recipe, const RankLayout& layout) {
-  if (layout.job.mesh.pp == 1) return parallel::one_stage_schedule(int(recipe.training.grad_accum));
+  if (layout.job.mesh[parallel::Dim::pp] == 1)
+    return parallel::one_stage_schedule(int(recipe.training.grad_accum));
   // The LSTM LM's wavefront: the time chunks are the micro-batches.
   const int64_t micro_batches =
       recipe.parallel.time_chunks > 1 ? recipe.parallel.time_chunks : recipe.parallel.micro_batches;
   try {
-    return parallel::make_schedule(recipe.parallel.schedule, layout.job.mesh.pp, int(micro_batches),
-                                   int(recipe.parallel.virtual_stages));
+    return parallel::make_schedule(recipe.parallel.schedule, layout.job.mesh[parallel::Dim::pp],
+                                   int(micro_batches), int(recipe.parallel.virtual_stages));
   } catch (const Error& e) {
     throw Error(cat(recipe.source, ": ", e.what()));
   }
@@ -34,7 +35,7 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
       actions_(schedule_.stages.at(run.pipeline() ? size_t(run.pipeline()->stage()) : 0)),
       time_chunks_(run.pipeline() ? int(session.recipe().parallel.time_chunks) : 1) {
   parallel::check_schedule(schedule_);
-  PipelineRuntime* pipeline = run_.pipeline();
+  parallel::PipelineRuntime* pipeline = run_.pipeline();
   if (!pipeline)
     CHECK_EQ(schedule_.stages.size(), size_t(1)) << "a pipeline schedule without stages";
   for (size_t i = 0; i < actions_.size(); ++i) {
@@ -131,7 +132,7 @@ void StepExecutor::grad_sync(InFlight& in_flight) {
 }
 
 StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
-  PipelineRuntime& rt = *run_.pipeline();
+  parallel::PipelineRuntime& rt = *run_.pipeline();
   InFlight in_flight;
   in_flight.step = step;
   in_flight.batches.resize(size_t(schedule_.micro_batches));
@@ -166,7 +167,7 @@ StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
 }
 
 bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
-  PipelineRuntime& rt = *run_.pipeline();
+  parallel::PipelineRuntime& rt = *run_.pipeline();
   // Time chunks are pieces of one batch, read once per step.
   std::optional<StepBatch>& batch = in_flight.batches[time_chunks_ > 1 ? 0 : size_t(m)];
   if (!batch) {
@@ -196,7 +197,7 @@ bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
 
 void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
   StepResult& result = in_flight.result;
-  PipelineRuntime* pipeline = run_.pipeline();
+  parallel::PipelineRuntime* pipeline = run_.pipeline();
   const bool has_loss = !pipeline || pipeline->is_last_piece(schedule_.chunks - 1);
   const StepVerdict verdict = run_.agree(in_flight.loss_sum / double(schedule_.micro_batches),
                                          in_flight.finite, stop_requested, has_loss);

@@ -22,7 +22,7 @@
 //
 // On a pipeline (pp > 1, M = parallel.micro_batches) the rank runs its
 // stage's list of the recipe's schedule (gpipe, 1f1b, interleaved, zbh1)
-// through its PipelineRuntime (trainer/pipeline_runtime.h):
+// through its PipelineRuntime (parallel/pipeline_runtime.h):
 //   recvA/sendA, recvG/sendG   activations and gradients between stages
 //   F m (chunk c)  micro-batch m is read on every stage (the first piece
 //                  takes its inputs, the last its targets); dropout re-keyed

@@ -312,10 +312,11 @@ int train_command(const TrainArgs& args) {
     std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
                 parallel::to_string(dist.layout.job.mesh).c_str(),
                 s.shards_optimizer() ? ", zero1" : "", num_threads());
-    std::printf(
-        "%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
-        (long long)s.total_steps(), (long long)s.steps_per_epoch(), (long long)s.micro_batch(),
-        dist.layout.job.mesh.pp > 1 ? "micro_batches" : "grad_accum", (long long)s.micro_batches());
+    std::printf("%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
+                (long long)s.total_steps(), (long long)s.steps_per_epoch(),
+                (long long)s.micro_batch(),
+                dist.layout.job.mesh[parallel::Dim::pp] > 1 ? "micro_batches" : "grad_accum",
+                (long long)s.micro_batches());
   }
   if (main_rank) {
     std::printf("device %s\n", cat(module_device(s.model())).c_str());
@@ -329,7 +330,7 @@ int train_command(const TrainArgs& args) {
   }
   if (args.dry_run) {
     if (!main_rank) return 0;
-    const int tp = dist.layout.job.mesh.tp;
+    const int tp = dist.layout.job.mesh[parallel::Dim::tp];
     if (tp > 1) {
       // Rank 0's part of the split model, its collectives moving nothing.
       const int64_t whole = s.model().num_parameters();
@@ -339,7 +340,7 @@ int train_command(const TrainArgs& args) {
                   with_commas(s.model().num_parameters()).c_str(), with_commas(whole).c_str());
     }
     std::printf("%s", s.summary().c_str());
-    if (dist.layout.job.mesh.pp > 1) {
+    if (dist.layout.job.mesh[parallel::Dim::pp] > 1) {
       // Every stage as it would run, profiled here on one micro-batch.
       const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
       BlockProfile profile = profile_blocks(s, autocast);

@@ -5,11 +5,12 @@
 // PyTorch's oihw (goihw with groups) and are reordered to whatever blocked
 // format the chosen convolution wants, gradients reordered back. Primitives
 // and reorders are built once per (shapes, strides, attributes, thread count)
-// and cached; each call binds pointers and runs (STYLE.md "Set up once, run
-// many"). Where oneDNN has brgemm convolutions (AVX-512), stride-1 data
-// gradients run as forward convolutions of the flipped weights; strided 1x1
-// gradients run as sgemm (core/cpu/conv_pointwise.h; both faster than oneDNN
-// 2.6's backward kernels). Where oneDNN's convolutions are its AVX2 jit ones,
+// and cached; each call binds pointers and runs (docs/architecture.md
+// "Set up once, run many"). Where oneDNN has brgemm convolutions
+// (AVX-512), stride-1 data gradients run as forward convolutions of the
+// flipped weights; strided 1x1 gradients run as sgemm
+// (core/cpu/conv_pointwise.h; both faster than oneDNN 2.6's backward
+// kernels). Where oneDNN's convolutions are its AVX2 jit ones,
 // the forward and weight gradient of 3x3 (and larger) convolutions and the
 // data gradient of large stride-1 ones run the project's own kernels
 // (core/cpu/conv_direct_avx2.h: 1.1-1.6x oneDNN 2.6's on ResNet-18's

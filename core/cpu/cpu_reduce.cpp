@@ -14,7 +14,7 @@
 // The work is split over independent output groups ("units") when there are
 // at least as many as threads; otherwise each unit's reduced range is cut
 // into one chunk per thread and the partials are combined in chunk order, so
-// a result depends only on the thread count (DESIGN.md "Determinism").
+// a result depends only on the thread count (docs/architecture.md "Determinism").
 //
 // Sums accumulate in double, so f32 sums do not drift over 10^7 elements;
 // var is two-pass (the mean, then the sum of centred squares).

@@ -7,7 +7,7 @@
 //
 // oneDNN's C++ API reports failures by throwing dnnl::error; DNNL_CHECK turns
 // one into a CHECK failure that prints the failing call, oneDNN's message and
-// its status name, then aborts (DESIGN.md "Errors").
+// its status name, then aborts (docs/architecture.md "Errors").
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>

@@ -1,5 +1,5 @@
 // The cache of oneDNN primitives the CPU kernels build once per shape
-// (DESIGN.md: set up once, run many): a Key of everything a primitive
+// (docs/architecture.md "Set up once, run many"): a Key of everything a primitive
 // depends on (kind, thread count, shapes, strides, attributes) and a
 // thread-safe map from keys to entries that live for the process.
 //

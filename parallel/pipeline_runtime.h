@@ -48,7 +48,7 @@
 #include "parallel/schedule.h"
 #include "parallel/trace.h"
 
-namespace trainer {
+namespace trainer::parallel {
 
 class PipelineRuntime {
  public:
@@ -166,4 +166,4 @@ class PipelineRuntime {
   void wait_sends(size_t n);
 };
 
-}  // namespace trainer
+}  // namespace trainer::parallel

@@ -1,4 +1,4 @@
-#include "trainer/pipeline_runtime.h"
+#include "parallel/pipeline_runtime.h"
 
 #include <algorithm>
 
@@ -7,7 +7,7 @@
 #include "core/ops.h"
 #include "core/ops_conv.h"
 
-namespace trainer {
+namespace trainer::parallel {
 
 using parallel::Action;
 using parallel::ActionKind;
@@ -518,4 +518,4 @@ void PipelineRuntime::finish_step() {
   in_flight_.clear();
 }
 
-}  // namespace trainer
+}  // namespace trainer::parallel
