@@ -161,6 +161,13 @@ class Model : public Module {
   // of the vocabulary.
   virtual Tensor output_loss(const Tensor& logits, const Tensor& targets,
                              const CrossEntropyOptions& options = {}) const;
+  // The whole shapes of the tensors whose shape depends on the
+  // tensor-parallel size, by name: what a checkpoint written at tp holds
+  // (GPT's vocabulary rows, padded to a multiple of tp). Empty for most models.
+  virtual std::map<std::string, Shape> shapes_at_tensor_parallel(int /*tp*/) const { return {}; }
+  // What shard_tensor_parallel changed that a user should hear of, one
+  // line ("" for nothing).
+  virtual std::string tensor_parallel_note() const { return ""; }
   // BlockList::set_recompute on the model's blocks (parallel.recompute: blocks).
   void set_recompute(bool on) { blocks_.set_recompute(on, this); }
 

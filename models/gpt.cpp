@@ -132,7 +132,14 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
     fit_vocab_rows(tensors, name, options_.vocab_size, vocab_rows_);
 }
 
-std::map<std::string, Shape> GPT::vocab_shapes(int tp) const {
+std::string GPT::tensor_parallel_note() const {
+  if (!tp_ || vocab_rows_ == options_.vocab_size) return "";
+  return cat("model: vocabulary ", options_.vocab_size, " padded to ", vocab_rows_,
+             " rows for parallel.tp=", tp_->size(),
+             "; the padded rows are never sampled or predicted (zero, and left out of the loss)");
+}
+
+std::map<std::string, Shape> GPT::shapes_at_tensor_parallel(int tp) const {
   const int64_t rows = padded_vocab(options_.vocab_size, std::max(tp, 1));
   std::map<std::string, Shape> shapes{{"transformer.wte.weight", {rows, options_.n_embd}}};
   if (!options_.tie_weights) shapes["lm_head.weight"] = {rows, options_.n_embd};

@@ -58,7 +58,9 @@ class GPT : public Model {
   // The whole shapes of the vocabulary's tensors (transformer.wte.weight,
   // and lm_head.weight when untied) in this model split over tp ranks:
   // what a checkpoint written at that tp holds.
-  std::map<std::string, Shape> vocab_shapes(int tp) const;
+  std::map<std::string, Shape> shapes_at_tensor_parallel(int tp) const override;
+  // The vocabulary's padding under tensor parallelism, when there is one.
+  std::string tensor_parallel_note() const override;
   // Renames the older names ("wte.weight", "h.0....") and, tied, checks
   // lm_head.weight equals transformer.wte.weight (or adds it when absent).
   // The vocabulary's padding rows (zero) of a checkpoint written at another

@@ -22,7 +22,10 @@
 #include <thread>
 
 #include "parallel/trace.h"
+#include "tests/dp_checks.h"
 #include "tests/runs.h"
+#include "tests/thread_world.h"
+#include "tests/worker_checks.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
@@ -48,25 +51,42 @@ Outcome launch_worker(int nproc, const std::vector<std::string>& args, double ti
   return finish(start(argv), timeout_s);
 }
 
-void check_equivalence(int nproc, const std::string& overlap, const std::string& accum,
-                       const std::string& bucket_bytes, const std::string& path = "default") {
-  INFO(nproc << " ranks, overlap " << overlap << ", grad_accum " << accum << ", buckets of "
+// Ranks as threads of this process (tests/thread_world.h), each running
+// a check of tests/dp_checks.h; every one must pass.
+void require_threads_passed(int ranks, const std::function<int(comm::Communicator&)>& check) {
+  const std::vector<int> codes = testing::run_thread_ranks<int>(ranks, [&](comm::Communicator& w) {
+    testing::g_rank = w.rank();
+    testing::g_checks = testing::g_failures = 0;
+    return check(w);
+  });
+  for (int r = 0; r < ranks; ++r) {
+    INFO("rank " << r << " (its mismatches are printed above)");
+    CHECK(codes[size_t(r)] == 0);
+  }
+}
+
+// A non-owning handle on a thread's world, as the checks take one.
+std::shared_ptr<comm::Communicator> handle(comm::Communicator& w) {
+  return std::shared_ptr<comm::Communicator>(&w, [](comm::Communicator*) {});
+}
+
+void check_equivalence(int ranks, bool overlap, int64_t accum, size_t bucket_bytes,
+                       const std::string& path = "default") {
+  INFO(ranks << " ranks, overlap " << overlap << ", grad_accum " << accum << ", buckets of "
              << bucket_bytes << " bytes, path " << path);
-  Outcome o = launch_worker(nproc, {"equiv", overlap, accum, bucket_bytes, path});
-  INFO(o.output);
-  REQUIRE(o.code == 0);
-  for (int r = 0; r < nproc; ++r) CHECK(o.output.find(cat("rank ", r, ": ")) != std::string::npos);
-  CHECK(o.output.find(" 0 failed") != std::string::npos);
+  require_threads_passed(ranks, [&](comm::Communicator& w) {
+    return testing::run_equiv(handle(w), overlap, accum, bucket_bytes, path);
+  });
 }
 
 TEST_CASE("ddp: the ring allreduce with a caller's Reducer, and direct_reduce, 2 and 3 ranks",
-          "[parallel][dp][mp]") {
+          "[parallel][dp][threads]") {
   // The hook of parallel.gpu_direct (device memory reduced by a device
   // kernel), run with a host reducer that counts its calls.
-  for (int nproc : {2, 3}) {
-    INFO(nproc << " ranks");
-    Outcome o = launch_worker(nproc, {"reducer"});
-    testing::require_ranks_passed(o.code, o.output, nproc);
+  for (int ranks : {2, 3}) {
+    INFO(ranks << " ranks");
+    require_threads_passed(ranks,
+                           [](comm::Communicator& w) { return testing::run_reducer(handle(w)); });
   }
 }
 
@@ -143,23 +163,30 @@ TEST_CASE("timeline: the trace file is Chrome-trace JSON with one process per ra
 }
 
 TEST_CASE("ddp: dp=2 at batch b matches one process at batch 2b, with and without overlap",
-          "[parallel][mp]") {
-  check_equivalence(2, "1", "1", "512");       // several buckets, overlapped
-  check_equivalence(2, "0", "1", "512");       // reduced after backward
-  check_equivalence(2, "1", "1", "26214400");  // the default 25 MB: one bucket
+          "[parallel][threads]") {
+  check_equivalence(2, true, 1, 512);               // several buckets, overlapped
+  check_equivalence(2, false, 1, 512);              // reduced after backward
+  check_equivalence(2, true, 1, size_t(26214400));  // the default 25 MB: one bucket
 }
 
 TEST_CASE("ddp: buckets in a shared region reduced in place, or copied through staging, match",
-          "[parallel][mp]") {
-  check_equivalence(2, "1", "1", "512", "in-place");
-  check_equivalence(3, "1", "2", "1024", "in-place");
-  check_equivalence(2, "0", "1", "26214400", "in-place");
-  check_equivalence(2, "1", "1", "512", "pipelined");
+          "[parallel][threads]") {
+  check_equivalence(2, true, 1, 512, "in-place");
+  check_equivalence(3, true, 2, 1024, "in-place");
+  check_equivalence(2, false, 1, size_t(26214400), "in-place");
+  check_equivalence(2, true, 1, 512, "pipelined");
 }
 
-TEST_CASE("ddp: gradient accumulation communicates once per step and matches", "[parallel][mp]") {
-  check_equivalence(2, "1", "3", "512");
-  check_equivalence(3, "1", "2", "1024");
+TEST_CASE("ddp: gradient accumulation communicates once per step and matches",
+          "[parallel][threads]") {
+  check_equivalence(2, true, 3, 512);
+  check_equivalence(3, true, 2, 1024);
+}
+
+TEST_CASE("ddp: the equivalence holds for ranks as processes of trainer launch", "[parallel][mp]") {
+  // The same check as the threads', end to end: each rank its own process.
+  Outcome o = launch_worker(3, {"equiv", "1", "2", "1024", "in-place"});
+  testing::require_ranks_passed(o.code, o.output, 3);
 }
 
 TEST_CASE("ddp: a rank killed in backward becomes an error naming it", "[parallel][mp]") {

@@ -1,7 +1,8 @@
-// The pipeline runtime (parallel/pipeline_runtime.h) over several processes,
-// driven action by action by tests/pipeline_worker.cpp: a model with a long
-// skip connection across two stage boundaries against the same model run
-// whole in one process, bit for bit, under gpipe, 1f1b and zbh1; a boundary
+// The pipeline runtime (parallel/pipeline_runtime.h) driven action by action
+// by tests/pipeline_checks.cpp: a model with a long skip connection across
+// two stage boundaries against the same model run whole, bit for bit, under
+// gpipe, 1f1b and zbh1 (stages as threads of this process); as processes of
+// trainer launch (tests/pipeline_worker.cpp), a boundary
 // tensor whose shape differs from the probe's; and a stage killed mid-step.
 // The failure cases must end within a timeout with an Error naming the
 // stage and what it was doing, never hang.
@@ -11,13 +12,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <regex>
 #include <sstream>
 #include <thread>
 
-#include "tests/process.h"  // last: it brings Catch's CHECK
+#include "tests/pipeline_checks.h"
+#include "tests/process.h"  // after the others: it brings Catch's CHECK
+#include "tests/thread_world.h"
+#include "tests/worker_checks.h"
 
 using namespace trainer;
 using trainer::testing::Child;
@@ -117,22 +124,42 @@ bool contains(const std::string& text, const std::string& needle) {
 TEST_CASE(
     "pipeline runtime: a skip across two stage boundaries gives one process's gradients bit "
     "for bit, gpipe, 1f1b and zbh1",
-    "[parallel][mp]") {
+    "[parallel][threads]") {
+  // Three stages as threads of this process (tests/thread_world.h).
   const std::vector<std::string> schedules = {"gpipe", "1f1b", "zbh1"};
   std::vector<std::string> args{"equiv"};
   args.insert(args.end(), schedules.begin(), schedules.end());
-  ProcessResult o = launch(3, args);
-  trainer::testing::require_ranks_passed(o.code, o.output, 3);
-  INFO(o.output);
+  struct Report {
+    int code = -1, checks = 0, failures = 0;
+    std::vector<std::string> compared;
+  };
+  const std::vector<Report> reports = trainer::testing::run_thread_ranks<Report>(
+      3,
+      [&](comm::Communicator& world) {
+        omp_set_num_threads(1);
+        using namespace trainer::testing;
+        g_rank = world.rank();
+        g_checks = g_failures = 0;
+        g_compared.clear();
+        Report r;
+        r.code = run_pipeline_checks(
+            std::shared_ptr<comm::Communicator>(&world, [](comm::Communicator*) {}), args);
+        r.checks = g_checks;
+        r.failures = g_failures;
+        r.compared = g_compared;
+        return r;
+      },
+      {.timeout = comm::Millis(30000)});
   for (int r = 0; r < 3; ++r) {
-    // Each rank's own summary, with its checks run (not just some rank's " 0 failed").
-    std::smatch found;
-    const std::regex summary(cat("rank ", r, ": ([0-9]+) checks, 0 failed"));
-    REQUIRE(std::regex_search(o.output, found, summary));
-    CHECK(std::stoi(found[1].str()) >= 2 * int(schedules.size()) * 2);
+    INFO("rank " << r << " (mismatches are printed above)");
+    const Report& report = reports[size_t(r)];
+    CHECK(report.code == 0);
+    CHECK(report.failures == 0);
+    CHECK(report.checks >= 2 * int(schedules.size()) * 2);
     for (const std::string& s : schedules)
-      CHECK(contains(o.output,
-                     cat("rank ", r, ": ", s, ": stage ", r, " gradients of 4 parameters")));
+      CHECK(std::find(report.compared.begin(), report.compared.end(),
+                      cat(s, ": stage ", r, " gradients of 4 parameters")) !=
+            report.compared.end());
   }
 }
 

@@ -1,6 +1,7 @@
 // Tensor parallelism's ops and split layers (layers/tensor_parallel.h,
-// parallel/tensor_parallel.h) over groups of 2 and 4 processes, in double:
-// tests/tp_worker.cpp is the rank program. Every rank runs the
+// parallel/tensor_parallel.h) over groups of 2 and 4 ranks as threads of
+// this process, in double (tests/tp_checks.h; tests/tp_worker.cpp runs the
+// same checks as processes, end to end). Every rank runs the
 // single-process reference itself and compares its own part: the region
 // ops against their whole-tensor definitions, the vocabulary-parallel
 // cross-entropy against cross_entropy and finite differences, a column- and
@@ -8,13 +9,18 @@
 // Transformer block and a small GPT against the unsplit ones, with and
 // without sequence parallelism. (The trainer at tp > 1 is
 // test_parallel_tensor's.)
-#include <regex>
+#include <omp.h>
+
+#include <algorithm>
 
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "layers/tensor_parallel.h"
 #include "parallel/tensor_parallel.h"
-#include "tests/process.h"  // last: it brings Catch's CHECK
+#include "tests/process.h"  // after the others: it brings Catch's CHECK
+#include "tests/thread_world.h"
+#include "tests/tp_checks.h"
+#include "tests/worker_checks.h"
 
 using namespace trainer;
 using trainer::testing::ProcessResult;
@@ -35,28 +41,52 @@ ProcessResult launch(int nproc, const std::string& mode) {
                      {.env = {{"OMP_NUM_THREADS", "1"}}, .timeout_s = kTimeoutSeconds});
 }
 
-// Runs mode over groups of 2 and 4: every rank passed, ran at least
-// min_checks checks and reported each of its parts compared
-// ("rank r: <part>, n = N: compared"; with sequence_parallel also
-// "rank r: <part>, n = N, sequence parallel: compared").
+// What one rank of a thread group reported.
+struct RankReport {
+  int code = -1;
+  int checks = 0, failures = 0;
+  std::vector<std::string> compared;
+};
+
+// Runs mode (tests/tp_checks.h) over groups of 2 and 4 ranks as threads of
+// this process, one OpenMP thread each: every rank passed, ran at least
+// min_checks checks and compared each of its parts ("<part>, n = N"; with
+// sequence_parallel also "<part>, n = N, sequence parallel").
 void require_passed(const std::string& mode, int min_checks, const std::vector<std::string>& parts,
                     bool sequence_parallel) {
   for (int n : {2, 4}) {
-    INFO("group of " << n);
-    ProcessResult o = launch(n, mode);
-    trainer::testing::require_ranks_passed(o.code, o.output, n);
-    INFO(o.output);
+    INFO("group of " << n << " (mismatches are printed above)");
+    const std::vector<RankReport> reports = trainer::testing::run_thread_ranks<RankReport>(
+        n,
+        [&](comm::Communicator& world) {
+          omp_set_num_threads(1);
+          using namespace trainer::testing;
+          g_rank = world.rank();
+          g_checks = g_failures = 0;
+          g_compared.clear();
+          RankReport r;
+          r.code = run_tp_checks(
+              std::shared_ptr<comm::Communicator>(&world, [](comm::Communicator*) {}), mode);
+          r.checks = g_checks;
+          r.failures = g_failures;
+          r.compared = g_compared;
+          return r;
+        },
+        {.timeout = comm::Millis(30000)});
     for (int r = 0; r < n; ++r) {
-      // Each rank's own summary, with its checks run (not just some rank's " 0 failed").
-      std::smatch found;
-      REQUIRE(std::regex_search(o.output, found,
-                                std::regex(cat("rank ", r, ": ([0-9]+) checks, 0 failed"))));
-      CHECK(std::stoi(found[1].str()) >= min_checks);
+      INFO("rank " << r);
+      const RankReport& report = reports[size_t(r)];
+      CHECK(report.code == 0);
+      CHECK(report.failures == 0);
+      CHECK(report.checks >= min_checks);
+      auto has = [&](const std::string& part) {
+        return std::find(report.compared.begin(), report.compared.end(), part) !=
+               report.compared.end();
+      };
       for (const std::string& part : parts) {
-        const std::string line = cat("rank ", r, ": ", part, ", n = ", n);
-        CHECK(o.output.find(line + ": compared") != std::string::npos);
-        if (sequence_parallel)
-          CHECK(o.output.find(line + ", sequence parallel: compared") != std::string::npos);
+        const std::string line = cat(part, ", n = ", n);
+        CHECK(has(line));
+        if (sequence_parallel) CHECK(has(line + ", sequence parallel"));
       }
     }
   }
@@ -68,14 +98,14 @@ TEST_CASE(
     "tensor parallel: copy_to_region, reduce_from_region, gather_last_dim, gather_sequence, "
     "reduce_scatter_sequence and split_sequence give the whole-tensor op's values and "
     "gradients",
-    "[parallel][mp]") {
+    "[parallel][threads]") {
   require_passed("regions", 3 * 12 + 2, {"regions"}, false);
 }
 
 TEST_CASE(
     "tensor parallel: vocab_parallel_cross_entropy equals cross_entropy over the gathered "
     "logits (mean, sum, none, label smoothing, ignored rows) and finite differences",
-    "[parallel][mp]") {
+    "[parallel][threads]") {
   require_passed("loss", 2 * 8 + 2, {"loss", "loss finite differences"}, false);
 }
 
@@ -110,21 +140,21 @@ TEST_CASE(
     "tensor parallel: a column- then row-parallel Linear pair (parts 1 and 3) and a "
     "vocabulary-parallel Embedding equal the unsplit layers, with and without sequence "
     "parallelism",
-    "[parallel][mp]") {
+    "[parallel][threads]") {
   require_passed("linear", 40, {"linear"}, true);
 }
 
 TEST_CASE(
     "tensor parallel: a Transformer block split by heads and hidden width equals the whole "
     "block, with and without sequence parallelism",
-    "[parallel][mp]") {
+    "[parallel][threads]") {
   require_passed("block", 2 * 30, {"block"}, true);
 }
 
 TEST_CASE(
     "tensor parallel: a GPT split with shard_tensor_parallel gives the unsplit model's loss "
     "and gradients, and its checkpoint state through gather_whole and take_shards",
-    "[parallel][mp]") {
+    "[parallel][threads]") {
   require_passed("gpt", 100, {"gpt"}, true);
 }
 
@@ -134,4 +164,17 @@ TEST_CASE(
     "[parallel][mp][cuda]") {
   trainer::testing::require_gpu_or_skip();
   require_passed("cuda", 2 * 5 + 5, {"cuda"}, false);
+}
+
+TEST_CASE("tensor parallel: the region ops as processes of trainer launch, end to end",
+          "[parallel][mp]") {
+  // Each rank its own process: shared regions mapped across processes.
+  for (int n : {2, 4}) {
+    INFO("group of " << n);
+    ProcessResult o = launch(n, "regions");
+    trainer::testing::require_ranks_passed(o.code, o.output, n);
+    for (int r = 0; r < n; ++r)
+      CHECK(o.output.find(cat("rank ", r, ": regions, n = ", n, ": compared")) !=
+            std::string::npos);
+  }
 }

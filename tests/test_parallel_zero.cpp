@@ -1,7 +1,9 @@
-// ZeRO-1 and SyncBatchNorm over several processes: `trainer launch` starts
-// tests/zero_worker.cpp as the ranks, each of which compares its results with
+// ZeRO-1 and SyncBatchNorm over several ranks (tests/zero_checks.h): as
+// threads of this process, and once end to end as processes that `trainer
+// launch` starts (tests/zero_worker.cpp). Each rank compares its results with
 // the single-process answer and prints its mismatches (rank, what, index,
-// expected, actual); the output is shown when a case fails.
+// expected, actual).
+#include <omp.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -9,6 +11,9 @@
 #include <sstream>
 
 #include "tests/testing.h"
+#include "tests/thread_world.h"
+#include "tests/worker_checks.h"
+#include "tests/zero_checks.h"
 
 namespace {
 
@@ -40,33 +45,53 @@ Outcome launch(int nproc, const std::string& scenarios, int timeout_s) {
   return o;
 }
 
-void check_ranks(int nproc, const std::string& scenarios) {
-  Outcome o = launch(nproc, scenarios, 120);
-  trainer::testing::require_ranks_passed(o.code, o.output, nproc);
+// The scenarios on ranks as threads of this process (tests/thread_world.h),
+// one OpenMP thread each; every rank must pass.
+void check_ranks(int ranks, const std::vector<std::string>& scenarios) {
+  const std::vector<int> codes =
+      trainer::testing::run_thread_ranks<int>(ranks,
+                                              [&](trainer::comm::Communicator& world) {
+                                                omp_set_num_threads(1);
+                                                using namespace trainer::testing;
+                                                g_rank = world.rank();
+                                                g_checks = g_failures = 0;
+                                                return run_zero_checks(world, scenarios);
+                                              },
+                                              {.timeout = trainer::comm::Millis(60000)});
+  for (int r = 0; r < ranks; ++r) {
+    INFO("rank " << r << " (mismatches are printed above)");
+    CHECK(codes[size_t(r)] == 0);
+  }
 }
 
 }  // namespace
 
 TEST_CASE("zero: ZeRO-1 matches the plain optimizer on the averaged gradient, 2 and 3 ranks",
-          "[parallel][zero][mp]") {
+          "[parallel][zero][threads]") {
   for (int n : {2, 3}) {
     INFO("world size " << n);
-    check_ranks(n, "zero zero_ddp");
+    check_ranks(n, {"zero", "zero_ddp"});
   }
 }
 
+TEST_CASE("zero: ZeRO-1 and SyncBatchNorm as processes of trainer launch, end to end",
+          "[parallel][zero][mp]") {
+  Outcome o = launch(2, "zero_ddp syncbn", 120);
+  trainer::testing::require_ranks_passed(o.code, o.output, 2);
+}
+
 TEST_CASE("zero: SyncBatchNorm matches BatchNorm2d on the concatenated batch, 2 and 3 ranks",
-          "[parallel][syncbn][mp]") {
+          "[parallel][syncbn][threads]") {
   for (int n : {2, 3}) {
     INFO("world size " << n);
-    check_ranks(n, "syncbn");
+    check_ranks(n, {"syncbn"});
   }
 }
 
 TEST_CASE("zero: ZeRO-1 and SyncBatchNorm through the GPU's host staging match, 2 ranks",
-          "[parallel][zero][syncbn][staging][mp]") {
+          "[parallel][zero][syncbn][staging][threads]") {
   // CPU tensors taking the data flow of GPU ones: ZeRO-1's buffers staged
   // through host copies and the optimizer on the "device" block; SyncBatchNorm
   // by tensor ops with its statistics allreduced through host copies.
-  check_ranks(2, "zero_staged zero_ddp_staged syncbn_ops");
+  check_ranks(2, {"zero_staged", "zero_ddp_staged", "syncbn_ops"});
 }

@@ -281,6 +281,49 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
              Catch::Contains("trainer_state.json: missing or wrong field"));
 }
 
+TEST_CASE(
+    "checkpoint: trainer_state.json has a format version: the mesh of named dimensions "
+    "round-trips, older versions load and newer ones are refused",
+    "[checkpoint]") {
+  fs::path dir = fresh_temp_dir("ckpt_format");
+  TrainerStateFile file;
+  file.state.layout.mesh = parallel::MeshShape{
+      {parallel::Dim::dp_replicate, 2}, {parallel::Dim::dp_shard, 2}, {parallel::Dim::cp, 2}};
+  write_trainer_state(dir.string(), file);
+  nlohmann::json j = nlohmann::json::parse(read_file(trainer_state_file(dir.string())));
+  CHECK(j["format"] == kTrainerStateFormat);
+  CHECK(j["parallel"]["mesh"] ==
+        nlohmann::json(
+            {{"dp_replicate", 2}, {"dp_shard", 2}, {"ep", 1}, {"pp", 1}, {"cp", 2}, {"tp", 1}}));
+  CHECK(j["parallel"]["dp"] == 4);  // what version 1 called dp
+  CHECK(read_trainer_state(dir.string()).state.layout == file.state.layout);
+
+  // Version 1: no format key, dp x pp x tp.
+  j.erase("format");
+  j["parallel"] = {{"world_size", 8}, {"dp", 2}, {"pp", 2}, {"tp", 2}, {"zero1", false}};
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK(read_trainer_state(dir.string()).state.layout == layout_of(2, 2, 2, false));
+  // A newer version, a dimension this build does not know, a mesh that is not the world.
+  j["format"] = kTrainerStateFormat + 1;
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK_THAT(
+      error_of([&] { read_trainer_state(dir.string()); }),
+      Catch::Contains(cat("format ", kTrainerStateFormat + 1, " was written by a newer trainer")));
+  j["format"] = kTrainerStateFormat;
+  j["parallel"]["mesh"] = {{"dp_replicate", 8}, {"xp", 1}};
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK_THAT(error_of([&] { read_trainer_state(dir.string()); }),
+             Catch::Contains("parallel.mesh names a dimension 'xp'"));
+  j["parallel"]["mesh"] = {{"dp_replicate", 2}, {"tp", 2}};
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK_THAT(error_of([&] { read_trainer_state(dir.string()); }),
+             Catch::Contains("parallel.world_size 8 is not the product of parallel.mesh"));
+  j["parallel"]["mesh"] = {{"dp_replicate", 8}, {"tp", 0}};
+  write_file_atomic(trainer_state_file(dir.string()), j.dump());
+  CHECK_THAT(error_of([&] { read_trainer_state(dir.string()); }),
+             Catch::Contains("'parallel.mesh.tp': 0 is outside [1, "));
+}
+
 TEST_CASE("checkpoint: trainer_state.json with a key given twice is refused, naming it",
           "[checkpoint]") {
   // nlohmann::json keeps the last of two values: the file is damaged, and

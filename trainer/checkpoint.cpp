@@ -278,8 +278,11 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
                    {"pp", l.mesh[parallel::Dim::pp]},
                    {"tp", l.mesh[parallel::Dim::tp]},
                    {"zero1", l.zero1}};
-  for (parallel::Dim d : parallel::kAllDims)
-    j["parallel"]["mesh"][parallel::dim_name(d)] = l.mesh[d];
+  // dp, pp and tp say it all unless another dimension is in use.
+  const parallel::Dims said{parallel::Dim::dp_replicate, parallel::Dim::pp, parallel::Dim::tp};
+  if (l.mesh.size(said.complement()) > 1)
+    for (parallel::Dim d : parallel::kAllDims)
+      j["parallel"]["mesh"][parallel::dim_name(d)] = l.mesh[d];
   for (const auto& [ranks, model] : s.link_models)
     j["link_models"].push_back({{"ranks", ranks},
                                 {"alpha_s", model.alpha},
@@ -354,7 +357,8 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
     s.layout.mesh = read_mesh(fields, p, world, kMaxRanks);
     s.layout.zero1 = fields.boolean(p, "zero1", false, "parallel.");
     if (int64_t(s.layout.mesh.size()) != world)
-      throw Error(cat(path, ": parallel.world_size ", world, " is not the product of the mesh (",
+      throw Error(cat(path, ": parallel.world_size ", world, " is not ",
+                      p.contains("mesh") ? "the product of parallel.mesh" : "dp x pp x tp", " (",
                       parallel::to_string(s.layout.mesh), "); use an earlier checkpoint"));
   }
   if (j.contains("link_models")) {

@@ -57,7 +57,9 @@ std::string loss_scaler_file(const std::string& dir);
 std::string trainer_state_file(const std::string& dir);
 // The version of trainer_state.json this build writes: 1 (no "format" key)
 // recorded the layout as parallel.{dp, pp, tp}; 2 adds parallel.mesh, the
-// size of every mesh dimension. Older versions load; a newer one is refused.
+// size of every mesh dimension, written when a dimension other than
+// dp_replicate, pp and tp is in use. Older versions load; a newer one is
+// refused.
 inline constexpr int kTrainerStateFormat = 2;
 
 // The job's parallel layout, recorded with every checkpoint: resuming needs

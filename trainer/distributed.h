@@ -46,6 +46,7 @@
 #include "parallel/ddp.h"
 #include "parallel/mesh.h"
 #include "parallel/parameter_server.h"
+#include "parallel/pipeline.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
 #include "parallel/zero.h"
@@ -200,6 +201,17 @@ class DistributedRun {
   void write_trace(const std::string& path) const;
 
  private:
+  // The passes, in the order the constructor applies them.
+  void apply_tensor_parallel(Session& session);
+  void apply_pipeline(Session& session, const parallel::StageSplit& split);
+  void record_split_parameters(const Session& session);
+  void apply_parameter_servers(Session& session);
+  void apply_data_parallel(Session& session);
+  void build_sharded_optimizer(Session& session);
+  // Whether this rank counts parameter p (which it trains) in the gradient
+  // norm of its replica and stage: a tensor-parallel part on every rank, a
+  // whole tensor on the first tensor-parallel rank (parallel/placement.h).
+  bool counted_in_norm(const Tensor& p) const;
   // This pipeline's sums over this dp rank's share of the validation set,
   // on every stage (collective over the pp group).
   EvalSums evaluate_pipeline(Session& session) const;

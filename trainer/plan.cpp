@@ -12,6 +12,7 @@
 #include "parallel/pipeline_sim.h"
 #include "parallel/schedule.h"
 #include "trainer/cluster_file.h"
+#include "trainer/model_setup.h"
 #include "trainer/numbers.h"
 #include "trainer/plan_parts.h"
 #include "trainer/recipe.h"
@@ -245,7 +246,7 @@ int64_t planning_vocab(const Recipe& recipe, std::vector<std::string>* notes) {
 parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::string>* notes) {
   const ModelRecipe& model = recipe.model;
   const std::string& name = model.name;
-  const int64_t sequence = recipe.data.seq_len > 0 ? recipe.data.seq_len : model.context;
+  const int64_t sequence = window_tokens(recipe);
   if (name == "gpt")
     return parallel::gpt_model({.n_layer = model.n_layer,
                                 .n_head = model.n_head,

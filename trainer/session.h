@@ -9,11 +9,14 @@
 // checkpoint is the one with the best EvalMetrics::best_metric(). A
 // checkpoint of a language model also records its vocabulary.
 //
-// The optimizer: the session builds the recipe's SGD or AdamW over every
-// parameter, except under parallel.zero1 on several dp ranks, where
-// DistributedRun builds this rank's shard of it over DataParallel's buckets
-// and hands it over (set_sharded_optimizer) before the first step. A
-// checkpoint then holds one optimizer file per rank (trainer/checkpoint.h).
+// The optimizer is built once, on first use, after the parallelisms have
+// split the model (DistributedRun): the recipe's SGD or AdamW over what this
+// rank trains (trained_param_groups). Under parallel.zero1 on several dp
+// ranks DistributedRun builds this rank's shard of it over DataParallel's
+// buckets and hands it over (set_sharded_optimizer) before the first step,
+// and parameter servers hand over theirs (set_remote_optimizer); both make
+// their local optimizers with make_optimizer. A sharded checkpoint holds
+// one optimizer file per rank (trainer/checkpoint.h).
 //
 // Determinism (docs/architecture.md): initialisation from Generator(seed, kStreamInit);
 // batches from (seed, epoch, sample index) via the sampler and transforms;
@@ -27,6 +30,7 @@
 #include <optional>
 #include <string>
 
+#include "layers/block_list.h"
 #include "layers/module.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -34,16 +38,10 @@
 #include "trainer/batch_source.h"
 #include "trainer/checkpoint.h"
 #include "trainer/distributed.h"
+#include "trainer/model_setup.h"
 #include "trainer/recipe.h"
 
 namespace trainer {
-
-// The recipe's parameter groups: one, or with weight decay and without it
-// (norm weights and biases) unless optimizer.decay_norm_and_bias.
-std::vector<optim::ParamGroup> param_groups(const Recipe& recipe, const Module& model);
-// The recipe's optimizer (optimizer.name: SGD or AdamW) over groups.
-std::unique_ptr<optim::Optimizer> make_optimizer(const Recipe& recipe,
-                                                 std::vector<optim::ParamGroup> groups);
 
 class Session {
  public:
@@ -53,15 +51,16 @@ class Session {
   explicit Session(Recipe recipe, RankLayout layout = {}, DataAccess access = DataAccess::read);
 
   const Recipe& recipe() const { return recipe_; }
-  Module& model() { return *model_; }
-  const std::shared_ptr<Module>& model_ptr() const { return model_; }
+  Model& model() { return *model_; }
+  const std::shared_ptr<Model>& model_ptr() const { return model_; }
   const RankLayout& layout() const { return layout_; }
   BatchSource& data() { return *source_; }
   bool is_language_model() const { return source_->is_language_model(); }
   // The corpus's vocabulary (language models only).
   const data::Vocab& vocab() const { return source_->vocab(); }
-  // The optimizer; when sharded, only once set_sharded_optimizer() has run.
-  optim::Optimizer& optimizer();
+  // The optimizer, built on the first call (see above); when sharded, only
+  // once set_sharded_optimizer() has run.
+  optim::Optimizer& optimizer() const;
   // parallel.zero1 on several dp ranks: the optimizer is this rank's shard.
   bool shards_optimizer() const { return layout_.shards_optimizer(); }
   // Takes the sharded optimizer DistributedRun built (shards_optimizer() only).
@@ -110,11 +109,11 @@ class Session {
   // Null unless set_pipeline ran.
   const parallel::PipelinePlan* pipeline_plan() const { return plan_ ? &*plan_ : nullptr; }
   int stage() const { return stage_; }
-  // The model's block list (models built from blocks only).
-  const BlockList& blocks() const;
+  // The model's block list.
+  const BlockList& blocks() const { return model_->blocks(); }
   // What this rank trains: its stage's parameters, or the whole model.
-  const std::shared_ptr<Module>& trained_ptr() const {
-    return stage_module_ ? stage_module_ : model_;
+  std::shared_ptr<Module> trained_ptr() const {
+    return stage_module_ ? stage_module_ : std::shared_ptr<Module>(model_);
   }
   Module& trained() const { return *trained_ptr(); }
   // The recipe's parameter groups over trained(), under the model's global
@@ -175,14 +174,31 @@ class Session {
   std::string summary();
 
  private:
+  // Whether this rank writes the whole tensors it holds to a checkpoint
+  // (parallel/placement.h: replicated but for the stage that owns them).
+  bool writes_held_tensors() const;
   // load() with the optimizer, load_model() without it.
   TrainState load_checkpoint(const std::string& dir, bool with_optimizer);
+  // The saved epoch position as this layout's dp ranks count it (checked).
+  int64_t resumed_position(const std::string& dir, const ParallelLayout& saved,
+                           const TrainState& saved_state, bool resharded) const;
+  // The checkpoint's optimizer entries this rank needs: its own shard on the
+  // same ZeRO-1 layout, else whole tensors (shards joined); *file names them.
+  std::map<std::string, Tensor> read_optimizer_tensors(const std::string& dir,
+                                                       const ParallelLayout& saved,
+                                                       bool same_layout,
+                                                       const CheckpointReadOptions& reading,
+                                                       std::string* file) const;
+  // Drops the entries of parameters another pipeline stage trains.
+  void keep_own_entries(std::map<std::string, Tensor>& optim_tensors) const;
 
   Recipe recipe_;
   RankLayout layout_;
   std::unique_ptr<BatchSource> source_;
-  std::shared_ptr<Module> model_;
-  std::shared_ptr<optim::Optimizer> optimizer_;
+  std::shared_ptr<Model> model_;
+  // Built by optimizer() on first use, or handed over (sharded, remote).
+  mutable std::shared_ptr<optim::Optimizer> optimizer_;
+  std::shared_ptr<parallel::ZeroOptimizer> zero_;  // the sharded one, when it is
   std::string resharded_;
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;

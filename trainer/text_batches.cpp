@@ -18,6 +18,7 @@
 #include "trainer/batch_source.h"
 #include "trainer/checkpoint.h"
 #include "trainer/device.h"
+#include "trainer/model_setup.h"
 
 namespace trainer {
 
@@ -117,7 +118,7 @@ TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micr
   const DataRecipe& d = r.data;
   if (d.path.empty())
     throw Error(cat(r.source, ": data.path must name the text corpus (e.g. datasets/kjv.txt)"));
-  const int64_t T = d.seq_len > 0 ? d.seq_len : r.model.context;
+  const int64_t T = window_tokens(r);
   if (r.model.name == "gpt" && T > r.model.context)
     throw Error(cat(r.source, ": data.seq_len ", T, " is longer than model.context ",
                     r.model.context, " (GPT's block size)"));

@@ -19,6 +19,7 @@
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
+#include "core/cpu/primitive_cache.h"
 
 namespace trainer {
 
@@ -116,7 +117,9 @@ struct MatmulKeyHash {
 
 MatmulKey make_key(DType dtype, const Layout& a, const Layout& b, const Layout& out) {
   MatmulKey k;
-  k.words = {int64_t(dtype), omp_get_max_threads(), int64_t(a.shape.size())};
+  // The calling thread too: a primitive runs on the thread that made it
+  // (core/cpu/primitive_cache.h).
+  k.words = {int64_t(dtype), omp_get_max_threads(), cpu::thread_slot(), int64_t(a.shape.size())};
   for (const Layout* l : {&a, &b, &out}) {
     k.words.insert(k.words.end(), l->shape.begin(), l->shape.end());
     k.words.insert(k.words.end(), l->strides.begin(), l->strides.end());

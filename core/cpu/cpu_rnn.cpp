@@ -45,6 +45,7 @@
 #include "core/cpu/loops.h"
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
+#include "core/cpu/primitive_cache.h"
 #include "core/cpu/rnn_gemm_avx2.h"
 
 namespace trainer {
@@ -98,7 +99,8 @@ const GemmPlan& gemm_plan(const Mat& a, const Mat& b, int64_t ldc, bool accumula
                               ldc,
                               accumulate,
                               packed,
-                              omp_get_max_threads()};
+                              omp_get_max_threads(),
+                              cpu::thread_slot()};  // core/cpu/primitive_cache.h
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;

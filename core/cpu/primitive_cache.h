@@ -1,7 +1,8 @@
 // The cache of oneDNN primitives the CPU kernels build once per shape
 // (docs/architecture.md "Set up once, run many"): a Key of everything a primitive
-// depends on (kind, thread count, shapes, strides, attributes) and a
-// thread-safe map from keys to entries that live for the process.
+// depends on (kind, thread count, calling thread, shapes, strides,
+// attributes) and a thread-safe map from keys to entries that live for the
+// process.
 //
 //   static Cache<Forward> cache;
 //   const Forward& e = cache.get(make_key("conv_fwd").add(x).add(w).add(attrs), [&] {
@@ -11,6 +12,7 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -64,9 +66,22 @@ struct KeyHash {
   }
 };
 
+// The calling thread's number, part of every key. oneDNN as Debian builds it
+// (without DNNL_ENABLE_CONCURRENT_EXEC) shares one scratchpad per thread
+// among its primitives, so a primitive may run only on the thread that
+// created it, and an entry may hold buffers a call writes: each thread gets
+// its own entries. A training process runs its kernels on one thread (and
+// its communicators' progress threads); ranks run as threads of one test
+// process get one set each.
+inline int64_t thread_slot() {
+  static std::atomic<int64_t> next{0};
+  thread_local const int64_t slot = next++;
+  return slot;
+}
+
 inline Key make_key(const char* kind) {
   Key k;
-  k.add({int64_t(std::hash<std::string_view>()(kind)), omp_get_max_threads()});
+  k.add({int64_t(std::hash<std::string_view>()(kind)), omp_get_max_threads(), thread_slot()});
   return k;
 }
 

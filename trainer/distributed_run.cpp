@@ -1,0 +1,305 @@
+// DistributedRun: the parallelisms applied to a session as passes (tensor,
+// pipeline, data or parameter servers), and what a step needs of them:
+// gradients averaged and tied weights summed, the gradient norm of a split
+// model.
+#include "trainer/distributed.h"
+
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "comm/bootstrap.h"
+#include "comm/collectives.h"
+#include "optim/clip.h"
+#include "parallel/device_staging.h"
+#include "parallel/pipeline_runtime.h"
+#include "parallel/placement.h"
+#include "parallel/planner.h"
+#include "parallel/sync_batchnorm.h"
+#include "trainer/device.h"
+#include "trainer/metrics.h"
+#include "trainer/pipeline_split.h"
+#include "trainer/session.h"
+#include "trainer/tensorboard.h"
+
+namespace trainer {
+
+namespace {
+
+// The weights tied across stages whose other copy the gradient norm counts.
+std::vector<Tensor> tied_copies_counted_elsewhere(const Session& session) {
+  std::vector<Tensor> out;
+  for (const Session::TiedAcrossStages& t : session.tied_across_stages())
+    if (!t.owner) out.push_back(t.param);
+  return out;
+}
+
+// The recipe's stage split, the same on every rank: "auto", and any split
+// under parallel.stage_memory_mb, is profiled on world rank 0 and broadcast.
+parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
+  const Recipe& r = session.recipe();
+  if (r.parallel.stages != "auto" && r.parallel.stage_memory_mb <= 0)
+    return choose_split(session, nullptr);
+  const int pieces = int(dist.layout.job.mesh[parallel::Dim::pp] * r.parallel.virtual_stages);
+  std::vector<int64_t> bounds(size_t(pieces) + 1, 0);
+  std::string error;
+  if (dist.is_main()) {
+    try {
+      const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
+      BlockProfile profile = profile_blocks(session, autocast);
+      parallel::StageSplit split = choose_split(session, &profile);
+      std::printf("%s", describe_stages(session, split, &profile).c_str());
+      for (size_t k = 0; k < split.bounds.size(); ++k) bounds[k] = int64_t(split.bounds[k]);
+    } catch (const Error& e) {
+      error = e.what();
+      bounds.assign(bounds.size(), -1);
+    }
+  }
+  comm::broadcast(*dist.world(), bounds.data(), bounds.size() * sizeof(int64_t), 0);
+  if (bounds[0] < 0)
+    throw Error(dist.is_main() ? error : "parallel.stages: auto failed on rank 0 (see its error)");
+  parallel::StageSplit split{.stages = dist.layout.job.mesh[parallel::Dim::pp],
+                             .chunks = int(r.parallel.virtual_stages)};
+  for (int64_t b : bounds) split.bounds.push_back(size_t(b));
+  return split;
+}
+
+}  // namespace
+
+DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool trace)
+    : dist_(dist), session_(&session) {
+  if (trace) timeline_ = std::make_unique<parallel::Timeline>(dist.rank());
+  if (!dist.active()) return;
+  // The parallelisms as passes over the session, in this order: tensor,
+  // pipeline, then data (or parameter servers); the optimizer comes after
+  // them (Session::optimizer, or the sharded one of apply_data_parallel).
+  // The stage split first: "auto" profiles the whole model on rank 0 alone.
+  std::optional<parallel::StageSplit> split;
+  if (dist.layout.size(parallel::Dim::pp) > 1) split = agreed_split(session, dist);
+  if (dist.layout.size(parallel::Dim::tp) > 1) apply_tensor_parallel(session);
+  if (split) apply_pipeline(session, *split);
+  // Of what this rank trains (its stage's, under a pipeline).
+  if (tp_) record_split_parameters(session);
+  if (dist.everyone)
+    apply_parameter_servers(session);
+  else
+    apply_data_parallel(session);
+}
+
+void DistributedRun::apply_tensor_parallel(Session& session) {
+  const Recipe& recipe = session.recipe();
+  tp_ = parallel::make_comm_group(dist_.mesh.comm(parallel::Dim::tp),
+                                  recipe.parallel.sequence_parallel);
+  session.set_tensor_parallel(tp_);
+  if (dist_.is_main() && !session.tensor_parallel_note().empty()) {
+    std::printf("%s\n", session.tensor_parallel_note().c_str());
+    std::fflush(stdout);
+  }
+}
+
+void DistributedRun::record_split_parameters(const Session& session) {
+  const Module& model = session.trained();
+  for (const Tensor& p : parallel::parameters_split_as(model, ParameterSplit::Kind::sharded))
+    sharded_.insert(p.impl());
+  if (tp_->sequence_parallel())
+    gradient_shares_ = parallel::parameters_split_as(model, ParameterSplit::Kind::partial_gradient);
+}
+
+void DistributedRun::apply_pipeline(Session& session, const parallel::StageSplit& split) {
+  const int stage = dist_.layout.index(parallel::Dim::pp);
+  session.set_pipeline(split, stage);
+  pipeline_ = std::make_unique<parallel::PipelineRuntime>(*session.pipeline_plan(), stage,
+                                                          dist_.mesh.comm(parallel::Dim::pp),
+                                                          session.blocks(), timeline_.get());
+}
+
+void DistributedRun::apply_parameter_servers(Session& session) {
+  // The optimizer pushes and pulls; no allreduce.
+  const Recipe& recipe = session.recipe();
+  const std::shared_ptr<comm::Communicator> dp_comm = dist_.mesh.comm(parallel::kDataParallel);
+  if (recipe.parallel.sync_bn && dp_comm->size() > 1)
+    parallel::convert_sync_batchnorm(*session.model_ptr(), dp_comm);
+  const std::vector<optim::ParamGroup> groups = session.trained_param_groups();
+  ps_ = std::make_shared<parallel::ParameterServerClient>(
+      dist_.everyone, parallel::assign_shards(groups, dist_.servers), dist_.layout.dp_size(),
+      groups,
+      [&recipe](std::vector<optim::ParamGroup> g) { return make_optimizer(recipe, std::move(g)); });
+  session.set_remote_optimizer(ps_);
+}
+
+void DistributedRun::apply_data_parallel(Session& session) {
+  // Replicas synchronise over the dp ranks only: the other dimensions hold other parts.
+  const std::shared_ptr<comm::Communicator> dp_comm = dist_.mesh.comm(parallel::kDataParallel);
+  // One replica: nothing to synchronise (a pipeline's stages alone).
+  if (dp_comm->size() == 1) return;
+  const Recipe& recipe = session.recipe();
+  // Before DataParallel registers its hooks: the converted layers keep their
+  // parameters, so the buckets are the same either way.
+  if (recipe.parallel.sync_bn) parallel::convert_sync_batchnorm(*session.model_ptr(), dp_comm);
+  const bool sharded = session.shards_optimizer();
+  parallel::DataParallelOptions o;
+  o.bucket_bytes = size_t(recipe.parallel.bucket_mb) << 20;
+  o.overlap = recipe.parallel.overlap;
+  // parallel.allreduce (validated by the recipe); auto keeps the shared-memory
+  // channel on one host and the measured model's choice across hosts.
+  o.allreduce.algorithm = *comm::parse_allreduce_algorithm(recipe.parallel.allreduce);
+  o.timeline = timeline_.get();
+  // ZeRO-1 stages GPU buckets itself (its collectives run on host buffers,
+  // parallel/zero.h). Plain GPU gradients: each bucket copied to pinned host
+  // memory on a comm stream, allreduced there and copied back
+  // (parallel/device_staging.h). SyncBatchNorm stages its statistics.
+  if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
+  // ZeRO-1: a weight tied across stages is sharded alike on both (finish_gradients).
+  if (sharded)
+    for (const Session::TiedAcrossStages& t : session.tied_across_stages())
+      o.own_bucket.push_back(t.param);
+  std::shared_ptr<Module> model = session.trained_ptr();
+#if TRAINER_HAVE_CUDA
+  const Device device = module_device(*model);
+  // parallel.gpu_direct: the buckets' device memory goes to UCX, reduced by
+  // a CUDA kernel (parallel/cuda_staging.h); checked by training_device.
+  const bool direct =
+      recipe.parallel.gpu_direct != "off" &&
+      uses_gpu_direct(recipe, device, dist_.world_size(), parallel::ucx_supports_cuda_memory());
+  if (device.is_cuda() && !sharded)
+    o.reduce = direct ? parallel::gpu_direct_reduce(device)
+                      : parallel::staged_reduce(parallel::cuda_bucket_copier(device),
+                                                {.allreduce = o.allreduce});
+#endif
+  dp_ = std::make_unique<parallel::DataParallel>(model, dp_comm, o);
+  if (sharded) build_sharded_optimizer(session);
+}
+
+void DistributedRun::build_sharded_optimizer(Session& session) {
+  const Recipe& recipe = session.recipe();
+  auto make = [&recipe](std::vector<optim::ParamGroup> groups) {
+    return make_optimizer(recipe, std::move(groups));
+  };
+  // The gradient norm counts each parameter once: every stage's, every
+  // tensor-parallel rank's part of a split one, and a whole one on the rank
+  // that holds its written copy (parallel/placement.h).
+  std::vector<Tensor> skips = tied_copies_counted_elsewhere(session);
+  if (tp_)
+    for (const Tensor& p : session.trained().parameters())
+      if (!counted_in_norm(p)) skips.push_back(p);
+  zero_ = std::make_shared<parallel::ZeroOptimizer>(
+      dist_.mesh.comm(parallel::kDataParallel), session.trained_param_groups(), make,
+      parallel::ZeroOptions{.buckets = &dp_->buckets(),
+                            .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
+                                               dist_.mesh.comm(parallel::Dim::tp)},
+                            .norm_skips = std::move(skips)});
+  session.set_sharded_optimizer(zero_);
+}
+
+bool DistributedRun::counted_in_norm(const Tensor& p) const {
+  // Within one replica and stage: a tensor-parallel part counts on its
+  // rank, a whole tensor on the first tensor-parallel rank.
+  const Shape none;
+  parallel::TensorPlacement placement = parallel::TensorPlacement::replicated(none);
+  if (sharded_.count(p.impl()))
+    placement = placement.with(parallel::Dim::tp, parallel::Placement::shard(0));
+  parallel::MeshCoord coord;
+  coord.set(parallel::Dim::tp, dist_.layout.index(parallel::Dim::tp));
+  return parallel::writes(placement, coord);
+}
+
+DistributedRun::~DistributedRun() = default;
+
+parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
+  return parallel::DataParallel::NoSync(dp_.get(), active && dp_ != nullptr);
+}
+
+void DistributedRun::finish_gradients() {
+  if (dp_) dp_->finish();
+  // Sequence parallelism: the LayerNorms' gradient shares added up (under
+  // ZeRO-1 this rank's shard of them: the tensor-parallel ranks' buckets,
+  // and so their shards, are laid out alike).
+  if (!gradient_shares_.empty() && zero_)
+    for (const Tensor& p : gradient_shares_)
+      zero_->update_reduced_gradient(
+          p, [&](Tensor& piece, int64_t, int64_t) { tp_->allreduce(piece, false); });
+  else if (!gradient_shares_.empty())
+    parallel::sum_partial_gradients(gradient_shares_, *tp_);
+  if (!pipeline_) return;
+  // A weight tied across stages: each copy's gradient plus the other's.
+  // Under ZeRO-1 each rank holds its shard of the averaged gradient only; the
+  // weight has a bucket of its own on both stages, so the shards are the
+  // same elements there and are added shard by shard.
+  const auto& tied = session_->tied_across_stages();
+  for (size_t k = 0; k < tied.size(); ++k) {
+    const Session::TiedAcrossStages& t = tied[k];
+    if (zero_) {
+      zero_->update_reduced_gradient(
+          t.param, [&](Tensor& piece, int64_t, int64_t) { add_tied_gradient(k, piece); });
+      continue;
+    }
+    if (!t.param.grad().defined()) t.param.set_grad(zeros_like(t.param));
+    Tensor grad = t.param.grad();
+    add_tied_gradient(k, grad);
+  }
+}
+
+void DistributedRun::add_tied_gradient(size_t k, Tensor& grad) const {
+  // Both stages compute own + other's: the same bits on both (a + b == b + a).
+  const Session::TiedAcrossStages& t = session_->tied_across_stages()[k];
+  comm::Communicator& pp = *dist_.mesh.comm(parallel::Dim::pp);
+  Tensor mine = grad.contiguous().clone(), theirs = empty_like(mine);
+  const comm::P2PTag tag{.micro_batch = (int64_t(1) << comm::P2PTag::kMicroBatchBits) - 1,
+                         .direction = comm::P2PDirection::gradient,
+                         .stream = int64_t(k)};
+  comm::Work sent = pp.send(mine, t.peer, tag);
+  comm::Work got = pp.recv(theirs, t.peer, tag);
+  try {
+    got.wait();
+    sent.wait();
+  } catch (const Error& e) {
+    throw Error(cat("pipeline stage ", dist_.layout.index(parallel::Dim::pp),
+                    ", exchanging the gradient of ", t.name, " (tied across stages) with stage ",
+                    t.peer, ": ", e.what()));
+  }
+  autograd::NoGradGuard no_grad;
+  add_(grad, theirs);
+}
+
+double DistributedRun::clip_gradients(double max_norm) const {
+  CHECK(splits_model()) << "clip_gradients of a model no ranks split";
+  std::set<const TensorImpl*> mine, not_owned;
+  for (const Tensor& p : session_->trained().parameters()) mine.insert(p.impl());
+  for (const Session::TiedAcrossStages& t : session_->tied_across_stages())
+    if (!t.owner) not_owned.insert(t.param.impl());
+  const std::vector<NamedTensor>& all = session_->global_parameters();
+  // One entry per parameter, set by the stage that owns it (a replicated
+  // one by the first tensor-parallel rank, a split one by all): the others
+  // add zeros, so the total sums over the parameters in one order.
+  std::vector<double> sums(all.size(), 0.0);
+  for (size_t k = 0; k < all.size(); ++k) {
+    const TensorImpl* impl = all[k].tensor.impl();
+    if (mine.count(impl) && !not_owned.count(impl) && counted_in_norm(all[k].tensor))
+      sums[k] = optim::grad_power_sum(all[k].tensor, 2.0);
+  }
+  if (pipeline_)
+    comm::allreduce(*dist_.mesh.comm(parallel::Dim::pp), sums.data(), sums.size(), DType::f64,
+                    {.op = comm::ReduceOp::sum});
+  if (tp_)
+    comm::allreduce(*dist_.mesh.comm(parallel::Dim::tp), sums.data(), sums.size(), DType::f64,
+                    {.op = comm::ReduceOp::sum});
+  double total = 0;
+  for (double v : sums) total += v;
+  const double norm = std::sqrt(total);
+  optim::clip_to_norm(session_->trained().parameters(), max_norm, norm);
+  return norm;
+}
+
+void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
+  // The sharded optimizer forgets its reduction; DataParallel then points
+  // the gradients at its zeroed buckets again.
+  if (zero_ || !dp_) optimizer.zero_grad();
+  if (dp_) dp_->zero_grad();
+}
+
+}  // namespace trainer

@@ -1,0 +1,291 @@
+// Session's checkpoint I/O: writing this rank's part of a checkpoint and
+// resuming from one written on any layout (trainer/checkpoint.h).
+#include <algorithm>
+#include <limits>
+#include <set>
+
+#include "parallel/tensor_parallel.h"
+#include "parallel/zero.h"
+#include "trainer/safetensors.h"
+#include "trainer/session.h"
+
+namespace trainer {
+
+void Session::save(const std::string& dir, const TrainState& state) const {
+  optim::Optimizer& optimizer = this->optimizer();
+  const bool sharded = shards_optimizer();
+  const bool main = layout_.rank == 0;
+  CheckpointPart part;
+  if (tp_) {
+    // The split tensors gathered whole over the tensor-parallel group
+    // (collective); its first rank writes them, as one process would.
+    const bool writes = writes_held_tensors();
+    std::vector<NamedTensor> model =
+        parallel::gather_whole(plan_ ? stage_module_->state() : model_->state(), *model_, *tp_);
+    // ZeRO-1: every rank writes its shard of its part, as it holds it.
+    std::vector<NamedTensor> optim =
+        sharded ? optimizer.state() : parallel::gather_whole(optimizer.state(), *model_, *tp_);
+    if (plan_) {
+      part.model_part = part.optimizer_part = stage_;
+      part.model_parts = part.optimizer_parts = plan_->split().stages;
+      for (const TiedAcrossStages& t : tied_)
+        if (!t.owner)
+          std::erase_if(optim,
+                        [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
+    }
+    if (writes) part.model = std::move(model);
+    if (writes || sharded) part.optimizer = std::move(optim);
+    // ZeRO-1 shards of this rank's parts: how to join them into whole tensors.
+    if (sharded) {
+      part.optimizer_metadata["tp"] =
+          cat(layout_.coord[parallel::Dim::tp], " ", layout_.job.mesh[parallel::Dim::tp]);
+      for (const auto& [name, split] : model_->parameter_splits())
+        if (split.kind == ParameterSplit::Kind::sharded)
+          part.optimizer_metadata["tp_split." + name] = cat(split.dim, " ", split.parts);
+    }
+  } else if (!plan_) {
+    // Every rank holds the whole replicated model: rank 0 writes it.
+    if (writes_held_tensors()) part.model = model_->state();
+    if (sharded || main) part.optimizer = optimizer.state();
+  } else {
+    // Each stage's first replica writes its tensors as one part of the model
+    // and of the optimizer state; a weight tied across stages goes in once.
+    const bool writes = writes_held_tensors();
+    part.model_part = part.optimizer_part = stage_;
+    part.model_parts = part.optimizer_parts = plan_->split().stages;
+    if (writes) part.model = stage_module_->state();
+    if (sharded || writes) {
+      std::vector<NamedTensor> state = optimizer.state();
+      for (const TiedAcrossStages& t : tied_)
+        if (!t.owner)
+          std::erase_if(state,
+                        [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
+      part.optimizer = std::move(state);
+    }
+  }
+  part.optimizer_sharded = sharded;
+  part.stream_state = source_->stream_state();
+  write_checkpoint_part(dir, layout_.rank, part);
+  if (!main) return;
+  TrainerStateFile file;
+  file.state = state;
+  file.state.layout = layout_.job;
+  file.lr = optimizer.lr();
+  file.seed = recipe_.seed;
+  if (is_language_model())
+    for (uint8_t symbol : vocab().symbols()) file.vocab.push_back(symbol);
+  file.recipe_yaml = recipe_to_yaml(recipe_);
+  write_trainer_state(dir, file);
+}
+
+std::vector<std::string> load_named(const std::vector<NamedTensor>& targets,
+                                    const std::map<std::string, Tensor>& source) {
+  std::vector<std::string> problems;
+  std::map<std::string, bool> used;
+  for (const NamedTensor& t : targets) {
+    auto it = source.find(t.name);
+    if (it == source.end()) {
+      problems.push_back(cat("missing: ", t.name, " ", t.tensor.shape_str()));
+      continue;
+    }
+    used[t.name] = true;
+    if (it->second.shape() != t.tensor.shape() || it->second.dtype() != t.tensor.dtype()) {
+      problems.push_back(cat("mis-shaped: ", t.name, " is ", it->second.shape_str(), " ",
+                             it->second.dtype(), " in the file, ", t.tensor.shape_str(), " ",
+                             t.tensor.dtype(), " in the model"));
+    }
+  }
+  for (const auto& [name, tensor] : source)
+    if (!used.count(name)) problems.push_back(cat("unexpected: ", name, " ", tensor.shape_str()));
+  return problems;
+}
+
+namespace {
+void copy_named(const std::vector<NamedTensor>& targets,
+                const std::map<std::string, Tensor>& source) {
+  autograd::NoGradGuard no_grad;
+  for (const NamedTensor& t : targets) {
+    auto it = source.find(t.name);
+    if (it != source.end() && it->second.shape() == t.tensor.shape() &&
+        it->second.dtype() == t.tensor.dtype()) {
+      Tensor dst = t.tensor;  // a handle on the model's tensor
+      dst.copy_(it->second);
+    }
+  }
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += "\n  " + l;
+  return out;
+}
+
+}  // namespace
+
+TrainState Session::load(const std::string& dir) { return load_checkpoint(dir, true); }
+
+TrainState Session::load_model(const std::string& dir) { return load_checkpoint(dir, false); }
+
+int64_t Session::resumed_position(const std::string& dir, const ParallelLayout& saved,
+                                  const TrainState& saved_state, bool resharded) const {
+  TrainState state = saved_state;
+  // The data position: the samples every dp rank consumed, dealt out again.
+  // The windows and images of an epoch are dealt to the ranks in turn (r,
+  // r + dp, ...), so the first k samples of each of D ranks are the
+  // epoch's first k D, under any D.
+  if (saved.mesh.size(parallel::kDataParallel) != layout_.dp_size() && state.position > 0) {
+    // A hostile position must not overflow here; load_stream_state names
+    // it against the epoch's size below.
+    if (state.position > std::numeric_limits<int64_t>::max() /
+                             std::max<int64_t>(1, saved.mesh.size(parallel::kDataParallel)))
+      throw Error(cat(trainer_state_file(dir), ": \"position\" ", state.position,
+                      " is past any epoch; the file is damaged: use an earlier checkpoint"));
+    const int64_t consumed = state.position * saved.mesh.size(parallel::kDataParallel);
+    const int64_t per_step = micro_batch_ * micro_batches_ * layout_.dp_size();
+    if (consumed % per_step != 0)
+      throw Error(cat(dir, " stopped ", consumed, " samples into epoch ", state.epoch,
+                      ", which is not a whole number of steps of training.global_batch = ",
+                      recipe_.training.global_batch,
+                      "; resume with the global batch it was written with"));
+    state.position = consumed / layout_.dp_size();
+  }
+  if (resharded && state.position > 0 && recipe_.data.sampling == "contiguous" &&
+      recipe_.model.name == "lstm_lm")
+    throw Error(cat(dir, " carries the LSTM state of each rank's text streams ", state.position,
+                    " windows into epoch ", state.epoch, "; the streams and the state's rows ",
+                    "belong to its layout (", parallel::to_string(saved.mesh),
+                    "): resume it on that layout, or from a checkpoint at an epoch's end"));
+  return state.position;
+}
+
+std::map<std::string, Tensor> Session::read_optimizer_tensors(const std::string& dir,
+                                                              const ParallelLayout& saved,
+                                                              bool same_layout,
+                                                              const CheckpointReadOptions& reading,
+                                                              std::string* file) const {
+  std::map<std::string, Tensor> optim_tensors;
+  if (saved.zero1 && same_layout) {
+    *file = optimizer_file(dir, true, layout_.rank);
+    for (NamedTensor& t : read_optimizer(dir, true, layout_.rank, reading))
+      optim_tensors.emplace(t.name, std::move(t.tensor));
+    // A weight tied across stages has its state saved once, by the owning
+    // stage's rank of this dp (and tp) coordinate: its shard holds the same
+    // elements (the weight has a bucket of its own on both stages).
+    for (const TiedAcrossStages& t : tied_) {
+      if (t.owner) continue;
+      parallel::MeshCoord owner = layout_.coord;
+      owner.set(parallel::Dim::pp, t.peer);
+      const int owner_rank = parallel::mesh_rank(layout_.job.mesh, owner);
+      for (NamedTensor& e : read_optimizer(dir, true, owner_rank, reading))
+        if (e.name.starts_with(t.name + ".")) optim_tensors.emplace(e.name, std::move(e.tensor));
+    }
+  } else if (saved.zero1) {
+    // Every rank's shard, joined into whole tensors (through each
+    // tensor-parallel rank's parts, when split) of the shapes the
+    // writer's layout held: a vocabulary padded for its tp (models/gpt.h),
+    // fitted to this model's rows by upgrade_loaded_state below.
+    std::map<std::string, Shape> shapes;
+    const std::map<std::string, ParameterSplit> splits = model_->parameter_splits();
+    for (const NamedTensor& p : global_params_) {
+      auto split = splits.find(p.name);
+      shapes[p.name] =
+          split == splits.end() ? p.tensor.shape() : full_shape(p.tensor.shape(), split->second);
+    }
+    for (const auto& [name, shape] :
+         model_->shapes_at_tensor_parallel(saved.mesh[parallel::Dim::tp]))
+      if (shapes.count(name)) shapes[name] = shape;
+    *file = dir + "/optimizer.rank*.safetensors";
+    optim_tensors = read_sharded_optimizer_whole(dir, shapes, reading);
+  } else {
+    *file = optimizer_file(dir, false, layout_.rank);
+    for (NamedTensor& t : read_optimizer(dir, false, layout_.rank, reading))
+      optim_tensors.emplace(t.name, std::move(t.tensor));
+  }
+  return optim_tensors;
+}
+
+void Session::keep_own_entries(std::map<std::string, Tensor>& optim_tensors) const {
+  // A whole optimizer state (one file, or one part per stage) holds every
+  // parameter's entries: a stage takes its own, whatever layout wrote them.
+  std::set<std::string> mine;
+  for (const NamedTensor& e : optimizer().state()) mine.insert(e.name);
+  for (auto it = optim_tensors.begin(); it != optim_tensors.end();) {
+    const std::string& name = it->first;
+    const size_t dot = name.rfind('.');
+    const bool known_param =
+        dot != std::string::npos &&
+        std::any_of(global_params_.begin(), global_params_.end(),
+                    [&](const NamedTensor& p) { return p.name == name.substr(0, dot); });
+    it = !mine.count(name) && known_param ? optim_tensors.erase(it) : std::next(it);
+  }
+}
+
+TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer) {
+  // Loaded weights, buffers and optimizer state must be finite (a NaN would
+  // train on silently: ReLU hides it from the loss); the readers name the
+  // file holding each tensor. training.allow_non_finite loads one anyway.
+  const CheckpointReadOptions reading{.refuse_non_finite = !recipe_.training.allow_non_finite};
+  std::map<std::string, Tensor> model = read_model(dir, reading);
+  model_->upgrade_loaded_state(model, model_file(dir));
+  // Whole tensors in the file: this rank keeps its parts (tensor parallelism).
+  if (tp_) parallel::take_shards(model, *model_);
+  std::vector<std::string> problems = load_named(model_->state(), model);
+  if (!problems.empty())
+    throw Error(cat(model_file(dir), " does not match the recipe's model:", join_lines(problems)));
+  TrainerStateFile file = read_trainer_state(dir);
+  if (!file.vocab.empty()) source_->check_vocab(trainer_state_file(dir), file.vocab);
+  TrainState state = file.state;
+  resharded_.clear();
+  if (with_optimizer) {
+    const ParallelLayout& saved = file.state.layout;
+    const std::string changes = resharding(saved, layout_.job);
+    const bool same_layout = changes.empty();
+    state.position = resumed_position(dir, saved, state, !changes.empty());
+    // Entries are named <parameter>.<slot>: the model's renames apply to them too.
+    std::string optim_file;
+    std::map<std::string, Tensor> optim_tensors =
+        read_optimizer_tensors(dir, saved, same_layout, reading, &optim_file);
+    model_->upgrade_loaded_state(optim_tensors, optim_file);
+    if (tp_ && !(saved.zero1 && same_layout)) parallel::take_shards(optim_tensors, *model_);
+    if (!shards_optimizer()) keep_own_entries(optim_tensors);
+    std::vector<NamedTensor> optim_state;
+    for (auto& [name, t] : optim_tensors) optim_state.push_back({name, t});
+    // Everything validated: now change the optimizer (it refuses another layout) and the model.
+    if (zero_ && !(saved.zero1 && same_layout))
+      zero_->load_whole_state(optim_tensors);  // re-sliced for this rank's shard
+    else
+      optimizer().load_state(optim_state);
+    source_->load_stream_state(dir, state.position);
+    if (!changes.empty())
+      resharded_ =
+          cat(changes,
+              saved.zero1 || layout_.job.zero1 ? "; the optimizer state re-sliced by parameter name"
+                                               : "",
+              saved.mesh.size(parallel::kDataParallel) != layout_.dp_size() && state.position > 0
+                  ? cat("; the epoch's data position kept: ", file.state.position,
+                        " samples on each of ", saved.mesh.size(parallel::kDataParallel),
+                        " ranks -> ", state.position, " on each of ", layout_.dp_size())
+                  : "");
+  }
+  copy_named(held_state(), model);
+  return state;
+}
+
+void Session::init_from(const std::string& path, bool strict) {
+  SafetensorsFile f = read_safetensors(path);
+  if (!recipe_.training.allow_non_finite) require_finite(f.tensors, path);
+  model_->upgrade_loaded_state(f.tensors, path);
+  if (tp_) parallel::take_shards(f.tensors, *model_);
+  std::vector<std::string> problems = load_named(model_->state(), f.tensors);
+  if (!problems.empty()) {
+    if (strict)
+      throw Error(cat(path,
+                      " does not match the model (pass --init-non-strict to load what matches):",
+                      join_lines(problems)));
+    std::fprintf(stderr, "init-from %s: loading what matches; skipped:%s\n", path.c_str(),
+                 join_lines(problems).c_str());
+  }
+  copy_named(held_state(), f.tensors);
+}
+
+}  // namespace trainer
