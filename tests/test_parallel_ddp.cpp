@@ -24,8 +24,7 @@
 #include "parallel/trace.h"
 #include "tests/dp_checks.h"
 #include "tests/runs.h"
-#include "tests/thread_world.h"
-#include "tests/worker_checks.h"
+#include "tests/thread_checks.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
@@ -53,29 +52,21 @@ Outcome launch_worker(int nproc, const std::vector<std::string>& args, double ti
 
 // Ranks as threads of this process (tests/thread_world.h), each running
 // a check of tests/dp_checks.h; every one must pass.
-void require_threads_passed(int ranks, const std::function<int(comm::Communicator&)>& check) {
-  const std::vector<int> codes = testing::run_thread_ranks<int>(ranks, [&](comm::Communicator& w) {
-    testing::g_rank = w.rank();
-    testing::g_checks = testing::g_failures = 0;
-    return check(w);
-  });
+void require_threads_passed(
+    int ranks, const std::function<int(const std::shared_ptr<comm::Communicator>&)>& check) {
+  const std::vector<testing::RankReport> reports = testing::run_checks_on_threads(ranks, check);
   for (int r = 0; r < ranks; ++r) {
     INFO("rank " << r << " (its mismatches are printed above)");
-    CHECK(codes[size_t(r)] == 0);
+    CHECK(reports[size_t(r)].code == 0);
   }
-}
-
-// A non-owning handle on a thread's world, as the checks take one.
-std::shared_ptr<comm::Communicator> handle(comm::Communicator& w) {
-  return std::shared_ptr<comm::Communicator>(&w, [](comm::Communicator*) {});
 }
 
 void check_equivalence(int ranks, bool overlap, int64_t accum, size_t bucket_bytes,
                        const std::string& path = "default") {
   INFO(ranks << " ranks, overlap " << overlap << ", grad_accum " << accum << ", buckets of "
              << bucket_bytes << " bytes, path " << path);
-  require_threads_passed(ranks, [&](comm::Communicator& w) {
-    return testing::run_equiv(handle(w), overlap, accum, bucket_bytes, path);
+  require_threads_passed(ranks, [&](const auto& world) {
+    return testing::run_equiv(world, overlap, accum, bucket_bytes, path);
   });
 }
 
@@ -85,8 +76,7 @@ TEST_CASE("ddp: the ring allreduce with a caller's Reducer, and direct_reduce, 2
   // kernel), run with a host reducer that counts its calls.
   for (int ranks : {2, 3}) {
     INFO(ranks << " ranks");
-    require_threads_passed(ranks,
-                           [](comm::Communicator& w) { return testing::run_reducer(handle(w)); });
+    require_threads_passed(ranks, [](const auto& world) { return testing::run_reducer(world); });
   }
 }
 

@@ -12,9 +12,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <omp.h>
-
-#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <regex>
@@ -23,8 +20,7 @@
 
 #include "tests/pipeline_checks.h"
 #include "tests/process.h"  // after the others: it brings Catch's CHECK
-#include "tests/thread_world.h"
-#include "tests/worker_checks.h"
+#include "tests/thread_checks.h"
 
 using namespace trainer;
 using trainer::testing::Child;
@@ -129,37 +125,16 @@ TEST_CASE(
   const std::vector<std::string> schedules = {"gpipe", "1f1b", "zbh1"};
   std::vector<std::string> args{"equiv"};
   args.insert(args.end(), schedules.begin(), schedules.end());
-  struct Report {
-    int code = -1, checks = 0, failures = 0;
-    std::vector<std::string> compared;
-  };
-  const std::vector<Report> reports = trainer::testing::run_thread_ranks<Report>(
-      3,
-      [&](comm::Communicator& world) {
-        omp_set_num_threads(1);
-        using namespace trainer::testing;
-        g_rank = world.rank();
-        g_checks = g_failures = 0;
-        g_compared.clear();
-        Report r;
-        r.code = run_pipeline_checks(
-            std::shared_ptr<comm::Communicator>(&world, [](comm::Communicator*) {}), args);
-        r.checks = g_checks;
-        r.failures = g_failures;
-        r.compared = g_compared;
-        return r;
-      },
-      {.timeout = comm::Millis(30000)});
+  const std::vector<trainer::testing::RankReport> reports = trainer::testing::run_checks_on_threads(
+      3, [&](const auto& world) { return trainer::testing::run_pipeline_checks(world, args); });
   for (int r = 0; r < 3; ++r) {
     INFO("rank " << r << " (mismatches are printed above)");
-    const Report& report = reports[size_t(r)];
+    const trainer::testing::RankReport& report = reports[size_t(r)];
     CHECK(report.code == 0);
     CHECK(report.failures == 0);
     CHECK(report.checks >= 2 * int(schedules.size()) * 2);
     for (const std::string& s : schedules)
-      CHECK(std::find(report.compared.begin(), report.compared.end(),
-                      cat(s, ": stage ", r, " gradients of 4 parameters")) !=
-            report.compared.end());
+      CHECK(report.has_compared(cat(s, ": stage ", r, " gradients of 4 parameters")));
   }
 }
 

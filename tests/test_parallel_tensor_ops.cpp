@@ -9,18 +9,14 @@
 // Transformer block and a small GPT against the unsplit ones, with and
 // without sequence parallelism. (The trainer at tp > 1 is
 // test_parallel_tensor's.)
-#include <omp.h>
-
-#include <algorithm>
 
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "layers/tensor_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/process.h"  // after the others: it brings Catch's CHECK
-#include "tests/thread_world.h"
+#include "tests/thread_checks.h"
 #include "tests/tp_checks.h"
-#include "tests/worker_checks.h"
 
 using namespace trainer;
 using trainer::testing::ProcessResult;
@@ -41,52 +37,28 @@ ProcessResult launch(int nproc, const std::string& mode) {
                      {.env = {{"OMP_NUM_THREADS", "1"}}, .timeout_s = kTimeoutSeconds});
 }
 
-// What one rank of a thread group reported.
-struct RankReport {
-  int code = -1;
-  int checks = 0, failures = 0;
-  std::vector<std::string> compared;
-};
-
 // Runs mode (tests/tp_checks.h) over groups of 2 and 4 ranks as threads of
-// this process, one OpenMP thread each: every rank passed, ran at least
-// min_checks checks and compared each of its parts ("<part>, n = N"; with
-// sequence_parallel also "<part>, n = N, sequence parallel").
+// this process: every rank passed, ran at least min_checks checks and
+// compared each of its parts ("<part>, n = N"; with sequence_parallel also
+// "<part>, n = N, sequence parallel").
 void require_passed(const std::string& mode, int min_checks, const std::vector<std::string>& parts,
                     bool sequence_parallel) {
   for (int n : {2, 4}) {
     INFO("group of " << n << " (mismatches are printed above)");
-    const std::vector<RankReport> reports = trainer::testing::run_thread_ranks<RankReport>(
-        n,
-        [&](comm::Communicator& world) {
-          omp_set_num_threads(1);
-          using namespace trainer::testing;
-          g_rank = world.rank();
-          g_checks = g_failures = 0;
-          g_compared.clear();
-          RankReport r;
-          r.code = run_tp_checks(
-              std::shared_ptr<comm::Communicator>(&world, [](comm::Communicator*) {}), mode);
-          r.checks = g_checks;
-          r.failures = g_failures;
-          r.compared = g_compared;
-          return r;
-        },
-        {.timeout = comm::Millis(30000)});
+    const std::vector<trainer::testing::RankReport> reports =
+        trainer::testing::run_checks_on_threads(
+            n, [&](const auto& world) { return trainer::testing::run_tp_checks(world, mode); },
+            comm::Millis(30000));
     for (int r = 0; r < n; ++r) {
       INFO("rank " << r);
-      const RankReport& report = reports[size_t(r)];
+      const trainer::testing::RankReport& report = reports[size_t(r)];
       CHECK(report.code == 0);
       CHECK(report.failures == 0);
       CHECK(report.checks >= min_checks);
-      auto has = [&](const std::string& part) {
-        return std::find(report.compared.begin(), report.compared.end(), part) !=
-               report.compared.end();
-      };
       for (const std::string& part : parts) {
         const std::string line = cat(part, ", n = ", n);
-        CHECK(has(line));
-        if (sequence_parallel) CHECK(has(line + ", sequence parallel"));
+        CHECK(report.has_compared(line));
+        if (sequence_parallel) CHECK(report.has_compared(line + ", sequence parallel"));
       }
     }
   }

@@ -3,7 +3,6 @@
 // launch` starts (tests/zero_worker.cpp). Each rank compares its results with
 // the single-process answer and prints its mismatches (rank, what, index,
 // expected, actual).
-#include <omp.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -11,8 +10,7 @@
 #include <sstream>
 
 #include "tests/testing.h"
-#include "tests/thread_world.h"
-#include "tests/worker_checks.h"
+#include "tests/thread_checks.h"
 #include "tests/zero_checks.h"
 
 namespace {
@@ -48,19 +46,12 @@ Outcome launch(int nproc, const std::string& scenarios, int timeout_s) {
 // The scenarios on ranks as threads of this process (tests/thread_world.h),
 // one OpenMP thread each; every rank must pass.
 void check_ranks(int ranks, const std::vector<std::string>& scenarios) {
-  const std::vector<int> codes =
-      trainer::testing::run_thread_ranks<int>(ranks,
-                                              [&](trainer::comm::Communicator& world) {
-                                                omp_set_num_threads(1);
-                                                using namespace trainer::testing;
-                                                g_rank = world.rank();
-                                                g_checks = g_failures = 0;
-                                                return run_zero_checks(world, scenarios);
-                                              },
-                                              {.timeout = trainer::comm::Millis(60000)});
+  const std::vector<trainer::testing::RankReport> reports = trainer::testing::run_checks_on_threads(
+      ranks,
+      [&](const auto& world) { return trainer::testing::run_zero_checks(*world, scenarios); });
   for (int r = 0; r < ranks; ++r) {
     INFO("rank " << r << " (mismatches are printed above)");
-    CHECK(codes[size_t(r)] == 0);
+    CHECK(reports[size_t(r)].code == 0);
   }
 }
 

@@ -45,7 +45,7 @@ parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   const Recipe& r = session.recipe();
   if (r.parallel.stages != "auto" && r.parallel.stage_memory_mb <= 0)
     return choose_split(session, nullptr);
-  const int pieces = int(dist.layout.job.mesh[parallel::Dim::pp] * r.parallel.virtual_stages);
+  const int pieces = int(dist.layout.size(parallel::Dim::pp) * r.parallel.virtual_stages);
   std::vector<int64_t> bounds(size_t(pieces) + 1, 0);
   std::string error;
   if (dist.is_main()) {
@@ -63,8 +63,9 @@ parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   comm::broadcast(*dist.world(), bounds.data(), bounds.size() * sizeof(int64_t), 0);
   if (bounds[0] < 0)
     throw Error(dist.is_main() ? error : "parallel.stages: auto failed on rank 0 (see its error)");
-  parallel::StageSplit split{.stages = dist.layout.job.mesh[parallel::Dim::pp],
-                             .chunks = int(r.parallel.virtual_stages)};
+  parallel::StageSplit split{.stages = dist.layout.size(parallel::Dim::pp),
+                             .chunks = int(r.parallel.virtual_stages),
+                             .bounds = {}};
   for (int64_t b : bounds) split.bounds.push_back(size_t(b));
   return split;
 }
