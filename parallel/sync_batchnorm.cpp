@@ -261,16 +261,17 @@ BatchStatsResult sync_batch_norm(comm::Communicator& comm, const Tensor& x, cons
   return {{out, r[1].detach(), r[2].detach()}, int64_t(std::llround(count))};
 }
 
-int convert_sync_batchnorm(Module& model, std::shared_ptr<comm::Communicator> comm) {
+int convert_sync_batchnorm(Module& model, std::shared_ptr<comm::Communicator> comm, bool by_ops) {
   CHECK(comm) << "convert_sync_batchnorm needs a communicator";
   int converted = 0;
   model.apply([&](Module& m) {
     auto* bn = dynamic_cast<BatchNorm2d*>(&m);
     if (!bn) return;
-    bn->set_batch_stats_norm(
-        [comm](const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, bool relu) {
-          return sync_batch_norm(*comm, x, gamma, beta, eps, relu);
-        });
+    bn->set_batch_stats_norm([comm, by_ops](const Tensor& x, const Tensor& gamma,
+                                            const Tensor& beta, double eps, bool relu) {
+      return by_ops ? sync_batch_norm_ops(*comm, x, gamma, beta, eps, relu)
+                    : sync_batch_norm(*comm, x, gamma, beta, eps, relu);
+    });
     ++converted;
   });
   return converted;

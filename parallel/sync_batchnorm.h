@@ -53,8 +53,11 @@ BatchStatsResult sync_batch_norm_ops(comm::Communicator& comm, const Tensor& x, 
 // Makes every BatchNorm2d in model (itself included) normalise with
 // sync_batch_norm over comm, in place: names, parameters, buffers and the
 // running-statistics update stay those of the BatchNorm2d (torch's
-// convert_sync_batchnorm). Returns the number of layers converted.
-int convert_sync_batchnorm(Module& model, std::shared_ptr<comm::Communicator> comm);
+// convert_sync_batchnorm). by_ops: sync_batch_norm_ops on any tensors (the
+// tests hold the GPU's path to the fused one with it). Returns the number of
+// layers converted.
+int convert_sync_batchnorm(Module& model, std::shared_ptr<comm::Communicator> comm,
+                           bool by_ops = false);
 
 // A BatchNorm2d that is synchronised from the start, for models built with it.
 class SyncBatchNorm : public BatchNorm2d {

@@ -379,20 +379,9 @@ std::shared_ptr<ConvBn> make_conv_bn() {
   return m;
 }
 
-// convert_sync_batchnorm, or (g_staged) the same with sync_batch_norm_ops.
+// convert_sync_batchnorm, with sync_batch_norm_ops when g_staged.
 int convert_bn(Module& model, std::shared_ptr<comm::Communicator> comm) {
-  if (!g_staged) return convert_sync_batchnorm(model, comm);
-  int converted = 0;
-  model.apply([&](Module& m) {
-    auto* bn = dynamic_cast<BatchNorm2d*>(&m);
-    if (!bn) return;
-    bn->set_batch_stats_norm(
-        [comm](const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, bool relu) {
-          return sync_batch_norm_ops(*comm, x, gamma, beta, eps, relu);
-        });
-    ++converted;
-  });
-  return converted;
+  return convert_sync_batchnorm(model, std::move(comm), /*by_ops=*/g_staged);
 }
 
 int run_syncbn(comm::Communicator& world) {
