@@ -20,6 +20,7 @@
 #include "parallel/pipeline_runtime.h"
 #include "parallel/placement.h"
 #include "parallel/planner.h"
+#include "parallel/split_model.h"
 #include "parallel/sync_batchnorm.h"
 #include "trainer/device.h"
 #include "trainer/metrics.h"
@@ -246,25 +247,9 @@ void DistributedRun::finish_gradients() {
 }
 
 void DistributedRun::add_tied_gradient(size_t k, Tensor& grad) const {
-  // Both stages compute own + other's: the same bits on both (a + b == b + a).
   const Session::TiedAcrossStages& t = session_->tied_across_stages()[k];
-  comm::Communicator& pp = *dist_.mesh.comm(parallel::Dim::pp);
-  Tensor mine = grad.contiguous().clone(), theirs = empty_like(mine);
-  const comm::P2PTag tag{.micro_batch = (int64_t(1) << comm::P2PTag::kMicroBatchBits) - 1,
-                         .direction = comm::P2PDirection::gradient,
-                         .stream = int64_t(k)};
-  comm::Work sent = pp.send(mine, t.peer, tag);
-  comm::Work got = pp.recv(theirs, t.peer, tag);
-  try {
-    got.wait();
-    sent.wait();
-  } catch (const Error& e) {
-    throw Error(cat("pipeline stage ", dist_.layout.index(parallel::Dim::pp),
-                    ", exchanging the gradient of ", t.name, " (tied across stages) with stage ",
-                    t.peer, ": ", e.what()));
-  }
-  autograd::NoGradGuard no_grad;
-  add_(grad, theirs);
+  parallel::add_tied_gradient(*dist_.mesh.comm(parallel::Dim::pp), t.peer, int64_t(k), t.name,
+                              grad);
 }
 
 double DistributedRun::clip_gradients(double max_norm) const {
@@ -273,27 +258,19 @@ double DistributedRun::clip_gradients(double max_norm) const {
   for (const Tensor& p : session_->trained().parameters()) mine.insert(p.impl());
   for (const Session::TiedAcrossStages& t : session_->tied_across_stages())
     if (!t.owner) not_owned.insert(t.param.impl());
-  const std::vector<NamedTensor>& all = session_->global_parameters();
-  // One entry per parameter, set by the stage that owns it (a replicated
-  // one by the first tensor-parallel rank, a split one by all): the others
-  // add zeros, so the total sums over the parameters in one order.
-  std::vector<double> sums(all.size(), 0.0);
-  for (size_t k = 0; k < all.size(); ++k) {
-    const TensorImpl* impl = all[k].tensor.impl();
-    if (mine.count(impl) && !not_owned.count(impl) && counted_in_norm(all[k].tensor))
-      sums[k] = optim::grad_power_sum(all[k].tensor, 2.0);
-  }
-  if (pipeline_)
-    comm::allreduce(*dist_.mesh.comm(parallel::Dim::pp), sums.data(), sums.size(), DType::f64,
-                    {.op = comm::ReduceOp::sum});
-  if (tp_)
-    comm::allreduce(*dist_.mesh.comm(parallel::Dim::tp), sums.data(), sums.size(), DType::f64,
-                    {.op = comm::ReduceOp::sum});
-  double total = 0;
-  for (double v : sums) total += v;
-  const double norm = std::sqrt(total);
-  optim::clip_to_norm(session_->trained().parameters(), max_norm, norm);
-  return norm;
+  std::vector<Tensor> order;
+  for (const NamedTensor& p : session_->global_parameters()) order.push_back(p.tensor);
+  // A parameter counts on the stage that owns it, and there on the rank
+  // that holds its written copy (a split one on every tensor-parallel rank).
+  auto counted = [&](size_t k) {
+    const TensorImpl* impl = order[k].impl();
+    return mine.count(impl) && !not_owned.count(impl) && counted_in_norm(order[k]);
+  };
+  std::vector<comm::Communicator*> over;
+  if (pipeline_) over.push_back(dist_.mesh.comm(parallel::Dim::pp).get());
+  if (tp_) over.push_back(dist_.mesh.comm(parallel::Dim::tp).get());
+  return parallel::clip_split_gradients(order, counted, over, session_->trained().parameters(),
+                                        max_norm);
 }
 
 void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
