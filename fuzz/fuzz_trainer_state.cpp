@@ -19,6 +19,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const trainer::TrainState& s = file.state;
   if (s.step < 0 || s.epoch < 0 || s.position < 0) std::abort();
-  if (s.layout.world_size() < 1 || s.layout.mesh.dp < 1) std::abort();
+  if (s.layout.world_size() < 1) std::abort();
+  for (trainer::parallel::Dim d : trainer::parallel::kAllDims)
+    if (s.layout.mesh[d] < 1) std::abort();
   return 0;
 }

@@ -366,16 +366,21 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
   return memory;
 }
 
-Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
-                   Plan plan, std::string* why) {
-  const ClusterSpec& cluster = request.cluster;
-  const double scale = value_scale(request.precision);
-  if (plan.stage_starts.empty())
-    plan.stage_starts = split_for(model, timer, plan.pp, plan.schedule == "interleaved");
-  const LinkSpec& tp_link = cluster.intra;
-  const int64_t b = plan.micro_batch_size;
+namespace {
 
-  // The slowest stage: one micro-batch's forward and backward, compute and tp allreduces.
+// The slowest stage of a plan: one micro-batch's forward and backward,
+// compute and tp allreduces; with the most parameters a stage holds and the
+// largest activation sent between stages.
+struct SlowestStage {
+  double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0;
+  double stage_params_max = 0, message_bytes = 0;
+};
+
+SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
+                           const BlockTimer& timer, const Plan& plan) {
+  const double scale = value_scale(request.precision);
+  const LinkSpec& tp_link = request.cluster.intra;
+  const int64_t b = plan.micro_batch_size;
   double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0, slowest = -1;
   double stage_params_max = 0, message_bytes = 0;
   for (int stage = 0; stage < plan.pp; ++stage) {
@@ -411,6 +416,43 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
       message_bytes = std::max(message_bytes, last.output_bytes * double(b) * scale / split);
     }
   }
+  return {forward, backward, tp_forward, tp_backward, stage_params_max, message_bytes};
+}
+
+// The plan's memory: that of its fullest stage, and which stage it is. With
+// `why`, *why names that stage's need and the device's memory when it does
+// not fit, and is empty when it does.
+void set_memory(const ModelDesc& model, const PlanRequest& request, Plan& plan, std::string* why) {
+  const std::vector<StageMemory> memory = stage_memory(model, request, plan);
+  plan.memory = 0;
+  for (int stage = 0; stage < plan.pp; ++stage)
+    if (memory[size_t(stage)].total() > plan.memory) {
+      plan.memory = memory[size_t(stage)].total();
+      plan.memory_stage = stage;
+    }
+  const ClusterSpec& cluster = request.cluster;
+  const double limit = cluster.device.memory_gib * kGiB;
+  if (why) {
+    why->clear();
+    // Whole GiB for a device's memory; below 10 GiB (a CPU rank's share),
+    // hundredths, so that the need and the limit differ where they do.
+    const int digits = cluster.device.memory_gib < 10 ? 2 : 0;
+    if (plan.memory > limit)
+      *why = cat("stage ", plan.memory_stage, " needs ", fixed(plan.memory / kGiB, digits ? 2 : 1),
+                 " GiB of ", fixed(cluster.device.memory_gib, digits));
+  }
+}
+
+}  // namespace
+
+Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
+                   Plan plan, std::string* why) {
+  const ClusterSpec& cluster = request.cluster;
+  if (plan.stage_starts.empty())
+    plan.stage_starts = split_for(model, timer, plan.pp, plan.schedule == "interleaved");
+  const int64_t b = plan.micro_batch_size;
+  const auto [forward, backward, tp_forward, tp_backward, stage_params_max, message_bytes] =
+      slowest_stage(model, request, timer, plan);
 
   const int M = plan.micro_batches;
   StepTerms& terms = plan.terms;
@@ -441,23 +483,7 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   terms.optimizer =
       request.optimizer_seconds_per_param * stage_params_max / (plan.zero1 ? plan.dp : 1);
 
-  const std::vector<StageMemory> memory = stage_memory(model, request, plan);
-  plan.memory = 0;
-  for (int stage = 0; stage < plan.pp; ++stage)
-    if (memory[size_t(stage)].total() > plan.memory) {
-      plan.memory = memory[size_t(stage)].total();
-      plan.memory_stage = stage;
-    }
-  const double limit = cluster.device.memory_gib * kGiB;
-  if (why) {
-    why->clear();
-    // Whole GiB for a device's memory; below 10 GiB (a CPU rank's share),
-    // hundredths, so that the need and the limit differ where they do.
-    const int digits = cluster.device.memory_gib < 10 ? 2 : 0;
-    if (plan.memory > limit)
-      *why = cat("stage ", plan.memory_stage, " needs ", fixed(plan.memory / kGiB, digits ? 2 : 1),
-                 " GiB of ", fixed(cluster.device.memory_gib, digits));
-  }
+  set_memory(model, request, plan, why);
 
   const double step = terms.total();
   const double batch = double(plan.dp) * M * double(b);
@@ -528,6 +554,61 @@ std::string tp_problem(const ModelDesc& model, const ClusterSpec& cluster, int t
   return "";
 }
 
+// The (schedule, chunks) pairs a plan of pp stages and M micro-batches may run.
+std::vector<std::pair<std::string, int>> schedules_for(const ModelDesc& model,
+                                                       const PlanRequest& request, int pp, int M) {
+  std::vector<std::pair<std::string, int>> schedules;
+  if (pp == 1) {
+    schedules.push_back({"none", 1});
+  } else {
+    schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zbh1", 1}};
+    if (M % pp == 0 && model.n_layer > 0)
+      for (int v = 2; v <= request.max_chunks; ++v)
+        if (model.n_layer % (int64_t(pp) * v) == 0) schedules.push_back({"interleaved", v});
+  }
+  return schedules;
+}
+
+// Scores `base` with each recomputation and ZeRO-1 setting the request
+// allows: the plans that fit join result.ranked, the others `rejected`.
+void score_variants(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
+                    const Plan& base, PlanResult& result, Rejections& rejected) {
+  // A plan that fits makes every slower-and-smaller variant of it
+  // (more recomputation, ZeRO-1 on) dominated: those are skipped.
+  // With the optimizer timed, ZeRO-1 may be the faster (it updates
+  // 1/dp of the parameters): then it is dominated only by itself.
+  const bool zero1_may_win = request.optimizer_seconds_per_param > 0;
+  bool fits[3][2] = {};
+  for (Recompute recompute : {Recompute::none, Recompute::selective, Recompute::blocks}) {
+    const int level = int(recompute);
+    if (recompute == Recompute::selective && !model.language_model) continue;
+    if (recompute != Recompute::none && !request.allow_recompute) continue;
+    for (int zero1 = 0; zero1 < 2; ++zero1) {
+      if (zero1 && (base.dp == 1 || !request.allow_zero1)) continue;
+      bool dominated = false;
+      for (int l = 0; l <= level; ++l)
+        for (int z = zero1_may_win ? zero1 : 0; z <= zero1; ++z)
+          dominated = dominated || fits[l][z];
+      if (dominated) {
+        ++result.pruned;
+        continue;
+      }
+      Plan plan = base;
+      plan.zero1 = zero1 != 0;
+      plan.recompute = recompute;
+      std::string why;
+      Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
+      ++result.evaluated;
+      if (!why.empty()) {
+        rejected.add("over device memory", cat(plan_label(scored), ": ", why), scored.memory);
+        continue;
+      }
+      fits[level][zero1] = true;
+      result.ranked.push_back(std::move(scored));
+    }
+  }
+}
+
 }  // namespace
 
 PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
@@ -566,61 +647,18 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
       if (!balanced.count(pp)) balanced[pp] = split_for(model, timer, pp, false);
       const int per_replica = int(request.global_batch / dp);
       for (int M : divisors(per_replica)) {
-        // (schedule, chunks) pairs for this P and M.
-        std::vector<std::pair<std::string, int>> schedules;
-        if (pp == 1) {
-          schedules.push_back({"none", 1});
-        } else {
-          schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zbh1", 1}};
-          if (M % pp == 0 && model.n_layer > 0)
-            for (int v = 2; v <= request.max_chunks; ++v)
-              if (model.n_layer % (int64_t(pp) * v) == 0) schedules.push_back({"interleaved", v});
-        }
-        for (const auto& [schedule, chunks] : schedules) {
-          // A plan that fits makes every slower-and-smaller variant of it
-          // (more recomputation, ZeRO-1 on) dominated: those are skipped.
-          // With the optimizer timed, ZeRO-1 may be the faster (it updates
-          // 1/dp of the parameters): then it is dominated only by itself.
-          const bool zero1_may_win = request.optimizer_seconds_per_param > 0;
-          bool fits[3][2] = {};
-          for (Recompute recompute : {Recompute::none, Recompute::selective, Recompute::blocks}) {
-            const int level = int(recompute);
-            if (recompute == Recompute::selective && !model.language_model) continue;
-            if (recompute != Recompute::none && !request.allow_recompute) continue;
-            for (int zero1 = 0; zero1 < 2; ++zero1) {
-              if (zero1 && (dp == 1 || !request.allow_zero1)) continue;
-              bool dominated = false;
-              for (int l = 0; l <= level; ++l)
-                for (int z = zero1_may_win ? zero1 : 0; z <= zero1; ++z)
-                  dominated = dominated || fits[l][z];
-              if (dominated) {
-                ++result.pruned;
-                continue;
-              }
-              Plan plan;
-              plan.dp = dp, plan.pp = pp, plan.tp = tp;
-              plan.micro_batches = M;
-              plan.micro_batch_size = per_replica / M;
-              plan.schedule = schedule;
-              plan.chunks = chunks;
-              plan.zero1 = zero1 != 0;
-              // Sequence parallelism moves the same bytes (reduce-scatter +
-              // all-gather = allreduce) and saves memory: always on with tp.
-              plan.sequence_parallel = tp > 1 && model.n_head > 0;
-              plan.recompute = recompute;
-              if (schedule != "interleaved") plan.stage_starts = balanced[pp];
-              std::string why;
-              Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
-              ++result.evaluated;
-              if (!why.empty()) {
-                rejected.add("over device memory", cat(plan_label(scored), ": ", why),
-                             scored.memory);
-                continue;
-              }
-              fits[level][zero1] = true;
-              result.ranked.push_back(std::move(scored));
-            }
-          }
+        for (const auto& [schedule, chunks] : schedules_for(model, request, pp, M)) {
+          Plan plan;
+          plan.dp = dp, plan.pp = pp, plan.tp = tp;
+          plan.micro_batches = M;
+          plan.micro_batch_size = per_replica / M;
+          plan.schedule = schedule;
+          plan.chunks = chunks;
+          // Sequence parallelism moves the same bytes (reduce-scatter +
+          // all-gather = allreduce) and saves memory: always on with tp.
+          plan.sequence_parallel = tp > 1 && model.n_head > 0;
+          if (schedule != "interleaved") plan.stage_starts = balanced[pp];
+          score_variants(model, request, timer, plan, result, rejected);
         }
       }
     }

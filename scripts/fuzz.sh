@@ -38,14 +38,14 @@ fi
 
 # The sources each target instruments (the parser under test and its helpers).
 declare -A SOURCES=(
-  [recipe]="trainer/recipe.cpp data/files.cpp"
+  [recipe]="trainer/recipe.cpp trainer/recipe_fields.cpp data/files.cpp"
   [safetensors]="trainer/safetensors.cpp data/files.cpp"
-  [trainer_state]="trainer/checkpoint.cpp trainer/safetensors.cpp data/files.cpp"
+  [trainer_state]="trainer/checkpoint.cpp trainer/checkpoint_state.cpp trainer/checkpoint_optimizer.cpp trainer/safetensors.cpp data/files.cpp"
   [idx]="data/idx.cpp data/files.cpp"
   [image]="data/image_folder.cpp data/files.cpp"
   [store]="comm/store.cpp comm/store_server.cpp"
   [cluster]="trainer/cluster_file.cpp trainer/numbers.cpp data/files.cpp"
-  [command_line]="trainer/plan.cpp trainer/launch.cpp trainer/numbers.cpp trainer/cluster_file.cpp trainer/recipe.cpp data/files.cpp"
+  [command_line]="trainer/plan.cpp trainer/launch.cpp trainer/launch_attempt.cpp trainer/numbers.cpp trainer/cluster_file.cpp trainer/recipe.cpp trainer/recipe_fields.cpp data/files.cpp"
 )
 # Libraries of the existing build a target needs beyond the engine's (the
 # command-line target calls into the trainer's own library).

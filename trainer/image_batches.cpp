@@ -213,6 +213,10 @@ class ImageBatches final : public BatchSource {
     val_loader_->start_epoch(0);
   }
 
+  // train_set_ and val_set_ from the recipe's data, or stand-ins of the
+  // dataset's size when it is not on disk and `access` allows (assumed_ says so).
+  void open_datasets(const Recipe& r, DataAccess access);
+
   // Logits for a batch of NHWC images [N, H, W, C] (viewed as NCHW channels-last).
   Tensor forward(const Tensor& images) {
     return (*model_)(to_device(images, module_device(*model_)).permute({0, 3, 1, 2}));
@@ -229,14 +233,7 @@ class ImageBatches final : public BatchSource {
   int64_t evaluations_ = 0;         // validation epochs started
 };
 
-ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch,
-                           DataAccess access)
-    : image_size_(r.data.image_size), channels_(r.model.in_channels), micro_batch_(micro_batch) {
-  if (r.data.image_size < data::kMinImageSide)
-    throw Error(cat(r.source, ": data.image_size ", r.data.image_size,
-                    " is too small: the model would see images of ", r.data.image_size, "x",
-                    r.data.image_size, " pixels; expected at least ", data::kMinImageSide,
-                    " (Fashion-MNIST's images are 28x28, the ImageNet recipes crop 224)"));
+void ImageBatches::open_datasets(const Recipe& r, DataAccess access) {
   if (access == DataAccess::assume_if_missing && !data_on_disk(r)) {
     AssumedSize a = assumed_size(r);
     train_set_ =
@@ -268,6 +265,17 @@ ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t mi
   } else {
     throw Error(cat(r.source, ": data.name '", r.data.name, "' has no image reader"));
   }
+}
+
+ImageBatches::ImageBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch,
+                           DataAccess access)
+    : image_size_(r.data.image_size), channels_(r.model.in_channels), micro_batch_(micro_batch) {
+  if (r.data.image_size < data::kMinImageSide)
+    throw Error(cat(r.source, ": data.image_size ", r.data.image_size,
+                    " is too small: the model would see images of ", r.data.image_size, "x",
+                    r.data.image_size, " pixels; expected at least ", data::kMinImageSide,
+                    " (Fashion-MNIST's images are 28x28, the ImageNet recipes crop 224)"));
+  open_datasets(r, access);
   train_set_ = with_fault_injection(std::move(train_set_));
   if (train_set_->num_classes() != r.model.num_classes)
     throw Error(cat(r.source, ": model.num_classes is ", r.model.num_classes,

@@ -1,46 +1,33 @@
+// `trainer launch` (trainer/launch.h): the command's options and their
+// checks, and the loop that starts the node's ranks again after a failure
+// (each start: LaunchAttempt, launch_attempt.cpp).
 #include "trainer/launch.h"
 
 #include <netinet/in.h>
-#include <sched.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <random>
-#include <thread>
 #include <tuple>
 
 #include "comm/bootstrap.h"
-#include "comm/watchdog.h"
 #include "core/check.h"
 #include "core/cpu/threads.h"
+#include "trainer/launch_parts.h"
 #include "trainer/node_rendezvous.h"
 #include "trainer/numbers.h"
-
-extern char** environ;
 
 namespace trainer {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-volatile sig_atomic_t g_signal = 0;
-void on_signal(int sig) { g_signal = sig; }
-
-// How often the supervisor looks at its children.
-constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 // Bounds on what one launcher takes on. Correctness tests run up to 4 ranks
 // per core (8 ranks on 2 cores); past 8 a job is almost surely a typo, and
@@ -77,67 +64,6 @@ std::string random_token() {
     token += hex;
   }
   return token;
-}
-
-// This process's environment without the variables we set for the ranks, plus those.
-std::vector<std::string> child_environment(
-    const std::vector<std::pair<std::string, std::string>>& vars) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e) {
-    std::string entry(*e);
-    std::string name = entry.substr(0, entry.find('='));
-    bool replaced = false;
-    for (const auto& [k, v] : vars) replaced = replaced || k == name;
-    if (!replaced) env.push_back(entry);
-  }
-  for (const auto& [k, v] : vars) env.push_back(k + "=" + v);
-  return env;
-}
-
-std::vector<char*> pointers(std::vector<std::string>& strings) {
-  std::vector<char*> out;
-  for (std::string& s : strings) out.push_back(s.data());
-  out.push_back(nullptr);
-  return out;
-}
-
-int exit_code(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-struct Child {
-  pid_t pid = -1;
-  int rank = 0;
-  bool running = false;
-};
-
-void signal_all(std::vector<Child>& children, int sig) {
-  for (Child& c : children)
-    if (c.running) ::kill(-c.pid, sig);  // each child leads its own process group
-}
-
-std::string core_list(const std::vector<int>& cores) {
-  std::string out;
-  for (size_t i = 0; i < cores.size();) {
-    size_t j = i;
-    while (j + 1 < cores.size() && cores[j + 1] == cores[j] + 1) ++j;
-    out += cat(out.empty() ? "" : ",", cores[i], j > i ? cat("-", cores[j]) : "");
-    i = j + 1;
-  }
-  return out;
-}
-
-// The cores local rank `local` of nproc runs on under --bind-to core: the
-// local-th contiguous share of cores (the launcher's, in increasing order),
-// wrapping around when there are more ranks than cores.
-std::vector<int> rank_cores(const std::vector<int>& cores, int local, int nproc) {
-  if (cores.empty() || nproc <= 0) return {};
-  const size_t n = cores.size(), share = std::max<size_t>(1, n / size_t(nproc));
-  const size_t first = (size_t(local) * share) % n;
-  return std::vector<int>(cores.begin() + long(first),
-                          cores.begin() + long(std::min(n, first + share)));
 }
 
 }  // namespace
@@ -201,241 +127,6 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
 }
 
 namespace {
-
-// The state letter of /proc/pid/stat ('R', 'S', 'D', 'T' stopped, 't' traced,
-// 'Z'), '?' when unreadable.
-char process_state(pid_t pid) {
-  std::ifstream stat(cat("/proc/", pid, "/stat"));
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
-}
-
-std::string describe_state(char state) {
-  switch (state) {
-    case 'T':
-      return "process stopped by a signal";
-    case 't':
-      return "process stopped by a debugger";
-    case 'D':
-      return "process in uninterruptible sleep (I/O)";
-    case 'Z':
-      return "process exited";
-    default:
-      return cat("process state ", state);
-  }
-}
-
-// One start of the node's ranks, supervised to the end.
-class Attempt {
- public:
-  // nnodes and node_index: this start's nodes, and this node's place among them.
-  Attempt(const LaunchOptions& o, int nnodes, int node_index, int port, const std::string& token,
-          int restart, const std::string& status_dir)
-      : o_(o),
-        nnodes_(nnodes),
-        node_index_(node_index),
-        port_(port),
-        token_(token),
-        restart_(restart),
-        status_dir_(status_dir) {}
-
-  // Starts the ranks and waits for them; the first failure's exit code (0 when all succeeded).
-  int run();
-  // A failure the launcher was asked for (SIGINT or SIGTERM): no restart.
-  bool interrupted() const { return forwarded_ != 0; }
-
- private:
-  void start_ranks();
-  // Fails the job for the first failing rank: reports, then stops the others.
-  void fail(int rank, int code, const std::string& why);
-  // Ranks whose heartbeat is older than the timeout.
-  void check_heartbeats();
-  void print_report();
-
-  const LaunchOptions& o_;
-  int nnodes_, node_index_;
-  int port_;
-  std::string token_;
-  int restart_;
-  std::string status_dir_;
-  std::vector<Child> children_;
-  int result_ = 0, failed_rank_ = -1, forwarded_ = 0, running_ = 0;
-  bool kill_pending_ = false;  // when set, surviving ranks get SIGKILL at kill_at_
-  Clock::time_point kill_at_, next_heartbeat_check_;
-};
-
-void Attempt::start_ranks() {
-  const int world = nnodes_ * o_.nproc_per_node;
-  std::string program = o_.program.empty() ? "/proc/self/exe" : o_.program;
-  std::vector<std::string> argv_strings{o_.program.empty() ? "trainer" : o_.program};
-  argv_strings.insert(argv_strings.end(), o_.args.begin(), o_.args.end());
-
-  // Ranks share the node's cores: unless the user chose, each rank's OpenMP
-  // gets cores / nproc_per_node threads (torchrun sets 1), so ranks don't
-  // oversubscribe the cores and spin against each other.
-  const std::vector<int> cores = allowed_cores();
-  std::vector<std::pair<std::string, std::string>> common{
-      {"WORLD_SIZE", std::to_string(world)},
-      {"LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node)},
-      {"MASTER_ADDR", o_.master_addr},
-      {"MASTER_PORT", std::to_string(port_)},
-      {"TRAINER_JOB_TOKEN", token_},
-      {"TRAINER_RESTART_COUNT", std::to_string(restart_)}};
-  if (!status_dir_.empty()) {
-    // Five heartbeats per timeout, at most one a second.
-    const double ms = std::clamp(o_.heartbeat_timeout * 1000 / 5, 10.0, 1000.0);
-    common.push_back({"TRAINER_STATUS_DIR", status_dir_});
-    common.push_back({"TRAINER_HEARTBEAT_MS", std::to_string(int(ms))});
-  }
-  if (!std::getenv("OMP_NUM_THREADS")) {
-    const long n = std::max(1L, long(cores.size()));
-    common.push_back({"OMP_NUM_THREADS", std::to_string(std::max(1L, n / o_.nproc_per_node))});
-  }
-
-  const bool bind =
-      o_.bind_to == "core" || (o_.bind_to == "auto" && o_.nproc_per_node <= int(cores.size()));
-  const std::vector<int> bind_cores = bind ? cores : std::vector<int>();
-  if (o_.bind_to == "core" && o_.nproc_per_node > int(cores.size()) && restart_ == 0)
-    std::fprintf(stderr, "trainer launch: %d ranks on %zu cores: ranks will share cores\n",
-                 o_.nproc_per_node, cores.size());
-
-  const pid_t launcher = ::getpid();
-  for (int local = 0; local < o_.nproc_per_node; ++local) {
-    const std::vector<int> mine = rank_cores(bind_cores, local, o_.nproc_per_node);
-    if (!mine.empty() && restart_ == 0)
-      std::fprintf(stderr, "trainer launch: local rank %d bound to cores %s\n", local,
-                   core_list(mine).c_str());
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int c : mine) CPU_SET(c, &set);
-    const int rank = node_index_ * o_.nproc_per_node + local;
-    std::vector<std::pair<std::string, std::string>> vars{{"RANK", std::to_string(rank)},
-                                                          {"LOCAL_RANK", std::to_string(local)}};
-    vars.insert(vars.end(), common.begin(), common.end());
-    std::vector<std::string> env = child_environment(vars);
-    std::vector<char*> envp = pointers(env), argv = pointers(argv_strings);
-    pid_t pid = ::fork();
-    CHECK(pid >= 0) << "fork: " << std::strerror(errno);
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      // Die with the launcher, however it ends (it may already be gone).
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
-      if (!mine.empty() && ::sched_setaffinity(0, sizeof set, &set) != 0) {
-        std::fprintf(stderr, "trainer launch: cannot bind local rank %d to cores %s: %s\n", local,
-                     core_list(mine).c_str(), std::strerror(errno));
-        ::_exit(127);
-      }
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      ::execve(program.c_str(), argv.data(), envp.data());
-      std::fprintf(stderr, "trainer launch: cannot run %s: %s\n", program.c_str(),
-                   std::strerror(errno));
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);  // also here, so the group exists before we signal it
-    children_.push_back({pid, rank, true});
-  }
-  running_ = int(children_.size());
-}
-
-void Attempt::print_report() {
-  if (status_dir_.empty()) return;
-  std::vector<comm::watchdog::Status> statuses;
-  for (const Child& c : children_)
-    if (auto s = comm::watchdog::read_status(comm::watchdog::status_path(status_dir_, c.rank))) {
-      // The failing rank, ended by a signal: its record is what it left.
-      s->killed = !c.running && c.rank == failed_rank_ && result_ > 128;
-      statuses.push_back(*s);
-    }
-  if (statuses.empty()) return;
-  const int64_t stale = int64_t(o_.heartbeat_timeout * 1e9);
-  std::fprintf(stderr, "trainer launch: what the ranks of this host were doing:\n");
-  for (const std::string& line :
-       comm::watchdog::report(statuses, comm::watchdog::monotonic_ns(), stale))
-    std::fprintf(stderr, "trainer launch:   %s\n", line.c_str());
-}
-
-void Attempt::fail(int rank, int code, const std::string& why) {
-  failed_rank_ = rank;
-  result_ = code;
-  std::fprintf(stderr, "trainer launch: rank %d %s; stopping the other ranks\n", rank, why.c_str());
-  print_report();
-  signal_all(children_, SIGTERM);
-  kill_pending_ = true;
-  kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(o_.grace_seconds));
-}
-
-void Attempt::check_heartbeats() {
-  if (status_dir_.empty() || o_.heartbeat_timeout <= 0 || failed_rank_ >= 0 || forwarded_) return;
-  const Clock::time_point now = Clock::now();
-  if (now < next_heartbeat_check_) return;
-  next_heartbeat_check_ = now + std::chrono::milliseconds(100);
-  const int64_t now_ns = comm::watchdog::monotonic_ns(),
-                stale = int64_t(o_.heartbeat_timeout * 1e9);
-  for (Child& c : children_) {
-    if (!c.running) continue;
-    auto s = comm::watchdog::read_status(comm::watchdog::status_path(status_dir_, c.rank));
-    if (!s || s->heartbeat_ns == 0 || now_ns - s->heartbeat_ns <= stale) continue;
-    const char state = process_state(c.pid);
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%.1f", double(now_ns - s->heartbeat_ns) / 1e9);
-    // A stopped process keeps SIGTERM pending: it goes at once.
-    ::kill(-c.pid, SIGKILL);
-    fail(c.rank, 128 + SIGKILL,
-         cat("(pid ", c.pid, ") stopped making progress: no heartbeat for ", seconds,
-             " s (--heartbeat-timeout ", o_.heartbeat_timeout, "), ", describe_state(state)));
-    return;
-  }
-}
-
-int Attempt::run() {
-  start_ranks();
-  while (running_ > 0) {
-    if (g_signal && !forwarded_) {
-      forwarded_ = g_signal;
-      std::fprintf(stderr, "trainer launch: forwarding signal %d to %d ranks\n", forwarded_,
-                   running_);
-      signal_all(children_, forwarded_);
-      kill_pending_ = true;
-      kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(o_.grace_seconds));
-    }
-    // Reap every child that has exited since the last poll. A rank killed by
-    // a signal is the cause when others exited with errors in the same poll:
-    // they saw it die (a dead peer is an error within milliseconds), so it
-    // is the one reported.
-    std::vector<std::pair<Child*, int>> exited;  // child, raw wait status
-    for (int status = 0;;) {
-      pid_t pid = ::waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) break;
-      for (Child& c : children_)
-        if (c.pid == pid) exited.push_back({&c, status});
-    }
-    if (!exited.empty()) {
-      std::stable_partition(exited.begin(), exited.end(),
-                            [](const auto& e) { return WIFSIGNALED(e.second); });
-      for (auto& [c, status] : exited) {
-        c->running = false;
-        --running_;
-        const int code = exit_code(status);
-        if (code != 0 && failed_rank_ < 0 && !forwarded_)
-          fail(c->rank, code, cat("exited with code ", code));
-      }
-      continue;
-    }
-    check_heartbeats();
-    if (kill_pending_ && Clock::now() >= kill_at_) {
-      signal_all(children_, SIGKILL);
-      kill_pending_ = false;
-    }
-    std::this_thread::sleep_for(kPollInterval);
-  }
-  if (failed_rank_ < 0 && forwarded_) return 128 + forwarded_;
-  return result_;
-}
 
 // The launcher's status directory (comm/watchdog.h), removed with it.
 class StatusDir {
@@ -507,7 +198,7 @@ int run_launch(const LaunchOptions& o) {
       o.nnodes > 1 ? cat("launch:", o.master_addr, ":", o.master_port) : random_token());
 
   struct sigaction sa {};
-  sa.sa_handler = on_signal;
+  sa.sa_handler = on_launch_signal;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
@@ -541,7 +232,7 @@ int run_launch(const LaunchOptions& o) {
       std::fprintf(stderr, "trainer launch: round %d: %d of %d nodes (node ranks %s), %d ranks\n",
                    round, nnodes, o.nnodes, list.c_str(), nnodes * o.nproc_per_node);
     }
-    Attempt attempt(o, nnodes, index, port, token, round, status.path());
+    LaunchAttempt attempt(o, nnodes, index, port, token, round, status.path());
     const int code = attempt.run();
     if (code == 0 || attempt.interrupted() || restart >= o.max_restarts) {
       if (code != 0 && o.max_restarts > 0 && !attempt.interrupted())

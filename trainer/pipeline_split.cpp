@@ -101,6 +101,33 @@ parallel::StageSplit balanced_split(const Session& session, const BlockProfile& 
   }
 }
 
+// The blocks' profile before any runs: their parameter bytes, and times
+// that the first run lowers (each run keeps the least).
+BlockProfile unmeasured_profile(const BlockList& blocks) {
+  BlockProfile p;
+  const size_t n = blocks.size();
+  p.forward_ms.assign(n, 1e300);
+  p.backward_ms.assign(n, 1e300);
+  p.activation_bytes.assign(n, 0);
+  p.recompute_bytes.assign(n, 0);
+  p.parameter_bytes.assign(n, 0);
+  for (size_t b = 0; b < n; ++b)
+    for (const NamedTensor& t : blocks.named_parameters(b, b + 1))
+      p.parameter_bytes[b] += double(t.tensor.nbytes());
+  return p;
+}
+
+// A block's inputs as leaves, so its backward stops at them.
+TensorList input_leaves(const TensorList& slots) {
+  TensorList in;
+  for (const Tensor& t : slots) {
+    Tensor leaf = t.defined() ? t.detach() : t;
+    if (leaf.defined() && is_floating(leaf.dtype())) leaf.requires_grad_();
+    in.push_back(leaf);
+  }
+  return in;
+}
+
 }  // namespace
 
 BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
@@ -116,16 +143,8 @@ BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
       buffers.push_back(b);
       saved.push_back(b.tensor.clone());
     }
-  BlockProfile p;
+  BlockProfile p = unmeasured_profile(blocks);
   const size_t n = blocks.size();
-  p.forward_ms.assign(n, 1e300);
-  p.backward_ms.assign(n, 1e300);
-  p.activation_bytes.assign(n, 0);
-  p.recompute_bytes.assign(n, 0);
-  p.parameter_bytes.assign(n, 0);
-  for (size_t b = 0; b < n; ++b)
-    for (const NamedTensor& t : blocks.named_parameters(b, b + 1))
-      p.parameter_bytes[b] += double(t.tensor.nbytes());
   BatchSource& source = session.data();
   const StepBatch batch = source.probe_batch(session.micro_batch());
   Allocator& a = allocator(module_device(model));
@@ -138,13 +157,7 @@ BlockProfile profile_blocks(Session& session, DType autocast, int repeats) {
           materialize(t.tensor);
           made.push_back(t.tensor);
         }
-      // The block's inputs as leaves, so its backward stops at them.
-      TensorList in;
-      for (const Tensor& t : slots) {
-        Tensor leaf = t.defined() ? t.detach() : t;
-        if (leaf.defined() && is_floating(leaf.dtype())) leaf.requires_grad_();
-        in.push_back(leaf);
-      }
+      const TensorList in = input_leaves(slots);
       const int64_t before = a.stats().current_bytes;
       a.reset_peak();
       auto t0 = std::chrono::steady_clock::now();

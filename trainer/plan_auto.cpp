@@ -82,6 +82,68 @@ std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t
   return choice;
 }
 
+// Rank 0's plan for `world` ranks, per_node of them on each host, as the
+// integers join_job_planned broadcasts (`size` of them); an Error when no
+// layout fits.
+std::vector<int64_t> planned_choice(const Recipe& recipe, int world, int per_node, size_t size) {
+  std::vector<int64_t> choice(size, 0);
+  std::vector<std::string> notes;
+  const parallel::ModelDesc model = model_for_planning(with_data_vocabulary(recipe), &notes);
+  const parallel::ClusterSpec cluster = this_machine_cluster(world / per_node, per_node);
+  std::unique_ptr<parallel::BlockTimer> timer;
+  parallel::PlanRequest request = cpu_plan_request(recipe, model, cluster, &timer, &notes);
+  request.max_chunks = 1;  // interleaved needs parallel.virtual_stages: not chosen here
+  const parallel::PlanResult result = parallel::plan_cluster(model, request, *timer);
+  std::vector<const parallel::Plan*> usable;
+  for (const parallel::Plan& plan : result.ranked)
+    if (plan.chunks == 1 && plan.stage_starts.size() <= kMaxAutoStages) usable.push_back(&plan);
+  if (usable.empty())
+    throw Error(cat("parallel.auto: no layout of ", world, " ranks fits (trainer plan ",
+                    recipe.source, " --nodes ", world / per_node, " --per-node ", per_node,
+                    " --device cpu says why)"));
+  const parallel::Plan& best = *usable[0];
+  std::printf("parallel.auto: %s predicted%s; %s\n", plan_line(best).c_str(),
+              usable.size() > 1 ? cat(" (runner-up ", plan_line(*usable[1]), ")").c_str() : "",
+              notes.back().c_str());
+  std::fflush(stdout);
+  const int64_t head[kHead] = {
+      1,
+      best.dp,
+      best.pp,
+      best.tp,
+      best.micro_batches,
+      index_of(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule),
+      int64_t(best.stage_starts.size()),
+      best.zero1 ? 1 : 0,
+      int64_t(best.recompute)};
+  std::copy(std::begin(head), std::end(head), choice.begin());
+  for (size_t k = 0; k < best.stage_starts.size(); ++k)
+    choice[kHead + k] = int64_t(best.stage_starts[k]);
+  return choice;
+}
+
+// The broadcast choice set in the recipe: the layout, the pipeline's
+// schedule and stages, or grad_accum without a pipeline.
+void apply_choice(const std::vector<int64_t>& choice, Recipe& recipe) {
+  ParallelRecipe& p = recipe.parallel;
+  p.dp = choice[1], p.pp = choice[2], p.tp = choice[3];
+  p.schedule = kAutoSchedules[choice[5]];
+  p.zero1 = choice[7] != 0;
+  p.recompute = kAutoRecompute[choice[8]];
+  if (p.pp > 1) {
+    p.micro_batches = choice[4];
+    recipe.training.grad_accum = 1;
+    p.stages = "list";
+    p.stage_starts.assign(choice.begin() + kHead + 1, choice.begin() + kHead + choice[6]);
+  } else {
+    p.micro_batches = 1;
+    p.schedule = "1f1b";
+    recipe.training.grad_accum = choice[4];
+  }
+  // As the planner times tp: with sequence parallelism for Transformers.
+  p.sequence_parallel = p.tp > 1 && recipe.model.name == "gpt";
+}
+
 }  // namespace
 
 Distributed join_job_planned(Recipe& recipe, bool dry_run,
@@ -113,38 +175,7 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
   }
   if (joined.is_main() && choice[0] == 0 && error.empty()) {
     try {
-      std::vector<std::string> notes;
-      const parallel::ModelDesc model = model_for_planning(with_data_vocabulary(recipe), &notes);
-      const parallel::ClusterSpec cluster = this_machine_cluster(world / per_node, per_node);
-      std::unique_ptr<parallel::BlockTimer> timer;
-      parallel::PlanRequest request = cpu_plan_request(recipe, model, cluster, &timer, &notes);
-      request.max_chunks = 1;  // interleaved needs parallel.virtual_stages: not chosen here
-      const parallel::PlanResult result = parallel::plan_cluster(model, request, *timer);
-      std::vector<const parallel::Plan*> usable;
-      for (const parallel::Plan& plan : result.ranked)
-        if (plan.chunks == 1 && plan.stage_starts.size() <= kMaxAutoStages) usable.push_back(&plan);
-      if (usable.empty())
-        throw Error(cat("parallel.auto: no layout of ", world, " ranks fits (trainer plan ",
-                        recipe.source, " --nodes ", world / per_node, " --per-node ", per_node,
-                        " --device cpu says why)"));
-      const parallel::Plan& best = *usable[0];
-      std::printf("parallel.auto: %s predicted%s; %s\n", plan_line(best).c_str(),
-                  usable.size() > 1 ? cat(" (runner-up ", plan_line(*usable[1]), ")").c_str() : "",
-                  notes.back().c_str());
-      std::fflush(stdout);
-      const int64_t head[kHead] = {
-          1,
-          best.dp,
-          best.pp,
-          best.tp,
-          best.micro_batches,
-          index_of(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule),
-          int64_t(best.stage_starts.size()),
-          best.zero1 ? 1 : 0,
-          int64_t(best.recompute)};
-      std::copy(std::begin(head), std::end(head), choice.begin());
-      for (size_t k = 0; k < best.stage_starts.size(); ++k)
-        choice[kHead + k] = int64_t(best.stage_starts[k]);
+      choice = planned_choice(recipe, world, per_node, choice.size());
     } catch (const Error& e) {
       error = e.what();
       choice.assign(choice.size(), 0);
@@ -154,23 +185,7 @@ Distributed join_job_planned(Recipe& recipe, bool dry_run,
     comm::broadcast(*joined.world(), choice.data(), choice.size() * sizeof(int64_t), 0);
   if (choice[0] != 1)
     throw Error(joined.is_main() ? error : "parallel.auto failed on rank 0 (see its error)");
-  ParallelRecipe& p = recipe.parallel;
-  p.dp = choice[1], p.pp = choice[2], p.tp = choice[3];
-  p.schedule = kAutoSchedules[choice[5]];
-  p.zero1 = choice[7] != 0;
-  p.recompute = kAutoRecompute[choice[8]];
-  if (p.pp > 1) {
-    p.micro_batches = choice[4];
-    recipe.training.grad_accum = 1;
-    p.stages = "list";
-    p.stage_starts.assign(choice.begin() + kHead + 1, choice.begin() + kHead + choice[6]);
-  } else {
-    p.micro_batches = 1;
-    p.schedule = "1f1b";
-    recipe.training.grad_accum = choice[4];
-  }
-  // As the planner times tp: with sequence parallelism for Transformers.
-  p.sequence_parallel = p.tp > 1 && recipe.model.name == "gpt";
+  apply_choice(choice, recipe);
   Distributed planned;
   planned.layout = rank_layout(parallel_layout(recipe, world), joined.rank());
   if (joined.active()) planned.mesh = parallel::Mesh(planned.layout.job.mesh, joined.world());

@@ -197,6 +197,53 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   write_file_atomic(path, pieces);
 }
 
+namespace {
+
+// A tensor's place in the data section, as its header entry gives it.
+struct Span {
+  uint64_t begin, end;
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+// The header entry `v` of tensor `key`, checked: a known dtype, a plausible
+// shape, and data_offsets within the data_size bytes of data that hold
+// exactly the shape's bytes.
+Span parse_span(const std::string& name, const std::string& key, const json& v,
+                uint64_t data_size) {
+  auto entry = [&](const std::string& what) { return cat("tensor '", key, "': ", what); };
+  if (!v.is_object()) bad(name, entry("entry is not an object"));
+  if (!v.contains("dtype") || !v["dtype"].is_string()) bad(name, entry("missing dtype"));
+  DType dtype;
+  if (!parse_dtype(v["dtype"].get<std::string>(), &dtype))
+    bad(name, entry(cat("unsupported dtype ", v["dtype"].get<std::string>())));
+  if (!v.contains("shape") || !v["shape"].is_array()) bad(name, entry("missing shape"));
+  Shape shape;
+  uint64_t numel = 1;
+  for (const json& d : v["shape"]) {
+    if (!d.is_number_unsigned()) bad(name, entry("shape holds a non-integer or negative size"));
+    uint64_t s = d.get<uint64_t>();
+    if (s > (uint64_t(1) << 40) || (s && numel > (uint64_t(1) << 48) / s))
+      bad(name, entry("shape is implausibly large"));
+    numel *= s;
+    shape.push_back(int64_t(s));
+  }
+  const json& off = v.contains("data_offsets") ? v["data_offsets"] : json();
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+      !off[1].is_number_unsigned())
+    bad(name, entry("data_offsets must be two non-negative integers"));
+  uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+  if (b > e || e > data_size)
+    bad(name, entry(cat("data_offsets [", b, ", ", e, ") outside the ", data_size, " data bytes")));
+  if (e - b != numel * dtype_size(dtype))
+    bad(name, entry(cat("data_offsets cover ", e - b, " bytes but shape ", shape_str(shape), " of ",
+                        dtype_name(dtype), " needs ", numel * dtype_size(dtype))));
+  return {b, e, key, dtype, shape};
+}
+
+}  // namespace
+
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {
   if (bytes.size() < 8)
     bad(name, cat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
@@ -216,12 +263,6 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
   const uint64_t data_start = 8 + n;
   const uint64_t data_size = bytes.size() - data_start;
   SafetensorsFile file;
-  struct Span {
-    uint64_t begin, end;
-    std::string name;
-    DType dtype;
-    Shape shape;
-  };
   std::vector<Span> spans;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& key = it.key();
@@ -235,35 +276,7 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
       }
       continue;
     }
-    auto entry = [&](const std::string& what) { return cat("tensor '", key, "': ", what); };
-    if (!v.is_object()) bad(name, entry("entry is not an object"));
-    if (!v.contains("dtype") || !v["dtype"].is_string()) bad(name, entry("missing dtype"));
-    DType dtype;
-    if (!parse_dtype(v["dtype"].get<std::string>(), &dtype))
-      bad(name, entry(cat("unsupported dtype ", v["dtype"].get<std::string>())));
-    if (!v.contains("shape") || !v["shape"].is_array()) bad(name, entry("missing shape"));
-    Shape shape;
-    uint64_t numel = 1;
-    for (const json& d : v["shape"]) {
-      if (!d.is_number_unsigned()) bad(name, entry("shape holds a non-integer or negative size"));
-      uint64_t s = d.get<uint64_t>();
-      if (s > (uint64_t(1) << 40) || (s && numel > (uint64_t(1) << 48) / s))
-        bad(name, entry("shape is implausibly large"));
-      numel *= s;
-      shape.push_back(int64_t(s));
-    }
-    const json& off = v.contains("data_offsets") ? v["data_offsets"] : json();
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
-        !off[1].is_number_unsigned())
-      bad(name, entry("data_offsets must be two non-negative integers"));
-    uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
-    if (b > e || e > data_size)
-      bad(name,
-          entry(cat("data_offsets [", b, ", ", e, ") outside the ", data_size, " data bytes")));
-    if (e - b != numel * dtype_size(dtype))
-      bad(name, entry(cat("data_offsets cover ", e - b, " bytes but shape ", shape_str(shape),
-                          " of ", dtype_name(dtype), " needs ", numel * dtype_size(dtype))));
-    spans.push_back({b, e, key, dtype, shape});
+    spans.push_back(parse_span(name, key, v, data_size));
   }
   // The data must be covered exactly: no overlaps, no gaps, nothing trailing.
   std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {

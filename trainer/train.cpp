@@ -13,7 +13,6 @@
 #include "core/ops.h"
 #include "data/files.h"
 #include "data/loader.h"
-#include "models/sample.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
 #include "trainer/checkpoint.h"
@@ -27,8 +26,13 @@
 #include "trainer/session.h"
 #include "trainer/step_executor.h"
 #include "trainer/stop_signals.h"
+#include "trainer/train_parts.h"
 
 namespace trainer {
+
+void apply_threads(const Recipe& r) {
+  if (r.training.threads > 0) set_num_threads(int(r.training.threads));
+}
 
 namespace {
 
@@ -37,10 +41,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 std::string checkpoint_root(const Recipe& r) { return r.output_dir + "/checkpoints"; }
-
-void apply_threads(const Recipe& r) {
-  if (r.training.threads > 0) set_num_threads(int(r.training.threads));
-}
 
 // The directory to resume from: --resume auto (newest complete, or none),
 // or an explicit directory that must be a complete checkpoint.
@@ -280,6 +280,80 @@ class TrainLoop {
   EvalMetrics last_eval_;
 };
 
+// Rank 0's account of the job: parameter servers, the layout, the steps and
+// where the model runs.
+void print_job(const Recipe& r, const Distributed& dist, Session& s) {
+  if (dist.servers > 0)
+    std::printf("parameter servers: %d (ranks %d-%d), %s%s\n", dist.servers, dist.world_size(),
+                dist.world_size() + dist.servers - 1, r.parallel.sync.c_str(),
+                r.parallel.sync == "ssp" ? cat(", staleness ", r.parallel.staleness).c_str() : "");
+  std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
+              parallel::to_string(dist.layout.job.mesh).c_str(),
+              s.shards_optimizer() ? ", zero1" : "", num_threads());
+  std::printf("%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
+              (long long)s.total_steps(), (long long)s.steps_per_epoch(),
+              (long long)s.micro_batch(),
+              dist.layout.job.mesh[parallel::Dim::pp] > 1 ? "micro_batches" : "grad_accum",
+              (long long)s.micro_batches());
+  std::printf("device %s\n", cat(module_device(s.model())).c_str());
+  if (module_device(s.model()).is_cpu()) {
+    std::printf("cpu %s: %s\n", cpu::cpu_name(cpu::cpu_features()).c_str(),
+                cpu::describe_kernel_isas().c_str());
+    if (r.precision != "fp32")
+      std::printf("precision %s: %s\n", r.precision.c_str(),
+                  cpu::describe_low_precision(r.precision == "fp16").c_str());
+  }
+}
+
+// --dry-run, on rank 0: the model as the ranks would hold it (rank 0's part
+// under tensor parallelism, the stages of a pipeline), without training.
+void print_dry_run(const Recipe& r, const Distributed& dist, Session& s) {
+  const int tp = dist.layout.job.mesh[parallel::Dim::tp];
+  if (tp > 1) {
+    // Rank 0's part of the split model, its collectives moving nothing.
+    const int64_t whole = s.model().num_parameters();
+    s.set_tensor_parallel(parallel::shape_only_group(0, tp, r.parallel.sequence_parallel));
+    std::printf("tensor parallel: tp = %d%s; %s of the %s parameters on each rank\n", tp,
+                r.parallel.sequence_parallel ? ", sequence parallel" : "",
+                with_commas(s.model().num_parameters()).c_str(), with_commas(whole).c_str());
+  }
+  std::printf("%s", s.summary().c_str());
+  if (dist.layout.job.mesh[parallel::Dim::pp] > 1) {
+    // Every stage as it would run, profiled here on one micro-batch.
+    const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
+    BlockProfile profile = profile_blocks(s, autocast);
+    std::printf("%s", describe_stages(s, choose_split(s, &profile), &profile).c_str());
+  }
+}
+
+// The state training starts from: the checkpoint `dir` (model, optimizer,
+// loss scale, and the allreduce cost models chosen before the stop), or a
+// fresh one.
+TrainState resume_state(const std::optional<std::string>& dir, bool auto_resume, bool main_rank,
+                        const Recipe& r, Session& s, Precision& precision, DistributedRun& run) {
+  TrainState state;
+  if (dir) {
+    state = s.load(*dir);
+    precision.load(*dir);
+    if (main_rank) {
+      std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
+                  (long long)state.step, (long long)state.epoch, (long long)state.position);
+      if (!s.resharded().empty()) std::printf("resharded: %s\n", s.resharded().c_str());
+    }
+    // The allreduce algorithms chosen as before the stop: the same sums.
+    if (run.keep_link_models(state.link_models, state.layout.world_size()) && main_rank)
+      for (const auto& [ranks, model] : state.link_models) {
+        std::string members;
+        for (int r : ranks) members += cat(members.empty() ? "" : " ", r);
+        std::printf("allreduce cost model of ranks %s kept from the checkpoint: %s\n",
+                    members.c_str(), model.str().c_str());
+      }
+  } else if (auto_resume && main_rank) {
+    std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
+  }
+  return state;
+}
+
 }  // namespace
 
 int train_command(const TrainArgs& args) {
@@ -303,49 +377,9 @@ int train_command(const TrainArgs& args) {
     serve_parameter_shard(dist, s);
     return 0;
   }
-  if (main_rank) {
-    if (dist.servers > 0)
-      std::printf(
-          "parameter servers: %d (ranks %d-%d), %s%s\n", dist.servers, dist.world_size(),
-          dist.world_size() + dist.servers - 1, r.parallel.sync.c_str(),
-          r.parallel.sync == "ssp" ? cat(", staleness ", r.parallel.staleness).c_str() : "");
-    std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
-                parallel::to_string(dist.layout.job.mesh).c_str(),
-                s.shards_optimizer() ? ", zero1" : "", num_threads());
-    std::printf("%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
-                (long long)s.total_steps(), (long long)s.steps_per_epoch(),
-                (long long)s.micro_batch(),
-                dist.layout.job.mesh[parallel::Dim::pp] > 1 ? "micro_batches" : "grad_accum",
-                (long long)s.micro_batches());
-  }
-  if (main_rank) {
-    std::printf("device %s\n", cat(module_device(s.model())).c_str());
-    if (module_device(s.model()).is_cpu()) {
-      std::printf("cpu %s: %s\n", cpu::cpu_name(cpu::cpu_features()).c_str(),
-                  cpu::describe_kernel_isas().c_str());
-      if (r.precision != "fp32")
-        std::printf("precision %s: %s\n", r.precision.c_str(),
-                    cpu::describe_low_precision(r.precision == "fp16").c_str());
-    }
-  }
+  if (main_rank) print_job(r, dist, s);
   if (args.dry_run) {
-    if (!main_rank) return 0;
-    const int tp = dist.layout.job.mesh[parallel::Dim::tp];
-    if (tp > 1) {
-      // Rank 0's part of the split model, its collectives moving nothing.
-      const int64_t whole = s.model().num_parameters();
-      s.set_tensor_parallel(parallel::shape_only_group(0, tp, r.parallel.sequence_parallel));
-      std::printf("tensor parallel: tp = %d%s; %s of the %s parameters on each rank\n", tp,
-                  r.parallel.sequence_parallel ? ", sequence parallel" : "",
-                  with_commas(s.model().num_parameters()).c_str(), with_commas(whole).c_str());
-    }
-    std::printf("%s", s.summary().c_str());
-    if (dist.layout.job.mesh[parallel::Dim::pp] > 1) {
-      // Every stage as it would run, profiled here on one micro-batch.
-      const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
-      BlockProfile profile = profile_blocks(s, autocast);
-      std::printf("%s", describe_stages(s, choose_split(s, &profile), &profile).c_str());
-    }
+    if (main_rank) print_dry_run(r, dist, s);
     return 0;
   }
   // Made first, so that an output_dir that cannot be made fails before any work.
@@ -358,106 +392,14 @@ int train_command(const TrainArgs& args) {
   // Split models: each rank checks its part of the gradients for overflow.
   if (run.splits_model())
     precision.set_found_inf_across([&run](bool f) { return run.any_rank(f); });
-  TrainState state;
   if (restart > 0 && main_rank)
     std::printf("restart %d: resuming from the newest complete checkpoint\n", restart);
-  if (const std::optional<std::string> dir = find_resume_dir()) {
-    state = s.load(*dir);
-    precision.load(*dir);
-    if (main_rank) {
-      std::printf("resumed from %s at step %lld (epoch %lld, position %lld)\n", dir->c_str(),
-                  (long long)state.step, (long long)state.epoch, (long long)state.position);
-      if (!s.resharded().empty()) std::printf("resharded: %s\n", s.resharded().c_str());
-    }
-    // The allreduce algorithms chosen as before the stop: the same sums.
-    if (run.keep_link_models(state.link_models, state.layout.world_size()) && main_rank)
-      for (const auto& [ranks, model] : state.link_models) {
-        std::string members;
-        for (int r : ranks) members += cat(members.empty() ? "" : " ", r);
-        std::printf("allreduce cost model of ranks %s kept from the checkpoint: %s\n",
-                    members.c_str(), model.str().c_str());
-      }
-  } else if (resume == "auto" && main_rank) {
-    std::printf("no checkpoint under %s: starting from scratch\n", checkpoint_root(r).c_str());
-  }
+  const TrainState state =
+      resume_state(find_resume_dir(), resume == "auto", main_rank, r, s, precision, run);
   if (main_rank) {
     write_file_atomic(r.output_dir + "/recipe.yaml", recipe_to_yaml(r));
   }
   return TrainLoop(s, state, run, precision).run();
-}
-
-namespace {
-
-// --checkpoint: a checkpoint directory, a checkpoints/ folder or a run's
-// output directory (their latest complete checkpoint).
-std::string checkpoint_to_load(const std::string& given) {
-  std::string dir = given;
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec))
-    throw Error(cat("--checkpoint ", dir, ": no such directory",
-                    ec ? " (" + ec.message() + ")" : std::string()));
-  if (CheckpointDir::is_complete(dir)) return dir;
-  if (std::filesystem::is_directory(dir + "/checkpoints", ec)) dir += "/checkpoints";
-  std::optional<std::string> latest = CheckpointDir(dir, 1 << 30).latest_complete();
-  if (!latest) throw Error(cat("--checkpoint ", given, ": no complete checkpoint there"));
-  return *latest;
-}
-
-}  // namespace
-
-int eval_command(const EvalArgs& args) {
-  Recipe r = load_recipe(args.recipe, args.overrides);
-  apply_threads(r);
-  Session s(r);
-  std::string dir = checkpoint_to_load(args.checkpoint);
-  TrainState state = s.load_model(dir);
-  EvalMetrics m;
-  {
-    AutocastGuard autocast(Precision(r, false).autocast_dtype());
-    m = s.evaluate();
-  }
-  if (s.is_language_model())
-    std::printf("eval %s (step %lld): loss %.4f | %.4f bits/char | %lld tokens\n", dir.c_str(),
-                (long long)state.step, m.loss, m.bits_per_char, (long long)m.samples);
-  else
-    std::printf("eval %s (step %lld): loss %.4f | top1 %.2f%% | top5 %.2f%% | %lld samples\n",
-                dir.c_str(), (long long)state.step, m.loss, m.top1, m.top5, (long long)m.samples);
-  return 0;
-}
-
-int sample_command(const SampleArgs& args) {
-  Recipe r = load_recipe(args.recipe, args.overrides);
-  if (r.model.name != "gpt" && r.model.name != "lstm_lm")
-    throw Error(cat(r.source, ": model.name '", r.model.name,
-                    "' is not a language model; `trainer sample` needs gpt or lstm_lm"));
-  apply_threads(r);
-  Session s(r);
-  std::string dir = checkpoint_to_load(args.checkpoint);
-  TrainState state = s.load_model(dir);
-  // An empty prompt starts the text at a line break.
-  const std::string prompt = args.prompt.empty() ? "\n" : args.prompt;
-  std::vector<int64_t> ids;
-  try {
-    ids = s.vocab().encode(prompt);
-  } catch (const Error& e) {
-    throw Error(cat("--prompt: ", e.what()));
-  }
-  std::fprintf(stderr,
-               "sampling %lld tokens from %s (step %lld): temperature %g, top-k %lld, "
-               "seed %llu\n",
-               (long long)args.tokens, dir.c_str(), (long long)state.step, args.temperature,
-               (long long)args.top_k, (unsigned long long)args.seed);
-  // Rows past the corpus's symbols (a larger model.vocab_size) are never picked.
-  ids = sample(s.model(), ids,
-               {.max_new_tokens = args.tokens,
-                .temperature = args.temperature,
-                .top_k = args.top_k,
-                .seed = args.seed,
-                .vocab_size = s.vocab().size()});
-  std::string text = s.vocab().decode(ids).substr(args.prompt.empty() ? 1 : 0);
-  std::fwrite(text.data(), 1, text.size(), stdout);
-  std::fputc('\n', stdout);
-  return 0;
 }
 
 }  // namespace trainer

@@ -1,0 +1,40 @@
+// What the files of the checkpoint code share (checkpoint.cpp: the
+// checkpoint directory, its files and their tensors; checkpoint_state.cpp:
+// trainer_state.json; checkpoint_optimizer.cpp: the ZeRO-1 shards of the
+// optimizer state). Not for other callers: trainer/checkpoint.h is the
+// interface.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "core/check.h"
+
+namespace trainer {
+
+// fs::status without its exceptions: absent is file_type::not_found, a
+// symlink loop or an unreadable path an Error naming it.
+std::filesystem::file_status status_of(const std::filesystem::path& path);
+
+// Runs f, turning the std::filesystem errors of a checkpoint directory's
+// upkeep into an Error naming the path and what to do.
+template <class F>
+auto checked_fs(const std::string& root, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::filesystem::filesystem_error& e) {
+    throw Error(cat("checkpoints in ", root, ": ", e.what(),
+                    "; make sure the checkpoint directory is writable and holds no broken "
+                    "links, or choose another output_dir"));
+  }
+}
+
+// The ZeRO-1 shard files of a checkpoint, by rank. When its
+// trainer_state.json records the layout that wrote it, they are exactly one
+// per rank of that world: a file of a rank beyond it (left by another run,
+// or copied in) would be joined into the state or silently ignored, and a
+// missing one leaves a hole; either is an Error naming the file.
+std::map<int, std::string> shard_files(const std::string& dir);
+
+}  // namespace trainer

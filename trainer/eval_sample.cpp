@@ -1,0 +1,90 @@
+// `trainer eval` and `trainer sample` (trainer/train.h): a checkpoint's
+// model evaluated on the validation data, or continuing a prompt.
+#include <cstdio>
+#include <filesystem>
+
+#include "core/autocast.h"
+#include "models/sample.h"
+#include "trainer/checkpoint.h"
+#include "trainer/precision.h"
+#include "trainer/session.h"
+#include "trainer/train.h"
+#include "trainer/train_parts.h"
+
+namespace trainer {
+
+namespace {
+
+// --checkpoint: a checkpoint directory, a checkpoints/ folder or a run's
+// output directory (their latest complete checkpoint).
+std::string checkpoint_to_load(const std::string& given) {
+  std::string dir = given;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error(cat("--checkpoint ", dir, ": no such directory",
+                    ec ? " (" + ec.message() + ")" : std::string()));
+  if (CheckpointDir::is_complete(dir)) return dir;
+  if (std::filesystem::is_directory(dir + "/checkpoints", ec)) dir += "/checkpoints";
+  std::optional<std::string> latest = CheckpointDir(dir, 1 << 30).latest_complete();
+  if (!latest) throw Error(cat("--checkpoint ", given, ": no complete checkpoint there"));
+  return *latest;
+}
+
+}  // namespace
+
+int eval_command(const EvalArgs& args) {
+  Recipe r = load_recipe(args.recipe, args.overrides);
+  apply_threads(r);
+  Session s(r);
+  std::string dir = checkpoint_to_load(args.checkpoint);
+  TrainState state = s.load_model(dir);
+  EvalMetrics m;
+  {
+    AutocastGuard autocast(Precision(r, false).autocast_dtype());
+    m = s.evaluate();
+  }
+  if (s.is_language_model())
+    std::printf("eval %s (step %lld): loss %.4f | %.4f bits/char | %lld tokens\n", dir.c_str(),
+                (long long)state.step, m.loss, m.bits_per_char, (long long)m.samples);
+  else
+    std::printf("eval %s (step %lld): loss %.4f | top1 %.2f%% | top5 %.2f%% | %lld samples\n",
+                dir.c_str(), (long long)state.step, m.loss, m.top1, m.top5, (long long)m.samples);
+  return 0;
+}
+
+int sample_command(const SampleArgs& args) {
+  Recipe r = load_recipe(args.recipe, args.overrides);
+  if (r.model.name != "gpt" && r.model.name != "lstm_lm")
+    throw Error(cat(r.source, ": model.name '", r.model.name,
+                    "' is not a language model; `trainer sample` needs gpt or lstm_lm"));
+  apply_threads(r);
+  Session s(r);
+  std::string dir = checkpoint_to_load(args.checkpoint);
+  TrainState state = s.load_model(dir);
+  // An empty prompt starts the text at a line break.
+  const std::string prompt = args.prompt.empty() ? "\n" : args.prompt;
+  std::vector<int64_t> ids;
+  try {
+    ids = s.vocab().encode(prompt);
+  } catch (const Error& e) {
+    throw Error(cat("--prompt: ", e.what()));
+  }
+  std::fprintf(stderr,
+               "sampling %lld tokens from %s (step %lld): temperature %g, top-k %lld, "
+               "seed %llu\n",
+               (long long)args.tokens, dir.c_str(), (long long)state.step, args.temperature,
+               (long long)args.top_k, (unsigned long long)args.seed);
+  // Rows past the corpus's symbols (a larger model.vocab_size) are never picked.
+  ids = sample(s.model(), ids,
+               {.max_new_tokens = args.tokens,
+                .temperature = args.temperature,
+                .top_k = args.top_k,
+                .seed = args.seed,
+                .vocab_size = s.vocab().size()});
+  std::string text = s.vocab().decode(ids).substr(args.prompt.empty() ? 1 : 0);
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fputc('\n', stdout);
+  return 0;
+}
+
+}  // namespace trainer
