@@ -472,8 +472,9 @@ int run_local(const LocalSettings& s) {
       outcomes.push_back(o);
     }
   }
-  // The goals: rank correlation >= 0.8, median error <= 15%, first choice
-  // within 10% of the fastest (per model: the planner chooses per recipe).
+  // The bars the planner's predictions are held to: rank correlation >= 0.8,
+  // median error <= 15%, first choice within 10% of the fastest (per model:
+  // the planner chooses per recipe).
   std::vector<double> predicted, measured, errors;
   for (const Outcome& o : outcomes) {
     predicted.push_back(o.predicted_ms);
@@ -481,9 +482,9 @@ int run_local(const LocalSettings& s) {
     errors.push_back(std::fabs(o.predicted_ms / o.measured_ms - 1));
   }
   if (!outcomes.empty()) {
-    std::printf("\nSpearman rank correlation %.2f over %zu configurations (goal >= 0.8)\n",
+    std::printf("\nSpearman rank correlation %.2f over %zu configurations (bar >= 0.8)\n",
                 spearman(predicted, measured), outcomes.size());
-    std::printf("median absolute error %.1f%% (goal <= 15%%), largest %.1f%%\n",
+    std::printf("median absolute error %.1f%% (bar <= 15%%), largest %.1f%%\n",
                 100 * middle(errors), 100 * *std::max_element(errors.begin(), errors.end()));
   }
   for (const LocalCase& c : cases) {

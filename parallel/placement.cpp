@@ -59,16 +59,13 @@ std::vector<Box> local_boxes(const TensorPlacement& p, const MeshShape& mesh,
 }
 
 bool writes(const TensorPlacement& p, const MeshCoord& coord) {
-  for (Dim d : kAllDims)
-    switch (p[d].kind) {
-      case Placement::Kind::shard:
-        break;
-      case Placement::Kind::owned:
-        if (coord[d] != p[d].dim) return false;
-        break;
-      default:
-        if (coord[d] != 0) return false;
-    }
+  for (Dim d : kAllDims) {
+    // The index that writes along d: any (each holds its own slice), the
+    // owner, or the first of the replicas.
+    const Placement::Kind kind = p[d].kind;
+    if (kind == Placement::Kind::shard) continue;
+    if (coord[d] != (kind == Placement::Kind::owned ? p[d].dim : 0)) return false;
+  }
   return true;
 }
 

@@ -4,9 +4,9 @@
 // and check before spending a cluster on it. It enumerates the
 // factorisations of N x G into (dp, pp, tp), the micro-batch counts that
 // divide the batch, the schedules of parallel/schedule.h (with V chunks for
-// interleaved), ZeRO-1 and recomputation; predicts each plan's step time as a sum of named terms and
-// its memory per rank; rejects what cannot run, with the reason; and ranks
-// the rest by step time.
+// interleaved), ZeRO-1 and recomputation; predicts each plan's step time
+// as a sum of named terms and its memory per rank; rejects what cannot run,
+// with the reason; and ranks the rest by step time.
 //
 //   ModelDesc gpt = gpt_model({.n_layer = 96, .n_head = 96, .d_model = 12288,
 //                              .context = 2048, .vocab = 50257});

@@ -102,7 +102,8 @@ TEST_CASE("placement: a fused tensor's pieces, the text, and shapes that do not 
         "cp: partial");
   // A pipeline stage's tensor, and a tied copy the owner writes.
   const MeshShape pp2_dp2{{Dim::dp_replicate, 2}, {Dim::pp, 2}};
-  const TensorPlacement stage1 = TensorPlacement::replicated({3}).with(Dim::pp, Placement::owned(1));
+  const TensorPlacement stage1 =
+      TensorPlacement::replicated({3}).with(Dim::pp, Placement::owned(1));
   CHECK(to_string(stage1) == "pp: owned by 1");
   for (int rank = 0; rank < 4; ++rank) {
     const MeshCoord c = mesh_coord(pp2_dp2, rank);

@@ -82,8 +82,7 @@ CLI::Validator integer_in(int64_t lo, int64_t hi) {
 int64_t checked_product(int64_t a, int64_t b, int64_t limit, const std::string& what) {
   CHECK(a >= 0 && b >= 0 && limit >= 0) << what << ": " << a << " x " << b;
   // For b > 0, a x b > limit exactly when a > floor(limit / b): no overflow.
-  if (b != 0 && a > limit / b)
-    throw Error(cat(what, " = ", a, " x ", b, " is more than ", limit));
+  if (b != 0 && a > limit / b) throw Error(cat(what, " = ", a, " x ", b, " is more than ", limit));
   return a * b;
 }
 

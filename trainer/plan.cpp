@@ -365,7 +365,8 @@ int plan_command(const PlanArgs& args) {
   bool found = true;
   std::fputs(plan_report(args, &found).c_str(), stdout);
   if (!found)
-    throw Error(cat("trainer plan: no layout of ", args.nodes, " nodes fits the recipe (the reasons "
+    throw Error(cat("trainer plan: no layout of ", args.nodes,
+                    " nodes fits the recipe (the reasons "
                     "are above); give more nodes or memory, or a smaller model or batch"));
   return 0;
 }

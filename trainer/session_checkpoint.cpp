@@ -15,24 +15,28 @@ void Session::save(const std::string& dir, const TrainState& state) const {
   optim::Optimizer& optimizer = this->optimizer();
   const bool sharded = shards_optimizer();
   const bool main = layout_.rank == 0;
+  // The first replica of each stage writes its whole tensors, as one process
+  // would; under ZeRO-1 every rank writes its shard of the optimizer state.
+  const bool writes = writes_held_tensors();
+  // A weight tied across stages has its optimizer entries written once, by its owner.
+  auto without_tied_copies = [&](std::vector<NamedTensor> entries) {
+    for (const TiedAcrossStages& t : tied_)
+      if (!t.owner)
+        std::erase_if(entries,
+                      [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
+    return entries;
+  };
   CheckpointPart part;
+  if (plan_) {
+    part.model_part = part.optimizer_part = stage_;
+    part.model_parts = part.optimizer_parts = plan_->split().stages;
+  }
   if (tp_) {
-    // The split tensors gathered whole over the tensor-parallel group
-    // (collective); its first rank writes them, as one process would.
-    const bool writes = writes_held_tensors();
+    // The split tensors gathered whole over the tensor-parallel group (collective).
     std::vector<NamedTensor> model =
         parallel::gather_whole(plan_ ? stage_module_->state() : model_->state(), *model_, *tp_);
-    // ZeRO-1: every rank writes its shard of its part, as it holds it.
-    std::vector<NamedTensor> optim =
-        sharded ? optimizer.state() : parallel::gather_whole(optimizer.state(), *model_, *tp_);
-    if (plan_) {
-      part.model_part = part.optimizer_part = stage_;
-      part.model_parts = part.optimizer_parts = plan_->split().stages;
-      for (const TiedAcrossStages& t : tied_)
-        if (!t.owner)
-          std::erase_if(optim,
-                        [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
-    }
+    std::vector<NamedTensor> optim = without_tied_copies(
+        sharded ? optimizer.state() : parallel::gather_whole(optimizer.state(), *model_, *tp_));
     if (writes) part.model = std::move(model);
     if (writes || sharded) part.optimizer = std::move(optim);
     // ZeRO-1 shards of this rank's parts: how to join them into whole tensors.
@@ -43,25 +47,9 @@ void Session::save(const std::string& dir, const TrainState& state) const {
         if (split.kind == ParameterSplit::Kind::sharded)
           part.optimizer_metadata["tp_split." + name] = cat(split.dim, " ", split.parts);
     }
-  } else if (!plan_) {
-    // Every rank holds the whole replicated model: rank 0 writes it.
-    if (writes_held_tensors()) part.model = model_->state();
-    if (sharded || main) part.optimizer = optimizer.state();
   } else {
-    // Each stage's first replica writes its tensors as one part of the model
-    // and of the optimizer state; a weight tied across stages goes in once.
-    const bool writes = writes_held_tensors();
-    part.model_part = part.optimizer_part = stage_;
-    part.model_parts = part.optimizer_parts = plan_->split().stages;
-    if (writes) part.model = stage_module_->state();
-    if (sharded || writes) {
-      std::vector<NamedTensor> state = optimizer.state();
-      for (const TiedAcrossStages& t : tied_)
-        if (!t.owner)
-          std::erase_if(state,
-                        [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
-      part.optimizer = std::move(state);
-    }
+    if (writes) part.model = held_state();
+    if (writes || sharded) part.optimizer = without_tied_copies(optimizer.state());
   }
   part.optimizer_sharded = sharded;
   part.stream_state = source_->stream_state();
