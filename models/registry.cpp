@@ -48,7 +48,14 @@ std::vector<std::string> model_names() {
   return names;
 }
 
-bool is_language_model(const std::string& name) { return name == "gpt" || name == "lstm_lm"; }
+bool is_language_model(const std::string& name) { return model_traits(name).language_model; }
+
+ModelTraits model_traits(const std::string& name) {
+  if (name == "gpt")
+    return {.language_model = true, .sequence_parallel = true, .bounded_context = true};
+  if (name == "lstm_lm") return {.language_model = true, .recurrent = true};
+  return {};
+}
 
 std::shared_ptr<Model> make_model(const std::string& name, const ModelOptions& o) {
   if (is_language_model(name)) return make_language_model(name, o);

@@ -44,5 +44,16 @@ std::shared_ptr<Model> make_model(const std::string& name, const ModelOptions& o
 std::vector<std::string> model_names();
 // gpt and lstm_lm: models of token sequences (i64 [B, T] -> logits [B, T, V]).
 bool is_language_model(const std::string& name);
+// What the trainer asks of a model by name, before it is built (recipe
+// checks, the planner): capabilities, not names, at the call sites.
+struct ModelTraits {
+  bool language_model = false;  // token sequences in, logits out (gpt, lstm_lm)
+  // Carries its state from window to window and through time chunks
+  // (lstm_lm): split over ranks by layers (a wavefront), not within them.
+  bool recurrent = false;
+  bool sequence_parallel = false;  // tensor parallelism may split its sequence too (gpt)
+  bool bounded_context = false;    // windows no longer than model.context (gpt's positions)
+};
+ModelTraits model_traits(const std::string& name);
 
 }  // namespace trainer

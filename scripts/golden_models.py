@@ -24,7 +24,7 @@ an LSTM state 0.5 sin(0.2 i + 1) (h) and 0.5 cos(0.3 i) (c).
 
   python3 scripts/golden_models.py                # rewrites tests/golden_models.h
   python3 scripts/golden_models.py --check-gpt-checkpoint \
-      runs/gpt_kjv/checkpoints/step_00001200/model.safetensors --n-head 4
+      runs/gpt_kjv/checkpoints/step_00001200/model-rank00000.safetensors --n-head 4
       # loads a trainer GPT checkpoint into the nanoGPT-style module with strict=True
 """
 import argparse

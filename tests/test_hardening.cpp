@@ -135,9 +135,9 @@ TEST_CASE("trainer hardening: symlink loops and non-regular files in a checkpoin
                      "fix or remove the link"});
     }
   }
-  SECTION("a directory, a FIFO or a device in place of model.safetensors") {
+  SECTION("a directory, a FIFO or a device in place of model-rank00000.safetensors") {
     fs::path run = copy_of_base("model_kinds");
-    const fs::path model = step_dir(run, 4) / "model.safetensors";
+    const fs::path model = step_dir(run, 4) / "model-rank00000.safetensors";
     fs::remove_all(model);
     fs::create_directory(model);
     require_error(run_trainer(mlp_args(run, {"training.steps=6", "--resume", "auto"})),
@@ -228,7 +228,7 @@ TEST_CASE("trainer hardening: non-finite weights and optimizer state are refused
           "[hardening][checkpoint]") {
   fs::path run = copy_of_base("nonfinite");
   const fs::path ckpt = step_dir(run, 4);
-  const fs::path model = ckpt / "model.safetensors";
+  const fs::path model = ckpt / "model-rank00000.safetensors";
   const std::string weight = read_safetensors(model.string()).tensors.begin()->first;
   const std::string model_bytes = read_file(model.string());
   poison(model, weight, std::nanf(""));
@@ -251,7 +251,7 @@ TEST_CASE("trainer hardening: non-finite weights and optimizer state are refused
 
   // Optimizer state: an infinite AdamW moment.
   fs::path run2 = copy_of_base("nonfinite_optim");
-  const fs::path optim = step_dir(run2, 4) / "optimizer.safetensors";
+  const fs::path optim = step_dir(run2, 4) / "optimizer-rank00000.safetensors";
   SafetensorsFile state = read_safetensors(optim.string());
   std::string entry;
   for (const auto& [name, t] : state.tensors)
@@ -428,7 +428,7 @@ TEST_CASE("trainer hardening: SIGTERM while a read hangs checkpoints the last st
   const fs::path straight = fresh_temp_dir("hardening_stall_straight", false);
   ProcessResult a = run_trainer(mlp_args(straight, extra));
   REQUIRE(a.code == 0);
-  const std::string step3 = CheckpointDir::step_name(3) + "/model.safetensors";
+  const std::string step3 = CheckpointDir::step_name(3) + "/model-rank00000.safetensors";
   REQUIRE(data::read_regular_file((stopped / "checkpoints" / step3).string(), "a") ==
           data::read_regular_file((straight / "checkpoints" / step3).string(), "b"));
 }

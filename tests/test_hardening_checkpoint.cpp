@@ -99,7 +99,7 @@ TEST_CASE(
     "[hardening][checkpoint]") {
   const fs::path run = copy_of_base("header_keys");
   const fs::path ckpt = step_dir(run, 4);
-  const fs::path model = ckpt / "model.safetensors";
+  const fs::path model = ckpt / "model-rank00000.safetensors";
   const std::string good = read_file(model.string());
   const std::string first = read_safetensors(model.string()).tensors.begin()->first;
   const std::vector<std::string> resume = mlp_args(run, {"training.steps=6", "--resume", "auto"});
@@ -124,8 +124,8 @@ TEST_CASE(
        "header: key '" + first + "' is given twice"},
       {"__metadata__ twice",
        [](std::string h) {
-         return replace_first(h, R"("__metadata__":{"format":"pt"})",
-                              R"("__metadata__":{"format":"pt"},"__metadata__":{"format":"np"})");
+         return replace_first(h, R"("__metadata__":{"format":"pt",)",
+                              R"("__metadata__":{"format":"pt"},"__metadata__":{"format":"np",)");
        },
        "header: key '__metadata__' is given twice"},
       {"a metadata key twice",
@@ -151,14 +151,15 @@ TEST_CASE(
   require_error(run_trainer(resume),
                 {model.string() + ": not a valid safetensors file: " + cases[0].message});
   write_file_atomic(model.string(), good);
-  const fs::path optim = ckpt / "optimizer.safetensors";
+  const fs::path optim = ckpt / "optimizer-rank00000.safetensors";
   edit_header(optim, cases[4].edit);
   require_error(run_trainer(resume), {optim.string() + ": not a valid safetensors file: header: ",
                                       "bytes after the JSON value"});
   // Spaces after the JSON are the format's padding (the reference writer
   // pads the header to 8 bytes): still a good file.
-  write_file_atomic(optim.string(),
-                    read_file((step_dir(base_run(), 4) / "optimizer.safetensors").string()));
+  write_file_atomic(
+      optim.string(),
+      read_file((step_dir(base_run(), 4) / "optimizer-rank00000.safetensors").string()));
   edit_header(model, [](std::string h) { return h + "        "; });
   ProcessResult padded = run_trainer(resume);
   INFO(padded.output);
@@ -203,15 +204,15 @@ TEST_CASE(
     "[hardening][checkpoint][mp]") {
   const std::vector<std::string> zero1 = {"parallel.zero1=true"};
   auto shard = [](const fs::path& run, int rank) {
-    return fs::path(optimizer_file(step_dir(run, 2).string(), true, rank));
+    return fs::path(pieces_file(step_dir(run, 2).string(), "optimizer", rank));
   };
   SECTION("a shard file of a rank beyond the world that wrote the checkpoint") {
-    // Written by 2 ranks; a third rank's file (here a copy of rank 1's) was
-    // silently ignored on the same layout, and joined in on another.
+    // Written by 2 ranks; a third rank's file (here a copy of rank 1's)
+    // would be joined in.
     const fs::path run = copy_of_launched("zero1", zero1, "zero_extra");
     fs::copy_file(shard(run, 1), shard(run, 2));
     const std::string message = shard(run, 2).string() +
-                                ": a ZeRO-1 shard of rank 2, but the checkpoint was written by 2 "
+                                ": the pieces of rank 2, but the checkpoint was written by 2 "
                                 "ranks";
     require_rank_error(run_trainer(resumed_mlp(run, 2, zero1), {.timeout_s = 300}),
                        {message, "remove it, or use an earlier checkpoint"});
@@ -221,57 +222,50 @@ TEST_CASE(
     const fs::path run = copy_of_launched("zero1", zero1, "zero_missing");
     fs::remove(shard(run, 1));
     require_error(run_trainer(resumed_mlp(run, 1, {}), {.timeout_s = 300}),
-                  {shard(run, 1).string() + ": missing: each of the 2 ranks that wrote the "
-                                            "checkpoint"});
+                  {step_dir(run, 2).string() + ": elements [",
+                   "are in no file (missing? there is no optimizer-rank00001.safetensors)"});
   }
   SECTION("two shards holding the same elements") {
-    // Rank 1's file also holds an entry of rank 0's: the hint was that a
-    // rank's file was missing.
+    // Rank 1's file also holds a piece of rank 0's.
     const fs::path run = copy_of_launched("zero1", zero1, "zero_overlap");
     SafetensorsFile mine = read_safetensors(shard(run, 1).string());
     SafetensorsFile other = read_safetensors(shard(run, 0).string());
     std::string entry;
     for (const auto& [name, t] : other.tensors)
-      if (name.find('[') != std::string::npos && t.numel() > 1) entry = name;
+      if (other.metadata.count(name) && t.numel() > 1) entry = name;
     REQUIRE(!entry.empty());
-    mine.tensors.emplace(entry, other.tensors.at(entry));
+    const std::string copied = entry.substr(0, entry.find('#')) + "#9";
+    mine.tensors.emplace(copied, other.tensors.at(entry));
+    mine.metadata[copied] = other.metadata.at(entry);
     std::vector<NamedTensor> tensors;
     for (const auto& [name, t] : mine.tensors) tensors.push_back({name, t});
     write_safetensors(shard(run, 1).string(), tensors, mine.metadata);
     ProcessResult r = run_trainer(resumed_mlp(run, 1, {}), {.timeout_s = 300});
-    require_error(r, {shard(run, 1).string() + ": entry '" + entry + "' holds elements [",
-                      "which entry '" + entry + "' of " + shard(run, 0).string() + " holds too",
-                      "a shard file is extra"});
-    CHECK(r.output.find("missing?") == std::string::npos);
+    require_error(
+        r, {shard(run, 1).string() + ": elements [",
+            "of '" + entry.substr(0, entry.find('#')) + "' are also in " + shard(run, 0).string(),
+            "a file is extra"});
   }
 }
 
 TEST_CASE(
     "checkpoint hardening: a non-finite tensor of a pipeline checkpoint is blamed on the "
-    "part that holds it",
+    "rank's file that holds it",
     "[hardening][checkpoint][mp]") {
-  // The parts of pp = 2 (model-0000k-of-00002.safetensors): the error named
-  // model.safetensors, which such a checkpoint does not have.
   const std::vector<std::string> pipeline = {"parallel.pp=2", "parallel.micro_batches=2"};
   for (const std::string kind : {"model", "optimizer"}) {
     INFO(kind);
     const fs::path run = copy_of_launched("pp2", pipeline, "pp_nonfinite_" + kind);
     const fs::path ckpt = step_dir(run, 2);
-    REQUIRE(!fs::exists(ckpt / "model.safetensors"));
-    const fs::path part = ckpt / (kind + "-00002-of-00002.safetensors");
+    const fs::path part = pieces_file(ckpt.string(), kind, 1);  // the second stage's
     std::string entry;
     for (const auto& [name, t] : read_safetensors(part.string()).tensors)
       if (t.dtype() == DType::f32 && t.numel() > 3) entry = name;
     REQUIRE(!entry.empty());
     poison(part, entry, std::nanf(""));
     const std::string message = part.string() + ": tensor '" + entry + "' holds nan at element 3";
-    // Through the readers, and resumed by one process (which merges the parts).
-    CHECK_THAT(error_of([&] {
-                 if (kind == "model")
-                   read_model(ckpt.string(), {.refuse_non_finite = true});
-                 else
-                   read_optimizer(ckpt.string(), false, 0, {.refuse_non_finite = true});
-               }),
+    // Through the reader, and resumed by one process (which joins the pieces).
+    CHECK_THAT(error_of([&] { read_pieces(ckpt.string(), kind, {.refuse_non_finite = true}); }),
                Catch::Contains(message));
     require_error(run_trainer(resumed_mlp(run, 1, {}), {.timeout_s = 300}),
                   {message, "training.allow_non_finite=true"});

@@ -14,6 +14,7 @@
 #include "tests/runs.h"
 #include "trainer/distributed.h"
 #include "trainer/recipe.h"
+#include "trainer/safetensors.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -228,4 +229,47 @@ TEST_CASE(
   INFO(enough.output);
   REQUIRE(enough.code == 0);
   CHECK(enough.output.find("warning: parallel.micro_batches") == std::string::npos);
+}
+
+TEST_CASE(
+    "layout: checkpoints of the earlier formats (one process, ZeRO-1 shards, tp gathered, tp "
+    "with ZeRO-1, pipeline parts) resume on one process as the steps one process takes",
+    "[hardening][checkpoint]") {
+  // tests/data/legacy_checkpoints: step 2 of the same run on five layouts,
+  // written before every layout wrote its pieces (README.md there).
+  const fs::path fixtures = fs::path(TRAINER_SOURCE_DIR) / "tests/data/legacy_checkpoints";
+  const std::vector<std::string> small{"model.d_model=16",        "model.context=16",
+                                       "data.seq_len=16",         "data.val_windows=4",
+                                       "training.global_batch=8", "training.checkpoint_every=1"};
+  auto args = [&](const fs::path& out, std::vector<std::string> extra) {
+    extra.insert(extra.begin(), small.begin(), small.end());
+    return tiny_gpt_args(out, extra);
+  };
+  const fs::path ref = fresh_temp_dir("legacy_ref", false);
+  const ProcessResult r = run_ranks(1, args(ref, {"training.steps=3"}));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const std::map<std::string, Tensor> at2 = model_at(ref.string(), 2),
+                                      at3 = model_at(ref.string(), 3);
+  for (const char* kind : {"single", "dp2_zero1", "tp2", "tp2_dp2_zero1", "pp2"}) {
+    INFO(kind);
+    const fs::path run = fresh_temp_dir(std::string("legacy_") + kind, false);
+    fs::create_directories(run / "checkpoints");
+    fs::copy(fixtures / kind, run / "checkpoints" / "step_00000002");
+    write_file_atomic((run / "checkpoints" / "latest").string(), "step_00000002\n");
+    // Read as it is: the model of step 2 (the tp layouts' vocabulary padded
+    // to 74 rows; the padding is zero and dropped on load).
+    std::map<std::string, Tensor> saved = model_at(run.string(), 2);
+    for (auto& [name, t] : saved)
+      if (t.dim() == 2 && t.size(0) == 74) t = t.narrow(0, 0, 73).contiguous();
+    check_models(at2, saved, 1e-5);
+    // Resumed: step 3 as one process takes it from step 2 (the optimizer
+    // state of step 2 read too: Adam's third step from a lost state would
+    // move each weight by about the learning rate).
+    const ProcessResult resumed = run_ranks(1, args(run, {"training.steps=3", "--resume", "auto"}));
+    INFO(resumed.output);
+    REQUIRE(resumed.code == 0);
+    check_models(at3, model_at(run.string(), 3), 1e-5);
+    CHECK(has_pieces((run / "checkpoints" / "step_00000003").string(), "model"));
+  }
 }

@@ -187,3 +187,16 @@ TEST_CASE("resnet: a tiny small-image ResNet overfits a fixed batch with plain S
   REQUIRE(first > 1.0);
   REQUIRE(last < 0.02);
 }
+
+TEST_CASE("registry: each model's traits, asked by the trainer before building it", "[models]") {
+  for (const std::string& name : model_names()) {
+    INFO(name);
+    const ModelTraits t = model_traits(name);
+    CHECK(t.language_model == is_language_model(name));
+    CHECK(t.language_model == (name == "gpt" || name == "lstm_lm"));
+    CHECK(t.recurrent == (name == "lstm_lm"));
+    CHECK(t.sequence_parallel == (name == "gpt"));
+    CHECK(t.bounded_context == (name == "gpt"));
+  }
+  CHECK(!model_traits("no_such_model").language_model);
+}

@@ -104,9 +104,7 @@ std::vector<std::string> launched(const std::vector<std::string>& trainer,
 fs::path fresh(const std::string& name) { return testing::fresh_temp_dir("dp_" + name, false); }
 
 std::map<std::string, Tensor> model_at(const fs::path& run, int64_t step) {
-  return read_safetensors(
-             (run / "checkpoints" / CheckpointDir::step_name(step) / "model.safetensors").string())
-      .tensors;
+  return read_model((run / "checkpoints" / CheckpointDir::step_name(step)).string());
 }
 
 }  // namespace
@@ -333,10 +331,10 @@ TEST_CASE("ddp: resuming under dp=2 reproduces the uninterrupted run bit for bit
   REQUIRE(b2.code == 0);
   REQUIRE(b2.output.find("resumed from") != std::string::npos);
   const std::string last = CheckpointDir::step_name(steps);
-  CHECK(read_file((straight / "checkpoints" / last / "model.safetensors").string()) ==
-        read_file((resumed / "checkpoints" / last / "model.safetensors").string()));
-  CHECK(read_file((straight / "checkpoints" / last / "optimizer.safetensors").string()) ==
-        read_file((resumed / "checkpoints" / last / "optimizer.safetensors").string()));
+  CHECK(read_file((straight / "checkpoints" / last / "model-rank00000.safetensors").string()) ==
+        read_file((resumed / "checkpoints" / last / "model-rank00000.safetensors").string()));
+  CHECK(read_file((straight / "checkpoints" / last / "optimizer-rank00000.safetensors").string()) ==
+        read_file((resumed / "checkpoints" / last / "optimizer-rank00000.safetensors").string()));
 
   // One process evaluates a dp=2 checkpoint (the replicated model).
   std::vector<std::string> eval{TRAINER_BINARY,
@@ -428,13 +426,13 @@ TEST_CASE("zero1: the trainer at dp=2 with sharded optimizer state matches dp=1"
     // AdamW divides by sqrt(v), which magnifies the rounding of the averaged gradient.
     CHECK(model_difference(one, two, 6) < (optimizer == "sgd" ? 1e-6f : 1e-5f));
     // Each rank holds about half of the state (the buckets' blocks are padded).
-    const auto whole = fs::file_size(checkpoint_file(one, 6, "optimizer.safetensors"));
+    const auto whole = fs::file_size(checkpoint_file(one, 6, "optimizer-rank00000.safetensors"));
     for (int r = 0; r < 2; ++r) {
-      fs::path shard = checkpoint_file(two, 6, cat("optimizer.rank", r, ".safetensors"));
+      fs::path shard =
+          pieces_file((two / "checkpoints" / CheckpointDir::step_name(6)).string(), "optimizer", r);
       REQUIRE(fs::exists(shard));
       CHECK(fs::file_size(shard) < whole * 6 / 10);
     }
-    CHECK(!fs::exists(checkpoint_file(two, 6, "optimizer.safetensors")));
   }
 }
 
@@ -457,8 +455,8 @@ TEST_CASE("zero1: resuming under dp=2 reproduces the uninterrupted run bit for b
   INFO(b.output);
   REQUIRE(b.code == 0);
   REQUIRE(b.output.find("resumed from") != std::string::npos);
-  for (const std::string file :
-       {"model.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors"}) {
+  for (const std::string file : {"model-rank00000.safetensors", "optimizer-rank00000.safetensors",
+                                 "optimizer-rank00001.safetensors"}) {
     INFO(file);
     REQUIRE(fs::exists(checkpoint_file(resumed, 12, file)));
     CHECK(read_file(checkpoint_file(straight, 12, file).string()) ==

@@ -7,6 +7,7 @@
 
 #include "core/ops.h"
 #include "layers/tensor_parallel.h"
+#include "parallel/parallel_plan.h"
 #include "parallel/placement.h"
 #include "tests/testing.h"
 
@@ -148,4 +149,38 @@ TEST_CASE("placement: tensor parallelism's split of a parameter is the piece its
       .kind = ParameterSplit::Kind::partial_gradient, .rank = 0, .size = 2};
   CHECK(tensor_parallel_placement({6}, &partial) == TensorPlacement::replicated({6}));
   CHECK(tensor_parallel_placement({6}, nullptr) == TensorPlacement::replicated({6}));
+}
+
+TEST_CASE("parallel plan: passes in order, placements by name, one writer per piece",
+          "[parallel]") {
+  ParallelPlan plan;
+  CHECK(plan.describe() == "one process");
+  plan.mesh = MeshShape{{Dim::dp_replicate, 2}, {Dim::pp, 2}, {Dim::tp, 2}};
+  plan.record("tensor", "tp=2");
+  plan.record("pipeline", "stage 1 of 2");
+  plan.record("data", "dp=2, zero1");
+  CHECK(plan.describe() == "tensor (tp=2) -> pipeline (stage 1 of 2) -> data (dp=2, zero1)");
+  CHECK(plan.applied("pipeline"));
+  CHECK(!plan.applied("parameter servers"));
+  // A weight split over tp on stage 1, and a bias replicated there.
+  plan.place("w", TensorPlacement::replicated({8, 4})
+                      .with(Dim::tp, Placement::shard(0))
+                      .with(Dim::pp, Placement::owned(1)));
+  plan.place("b", TensorPlacement::replicated({4}).with(Dim::pp, Placement::owned(1)));
+  int w_writers = 0, b_writers = 0;
+  for (int rank = 0; rank < plan.mesh.size(); ++rank) {
+    plan.coord = mesh_coord(plan.mesh, rank);
+    w_writers += plan.writes("w");
+    b_writers += plan.writes("b");
+    if (plan.writes("b"))
+      CHECK(rank == mesh_rank(plan.mesh, [] {
+              MeshCoord c;
+              c.set(Dim::pp, 1);
+              return c;
+            }()));
+  }
+  CHECK(w_writers == 2);  // one per tp part, on stage 1 of the first replica
+  CHECK(b_writers == 1);
+  CHECK_THAT(error_of([&] { plan.placement("c"); }),
+             Catch::Contains("the parallel plan places no tensor 'c'"));
 }

@@ -211,12 +211,9 @@ TEST_CASE("checkpoint: readers name the part holding a non-finite tensor when as
   for (int stage = 0; stage < 2; ++stage) {
     const std::string name = stage == 0 ? "a" : "b";
     const Tensor& value = stage == 0 ? good : bad;
-    CheckpointPart part;
-    part.model = {{name, value}};
-    part.model_part = part.optimizer_part = stage;
-    part.model_parts = part.optimizer_parts = 2;
-    part.optimizer = std::vector<NamedTensor>{{name + ".momentum_buffer", value}};
-    write_checkpoint_part(dir.string(), stage, part);
+    write_safetensors(model_part_file(dir.string(), stage, 2), {{name, value}});
+    write_safetensors(optimizer_part_file(dir.string(), stage, 2),
+                      {{name + ".momentum_buffer", value}});
   }
   CHECK(read_model(dir.string()).size() == 2);  // the default: loaded as it is
   CHECK_THAT(error_of([&] { read_model(dir.string(), {.refuse_non_finite = true}); }),
@@ -364,43 +361,29 @@ TEST_CASE("checkpoint: resharding says what a resume changes of the layout", "[c
         "dp 2 -> 4, tp 2 -> 1, zero1 off -> on");
 }
 
-TEST_CASE("checkpoint: ranks contribute tensors of one logical model, read back merged",
-          "[checkpoint]") {
+TEST_CASE("checkpoint: the earlier formats' model files are read back merged", "[checkpoint]") {
   fs::path dir = fresh_temp_dir("ckpt_parts");
   Generator gen(3);
   Tensor a = rand_tensor({4, 3}, gen), b = rand_tensor({5}, gen), c = rand_tensor({2, 2}, gen);
-  // One writer: model.safetensors, the file every older checkpoint has.
-  write_checkpoint_part(dir.string(), 0, {.model = {{"a", a}, {"b", b}}});
-  CHECK(fs::exists(model_file(dir.string())));
+  // One writer: model.safetensors.
+  write_safetensors(model_file(dir.string()), {{"a", a}, {"b", b}});
   std::map<std::string, Tensor> whole = read_model(dir.string());
   REQUIRE(whole.size() == 2);
   require_close(whole.at("a"), a, 0, 0, "a");
   fs::remove(model_file(dir.string()));
 
-  // Two writers (pipeline stages, say), each with its tensors, plus the
-  // optimizer shard and stream state of each rank.
-  CheckpointPart first{.model = {{"a", a}, {"b", b}}, .model_part = 0, .model_parts = 2};
-  first.optimizer = std::vector<NamedTensor>{{"a.step", zeros({}, DType::i64)}};
-  first.optimizer_sharded = true;
-  CheckpointPart second{.model = {{"c", c}}, .model_part = 1, .model_parts = 2};
-  second.optimizer = std::vector<NamedTensor>{{"c.step", zeros({}, DType::i64)}};
-  second.optimizer_sharded = true;
-  second.stream_state = std::vector<NamedTensor>{};
-  write_checkpoint_part(dir.string(), 0, first);
-  write_checkpoint_part(dir.string(), 1, second);
-  CHECK(fs::exists(dir / "model-00001-of-00002.safetensors"));
-  CHECK(fs::exists(dir / "model-00002-of-00002.safetensors"));
-  CHECK(fs::exists(optimizer_file(dir.string(), true, 1)));
-  CHECK(fs::exists(stream_state_file(dir.string(), 1)));
-  CHECK(!fs::exists(stream_state_file(dir.string(), 0)));
+  // Two writers (pipeline stages), each with its tensors, plus a ZeRO-1 shard.
+  write_safetensors(model_part_file(dir.string(), 0, 2), {{"a", a}, {"b", b}});
+  write_safetensors(model_part_file(dir.string(), 1, 2), {{"c", c}});
+  write_safetensors(optimizer_file(dir.string(), true, 0), {{"a.step", zeros({}, DType::i64)}});
+  write_safetensors(optimizer_file(dir.string(), true, 1), {{"c.step", zeros({}, DType::i64)}});
   std::map<std::string, Tensor> merged = read_model(dir.string());
   REQUIRE(merged.size() == 3);
   require_close(merged.at("c"), c, 0, 0, "c");
   CHECK(read_optimizer(dir.string(), true, 1).at(0).name == "c.step");
 
   // A tensor in two parts, or a part missing, is refused by name.
-  write_checkpoint_part(dir.string(), 1,
-                        {.model = {{"c", c}, {"a", a}}, .model_part = 1, .model_parts = 2});
+  write_safetensors(model_part_file(dir.string(), 1, 2), {{"c", c}, {"a", a}});
   CHECK_THAT(error_of([&] { read_model(dir.string()); }),
              Catch::Contains("model-00002-of-00002.safetensors: tensor 'a' is also in another"));
   fs::remove(dir / "model-00001-of-00002.safetensors");
@@ -408,6 +391,108 @@ TEST_CASE("checkpoint: ranks contribute tensors of one logical model, read back 
              Catch::Contains("model-00001-of-00002.safetensors: missing part of the model"));
   fs::remove(dir / "model-00002-of-00002.safetensors");
   CHECK_THAT(error_of([&] { read_model(dir.string()); }), Catch::Contains("no model file"));
+}
+
+namespace {
+
+// The pieces rank `coord` of `mesh` writes of a logical tensor under
+// placement p: its local part, whole or cut into `ranges` element ranges.
+std::vector<TensorPiece> pieces_at(const std::string& name, const Tensor& logical,
+                                   const parallel::TensorPlacement& p,
+                                   const parallel::MeshShape& mesh,
+                                   const parallel::MeshCoord& coord, int ranges = 1) {
+  // The local tensor: its boxes of the logical tensor, concatenated.
+  std::vector<parallel::Box> boxes = parallel::local_boxes(p, mesh, coord);
+  TensorList parts;
+  int dim = 0;
+  for (parallel::Dim d : parallel::kAllDims)
+    if (p[d].kind == parallel::Placement::Kind::shard) dim = p[d].dim;
+  for (const parallel::Box& b : boxes) {
+    Tensor part = logical;
+    for (size_t i = 0; i < b.offset.size(); ++i)
+      part = part.narrow(int(i), b.offset[i], b.extent[i]);
+    parts.push_back(part.contiguous());
+  }
+  Tensor local = concat(parts, dim);
+  TensorPiece whole = piece_of(name, local, p, mesh, coord);
+  if (ranges == 1) return {whole};
+  std::vector<TensorPiece> out;
+  const int64_t n = local.numel();
+  for (int k = 0; k < ranges; ++k) {
+    TensorPiece piece = whole;
+    piece.begin = n * k / ranges, piece.end = n * (k + 1) / ranges;
+    piece.values = local.reshape({n}).narrow(0, piece.begin, piece.end - piece.begin).contiguous();
+    out.push_back(piece);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: every rank's pieces join into the logical tensors, on any layout",
+          "[checkpoint]") {
+  using parallel::Dim;
+  using parallel::Placement;
+  fs::path dir = fresh_temp_dir("ckpt_pieces");
+  Generator gen(5);
+  // c_attn-like: q, k and v rows, each cut over tp = 2; a bias whole; a step.
+  const Tensor w = rand_tensor({12, 4}, gen), bias = rand_tensor({4}, gen);
+  const Tensor step = full({}, 7, DType::i64);
+  const parallel::MeshShape mesh{{Dim::dp_replicate, 2}, {Dim::tp, 2}};
+  const parallel::TensorPlacement split =
+      parallel::TensorPlacement::replicated({12, 4}).with(Dim::tp, Placement::shard(0, 3));
+  const parallel::TensorPlacement replicated = parallel::TensorPlacement::replicated({4});
+  for (int rank = 0; rank < mesh.size(); ++rank) {
+    const parallel::MeshCoord coord = parallel::mesh_coord(mesh, rank);
+    CheckpointPart part;
+    // ZeRO-1-like: the split weight's part cut in two ranges over dp, the
+    // bias written whole by the first rank.
+    for (TensorPiece& p : pieces_at("w", w, split, mesh, coord, 2))
+      if ((p.begin == 0) == (coord[Dim::dp_replicate] == 0)) part.optimizer.push_back(p);
+    if (parallel::writes(split, coord)) part.model = pieces_at("w", w, split, mesh, coord);
+    if (parallel::writes(replicated, coord)) {
+      part.model.push_back(piece_of("b", bias, replicated, mesh, coord));
+      part.optimizer.push_back(
+          piece_of("w.step", step, parallel::TensorPlacement::replicated({}), mesh, coord));
+    }
+    write_checkpoint_part(dir.string(), rank, part);
+  }
+  // The first rank's file is a state dict where a tensor is whole.
+  CHECK(read_safetensors(pieces_file(dir.string(), "model", 0)).tensors.count("b") == 1);
+  std::map<std::string, Tensor> model = read_model(dir.string());
+  REQUIRE(model.size() == 2);
+  require_close(model.at("w"), w, 0, 0, "w");
+  require_close(model.at("b"), bias, 0, 0, "b");
+  std::map<std::string, Tensor> optim = read_pieces(dir.string(), "optimizer");
+  REQUIRE(optim.size() == 2);
+  require_close(optim.at("w"), w, 0, 0, "w from ranges");
+  CHECK(optim.at("w.step").item<int64_t>() == 7);
+
+  // A rank's file missing leaves elements in no file; one copied over
+  // another rank's holds elements twice.
+  const std::string last = pieces_file(dir.string(), "optimizer", 3);
+  fs::rename(last, dir / "kept");
+  CHECK_THAT(error_of([&] { read_pieces(dir.string(), "optimizer"); }),
+             Catch::Contains("are in no file"));
+  fs::copy_file(pieces_file(dir.string(), "optimizer", 1), last);
+  CHECK_THAT(error_of([&] { read_pieces(dir.string(), "optimizer"); }),
+             Catch::Contains(last + ": elements [") && Catch::Contains("are also in"));
+  fs::rename(dir / "kept", last);
+  CHECK_NOTHROW(read_pieces(dir.string(), "optimizer"));
+  // A damaged description is refused naming the file and the key.
+  const std::string model1 = pieces_file(dir.string(), "model", 1);
+  SafetensorsFile f = read_safetensors(model1);
+  std::vector<NamedTensor> tensors;
+  for (auto& [k, t] : f.tensors) tensors.push_back({k, t});
+  f.metadata["w#0"] = "global=12,4 dim=0 boxes=2+2,0+4;6+2,0+4;10+4,0+4 elements=0:-1";
+  write_safetensors(model1, tensors, f.metadata);
+  CHECK_THAT(error_of([&] { read_model(dir.string()); }),
+             Catch::Contains(model1 + ": piece of 'w'") && Catch::Contains("a box outside"));
+  f.metadata["w#0"] = "global=12,4 dim=0 boxes=2+2,0+4 elements=0:x";
+  write_safetensors(model1, tensors, f.metadata);
+  CHECK_THAT(error_of([&] { read_model(dir.string()); }),
+             Catch::Contains(model1 + ": metadata 'w#0'") &&
+                 Catch::Contains("is not a piece's description"));
 }
 
 TEST_CASE("executor: the one-stage schedule is the gradient-accumulation loop, bit for bit",

@@ -117,9 +117,10 @@ void check_lm_resume(const std::string& model, const std::string& sampling = "ra
   REQUIRE(rest.output.find("resumed from") != std::string::npos);
   fs::path last_a = a / "run" / "checkpoints" / CheckpointDir::step_name(N);
   fs::path last_b = b / "run" / "checkpoints" / CheckpointDir::step_name(N);
-  REQUIRE(file_bytes(last_a / "model.safetensors") == file_bytes(last_b / "model.safetensors"));
-  REQUIRE(file_bytes(last_a / "optimizer.safetensors") ==
-          file_bytes(last_b / "optimizer.safetensors"));
+  REQUIRE(file_bytes(last_a / "model-rank00000.safetensors") ==
+          file_bytes(last_b / "model-rank00000.safetensors"));
+  REQUIRE(file_bytes(last_a / "optimizer-rank00000.safetensors") ==
+          file_bytes(last_b / "optimizer-rank00000.safetensors"));
   REQUIRE(straight.output.find("bits/char") != std::string::npos);
 }
 

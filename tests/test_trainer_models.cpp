@@ -69,7 +69,8 @@ TEST_CASE("GPT checkpoints: nanoGPT's names written, the older names still read"
 
     // Written: nanoGPT's state_dict, the tied head under both names, equal.
     donor.save(dir.string(), TrainState{});
-    SafetensorsFile written = read_safetensors((dir / "model.safetensors").string());
+    const std::string model_path = pieces_file(dir.string(), "model", 0);
+    SafetensorsFile written = read_safetensors(model_path);
     REQUIRE(written.tensors.count("transformer.wte.weight") == 1);
     REQUIRE(written.tensors.count("transformer.h.1.mlp.c_proj.bias") == 1);
     REQUIRE(written.tensors.count("lm_head.weight") == 1);
@@ -77,7 +78,7 @@ TEST_CASE("GPT checkpoints: nanoGPT's names written, the older names still read"
     if (tie)
       require_close(written.tensors.at("lm_head.weight"),
                     written.tensors.at("transformer.wte.weight"), 0, 0, "tied head");
-    target.init_from((dir / "model.safetensors").string(), /*strict=*/true);
+    target.init_from(model_path, /*strict=*/true);
     require_same_state(target.model(), donor.model());
 
     // Read: the older names, through init_from and through a checkpoint directory.
@@ -88,15 +89,15 @@ TEST_CASE("GPT checkpoints: nanoGPT's names written, the older names still read"
     require_same_state(fresh.model(), donor.model());
     // Resuming reads the optimizer's entries (<parameter>.<slot>) under the older names too.
     Session resumed(load_recipe(recipe, {tie_key}));
-    fs::rename(old_file, dir / "model.safetensors");
-    const std::string optimizer_path = (dir / "optimizer.safetensors").string();
+    write_safetensors(model_path, old_names(donor.model().state(), tie), written.metadata);
+    const std::string optimizer_path = pieces_file(dir.string(), "optimizer", 0);
+    SafetensorsFile optimizer_file = read_safetensors(optimizer_path);
     std::vector<NamedTensor> optimizer_state;
-    for (const auto& [name, t] : read_safetensors(optimizer_path).tensors)
-      optimizer_state.push_back({name, t});
+    for (const auto& [name, t] : optimizer_file.tensors) optimizer_state.push_back({name, t});
     std::vector<NamedTensor> renamed = old_names(optimizer_state, false);
     REQUIRE(renamed.size() > 10);
     CHECK(renamed.front().name.rfind("transformer.", 0) == std::string::npos);
-    write_safetensors(optimizer_path, renamed);
+    write_safetensors(optimizer_path, renamed, optimizer_file.metadata);
     resumed.load(dir.string());
     require_same_state(resumed.model(), donor.model());
   }

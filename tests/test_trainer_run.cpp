@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string model_bytes(const std::string& checkpoint_dir) {
-  return read_file(checkpoint_dir + "/model.safetensors");
+  return read_file(checkpoint_dir + "/model-rank00000.safetensors");
 }
 
 fs::path fresh(const std::string& name) { return fresh_temp_dir("run_" + name, false); }
@@ -59,8 +59,9 @@ void check_resume_equivalence(const std::string& recipe, std::vector<std::string
   std::string last = CheckpointDir::step_name(steps);
   REQUIRE(model_bytes((straight / "checkpoints" / last).string()) ==
           model_bytes((resumed / "checkpoints" / last).string()));
-  REQUIRE(read_file((straight / "checkpoints" / last / "optimizer.safetensors").string()) ==
-          read_file((resumed / "checkpoints" / last / "optimizer.safetensors").string()));
+  REQUIRE(
+      read_file((straight / "checkpoints" / last / "optimizer-rank00000.safetensors").string()) ==
+      read_file((resumed / "checkpoints" / last / "optimizer-rank00000.safetensors").string()));
 }
 
 }  // namespace
@@ -101,15 +102,16 @@ TEST_CASE("train: a corrupt checkpoint is refused and the previous one is untouc
   INFO(r.output);
   REQUIRE(r.code == 0);
   fs::path last = out / "checkpoints" / CheckpointDir::step_name(4);
-  std::string good = read_file((last / "model.safetensors").string());
+  std::string good = read_file((last / "model-rank00000.safetensors").string());
   std::string bad = good.substr(0, good.size() / 2);
-  write_file_atomic((last / "model.safetensors").string(), bad);
+  write_file_atomic((last / "model-rank00000.safetensors").string(), bad);
   r = run_trainer(
       recipe_args("fmnist_mlp.yaml", out,
                   {"training.steps=8", "training.global_batch=16", "--resume", last.string()}));
   REQUIRE(r.code == 1);
   REQUIRE(r.output.find("not a valid safetensors file") != std::string::npos);
-  REQUIRE(fs::exists(out / "checkpoints" / CheckpointDir::step_name(2) / "model.safetensors"));
+  REQUIRE(fs::exists(out / "checkpoints" / CheckpointDir::step_name(2) /
+                     "model-rank00000.safetensors"));
 }
 
 TEST_CASE("train: --dry-run prints the summary and memory estimate", "[train]") {
@@ -246,7 +248,7 @@ TEST_CASE("train: --init-from loads weights by name, strictly by default", "[tra
       recipe_args("fmnist_mlp.yaml", src, {"training.steps=3", "training.global_batch=16"}));
   REQUIRE(r.code == 0);
   std::string weights =
-      (src / "checkpoints" / CheckpointDir::step_name(3) / "model.safetensors").string();
+      (src / "checkpoints" / CheckpointDir::step_name(3) / "model-rank00000.safetensors").string();
   // lr 0 and no weight decay: the weights stay exactly those loaded.
   r = run_trainer(recipe_args("fmnist_mlp.yaml", dst,
                               {"training.steps=1", "training.global_batch=16", "optimizer.lr=0",
@@ -255,7 +257,7 @@ TEST_CASE("train: --init-from loads weights by name, strictly by default", "[tra
   REQUIRE(r.code == 0);
   SafetensorsFile loaded = read_safetensors(weights);
   SafetensorsFile after = read_safetensors(
-      (dst / "checkpoints" / CheckpointDir::step_name(1) / "model.safetensors").string());
+      (dst / "checkpoints" / CheckpointDir::step_name(1) / "model-rank00000.safetensors").string());
   for (const auto& [name, t] : loaded.tensors) {
     INFO(name);
     REQUIRE(std::memcmp(after.tensors.at(name).data_ptr(), t.data_ptr(), t.nbytes()) == 0);

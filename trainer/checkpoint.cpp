@@ -228,14 +228,8 @@ void require_finite(const std::map<std::string, Tensor>& tensors, const std::str
 // ---- tensors ----
 
 void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPart& part) {
-  if (!part.model.empty())
-    write_safetensors(model_part_file(dir, part.model_part, part.model_parts), part.model,
-                      {{"format", "pt"}});
-  if (part.optimizer)
-    write_safetensors(part.optimizer_sharded || part.optimizer_parts == 1
-                          ? optimizer_file(dir, part.optimizer_sharded, rank)
-                          : optimizer_part_file(dir, part.optimizer_part, part.optimizer_parts),
-                      *part.optimizer, part.optimizer_metadata);
+  if (!part.model.empty()) write_pieces(pieces_file(dir, "model", rank), part.model);
+  if (!part.optimizer.empty()) write_pieces(pieces_file(dir, "optimizer", rank), part.optimizer);
   if (part.stream_state) write_safetensors(stream_state_file(dir, rank), *part.stream_state);
 }
 
@@ -276,6 +270,7 @@ std::map<std::string, Tensor> read_merged(const std::string& dir, const std::str
 
 std::map<std::string, Tensor> read_model(const std::string& dir,
                                          const CheckpointReadOptions& options) {
+  if (has_pieces(dir, "model")) return read_pieces(dir, "model", options);
   return read_merged(dir, model_file(dir), "model", "model", model_part_file, options);
 }
 

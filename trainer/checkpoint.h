@@ -3,14 +3,9 @@
 //
 // Layout under the run's checkpoint dir:
 //   step_00001200/            one complete checkpoint
-//     model.safetensors       parameters and buffers by their global names; with
-//                             several writers (pipeline stages, later) each writes
-//                             model-0000<k>-of-0000<n>.safetensors with its tensors
-//                             and readers merge them into one logical model
-//     optimizer.safetensors   optimizer state whole (written by rank 0); with
-//                             pipeline stages optimizer-0000<k>-of-0000<n>.safetensors,
-//                             one per stage, merged by readers like the model's parts
-//     optimizer.rank<r>.safetensors   rank r's shard of it (parallel.zero1)
+//     model-rank<r>.safetensors       rank r's pieces of the parameters and buffers
+//     optimizer-rank<r>.safetensors   rank r's pieces of the optimizer state
+//                             (one format for every layout: "pieces" below)
 //     stream_state.rank<r>.safetensors  rank r's carried LSTM state (contiguous text)
 //     loss_scaler.safetensors the fp16 loss scaler's state (trainer/precision.h)
 //     trainer_state.json      step, epoch, sample position, RNG, recipe, parallel layout,
@@ -18,6 +13,10 @@
 //   step_00001200.tmp/        being written; never read
 //   latest                    the name of the newest complete checkpoint
 //   best                      the name of the best one (kept by keep-last-k)
+// Checkpoints of the earlier formats (trainer_state.json format 1 and 2)
+// still load: model.safetensors or model-0000<k>-of-0000<n>.safetensors
+// (pipeline stages), optimizer.safetensors, optimizer-0000<k>-of-0000<n>
+// or the ZeRO-1 shards optimizer.rank<r>.safetensors.
 //
 // A checkpoint is written into step_N.tmp/, each file fsynced, then the
 // directory is renamed to step_N (atomic) and `latest` is replaced last, so
@@ -29,9 +28,9 @@
 //   std::optional<std::string> dir = ckpt.latest_complete();
 //
 // Each rank contributes its part of a checkpoint (write_checkpoint_part):
-// the tensors of the logical model it writes, its optimizer state, its
-// stream state; the main rank adds trainer_state.json (write_trainer_state).
-// With pp = tp = 1, rank 0 writes the whole replicated model.
+// the pieces of the model and the optimizer state it writes (one copy of
+// each: parallel::writes), its stream state; the main rank adds
+// trainer_state.json (write_trainer_state). No rank gathers another's.
 #pragma once
 
 #include <cstdint>
@@ -43,10 +42,11 @@
 #include "comm/alpha_beta.h"
 #include "core/tensor.h"
 #include "parallel/mesh.h"
+#include "parallel/placement.h"
 
 namespace trainer {
 
-// ---- the files of one checkpoint directory ----
+// ---- the files of one checkpoint directory (the earlier formats') ----
 std::string model_file(const std::string& dir);  // the single writer's
 std::string model_part_file(const std::string& dir, int part, int parts);
 std::string optimizer_file(const std::string& dir, bool sharded, int rank);
@@ -55,12 +55,13 @@ std::string optimizer_part_file(const std::string& dir, int part, int parts);
 std::string stream_state_file(const std::string& dir, int rank);
 std::string loss_scaler_file(const std::string& dir);
 std::string trainer_state_file(const std::string& dir);
-// The version of trainer_state.json this build writes: 1 (no "format" key)
-// recorded the layout as parallel.{dp, pp, tp}; 2 adds parallel.mesh, the
-// size of every mesh dimension, written when a dimension other than
-// dp_replicate, pp and tp is in use. Older versions load; a newer one is
-// refused.
-inline constexpr int kTrainerStateFormat = 2;
+// The version of trainer_state.json (and of the checkpoint's files) this
+// build writes: 1 (no "format" key) recorded the layout as parallel.{dp,
+// pp, tp}; 2 adds parallel.mesh, the size of every mesh dimension, written
+// when a dimension other than dp_replicate, pp and tp is in use; 3 writes the
+// tensors as every rank's pieces (model-rank<r>, optimizer-rank<r>). Older
+// versions load; a newer one is refused.
+inline constexpr int kTrainerStateFormat = 3;
 
 // The job's parallel layout, recorded with every checkpoint: resuming needs
 // the same (a sample position counts one dp rank's samples, a shard holds
@@ -136,35 +137,65 @@ std::map<std::string, Tensor> read_sharded_optimizer_whole(
     const std::string& dir, const std::map<std::string, Shape>& shapes,
     const CheckpointReadOptions& options = {});
 
-// One rank's tensors of a checkpoint.
+// ---- one format for every layout: pieces of logical tensors ----
+// Every rank writes the pieces of the logical tensors it holds, as its
+// placements say (parallel/placement.h), into <stem>-rank<r>.safetensors
+// (stem "model" or "optimizer", r five digits). A piece that is a whole
+// tensor is stored under its global name, so the file of one process is a
+// plain state dict; any other piece under "<name>#<k>", with the file's
+// metadata "<name>#<k>" describing it:
+//   global=1152,384 dim=0 boxes=0+192,0+384;384+192,0+384;768+192,0+384 elements=0:-1
+// the logical tensor's shape, the boxes of it that make up the rank's local
+// tensor (concatenated along dim: the q, k and v slices of a
+// tensor-parallel part), and the elements of the flattened local tensor the
+// stored 1-d tensor holds (a ZeRO-1 shard; end -1: all of it, in the local
+// shape). The metadata "trainer.pieces" = "1" marks the format. A reader
+// joins every rank's pieces into whole tensors, checking that they cover
+// each tensor exactly once, and then takes what its own layout holds: any
+// layout reads a checkpoint written on any other.
+struct TensorPiece {
+  std::string name;                  // the logical tensor's global name
+  Shape global;                      // its shape
+  std::vector<parallel::Box> boxes;  // of it, concatenated along dim into the local tensor
+  int dim = 0;
+  int64_t begin = 0, end = -1;  // elements [begin, end) of the flattened local tensor; -1: all
+  Tensor values;
+};
+std::string pieces_file(const std::string& dir, const std::string& stem, int rank);
+// The piece of this rank's local tensor under placement (all of it).
+TensorPiece piece_of(const std::string& name, const Tensor& local,
+                     const parallel::TensorPlacement& placement, const parallel::MeshShape& mesh,
+                     const parallel::MeshCoord& coord);
+void write_pieces(const std::string& path, const std::vector<TensorPiece>& pieces);
+// Whether dir holds <stem>-rank<r>.safetensors files (else it is a checkpoint
+// of the earlier formats, read by the functions above).
+bool has_pieces(const std::string& dir, const std::string& stem);
+// Every rank's pieces joined: whole tensors by global name. Error naming the
+// file for a damaged description, pieces that disagree on a tensor's shape
+// or dtype, elements held twice, and elements no file holds.
+std::map<std::string, Tensor> read_pieces(const std::string& dir, const std::string& stem,
+                                          const CheckpointReadOptions& options = {});
+
+// One rank's part of a checkpoint.
 struct CheckpointPart {
-  // Tensors of the logical model this rank writes (none: it writes no model
-  // file), as part model_part of model_parts writers.
-  std::vector<NamedTensor> model;
-  int model_part = 0, model_parts = 1;
-  // Its optimizer state: whole (rank 0 writes it), its part (part
-  // optimizer_part of optimizer_parts: a pipeline stage's parameters) or its shard.
-  std::optional<std::vector<NamedTensor>> optimizer;
-  bool optimizer_sharded = false;
-  // The optimizer file's metadata. ZeRO-1 under tensor parallelism:
-  // "tp" = "<rank> <size>" of the writer, and "tp_split.<param>" = "<dim>
-  // <parts>" for each parameter split over the group, whose shards' element
-  // ranges then count in the writer's part (read_sharded_optimizer_whole).
-  std::map<std::string, std::string> optimizer_metadata;
-  int optimizer_part = 0, optimizer_parts = 1;
+  std::vector<TensorPiece> model;      // pieces of the model's parameters and buffers
+  std::vector<TensorPiece> optimizer;  // of the optimizer state
   // The carried stream state, when training carries one.
   std::optional<std::vector<NamedTensor>> stream_state;
 };
-// Writes part into dir (which exists) as rank `rank`.
+// Writes part into dir (which exists) as rank `rank`: a file of pieces for
+// each of model and optimizer that holds any.
 void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPart& part);
-// The logical model of a checkpoint: model.safetensors, or every part file
-// merged (Error naming the file for a missing part or a tensor in two).
+// The logical model of a checkpoint: every rank's pieces joined, or (the
+// earlier formats) model.safetensors, or every part file merged (Error
+// naming the file for a missing part or a tensor in two).
 std::map<std::string, Tensor> read_model(const std::string& dir,
                                          const CheckpointReadOptions& options = {});
-// A rank's optimizer state or stream state (Error naming a missing file).
-// Not sharded: optimizer.safetensors, or every part file merged. Sharded:
-// the rank's optimizer.rank<r>.safetensors, the checkpoint's shard files
-// checked against its world as read_sharded_optimizer_whole does.
+// The earlier formats' optimizer state or a rank's stream state (Error
+// naming a missing file). Not sharded: optimizer.safetensors, or every part
+// file merged. Sharded: the rank's optimizer.rank<r>.safetensors, the
+// checkpoint's shard files checked against its world as
+// read_sharded_optimizer_whole does.
 std::vector<NamedTensor> read_optimizer(const std::string& dir, bool sharded, int rank,
                                         const CheckpointReadOptions& options = {});
 std::map<std::string, Tensor> read_stream_state(const std::string& dir, int rank);

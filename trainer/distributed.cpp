@@ -1,4 +1,5 @@
 #include "trainer/distributed.h"
+#include "models/registry.h"
 
 #include <algorithm>
 #include <cmath>
@@ -140,7 +141,7 @@ namespace {
 void check_tensor_parallel_keys(const Recipe& r) {
   const ParallelRecipe& p = r.parallel;
   if (p.tp > 1) {
-    if (r.model.name == "lstm_lm")
+    if (model_traits(r.model.name).recurrent)
       throw Error(cat(r.source, ": parallel.tp = ", p.tp,
                       ": the LSTM LM is split by layers, not within them: run a layer per rank "
                       "with parallel.tp=1 parallel.pp=",
@@ -168,7 +169,7 @@ void check_time_chunk_keys(const Recipe& r) {
     const int64_t seq = window_tokens(r);
     const std::string what =
         cat(": parallel.time_chunks = ", p.time_chunks, " with parallel.schedule = ", p.schedule);
-    if (r.model.name != "lstm_lm")
+    if (!model_traits(r.model.name).recurrent)
       throw Error(cat(r.source, what, ": time chunks are the LSTM LM's wavefront (model.name = ",
                       "lstm_lm); ", r.model.name,
                       " needs whole sequences: leave parallel.time_chunks at 1 and choose gpipe, "

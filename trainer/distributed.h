@@ -213,7 +213,7 @@ class DistributedRun {
   // whole tensor on the first tensor-parallel rank (parallel/placement.h).
   bool counted_in_norm(const Tensor& p) const;
   // This pipeline's sums over this dp rank's share of the validation set,
-  // on every stage (collective over the pp group).
+  // on every stage (collective over the pp group; parallel/pipeline_eval.h).
   EvalSums evaluate_pipeline(Session& session) const;
   // Adds the other stage's gradient of tied weight k (tied_across_stages) to
   // grad, which that stage exchanges too (collective over the pair).
@@ -225,7 +225,7 @@ class DistributedRun {
   std::shared_ptr<parallel::CommGroup> tp_;
   // Of what this rank trains: the parameters tensor parallelism shards, and
   // those whose gradients are shares to sum (sequence parallelism).
-  std::set<const TensorImpl*> sharded_;
+  std::map<const TensorImpl*, std::string> names_;  // what this rank holds, by global name
   TensorList gradient_shares_;
   std::unique_ptr<parallel::PipelineRuntime> pipeline_;
   // Before dp_: its bucket reduction reads zero_ while backward runs.

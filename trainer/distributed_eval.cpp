@@ -15,7 +15,7 @@
 #include "comm/collectives.h"
 #include "optim/clip.h"
 #include "parallel/device_staging.h"
-#include "parallel/pipeline_runtime.h"
+#include "parallel/pipeline_eval.h"
 #include "parallel/planner.h"
 #include "parallel/sync_batchnorm.h"
 #include "trainer/device.h"
@@ -51,31 +51,32 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
 }
 
 EvalSums DistributedRun::evaluate_pipeline(Session& session) const {
-  const parallel::PipelinePlan& plan = pipeline_->plan();
-  const int last = plan.split().stage_of(plan.pieces() - 1);
-  const bool sums_here = dist_.layout.coord[parallel::Dim::pp] == last;
   BatchSource& source = session.data();
   EvalSums sums;
-  {
-    autograd::NoGradGuard no_grad;
-    session.model().eval();
-    source.start_eval();
-    // The wavefront's messages are time chunks of the windows (probed so).
-    const int K = std::max(1, int(session.recipe().parallel.time_chunks));
-    StepBatch batch;
-    for (int64_t m = 0; source.next_eval(batch); ++m)
-      for (int k = 0; k < K; ++k) {
-        const StepBatch chunk = time_chunk(batch, k, K);
-        const TensorList outputs = pipeline_->evaluate(m * K + k, source.eval_inputs(chunk));
-        source.keep_eval_outputs(outputs);
-        if (sums_here) source.add_eval_sums(chunk, outputs, sums);
-      }
-    pipeline_->finish_step();
-    session.model().train();
-  }
-  // The last stage's sums, to every stage of this pipeline.
-  double v[4] = {sums.loss, double(sums.top1), double(sums.top5), double(sums.samples)};
-  comm::broadcast(*dist_.mesh.comm(parallel::Dim::pp), v, sizeof v, last);
+  StepBatch batch, chunk;
+  const parallel::PipelineEvalBatches batches{
+      .start = [&] { source.start_eval(); },
+      .next = [&] { return source.next_eval(batch); },
+      .inputs =
+          [&](int k, int K) {
+            chunk = time_chunk(batch, k, K);
+            return source.eval_inputs(chunk);
+          },
+      .outputs =
+          [&](const TensorList& outputs, bool last_stage) {
+            source.keep_eval_outputs(outputs);
+            if (last_stage) source.add_eval_sums(chunk, outputs, sums);
+            chunk = StepBatch{};  // its tensors are freed with its micro-batch's
+          },
+      .sums =
+          [&] {
+            return parallel::PipelineEvalSums{sums.loss, double(sums.top1), double(sums.top5),
+                                              double(sums.samples)};
+          }};
+  // The wavefront's messages are time chunks of the windows (probed so).
+  const int K = std::max(1, int(session.recipe().parallel.time_chunks));
+  const parallel::PipelineEvalSums v = parallel::evaluate_pipeline(
+      *pipeline_, session.model(), *dist_.mesh.comm(parallel::Dim::pp), K, batches);
   return EvalSums{v[0], int64_t(v[1]), int64_t(v[2]), int64_t(v[3])};
 }
 

@@ -25,6 +25,7 @@
 #include "trainer/device.h"
 #include "trainer/metrics.h"
 #include "trainer/pipeline_split.h"
+#include "trainer/precision.h"
 #include "trainer/session.h"
 #include "trainer/tensorboard.h"
 
@@ -51,7 +52,7 @@ parallel::StageSplit agreed_split(Session& session, const Distributed& dist) {
   std::string error;
   if (dist.is_main()) {
     try {
-      const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
+      const DType autocast = Precision(r, false).autocast_dtype();
       BlockProfile profile = profile_blocks(session, autocast);
       parallel::StageSplit split = choose_split(session, &profile);
       std::printf("%s", describe_stages(session, split, &profile).c_str());
@@ -87,6 +88,7 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   if (split) apply_pipeline(session, *split);
   // Of what this rank trains (its stage's, under a pipeline).
   if (tp_) record_split_parameters(session);
+  for (const NamedTensor& t : session.held_state()) names_.emplace(t.tensor.impl(), t.name);
   if (dist.everyone)
     apply_parameter_servers(session);
   else
@@ -98,6 +100,8 @@ void DistributedRun::apply_tensor_parallel(Session& session) {
   tp_ = parallel::make_comm_group(dist_.mesh.comm(parallel::Dim::tp),
                                   recipe.parallel.sequence_parallel);
   session.set_tensor_parallel(tp_);
+  session.record_pass(
+      "tensor", cat("tp=", tp_->size(), tp_->sequence_parallel() ? ", sequence parallel" : ""));
   if (dist_.is_main() && !session.tensor_parallel_note().empty()) {
     std::printf("%s\n", session.tensor_parallel_note().c_str());
     std::fflush(stdout);
@@ -105,16 +109,17 @@ void DistributedRun::apply_tensor_parallel(Session& session) {
 }
 
 void DistributedRun::record_split_parameters(const Session& session) {
-  const Module& model = session.trained();
-  for (const Tensor& p : parallel::parameters_split_as(model, ParameterSplit::Kind::sharded))
-    sharded_.insert(p.impl());
   if (tp_->sequence_parallel())
-    gradient_shares_ = parallel::parameters_split_as(model, ParameterSplit::Kind::partial_gradient);
+    gradient_shares_ =
+        parallel::parameters_split_as(session.trained(), ParameterSplit::Kind::partial_gradient);
 }
 
 void DistributedRun::apply_pipeline(Session& session, const parallel::StageSplit& split) {
   const int stage = dist_.layout.index(parallel::Dim::pp);
   session.set_pipeline(split, stage);
+  session.record_pass("pipeline",
+                      cat("stage ", stage, " of ", split.stages,
+                          split.chunks > 1 ? cat(", ", split.chunks, " chunks each") : ""));
   pipeline_ = std::make_unique<parallel::PipelineRuntime>(*session.pipeline_plan(), stage,
                                                           dist_.mesh.comm(parallel::Dim::pp),
                                                           session.blocks(), timeline_.get());
@@ -132,6 +137,8 @@ void DistributedRun::apply_parameter_servers(Session& session) {
       groups,
       [&recipe](std::vector<optim::ParamGroup> g) { return make_optimizer(recipe, std::move(g)); });
   session.set_remote_optimizer(ps_);
+  session.record_pass("parameter servers",
+                      cat(dist_.servers, " servers, ", dp_comm->size(), " workers"));
 }
 
 void DistributedRun::apply_data_parallel(Session& session) {
@@ -175,6 +182,7 @@ void DistributedRun::apply_data_parallel(Session& session) {
 #endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dp_comm, o);
   if (sharded) build_sharded_optimizer(session);
+  session.record_pass("data", cat("dp=", dp_comm->size(), sharded ? ", zero1" : ""));
 }
 
 void DistributedRun::build_sharded_optimizer(Session& session) {
@@ -199,15 +207,15 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
 }
 
 bool DistributedRun::counted_in_norm(const Tensor& p) const {
-  // Within one replica and stage: a tensor-parallel part counts on its
-  // rank, a whole tensor on the first tensor-parallel rank.
-  const Shape none;
-  parallel::TensorPlacement placement = parallel::TensorPlacement::replicated(none);
-  if (sharded_.count(p.impl()))
-    placement = placement.with(parallel::Dim::tp, parallel::Placement::shard(0));
-  parallel::MeshCoord coord;
-  coord.set(parallel::Dim::tp, dist_.layout.index(parallel::Dim::tp));
-  return parallel::writes(placement, coord);
+  // Within one replica, the copy its placement writes: a tensor-parallel
+  // part on its rank, a whole tensor on the first tensor-parallel rank.
+  auto name = names_.find(p.impl());
+  CHECK(name != names_.end()) << "the gradient norm of a tensor this rank does not hold";
+  const parallel::ParallelPlan& plan = session_->parallel_plan();
+  parallel::MeshCoord coord = plan.coord;
+  for (parallel::Dim d : parallel::kAllDims)
+    if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
+  return parallel::writes(plan.placement(name->second), coord);
 }
 
 DistributedRun::~DistributedRun() = default;

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "core/autocast.h"
+#include "models/registry.h"
 #include "models/sample.h"
 #include "trainer/checkpoint.h"
 #include "trainer/precision.h"
@@ -54,7 +55,7 @@ int eval_command(const EvalArgs& args) {
 
 int sample_command(const SampleArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
-  if (r.model.name != "gpt" && r.model.name != "lstm_lm")
+  if (!model_traits(r.model.name).language_model)
     throw Error(cat(r.source, ": model.name '", r.model.name,
                     "' is not a language model; `trainer sample` needs gpt or lstm_lm"));
   apply_threads(r);

@@ -1,5 +1,6 @@
 // parallel.auto: the layout planned at start-up for the launched ranks, or
 // kept from the checkpoint a run resumes.
+#include "models/registry.h"
 #include "trainer/plan.h"
 
 #include <algorithm>
@@ -141,17 +142,18 @@ void apply_choice(const std::vector<int64_t>& choice, Recipe& recipe) {
     recipe.training.grad_accum = choice[4];
   }
   // As the planner times tp: with sequence parallelism for Transformers.
-  p.sequence_parallel = p.tp > 1 && recipe.model.name == "gpt";
+  p.sequence_parallel = p.tp > 1 && model_traits(recipe.model.name).sequence_parallel;
 }
 
 }  // namespace
 
 Distributed join_job_planned(Recipe& recipe, bool dry_run,
                              const std::function<std::optional<std::string>()>& resume_from) {
-  const char* unsupported = dry_run                          ? "--dry-run"
-                            : recipe.device != "cpu"         ? "device: cuda (it plans CPU ranks)"
-                            : recipe.model.name == "lstm_lm" ? "model lstm_lm (its wavefront)"
-                                                             : nullptr;
+  const char* unsupported = dry_run                  ? "--dry-run"
+                            : recipe.device != "cpu" ? "device: cuda (it plans CPU ranks)"
+                            : model_traits(recipe.model.name).recurrent
+                                ? "model lstm_lm (its wavefront)"
+                                : nullptr;
   if (unsupported)
     throw Error(cat(recipe.source, ": parallel.auto is not supported with ", unsupported));
   // Join as pure data parallelism: the world communicator does not depend on the layout.

@@ -1,6 +1,7 @@
 // trainer plan --device cpu and parallel.auto: the model's blocks and the
 // optimizer timed on this machine, next to companion processes that load
 // the other cores as the plan's ranks would.
+#include "models/registry.h"
 #include "trainer/plan.h"
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include "parallel/tensor_parallel.h"
 #include "trainer/pipeline_split.h"
 #include "trainer/plan_parts.h"
+#include "trainer/precision.h"
 #include "trainer/recipe.h"
 #include "trainer/session.h"
 
@@ -103,7 +105,7 @@ double median_of(std::vector<double> v) {
 
 parallel::MeasuredProfile profile_session(Session& session, const Recipe& recipe, int tp,
                                           int64_t samples) {
-  const DType autocast = recipe.precision == "bf16" ? DType::bf16 : DType::f32;
+  const DType autocast = Precision(recipe, false).autocast_dtype();
   profile_blocks(session, autocast, 1);
   std::vector<BlockProfile> passes;
   for (int rep = 0; rep < kProfileRepeats; ++rep)
@@ -261,7 +263,7 @@ parallel::ClusterSpec this_machine_cluster(int nodes, int per_node) {
 // CPU mode reads the data anyway: a language model's vocabulary is the
 // data's (padded to a multiple of tp by the trainer), not the planning default.
 Recipe with_data_vocabulary(Recipe recipe) {
-  const bool text = recipe.model.name == "gpt" || recipe.model.name == "lstm_lm";
+  const bool text = model_traits(recipe.model.name).language_model;
   if (!text || recipe.model.vocab_size > 0) return recipe;
   try {
     const Recipe one = one_process_recipe(recipe, 1);

@@ -77,6 +77,29 @@ Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
   source_->bind(model_);
 
   schedule_.emplace(lr_schedule_options(r, steps_per_epoch_, total_steps_));
+  place_tensors();
+}
+
+void Session::record_pass(std::string name, std::string detail) {
+  parallel_plan_.record(std::move(name), std::move(detail));
+  place_tensors();
+}
+
+void Session::place_tensors() {
+  parallel_plan_.mesh = layout_.job.mesh;
+  parallel_plan_.coord = layout_.coord;
+  parallel_plan_.shards_optimizer = zero_ != nullptr;
+  parallel_plan_.placements.clear();
+  const std::map<std::string, ParameterSplit> splits = model_->parameter_splits();
+  for (const NamedTensor& t : held_state()) {
+    auto split = splits.find(t.name);
+    parallel::TensorPlacement p = parallel::tensor_parallel_placement(
+        t.tensor.shape(), split == splits.end() ? nullptr : &split->second);
+    // A pipeline stage owns the tensors it holds (a weight tied across
+    // stages: each stage its own name of it).
+    if (plan_) p = p.with(parallel::Dim::pp, parallel::Placement::owned(stage_));
+    parallel_plan_.place(t.name, std::move(p));
+  }
 }
 
 void Session::rekey_dropout(int64_t micro) {
@@ -182,13 +205,6 @@ void Session::set_pipeline(const parallel::StageSplit& split, int stage) {
       other_stages_.push_back(t.tensor);
 }
 
-bool Session::writes_held_tensors() const {
-  // Replicated over every dimension but the pipeline's, which this stage owns.
-  const parallel::TensorPlacement held = parallel::TensorPlacement::replicated({}).with(
-      parallel::Dim::pp, parallel::Placement::owned(stage_));
-  return parallel::writes(held, layout_.coord);
-}
-
 void Session::release_other_stages() {
   for (const Tensor& t : other_stages_) release_storage(t);
 }
@@ -207,6 +223,7 @@ void Session::set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zer
   CHECK(shards_optimizer()) << "a sharded optimizer for a session without parallel.zero1";
   zero_ = zero;
   optimizer_ = std::move(zero);
+  parallel_plan_.shards_optimizer = true;
 }
 
 void Session::set_remote_optimizer(std::shared_ptr<optim::Optimizer> optimizer) {
@@ -227,9 +244,21 @@ std::vector<NamedTensor> Session::held_state() const {
   return stage_module_ ? stage_module_->state() : model_->state();
 }
 
-std::string Session::summary() {
-  // The activations below are measured over the whole model.
+int64_t Session::measure_activation_bytes() {
+  // The activations are measured over the whole model, whatever this rank holds.
   materialize_model();
+  int64_t param_bytes = 0;
+  for (const Tensor& p : model_->parameters()) param_bytes += int64_t(p.nbytes());
+  Allocator& a = allocator(module_device(*model_));
+  int64_t before = a.stats().current_bytes;
+  a.reset_peak();
+  source_->probe_loss(2).backward();
+  int64_t activations = (a.stats().peak_bytes - before - param_bytes) / 2 * micro_batch_;
+  model_->zero_grad();
+  return std::max<int64_t>(activations, 0);
+}
+
+std::string Session::summary(int64_t activation_bytes) const {
   std::ostringstream out;
   out << "model " << recipe_.model.name << ":\n";
   for (const auto& [name, child] : model_->children())
@@ -240,9 +269,7 @@ std::string Session::summary() {
 
   // Memory: parameters, gradients (as the parameters) and optimizer state
   // (this rank's, sharded or not) exactly, from their dtypes; activations
-  // measured as the allocator's peak over one training step at batch 2,
-  // scaled to the micro-batch (with recompute: the blocks' inputs plus the
-  // block being recomputed, as the step runs).
+  // as measure_activation_bytes found them.
   int64_t param_bytes = 0;
   for (const Tensor& p : model_->parameters()) param_bytes += int64_t(p.nbytes());
   // Before DistributedRun built the shard, a full optimizer tells its size.
@@ -250,12 +277,6 @@ std::string Session::summary() {
       optimizer_ ? optimizer_->state_bytes()
                  : make_optimizer(recipe_, param_groups(recipe_, *model_))->state_bytes() /
                        layout_.dp_size();
-  Allocator& a = allocator(module_device(*model_));
-  int64_t before = a.stats().current_bytes;
-  a.reset_peak();
-  source_->probe_loss(2).backward();
-  int64_t activations = (a.stats().peak_bytes - before - param_bytes) / 2 * micro_batch_;
-  model_->zero_grad();
   double mib = 1.0 / (1024.0 * 1024.0);
   char buf[256];
   std::snprintf(
@@ -265,7 +286,7 @@ std::string Session::summary() {
       double(param_bytes) * mib, double(param_bytes) * mib, double(state_bytes) * mib,
       shards_optimizer() ? cat(" (zero1: sharded, 1/", layout_.dp_size(), " per rank)").c_str()
                          : "",
-      double(std::max<int64_t>(activations, 0)) * mib, (long long)micro_batch_,
+      double(activation_bytes) * mib, (long long)micro_batch_,
       recompute_note(recipe_.parallel.recompute));
   out << buf;
   return out.str();

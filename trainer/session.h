@@ -34,6 +34,7 @@
 #include "layers/module.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "parallel/parallel_plan.h"
 #include "parallel/pipeline.h"
 #include "trainer/batch_source.h"
 #include "trainer/checkpoint.h"
@@ -170,23 +171,40 @@ class Session {
   // missing, unexpected or mis-shaped tensors are an Error listing them all.
   void init_from(const std::string& path, bool strict);
 
-  // "conv1  320\nbn1  64\n...\ntotal  421,834" and a memory estimate.
-  std::string summary();
+  // The parallel plan (parallel/parallel_plan.h): the passes applied to
+  // this rank's share of the model and the placement of every tensor it
+  // holds, read by the checkpoint writer and the gradient norm.
+  const parallel::ParallelPlan& parallel_plan() const { return parallel_plan_; }
+  // Records a pass DistributedRun applied, and places the tensors anew.
+  void record_pass(std::string name, std::string detail);
+
+  // The activation memory of one training step at the micro-batch size
+  // (at least 0): the allocator's peak over one forward and backward of the
+  // whole model (materialized first) at batch 2, less the parameters,
+  // scaled to the micro-batch (with recompute: the blocks' inputs plus the
+  // block being recomputed, as the step runs). Clears the gradients after.
+  int64_t measure_activation_bytes();
+  // "conv1  320\nbn1  64\n...\ntotal  421,834" and a memory estimate whose
+  // activations are activation_bytes (measure_activation_bytes()).
+  std::string summary(int64_t activation_bytes) const;
 
  private:
-  // Whether this rank writes the whole tensors it holds to a checkpoint
-  // (parallel/placement.h: replicated but for the stage that owns them).
-  bool writes_held_tensors() const;
   // load() with the optimizer, load_model() without it.
   TrainState load_checkpoint(const std::string& dir, bool with_optimizer);
   // The saved epoch position as this layout's dp ranks count it (checked).
   int64_t resumed_position(const std::string& dir, const ParallelLayout& saved,
                            const TrainState& saved_state, bool resharded) const;
-  // The checkpoint's optimizer entries this rank needs: its own shard on the
-  // same ZeRO-1 layout, else whole tensors (shards joined); *file names them.
+  // Places every tensor this rank holds in parallel_plan_: split over tp as
+  // tensor parallelism recorded, owned by this stage under a pipeline, else
+  // replicated.
+  void place_tensors();
+  // The pieces of the optimizer state this rank writes to a checkpoint.
+  std::vector<TensorPiece> optimizer_pieces() const;
+  // The checkpoint's optimizer entries this rank needs: its own shard
+  // (own_shard: a ZeRO-1 checkpoint of the earlier format on this layout),
+  // else whole tensors (pieces or shards joined); *file names them.
   std::map<std::string, Tensor> read_optimizer_tensors(const std::string& dir,
-                                                       const ParallelLayout& saved,
-                                                       bool same_layout,
+                                                       const ParallelLayout& saved, bool own_shard,
                                                        const CheckpointReadOptions& reading,
                                                        std::string* file) const;
   // Drops the entries of parameters another pipeline stage trains.
@@ -211,6 +229,7 @@ class Session {
   std::vector<Tensor> other_stages_;  // the model's tensors this stage does not hold
   std::vector<TiedAcrossStages> tied_;
   std::vector<NamedTensor> global_params_;
+  parallel::ParallelPlan parallel_plan_;
   int64_t steps_per_epoch_ = 0;
   int64_t total_steps_ = 0;
 };

@@ -4,6 +4,7 @@
 #include <limits>
 #include <set>
 
+#include "models/registry.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/zero.h"
 #include "trainer/safetensors.h"
@@ -11,50 +12,68 @@
 
 namespace trainer {
 
+std::vector<TensorPiece> Session::optimizer_pieces() const {
+  const parallel::ParallelPlan& plan = parallel_plan_;
+  // ZeRO-1 shards are distinct along the data-parallel dimensions: every
+  // index there writes its own; the other dimensions as the parameter's.
+  parallel::MeshCoord coord = plan.coord;
+  if (plan.shards_optimizer)
+    for (parallel::Dim d : parallel::kAllDims)
+      if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
+  std::set<std::string> copies;  // tied across stages: the owner writes their state
+  for (const TiedAcrossStages& t : tied_)
+    if (!t.owner) copies.insert(t.name);
+  std::vector<TensorPiece> out;
+  for (const NamedTensor& e : optimizer().state()) {
+    if (e.name.starts_with("zero1.rank")) continue;  // a ZeRO-1 shard's layout record
+    // "<param>.<slot>", or a ZeRO-1 shard's "<param>.<slot>[b:e]": elements
+    // b to e of the parameter's flattened local tensor.
+    std::string name = e.name;
+    int64_t begin = 0, end = -1;
+    if (const size_t open = name.rfind('['); open != std::string::npos && name.back() == ']') {
+      long long b = 0, f = 0;
+      CHECK(std::sscanf(name.c_str() + open, "[%lld:%lld]", &b, &f) == 2) << e.name;
+      begin = b, end = f;
+      name.resize(open);
+    }
+    const std::string param = name.substr(0, name.rfind('.'));
+    if (copies.count(param)) continue;
+    const parallel::TensorPlacement& placed = plan.placement(param);
+    const bool range = end >= 0 && e.tensor.dim() == 1 && e.tensor.numel() == end - begin;
+    // A slot is placed as its parameter; a step count and the like whole,
+    // where the parameter is (one copy: a ZeRO-1 shard's, by the rank
+    // holding the parameter's first element).
+    const bool like_param = range || e.tensor.shape() == parallel::local_shape(placed, plan.mesh);
+    if (!like_param && begin != 0) continue;
+    parallel::TensorPlacement p = placed;
+    if (!like_param) {
+      p.global = e.tensor.shape();
+      for (parallel::Placement& on : p.on)
+        if (on.kind == parallel::Placement::Kind::shard) on = parallel::Placement::replicate();
+    }
+    if (!parallel::writes(p, coord)) continue;
+    TensorPiece piece = piece_of(name, e.tensor, p, plan.mesh, plan.coord);
+    if (range) piece.begin = begin, piece.end = end;
+    out.push_back(std::move(piece));
+  }
+  return out;
+}
+
 void Session::save(const std::string& dir, const TrainState& state) const {
   optim::Optimizer& optimizer = this->optimizer();
-  const bool sharded = shards_optimizer();
-  const bool main = layout_.rank == 0;
-  // The first replica of each stage writes its whole tensors, as one process
-  // would; under ZeRO-1 every rank writes its shard of the optimizer state.
-  const bool writes = writes_held_tensors();
-  // A weight tied across stages has its optimizer entries written once, by its owner.
-  auto without_tied_copies = [&](std::vector<NamedTensor> entries) {
-    for (const TiedAcrossStages& t : tied_)
-      if (!t.owner)
-        std::erase_if(entries,
-                      [&](const NamedTensor& e) { return e.name.starts_with(t.name + "."); });
-    return entries;
-  };
+  // Each rank writes one copy of what it holds, as its placement says: its
+  // part of a tensor split over tp, its stage's tensors, its ZeRO-1 shard;
+  // a replicated tensor on the first of its replicas. Nothing is gathered.
+  const parallel::ParallelPlan& plan = parallel_plan_;
   CheckpointPart part;
-  if (plan_) {
-    part.model_part = part.optimizer_part = stage_;
-    part.model_parts = part.optimizer_parts = plan_->split().stages;
-  }
-  if (tp_) {
-    // The split tensors gathered whole over the tensor-parallel group (collective).
-    std::vector<NamedTensor> model =
-        parallel::gather_whole(plan_ ? stage_module_->state() : model_->state(), *model_, *tp_);
-    std::vector<NamedTensor> optim = without_tied_copies(
-        sharded ? optimizer.state() : parallel::gather_whole(optimizer.state(), *model_, *tp_));
-    if (writes) part.model = std::move(model);
-    if (writes || sharded) part.optimizer = std::move(optim);
-    // ZeRO-1 shards of this rank's parts: how to join them into whole tensors.
-    if (sharded) {
-      part.optimizer_metadata["tp"] =
-          cat(layout_.coord[parallel::Dim::tp], " ", layout_.job.mesh[parallel::Dim::tp]);
-      for (const auto& [name, split] : model_->parameter_splits())
-        if (split.kind == ParameterSplit::Kind::sharded)
-          part.optimizer_metadata["tp_split." + name] = cat(split.dim, " ", split.parts);
-    }
-  } else {
-    if (writes) part.model = held_state();
-    if (writes || sharded) part.optimizer = without_tied_copies(optimizer.state());
-  }
-  part.optimizer_sharded = sharded;
+  for (const NamedTensor& t : held_state())
+    if (plan.writes(t.name))
+      part.model.push_back(
+          piece_of(t.name, t.tensor, plan.placement(t.name), plan.mesh, plan.coord));
+  part.optimizer = optimizer_pieces();
   part.stream_state = source_->stream_state();
   write_checkpoint_part(dir, layout_.rank, part);
-  if (!main) return;
+  if (layout_.rank != 0) return;
   TrainerStateFile file;
   file.state = state;
   file.state.layout = layout_.job;
@@ -138,7 +157,7 @@ int64_t Session::resumed_position(const std::string& dir, const ParallelLayout& 
     state.position = consumed / layout_.dp_size();
   }
   if (resharded && state.position > 0 && recipe_.data.sampling == "contiguous" &&
-      recipe_.model.name == "lstm_lm")
+      model_traits(recipe_.model.name).recurrent)
     throw Error(cat(dir, " carries the LSTM state of each rank's text streams ", state.position,
                     " windows into epoch ", state.epoch, "; the streams and the state's rows ",
                     "belong to its layout (", parallel::to_string(saved.mesh),
@@ -148,11 +167,14 @@ int64_t Session::resumed_position(const std::string& dir, const ParallelLayout& 
 
 std::map<std::string, Tensor> Session::read_optimizer_tensors(const std::string& dir,
                                                               const ParallelLayout& saved,
-                                                              bool same_layout,
+                                                              bool own_shard,
                                                               const CheckpointReadOptions& reading,
                                                               std::string* file) const {
   std::map<std::string, Tensor> optim_tensors;
-  if (saved.zero1 && same_layout) {
+  if (has_pieces(dir, "optimizer")) {
+    *file = dir + "/optimizer-rank*.safetensors";
+    optim_tensors = read_pieces(dir, "optimizer", reading);
+  } else if (own_shard) {
     *file = optimizer_file(dir, true, layout_.rank);
     for (NamedTensor& t : read_optimizer(dir, true, layout_.rank, reading))
       optim_tensors.emplace(t.name, std::move(t.tensor));
@@ -214,12 +236,14 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
   // file holding each tensor. training.allow_non_finite loads one anyway.
   const CheckpointReadOptions reading{.refuse_non_finite = !recipe_.training.allow_non_finite};
   std::map<std::string, Tensor> model = read_model(dir, reading);
-  model_->upgrade_loaded_state(model, model_file(dir));
+  const std::string model_files =
+      has_pieces(dir, "model") ? dir + "/model-rank*.safetensors" : model_file(dir);
+  model_->upgrade_loaded_state(model, model_files);
   // Whole tensors in the file: this rank keeps its parts (tensor parallelism).
   if (tp_) parallel::take_shards(model, *model_);
   std::vector<std::string> problems = load_named(model_->state(), model);
   if (!problems.empty())
-    throw Error(cat(model_file(dir), " does not match the recipe's model:", join_lines(problems)));
+    throw Error(cat(model_files, " does not match the recipe's model:", join_lines(problems)));
   TrainerStateFile file = read_trainer_state(dir);
   if (!file.vocab.empty()) source_->check_vocab(trainer_state_file(dir), file.vocab);
   TrainState state = file.state;
@@ -227,19 +251,21 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
   if (with_optimizer) {
     const ParallelLayout& saved = file.state.layout;
     const std::string changes = resharding(saved, layout_.job);
-    const bool same_layout = changes.empty();
+    // A ZeRO-1 checkpoint of the earlier format on this layout: each rank
+    // reads its own shard. Otherwise the state is read whole and re-sliced.
+    const bool own_shard = saved.zero1 && changes.empty() && !has_pieces(dir, "optimizer");
     state.position = resumed_position(dir, saved, state, !changes.empty());
     // Entries are named <parameter>.<slot>: the model's renames apply to them too.
     std::string optim_file;
     std::map<std::string, Tensor> optim_tensors =
-        read_optimizer_tensors(dir, saved, same_layout, reading, &optim_file);
+        read_optimizer_tensors(dir, saved, own_shard, reading, &optim_file);
     model_->upgrade_loaded_state(optim_tensors, optim_file);
-    if (tp_ && !(saved.zero1 && same_layout)) parallel::take_shards(optim_tensors, *model_);
+    if (tp_ && !own_shard) parallel::take_shards(optim_tensors, *model_);
     if (!shards_optimizer()) keep_own_entries(optim_tensors);
     std::vector<NamedTensor> optim_state;
     for (auto& [name, t] : optim_tensors) optim_state.push_back({name, t});
     // Everything validated: now change the optimizer (it refuses another layout) and the model.
-    if (zero_ && !(saved.zero1 && same_layout))
+    if (zero_ && !own_shard)
       zero_->load_whole_state(optim_tensors);  // re-sliced for this rank's shard
     else
       optimizer().load_state(optim_state);

@@ -15,6 +15,7 @@
 #include "core/ops.h"
 #include "layers/rnn.h"
 #include "models/lstm_lm.h"
+#include "models/registry.h"
 #include "trainer/batch_source.h"
 #include "trainer/checkpoint.h"
 #include "trainer/device.h"
@@ -119,7 +120,7 @@ TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micr
   if (d.path.empty())
     throw Error(cat(r.source, ": data.path must name the text corpus (e.g. datasets/kjv.txt)"));
   const int64_t T = window_tokens(r);
-  if (r.model.name == "gpt" && T > r.model.context)
+  if (model_traits(r.model.name).bounded_context && T > r.model.context)
     throw Error(cat(r.source, ": data.seq_len ", T, " is longer than model.context ",
                     r.model.context, " (GPT's block size)"));
   corpus_ = std::make_unique<data::TextCorpus>(data::TextCorpus::load(

@@ -317,10 +317,10 @@ void print_dry_run(const Recipe& r, const Distributed& dist, Session& s) {
                 r.parallel.sequence_parallel ? ", sequence parallel" : "",
                 with_commas(s.model().num_parameters()).c_str(), with_commas(whole).c_str());
   }
-  std::printf("%s", s.summary().c_str());
+  std::printf("%s", s.summary(s.measure_activation_bytes()).c_str());
   if (dist.layout.job.mesh[parallel::Dim::pp] > 1) {
     // Every stage as it would run, profiled here on one micro-batch.
-    const DType autocast = r.precision == "bf16" ? DType::bf16 : DType::f32;
+    const DType autocast = Precision(r, false).autocast_dtype();
     BlockProfile profile = profile_blocks(s, autocast);
     std::printf("%s", describe_stages(s, choose_split(s, &profile), &profile).c_str());
   }

@@ -1,0 +1,54 @@
+// The parallel plan: what the parallelize passes did to one rank's share of
+// a model, recorded once they have run, in the order they ran (tensor, then
+// pipeline, then data parallelism or parameter servers), with the placement
+// of every tensor the rank holds. The checkpoint writer and the gradient
+// norm read the placements from it (who writes a replicated tensor, which
+// rank counts an element), instead of asking each parallelism; the run's
+// summary prints its passes. The layout lives in docs/architecture.md.
+//
+//   ParallelPlan plan{.mesh = mesh, .coord = coord};
+//   plan.record("tensor", "tp=2, sequence parallel");
+//   plan.place("h.0.attn.c_attn.weight", placement);
+//   plan.writes("h.0.attn.c_attn.weight")        // this rank writes its piece
+//   plan.describe()                              // "tensor (tp=2, ...) -> data (dp=2)"
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "parallel/mesh.h"
+#include "parallel/placement.h"
+
+namespace trainer::parallel {
+
+struct ParallelPlan {
+  struct Pass {
+    std::string name;    // "tensor", "pipeline", "data", "parameter servers"
+    std::string detail;  // "tp=2, sequence parallel", "stage 1 of 2", "dp=2, zero1"
+  };
+  MeshShape mesh;
+  MeshCoord coord;
+  std::vector<Pass> passes;  // in the order they ran
+  // The optimizer state is sharded over the data-parallel ranks (ZeRO-1):
+  // its pieces are distinct along kDataParallel, each rank's its own.
+  bool shards_optimizer = false;
+  // Every tensor of the model this rank holds (parameters and buffers), by
+  // global name; an optimizer slot is placed as its parameter.
+  std::map<std::string, TensorPlacement> placements;
+
+  void record(std::string name, std::string detail) {
+    passes.push_back({std::move(name), std::move(detail)});
+  }
+  bool applied(const std::string& name) const;
+  void place(const std::string& name, TensorPlacement p) { placements[name] = std::move(p); }
+  // The tensor's placement; Error naming it when no pass placed it.
+  const TensorPlacement& placement(const std::string& name) const;
+  // Whether this rank's piece of the tensor is the copy written to a
+  // checkpoint and counted in a norm (parallel::writes).
+  bool writes(const std::string& name) const { return parallel::writes(placement(name), coord); }
+  // "tensor (tp=2) -> pipeline (stage 1 of 2) -> data (dp=2, zero1)"; "one process".
+  std::string describe() const;
+};
+
+}  // namespace trainer::parallel
