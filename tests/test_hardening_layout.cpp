@@ -12,6 +12,7 @@
 
 #include "tests/hardening.h"
 #include "tests/runs.h"
+#include "trainer/checkpoint_tool.h"
 #include "trainer/distributed.h"
 #include "trainer/recipe.h"
 #include "trainer/safetensors.h"
@@ -272,4 +273,60 @@ TEST_CASE(
     check_models(at3, model_at(run.string(), 3), 1e-5);
     CHECK(has_pieces((run / "checkpoints" / "step_00000003").string(), "model"));
   }
+}
+
+TEST_CASE(
+    "layout: a tp = 2 checkpoint is described and verified by `checkpoint info`, exported as "
+    "one file of whole tensors, and found from its run, folder or pointer file",
+    "[hardening][checkpoint][mp]") {
+  const fs::path run = fresh_temp_dir("layout_export", false);
+  const ProcessResult r = run_ranks(2, tiny_gpt_args(run, {"parallel.tp=2"}));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const fs::path step = run / "checkpoints" / "step_00000002";
+  // Every rank wrote its own parts: no gather.
+  CHECK(fs::exists(pieces_file(step.string(), "model", 0)));
+  CHECK(fs::exists(pieces_file(step.string(), "model", 1)));
+  for (const std::string& given : {run.string(), (run / "checkpoints").string(),
+                                   (run / "checkpoints" / "latest").string(), step.string()})
+    CHECK(find_checkpoint(given, "--checkpoint") == step.string());
+  CHECK_THAT(error_of([&] { find_checkpoint((run / "metrics.jsonl").string(), "--checkpoint"); }),
+             Catch::Contains("names no complete checkpoint beside it"));
+  CHECK_THAT(error_of([&] { find_checkpoint((run / "nothing").string(), "--resume"); }),
+             Catch::Contains("--resume " + (run / "nothing").string() +
+                             ": not a complete checkpoint: no such file or directory"));
+
+  const ProcessResult info = run_trainer({"checkpoint", "info", run.string()});
+  INFO(info.output);
+  CHECK(info.code == 0);
+  for (const std::string& line :
+       {"step 2, epoch 0", "layout: world 2 (dp=1, pp=1, tp=2)", "model-rank00001.safetensors",
+        "transformer.h.0.attn.c_attn.weight  [96, 32] f32  2 pieces", "lm_head.weight  [74, 32]",
+        "verified: every file whole, every tensor's pieces cover it once, all values finite"})
+    CHECK(info.output.find(line) != std::string::npos);
+
+  // Exported in bf16 from the pointer file: PyTorch's names and shapes (the
+  // padded row cut), each tensor the checkpoint's.
+  const fs::path out = run / "gpt.safetensors";
+  const ProcessResult exported = run_trainer({"export", (run / "checkpoints" / "latest").string(),
+                                              "--out", out.string(), "--dtype", "bf16"});
+  INFO(exported.output);
+  REQUIRE(exported.code == 0);
+  const std::map<std::string, Tensor> saved = model_at(run.string(), 2);
+  const SafetensorsFile file = read_safetensors(out.string());
+  CHECK(file.tensors.size() == saved.size());
+  for (const auto& [name, t] : file.tensors) {
+    INFO(name);
+    CHECK(t.dtype() == DType::bf16);
+    Tensor whole = saved.at(name);
+    if (whole.size(0) == 74) whole = whole.narrow(0, 0, 73).contiguous();
+    REQUIRE(t.shape() == whole.shape());
+    CHECK(t.to(DType::f32).to_vector<float>() ==
+          whole.to(DType::bf16).to(DType::f32).to_vector<float>());
+  }
+  // A corrupt file is named by `checkpoint info`.
+  write_file_atomic(pieces_file(step.string(), "optimizer", 1), "junk");
+  const ProcessResult bad = run_trainer({"checkpoint", "info", step.string()});
+  CHECK(bad.code == 1);
+  CHECK(bad.output.find(pieces_file(step.string(), "optimizer", 1)) != std::string::npos);
 }

@@ -538,3 +538,68 @@ TEST_CASE("zero1: a checkpoint resumes on another dp size and sharding, re-slice
   CHECK(e.output.find("not a whole number of steps of training.global_batch = 40") !=
         std::string::npos);
 }
+
+TEST_CASE(
+    "checkpoints: a rank killed in the middle of an asynchronous write leaves latest at the last "
+    "complete checkpoint, which resumes bit for bit; synchronous writes are the same files",
+    "[parallel][mp][checkpoint]") {
+  const fs::path straight = fresh("async_straight"), killed = fresh("async_killed"),
+                 sync = fresh("async_sync");
+  const std::vector<std::string> extra = {"training.steps=8", "training.checkpoint_every=2",
+                                          "parallel.zero1=true"};
+  Outcome a = finish(start(launched(trainer_args(straight, extra))), 120);
+  INFO(a.output);
+  REQUIRE(a.code == 0);
+  CHECK(a.output.find("(written in the background; the step waited") != std::string::npos);
+  // Each write pauses 3 s after the model's pieces: step 2's is committed
+  // when step 4's checkpoint starts (never two in flight), and rank 1 dies
+  // in the middle of step 4's.
+  Child job = start(launched(trainer_args(killed, extra), "2"),
+                    {{"TRAINER_FAULT_CHECKPOINT_DELAY_MS", "3000"}});
+  REQUIRE(wait_for_output(job, "checkpoints/step_00000002 (written in the background", 120));
+  pid_t victim = launched_rank(job.pid, 1);
+  REQUIRE(victim > 0);
+  ::kill(victim, SIGKILL);
+  Outcome o = finish(job, 60);
+  INFO(o.output);
+  CHECK(o.code != 0);
+  const std::optional<std::string> latest =
+      CheckpointDir((killed / "checkpoints").string(), 100).latest_complete();
+  REQUIRE(latest);
+  CHECK(fs::path(*latest).filename() == "step_00000002");
+  CHECK(!CheckpointDir::is_complete((killed / "checkpoints" / "step_00000004").string()));
+  // Resumed: the uninterrupted run's files, byte for byte.
+  std::vector<std::string> resume = trainer_args(killed, extra);
+  resume.insert(resume.end(), {"--resume", "auto"});
+  Outcome b = finish(start(launched(resume)), 120);
+  INFO(b.output);
+  REQUIRE(b.code == 0);
+  // And written synchronously, the same files again.
+  std::vector<std::string> sync_args = extra;
+  sync_args.push_back("training.async_checkpoint=false");
+  Outcome c = finish(start(launched(trainer_args(sync, sync_args))), 120);
+  INFO(c.output);
+  REQUIRE(c.code == 0);
+  CHECK(c.output.find("written in the background") == std::string::npos);
+  for (const std::string file : {"model-rank00000.safetensors", "optimizer-rank00000.safetensors",
+                                 "optimizer-rank00001.safetensors"}) {
+    INFO(file);
+    const std::string want = read_file(checkpoint_file(straight, 8, file).string());
+    CHECK(read_file(checkpoint_file(killed, 8, file).string()) == want);
+    CHECK(read_file(checkpoint_file(sync, 8, file).string()) == want);
+  }
+}
+
+TEST_CASE("checkpoints: a state over training.async_checkpoint_mb is written synchronously",
+          "[parallel][mp][checkpoint]") {
+  const fs::path out = fresh("async_cap");
+  Outcome o =
+      finish(start(launched(trainer_args(out, {"training.steps=2", "training.checkpoint_every=2",
+                                               "training.async_checkpoint_mb=1"}))),
+             120);
+  INFO(o.output);
+  REQUIRE(o.code == 0);
+  CHECK(o.output.find("checkpoint: a rank's state is over training.async_checkpoint_mb (1 MiB; "
+                      "this rank's: ") != std::string::npos);
+  CHECK(CheckpointDir::is_complete(checkpoint_file(out, 2, "").string()));
+}

@@ -231,6 +231,7 @@ void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPar
   if (!part.model.empty()) write_pieces(pieces_file(dir, "model", rank), part.model);
   if (!part.optimizer.empty()) write_pieces(pieces_file(dir, "optimizer", rank), part.optimizer);
   if (part.stream_state) write_safetensors(stream_state_file(dir, rank), *part.stream_state);
+  if (part.trainer_state) write_trainer_state(dir, *part.trainer_state);
 }
 
 namespace {

@@ -182,9 +182,12 @@ struct CheckpointPart {
   std::vector<TensorPiece> optimizer;  // of the optimizer state
   // The carried stream state, when training carries one.
   std::optional<std::vector<NamedTensor>> stream_state;
+  // The main rank's: trainer_state.json, written last.
+  std::optional<TrainerStateFile> trainer_state;
 };
 // Writes part into dir (which exists) as rank `rank`: a file of pieces for
-// each of model and optimizer that holds any.
+// each of model and optimizer that holds any, the stream state, and
+// trainer_state.json last.
 void write_checkpoint_part(const std::string& dir, int rank, const CheckpointPart& part);
 // The logical model of a checkpoint: every rank's pieces joined, or (the
 // earlier formats) model.safetensors, or every part file merged (Error

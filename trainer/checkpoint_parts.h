@@ -1,7 +1,8 @@
 // What the files of the checkpoint code share (checkpoint.cpp: the
 // checkpoint directory, its files and their tensors; checkpoint_state.cpp:
 // trainer_state.json; checkpoint_optimizer.cpp: the ZeRO-1 shards of the
-// optimizer state). Not for other callers: trainer/checkpoint.h is the
+// optimizer state; checkpoint_pieces.cpp: every rank's pieces;
+// checkpoint_tool.cpp: the checkpoint commands). Not for other callers: trainer/checkpoint.h is the
 // interface.
 #pragma once
 

@@ -7,6 +7,7 @@
 #include "models/registry.h"
 #include "models/sample.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_tool.h"
 #include "trainer/precision.h"
 #include "trainer/session.h"
 #include "trainer/train.h"
@@ -14,30 +15,11 @@
 
 namespace trainer {
 
-namespace {
-
-// --checkpoint: a checkpoint directory, a checkpoints/ folder or a run's
-// output directory (their latest complete checkpoint).
-std::string checkpoint_to_load(const std::string& given) {
-  std::string dir = given;
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec))
-    throw Error(cat("--checkpoint ", dir, ": no such directory",
-                    ec ? " (" + ec.message() + ")" : std::string()));
-  if (CheckpointDir::is_complete(dir)) return dir;
-  if (std::filesystem::is_directory(dir + "/checkpoints", ec)) dir += "/checkpoints";
-  std::optional<std::string> latest = CheckpointDir(dir, 1 << 30).latest_complete();
-  if (!latest) throw Error(cat("--checkpoint ", given, ": no complete checkpoint there"));
-  return *latest;
-}
-
-}  // namespace
-
 int eval_command(const EvalArgs& args) {
   Recipe r = load_recipe(args.recipe, args.overrides);
   apply_threads(r);
   Session s(r);
-  std::string dir = checkpoint_to_load(args.checkpoint);
+  std::string dir = find_checkpoint(args.checkpoint, "--checkpoint");
   TrainState state = s.load_model(dir);
   EvalMetrics m;
   {
@@ -60,7 +42,7 @@ int sample_command(const SampleArgs& args) {
                     "' is not a language model; `trainer sample` needs gpt or lstm_lm"));
   apply_threads(r);
   Session s(r);
-  std::string dir = checkpoint_to_load(args.checkpoint);
+  std::string dir = find_checkpoint(args.checkpoint, "--checkpoint");
   TrainState state = s.load_model(dir);
   // An empty prompt starts the text at a line break.
   const std::string prompt = args.prompt.empty() ? "\n" : args.prompt;

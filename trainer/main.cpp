@@ -8,6 +8,7 @@
 //   trainer info          the build, and a smoke test of the engine
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -17,6 +18,7 @@
 #include "core/cpu/threads.h"
 #include "core/ops.h"
 #include "parallel/device_staging.h"
+#include "trainer/checkpoint_tool.h"
 #include "trainer/device.h"
 #include "trainer/last_net.h"
 #include "trainer/launch.h"
@@ -142,6 +144,8 @@ int main(int argc, char** argv) {
   CLI::App* launch = add_launch_command(app, launch_options);
   PlanArgs plan_args;
   CLI::App* plan = add_plan_command(app, plan_args);
+  CheckpointArgs checkpoint_args;
+  add_checkpoint_commands(app, checkpoint_args);
   if (const std::optional<int> code = parse_command_line(app, argc, argv)) return *code;
   return run_with_last_net([&] {
     if (*info) return run_info();
@@ -150,6 +154,6 @@ int main(int argc, char** argv) {
     if (*sample) return sample_command(sample_args);
     if (*launch) return run_launch(launch_options);
     if (*plan) return plan_command(plan_args);
-    return 0;
+    return std::max(0, run_checkpoint_commands(app, checkpoint_args));
   });
 }

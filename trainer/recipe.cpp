@@ -102,6 +102,8 @@ std::vector<Field> schema(Recipe& r) {
       int_field("training.threads", &t.threads, 0, 4096),
       bool_field("training.trace", &t.trace),
       bool_field("training.allow_non_finite", &t.allow_non_finite),
+      bool_field("training.async_checkpoint", &t.async_checkpoint),
+      int_field("training.async_checkpoint_mb", &t.async_checkpoint_mb, 0, 1 << 30),
 
       int_field("parallel.dp", &p.dp, 0, 1 << 20),
       int_field("parallel.pp", &p.pp, 1, 4096),

@@ -92,6 +92,11 @@ struct TrainingRecipe {
   bool trace = false;         // Chrome-trace timeline
   // Load checkpoints whose tensors hold NaN or Inf (refused by default).
   bool allow_non_finite = false;
+  // Checkpoints copied into host memory and written in the background
+  // (trainer/checkpoint_writer.h); a state over async_checkpoint_mb per
+  // rank (0: no cap) is written synchronously.
+  bool async_checkpoint = true;
+  int64_t async_checkpoint_mb = 0;
 };
 
 struct ParallelRecipe {

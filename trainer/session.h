@@ -153,10 +153,13 @@ class Session {
   EvalSums evaluate_shard() { return source_->evaluate_shard(); }
 
   // Writes this rank's part of a checkpoint into dir (trainer/checkpoint.h):
-  // rank 0 the model, trainer_state.json and the whole optimizer state;
-  // when sharded every rank its shard; every rank its stream state. Every
-  // rank calls it, once dir exists.
+  // the pieces of the model and the optimizer state its placements say it
+  // writes, its stream state, and on rank 0 trainer_state.json. Every rank
+  // calls it, once dir exists.
   void save(const std::string& dir, const TrainState& state) const;
+  // What save() writes, aliasing the live tensors (CheckpointWriter stages
+  // a copy to write it in the background).
+  CheckpointPart checkpoint_part(const TrainState& state) const;
   // Resumes: restores model, optimizer and state from a checkpoint written
   // on any layout (mesh, zero1): the optimizer state is re-sliced by
   // parameter name (ZeRO-1 shards joined first) and the epoch's data

@@ -59,8 +59,7 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
   return out;
 }
 
-void Session::save(const std::string& dir, const TrainState& state) const {
-  optim::Optimizer& optimizer = this->optimizer();
+CheckpointPart Session::checkpoint_part(const TrainState& state) const {
   // Each rank writes one copy of what it holds, as its placement says: its
   // part of a tensor split over tp, its stage's tensors, its ZeRO-1 shard;
   // a replicated tensor on the first of its replicas. Nothing is gathered.
@@ -72,17 +71,21 @@ void Session::save(const std::string& dir, const TrainState& state) const {
           piece_of(t.name, t.tensor, plan.placement(t.name), plan.mesh, plan.coord));
   part.optimizer = optimizer_pieces();
   part.stream_state = source_->stream_state();
-  write_checkpoint_part(dir, layout_.rank, part);
-  if (layout_.rank != 0) return;
+  if (layout_.rank != 0) return part;
   TrainerStateFile file;
   file.state = state;
   file.state.layout = layout_.job;
-  file.lr = optimizer.lr();
+  file.lr = optimizer().lr();
   file.seed = recipe_.seed;
   if (is_language_model())
     for (uint8_t symbol : vocab().symbols()) file.vocab.push_back(symbol);
   file.recipe_yaml = recipe_to_yaml(recipe_);
-  write_trainer_state(dir, file);
+  part.trainer_state = std::move(file);
+  return part;
+}
+
+void Session::save(const std::string& dir, const TrainState& state) const {
+  write_checkpoint_part(dir, layout_.rank, checkpoint_part(state));
 }
 
 std::vector<std::string> load_named(const std::vector<NamedTensor>& targets,

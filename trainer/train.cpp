@@ -16,6 +16,8 @@
 #include "parallel/tensor_parallel.h"
 #include "parallel/trace.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_tool.h"
+#include "trainer/checkpoint_writer.h"
 #include "trainer/device.h"
 #include "trainer/distributed.h"
 #include "trainer/metrics.h"
@@ -43,7 +45,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 std::string checkpoint_root(const Recipe& r) { return r.output_dir + "/checkpoints"; }
 
 // The directory to resume from: --resume auto (newest complete, or none),
-// or an explicit directory that must be a complete checkpoint.
+// or a checkpoint as find_checkpoint takes one (trainer/checkpoint_tool.h).
 std::optional<std::string> resume_dir(const std::string& resume, const Recipe& r) {
   if (resume.empty()) return std::nullopt;
   if (resume == "auto") {
@@ -51,10 +53,7 @@ std::optional<std::string> resume_dir(const std::string& resume, const Recipe& r
     if (!std::filesystem::exists(checkpoint_root(r), missing)) return std::nullopt;
     return CheckpointDir(checkpoint_root(r), r.training.keep_last).latest_complete();
   }
-  if (!CheckpointDir::is_complete(resume))
-    throw Error(
-        cat("--resume ", resume, ": not a complete checkpoint directory (no trainer_state.json)"));
-  return resume;
+  return find_checkpoint(resume, "--resume");
 }
 
 class TrainLoop {
@@ -69,6 +68,10 @@ class TrainLoop {
         executor_(s, run, precision, training_schedule(s.recipe(), s.layout())),
         print_(run.dist().is_main()),
         ckpt_(checkpoint_root(r_), r_.training.keep_last),
+        writer_(ckpt_,
+                {.async = r_.training.async_checkpoint,
+                 .max_staging_bytes = r_.training.async_checkpoint_mb << 20},
+                print_),
         log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {}
 
   int run() {
@@ -106,6 +109,7 @@ class TrainLoop {
           break;
         }
         bool epoch_end = k + 1 == spe;
+        poll_checkpoint();
         if (state_.step % r_.training.log_every == 0 || state_.step == total) log_train();
         bool eval_now =
             r_.training.eval_every > 0 ? state_.step % r_.training.eval_every == 0 : epoch_end;
@@ -121,6 +125,7 @@ class TrainLoop {
         run_.end_trace_window(state_.step - step_at_start_);
         if (stop_) {
           if (!(periodic || state_.step == total)) save();
+          finish_checkpoint();
           run_.write_trace(trace_path());
           // The signal may have reached another rank only.
           std::string why = StopSignals::received()
@@ -131,6 +136,7 @@ class TrainLoop {
         }
       }
     }
+    finish_checkpoint();
     run_.write_trace(trace_path());
     summary();
     return 0;
@@ -149,6 +155,7 @@ class TrainLoop {
                       alone ? "the step had begun" : "the other ranks cannot join one",
                       "): the last checkpoint is kept"));
     save();
+    finish_checkpoint();
     run_.write_trace(trace_path());
     say(cat(signal, stall.what(), ": checkpoint written at step ", state_.step, ", exiting"));
     return 0;
@@ -216,10 +223,12 @@ class TrainLoop {
     write_log("val", m.scalars());
   }
 
-  // Rank 0 creates the directory and writes the replicated state, every
-  // rank its optimizer shard (when sharded); `latest` moves only once every
-  // rank has passed the second barrier (all parts written).
+  // Rank 0 creates the directory, then every rank hands its part to the
+  // writer (trainer/checkpoint_writer.h): written now, or copied and
+  // written in the background; `latest` moves once every rank has written
+  // its part. A checkpoint in flight is finished first: never two.
   void save() {
+    finish_checkpoint();
     // The name CheckpointDir::begin gives the directory on rank 0.
     std::string tmp = ckpt_.root() + "/" + CheckpointDir::step_name(state_.step) + ".tmp";
     if (print_) {
@@ -228,14 +237,23 @@ class TrainLoop {
     }
     run_.barrier();
     state_.link_models = run_.link_models();
-    s_.save(tmp, state_);
     if (print_) precision_.save(tmp);
-    run_.barrier();
-    if (print_) {
-      std::string dir = ckpt_.commit(state_.step, pending_best_);
-      say(cat("checkpoint: ", dir));
-    }
+    std::optional<std::string> dir =
+        writer_.start(tmp, state_.step, pending_best_, s_.checkpoint_part(state_), run_);
+    if (!writer_.fallback().empty()) say(cat("checkpoint: ", writer_.fallback()));
+    if (dir) say(cat("checkpoint: ", *dir));
     pending_best_ = false;
+  }
+
+  // Commits a checkpoint written in the background once every rank is done.
+  void poll_checkpoint() { announce(writer_.poll(run_)); }
+  void finish_checkpoint() { announce(writer_.finish(run_)); }
+  void announce(const std::optional<std::string>& dir) {
+    if (!dir) return;
+    char waited[96];
+    std::snprintf(waited, sizeof waited, "the step waited %.0f ms to copy %.1f MiB",
+                  writer_.blocked_seconds() * 1e3, double(writer_.staged_bytes()) / (1 << 20));
+    say(cat("checkpoint: ", *dir, " (written in the background; ", waited, ")"));
   }
 
   std::string trace_path() const { return r_.output_dir + "/trace.json"; }
@@ -268,6 +286,7 @@ class TrainLoop {
   StepExecutor executor_;
   bool print_;
   CheckpointDir ckpt_;
+  CheckpointWriter writer_;
   std::unique_ptr<MetricsLog> log_;  // rank 0 only
   StopSignals signals_;
   std::chrono::steady_clock::time_point t0_;

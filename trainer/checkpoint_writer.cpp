@@ -1,0 +1,134 @@
+// CheckpointWriter (trainer/checkpoint_writer.h).
+#include "trainer/checkpoint_writer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <utility>
+
+#include "core/check.h"
+#include "trainer/distributed.h"
+
+namespace trainer {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The bytes of the part's tensors.
+int64_t part_bytes(const CheckpointPart& part) {
+  int64_t bytes = 0;
+  for (const TensorPiece& p : part.model) bytes += int64_t(p.values.nbytes());
+  for (const TensorPiece& p : part.optimizer) bytes += int64_t(p.values.nbytes());
+  if (part.stream_state)
+    for (const NamedTensor& t : *part.stream_state) bytes += int64_t(t.tensor.nbytes());
+  return bytes;
+}
+
+// A copy of every tensor of the part in host memory, which training no
+// longer touches.
+void stage(CheckpointPart& part) {
+  auto copy = [](const Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(Device{}); };
+  for (TensorPiece& p : part.model) p.values = copy(p.values);
+  for (TensorPiece& p : part.optimizer) p.values = copy(p.values);
+  if (part.stream_state)
+    for (NamedTensor& t : *part.stream_state) t.tensor = copy(t.tensor);
+}
+
+// TRAINER_FAULT_CHECKPOINT_DELAY_MS: a pause in the middle of each
+// background write, for tests that kill a rank while one is in flight.
+int64_t write_delay_ms() {
+  const char* v = std::getenv("TRAINER_FAULT_CHECKPOINT_DELAY_MS");
+  return v ? std::max<int64_t>(0, std::atoll(v)) : 0;
+}
+
+}  // namespace
+
+CheckpointWriter::CheckpointWriter(CheckpointDir& dir, CheckpointWriterOptions options,
+                                   bool main_rank)
+    : dir_(dir), options_(options), main_(main_rank) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (thread_.joinable()) thread_.join();
+}
+
+std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64_t step, bool best,
+                                                   CheckpointPart part, const DistributedRun& run) {
+  CHECK(!thread_.joinable()) << "a checkpoint started while another is being written";
+  const auto t0 = std::chrono::steady_clock::now();
+  step_ = step;
+  best_ = best;
+  staged_bytes_ = 0;
+  fallback_.clear();
+  const int rank = run.dist().rank();
+  // The ranks agree on writing in the background: the cap is per rank.
+  bool async = options_.async;
+  if (async && options_.max_staging_bytes > 0) {
+    const bool over = part_bytes(part) > options_.max_staging_bytes;
+    if (run.any_rank(over)) {
+      async = false;
+      fallback_ = cat(
+          "a rank's state is over training.async_checkpoint_mb (", options_.max_staging_bytes >> 20,
+          " MiB; this rank's: ", part_bytes(part) >> 20, " MiB): written synchronously");
+    }
+  }
+  if (!async) {
+    write_checkpoint_part(tmp, rank, part);
+    run.barrier();
+    std::optional<std::string> committed = commit(run);
+    blocked_ = seconds_since(t0);
+    return committed;
+  }
+  stage(part);
+  staged_bytes_ = part_bytes(part);
+  done_ = false;
+  error_ = nullptr;
+  thread_ = std::thread([this, tmp, rank, part = std::move(part)] {
+    try {
+      // The model's pieces first, then the rest; TRAINER_FAULT_CHECKPOINT_DELAY_MS
+      // holds the write between the two (the crash tests' window).
+      CheckpointPart model;
+      model.model = part.model;
+      write_checkpoint_part(tmp, rank, model);
+      if (const int64_t ms = write_delay_ms(); ms > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      CheckpointPart rest = part;
+      rest.model.clear();
+      write_checkpoint_part(tmp, rank, rest);
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    done_ = true;
+  });
+  blocked_ = seconds_since(t0);
+  return std::nullopt;
+}
+
+void CheckpointWriter::join() {
+  thread_.join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+std::optional<std::string> CheckpointWriter::poll(const DistributedRun& run) {
+  if (!thread_.joinable()) return std::nullopt;
+  // Every rank holds a write in flight here (they started it at the same step).
+  if (run.any_rank(!done_.load())) return std::nullopt;
+  join();
+  return commit(run);
+}
+
+std::optional<std::string> CheckpointWriter::finish(const DistributedRun& run) {
+  if (!thread_.joinable()) return std::nullopt;
+  join();
+  run.barrier();
+  return commit(run);
+}
+
+std::optional<std::string> CheckpointWriter::commit(const DistributedRun&) {
+  if (!main_) return std::nullopt;
+  return dir_.commit(step_, best_);
+}
+
+}  // namespace trainer

@@ -1,0 +1,82 @@
+// Writing checkpoints without stopping training (training.async_checkpoint):
+// at a checkpoint step each rank copies its part (CheckpointPart: its pieces
+// of the model and the optimizer state, its stream state; the main rank's
+// trainer_state.json too) into host memory, and a background thread writes
+// the files while the next steps run. The checkpoint is committed (renamed,
+// `latest` moved) only once every rank has finished its part: the ranks
+// agree on it at a step boundary (DistributedRun::any_rank, one small
+// allreduce per step while a write is in flight). A second checkpoint waits
+// for the one in flight (never two), and so do the end of training and a
+// stop signal. A SIGKILL at any moment leaves `latest` at the last committed
+// checkpoint. When the staged copy would exceed the cap, or without
+// async_checkpoint, the step writes synchronously.
+//
+//   CheckpointWriter writer(dir, {.async = true, .max_staging_bytes = 1 << 30}, main_rank);
+//   writer.start(tmp, step, is_best, session.checkpoint_part(state), run);  // at a checkpoint
+//   if (auto done = writer.poll(run)) log("checkpoint: " + *done);         // every step
+//   writer.finish(run);                                                     // at the end
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "trainer/checkpoint.h"
+
+namespace trainer {
+
+class DistributedRun;
+
+struct CheckpointWriterOptions {
+  bool async = true;
+  int64_t max_staging_bytes = 0;  // 0: no cap
+};
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter(CheckpointDir& dir, CheckpointWriterOptions options, bool main_rank);
+  // Waits for a write in flight (not committed: an error is on its way).
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Writes `part` into tmp (every rank calls it, after the main rank made
+  // tmp): staged and written in the background, or written now and
+  // committed. Returns the committed directory when it wrote synchronously.
+  std::optional<std::string> start(const std::string& tmp, int64_t step, bool best,
+                                   CheckpointPart part, const DistributedRun& run);
+  // Commits the write in flight once every rank has finished it
+  // (collective while one is in flight; nothing otherwise). The committed
+  // directory, or nothing.
+  std::optional<std::string> poll(const DistributedRun& run);
+  // Waits for the write in flight and commits it (collective).
+  std::optional<std::string> finish(const DistributedRun& run);
+  bool pending() const { return thread_.joinable(); }
+  // What the last start() cost the step: the staging copy (async) or the
+  // whole write (sync), in seconds; and the bytes staged.
+  double blocked_seconds() const { return blocked_; }
+  int64_t staged_bytes() const { return staged_bytes_; }
+  // Why the last start() wrote synchronously although async was asked ("" if it did not).
+  const std::string& fallback() const { return fallback_; }
+
+ private:
+  std::optional<std::string> commit(const DistributedRun& run);
+  void join();
+
+  CheckpointDir& dir_;
+  CheckpointWriterOptions options_;
+  bool main_;
+  std::thread thread_;
+  std::atomic<bool> done_{false};
+  std::exception_ptr error_;
+  int64_t step_ = 0;
+  bool best_ = false;
+  double blocked_ = 0;
+  int64_t staged_bytes_ = 0;
+  std::string fallback_;
+};
+
+}  // namespace trainer
