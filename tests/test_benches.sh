@@ -74,6 +74,12 @@ grep -Eq "^blocks/none: step time ${num}x, peak RSS ${num}x, alloc peak ${num}x;
 if "$build/bench_recompute" --bogus > "$out" 2>&1; then fail "bench_recompute accepted --bogus"; fi
 grep -q "usage: bench_recompute" "$out" || fail "bench_recompute --bogus: no usage"
 
+"$build/bench_checkpoint" --ranks 2 --layers 1 --width 64 > "$out"
+grep -Eq "^2 +\| +$num \| +$num +$num \| +$num% \| +$num +$num +$num$" "$out" ||
+  fail "bench_checkpoint: no 2-rank row"
+if "$build/bench_checkpoint" --bogus > "$out" 2>&1; then fail "bench_checkpoint accepted --bogus"; fi
+grep -q "usage: bench_checkpoint" "$out" || fail "bench_checkpoint --bogus: no usage"
+
 "$build/bench_train" --threads 1 --steps 1 --case small_cnn_28 --skip-torch > "$out"
 grep -Eq "^small_cnn_28 +128 +1 \| +$num +$num \|" "$out" || fail "bench_train: no figures row"
 

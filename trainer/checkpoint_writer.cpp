@@ -75,6 +75,7 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     }
   }
   if (!async) {
+    staged_bytes_ = part_bytes(part);
     write_checkpoint_part(tmp, rank, part);
     run.barrier();
     std::optional<std::string> committed = commit(run);

@@ -56,7 +56,8 @@ class CheckpointWriter {
   std::optional<std::string> finish(const DistributedRun& run);
   bool pending() const { return thread_.joinable(); }
   // What the last start() cost the step: the staging copy (async) or the
-  // whole write (sync), in seconds; and the bytes staged.
+  // whole write and commit (sync), in seconds; and the bytes of this rank's
+  // part (staged, or written).
   double blocked_seconds() const { return blocked_; }
   int64_t staged_bytes() const { return staged_bytes_; }
   // Why the last start() wrote synchronously although async was asked ("" if it did not).

@@ -241,7 +241,7 @@ class TrainLoop {
     std::optional<std::string> dir =
         writer_.start(tmp, state_.step, pending_best_, s_.checkpoint_part(state_), run_);
     if (!writer_.fallback().empty()) say(cat("checkpoint: ", writer_.fallback()));
-    if (dir) say(cat("checkpoint: ", *dir));
+    if (dir) say(cat("checkpoint: ", *dir, " (", waited("write"), ")"));
     pending_best_ = false;
   }
 
@@ -249,11 +249,15 @@ class TrainLoop {
   void poll_checkpoint() { announce(writer_.poll(run_)); }
   void finish_checkpoint() { announce(writer_.finish(run_)); }
   void announce(const std::optional<std::string>& dir) {
-    if (!dir) return;
-    char waited[96];
-    std::snprintf(waited, sizeof waited, "the step waited %.0f ms to copy %.1f MiB",
-                  writer_.blocked_seconds() * 1e3, double(writer_.staged_bytes()) / (1 << 20));
-    say(cat("checkpoint: ", *dir, " (written in the background; ", waited, ")"));
+    if (dir) say(cat("checkpoint: ", *dir, " (written in the background; ", waited("copy"), ")"));
+  }
+  // "the step waited 12 ms to copy 35.2 MiB" (rank 0's part).
+  std::string waited(const char* what) const {
+    char text[96];
+    std::snprintf(text, sizeof text, "the step waited %.0f ms to %s %.1f MiB",
+                  writer_.blocked_seconds() * 1e3, what,
+                  double(writer_.staged_bytes()) / (1 << 20));
+    return text;
   }
 
   std::string trace_path() const { return r_.output_dir + "/trace.json"; }
