@@ -296,7 +296,7 @@ TEST_CASE("launch: --nnodes 1:2 goes on with the node that is left, resharded", 
                          "training.log_every=100"})));
   };
   Child n0 = node(0), n1 = node(1);
-  REQUIRE(wait_for_output(n0, "checkpoint: ", 120));
+  REQUIRE(wait_for_output(n0, "checkpoint: /", 120));  // not the recipe's *_checkpoint: keys
   ::kill(n1.pid, SIGKILL);
   ProcessResult r1 = finish(n1, 10), r0 = finish(n0, 300);
   INFO(r0.output);

@@ -541,7 +541,7 @@ TEST_CASE("zero1: a checkpoint resumes on another dp size and sharding, re-slice
 
 TEST_CASE(
     "checkpoints: a rank killed in the middle of an asynchronous write leaves latest at the last "
-    "complete checkpoint, which resumes bit for bit; synchronous writes are the same files",
+    "complete checkpoint, which resumes bit for bit, and synchronous writes are the same files",
     "[parallel][mp][checkpoint]") {
   const fs::path straight = fresh("async_straight"), killed = fresh("async_killed"),
                  sync = fresh("async_sync");
