@@ -363,13 +363,22 @@ TEST_CASE("ddp: parallel.dp must match the number of ranks", "[parallel][mp]") {
   CHECK(o.output.find("parallel.dp = 2 but the job has 1 rank") != std::string::npos);
 }
 
+namespace {
+
+// SIGKILLs rank `rank` of the `trainer launch` job.
+void kill_rank(const Child& job, int rank) {
+  const pid_t victim = launched_rank(job.pid, rank);
+  REQUIRE(victim > 0);
+  ::kill(victim, SIGKILL);
+}
+
+}  // namespace
+
 TEST_CASE("ddp: a killed trainer rank stops the job with an error naming it", "[parallel][mp]") {
   fs::path out = fresh("killed");
   Child job = start(launched(trainer_args(out, {"training.steps=100000"}), "2"));
   REQUIRE(wait_for_output(job, "step 5/", 60));
-  pid_t victim = launched_rank(job.pid, 1);
-  REQUIRE(victim > 0);
-  ::kill(victim, SIGKILL);
+  kill_rank(job, 1);
   Outcome o = finish(job, 60);
   INFO(o.output);
   CHECK(o.code == 128 + SIGKILL);
@@ -557,9 +566,7 @@ TEST_CASE(
   Child job = start(launched(trainer_args(killed, extra), "2"),
                     {{"TRAINER_FAULT_CHECKPOINT_DELAY_MS", "3000"}});
   REQUIRE(wait_for_output(job, "checkpoints/step_00000002 (written in the background", 120));
-  pid_t victim = launched_rank(job.pid, 1);
-  REQUIRE(victim > 0);
-  ::kill(victim, SIGKILL);
+  kill_rank(job, 1);
   Outcome o = finish(job, 60);
   INFO(o.output);
   CHECK(o.code != 0);

@@ -185,8 +185,8 @@ TEST_CASE("train: an fp16 run resumed after SIGTERM is bit-identical, scaler inc
   REQUIRE(b2.output.find("resumed from") != std::string::npos);
   fs::path last_a = straight / "checkpoints" / CheckpointDir::step_name(30);
   fs::path last_b = resumed / "checkpoints" / CheckpointDir::step_name(30);
-  for (const char* file :
-       {"model-rank00000.safetensors", "optimizer-rank00000.safetensors", "loss_scaler.safetensors"}) {
+  for (const char* file : {"model-rank00000.safetensors", "optimizer-rank00000.safetensors",
+                           "loss_scaler.safetensors"}) {
     INFO(file);
     REQUIRE(read_file((last_a / file).string()) == read_file((last_b / file).string()));
   }

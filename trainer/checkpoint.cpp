@@ -190,10 +190,6 @@ std::string trainer_state_file(const std::string& dir) { return dir + "/trainer_
 
 // ---- non-finite values ----
 
-namespace {
-
-// The first NaN or Inf of a floating-point tensor (CPU, as loaded) and its
-// index, or -1.
 std::pair<int64_t, double> first_non_finite(const Tensor& t) {
   if (!is_floating(t.dtype()) || t.numel() == 0) return {-1, 0};
   auto scan = [](const auto* x, int64_t n) -> std::pair<int64_t, double> {
@@ -204,6 +200,8 @@ std::pair<int64_t, double> first_non_finite(const Tensor& t) {
   if (t.dtype() == DType::f32) return scan(t.contiguous().data<float>(), t.numel());
   return scan(t.to(DType::f64).contiguous().data<double>(), t.numel());
 }
+
+namespace {
 
 // A file's tensors, checked as the options ask.
 std::map<std::string, Tensor> read_tensors(const std::string& path,

@@ -116,6 +116,9 @@ struct CheckpointReadOptions {
   // train on silently. Off for training.allow_non_finite (inspecting such a run).
   bool refuse_non_finite = false;
 };
+// The first NaN or Inf of a floating-point tensor (CPU, as loaded) and its
+// index, or -1.
+std::pair<int64_t, double> first_non_finite(const Tensor& t);
 // The check itself: Error naming `file`, the tensor, the first non-finite
 // element and its index, and what to do.
 void require_finite(const std::map<std::string, Tensor>& tensors, const std::string& file);

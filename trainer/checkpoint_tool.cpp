@@ -48,13 +48,10 @@ std::optional<std::string> pointed_to(const fs::path& file) {
   return dir.string();
 }
 
-// The first non-finite tensor of `tensors`, or "".
-std::string first_non_finite(const std::map<std::string, Tensor>& tensors) {
-  for (const auto& [name, t] : tensors) {
-    if (!is_floating(t.dtype())) continue;
-    const std::vector<double> v = t.to(DType::f64).to_vector<double>();
-    if (std::any_of(v.begin(), v.end(), [](double x) { return !std::isfinite(x); })) return name;
-  }
+// The name of the first non-finite tensor of `tensors`, or "".
+std::string non_finite_tensor(const std::map<std::string, Tensor>& tensors) {
+  for (const auto& [name, t] : tensors)
+    if (first_non_finite(t).first >= 0) return name;
   return "";
 }
 
@@ -137,13 +134,13 @@ std::string checkpoint_info(const std::string& dir) {
   }
   const std::map<std::string, Tensor> model = read_model(dir);
   out += tensor_lines(model, piece_counts(dir, "model"), "model");
-  std::string non_finite = first_non_finite(model);
+  std::string non_finite = non_finite_tensor(model);
   if (has_pieces(dir, "optimizer")) {
     const std::map<std::string, Tensor> optim = read_pieces(dir, "optimizer");
     int64_t bytes = 0;
     for (const auto& [name, t] : optim) bytes += int64_t(t.nbytes());
     out += cat("  optimizer: ", optim.size(), " tensors (", size_text(double(bytes)), ")\n");
-    if (non_finite.empty()) non_finite = first_non_finite(optim);
+    if (non_finite.empty()) non_finite = non_finite_tensor(optim);
   }
   out += non_finite.empty()
              ? "  verified: every file whole, every tensor's pieces cover it once, all values "
