@@ -9,6 +9,7 @@
 //   ParallelPlan plan{.mesh = mesh, .coord = coord};
 //   plan.record("tensor", "tp=2, sequence parallel");
 //   plan.place("h.0.attn.c_attn.weight", placement);
+//   plan.spread_writers(bytes);                  // replicated tensors over the dp ranks
 //   plan.writes("h.0.attn.c_attn.weight")        // this rank writes its piece
 //   plan.describe()                              // "tensor (tp=2, ...) -> data (dp=2)"
 #pragma once
@@ -36,6 +37,10 @@ struct ParallelPlan {
   // Every tensor of the model this rank holds (parameters and buffers), by
   // global name; an optimizer slot is placed as its parameter.
   std::map<std::string, TensorPlacement> placements;
+  // A tensor replicated over the data-parallel ranks is written by one of
+  // them, its index in the kDataParallel group: spread by bytes over the
+  // replicas (spread_writers), so that no rank writes them all. Absent: 0.
+  std::map<std::string, int> replica_writer;
 
   void record(std::string name, std::string detail) {
     passes.push_back({std::move(name), std::move(detail)});
@@ -45,8 +50,19 @@ struct ParallelPlan {
   // The tensor's placement; Error naming it when no pass placed it.
   const TensorPlacement& placement(const std::string& name) const;
   // Whether this rank's piece of the tensor is the copy written to a
-  // checkpoint and counted in a norm (parallel::writes).
-  bool writes(const std::string& name) const { return parallel::writes(placement(name), coord); }
+  // checkpoint: parallel::writes over every dimension but the data-parallel
+  // ones, and there the replica replica_writer names.
+  bool writes(const std::string& name) const;
+  // The data-parallel index that writes a replicated tensor (replica_writer, or 0).
+  int replica_writer_of(const std::string& name) const {
+    auto it = replica_writer.find(name);
+    return it == replica_writer.end() ? 0 : it->second;
+  }
+  // Assigns replica_writer for the placed tensors replicated over the
+  // data-parallel ranks, largest first, each to the replica with the fewest
+  // bytes so far (bytes: each tensor's local size). The same on every
+  // replica, which holds the same tensors.
+  void spread_writers(const std::map<std::string, int64_t>& bytes);
   // "tensor (tp=2) -> pipeline (stage 1 of 2) -> data (dp=2, zero1)"; "one process".
   std::string describe() const;
 };

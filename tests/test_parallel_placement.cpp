@@ -184,3 +184,37 @@ TEST_CASE("parallel plan: passes in order, placements by name, one writer per pi
   CHECK_THAT(error_of([&] { plan.placement("c"); }),
              Catch::Contains("the parallel plan places no tensor 'c'"));
 }
+
+TEST_CASE("parallel plan: the data-parallel replicas share the writing of replicated tensors",
+          "[parallel]") {
+  ParallelPlan plan;
+  plan.mesh = MeshShape{{Dim::dp_replicate, 2}, {Dim::tp, 2}};
+  plan.place("big", TensorPlacement::replicated({100}));
+  plan.place("mid", TensorPlacement::replicated({60}));
+  plan.place("small", TensorPlacement::replicated({50}));
+  plan.place("split", TensorPlacement::replicated({8}).with(Dim::tp, Placement::shard(0)));
+  plan.spread_writers({{"big", 400}, {"mid", 240}, {"small", 200}, {"split", 16}});
+  // Largest first, each to the replica with the fewest bytes so far.
+  CHECK(plan.replica_writer_of("big") == 0);
+  CHECK(plan.replica_writer_of("mid") == 1);
+  CHECK(plan.replica_writer_of("small") == 1);
+  CHECK(plan.replica_writer_of("split") == 0);
+  std::map<std::string, int> writers;
+  for (int rank = 0; rank < plan.mesh.size(); ++rank) {
+    plan.coord = mesh_coord(plan.mesh, rank);
+    for (const char* name : {"big", "mid", "small", "split"})
+      if (plan.writes(name)) {
+        ++writers[name];
+        // Whole tensors on the first tp rank of their replica; the split one on both.
+        CHECK(plan.coord[Dim::dp_replicate] == plan.replica_writer_of(name));
+        if (std::string(name) != "split") CHECK(plan.coord[Dim::tp] == 0);
+      }
+  }
+  CHECK(writers == std::map<std::string, int>{{"big", 1}, {"mid", 1}, {"small", 1}, {"split", 2}});
+  // One replica: every tensor on it.
+  ParallelPlan one;
+  one.mesh = MeshShape{{Dim::tp, 2}};
+  one.place("big", TensorPlacement::replicated({100}));
+  one.spread_writers({{"big", 400}});
+  CHECK(one.replica_writer_of("big") == 0);
+}

@@ -100,6 +100,10 @@ void Session::place_tensors() {
     if (plan_) p = p.with(parallel::Dim::pp, parallel::Placement::owned(stage_));
     parallel_plan_.place(t.name, std::move(p));
   }
+  // The data-parallel replicas share the writing of what they all hold.
+  std::map<std::string, int64_t> bytes;
+  for (const NamedTensor& t : held_state()) bytes[t.name] = int64_t(t.tensor.nbytes());
+  parallel_plan_.spread_writers(bytes);
 }
 
 void Session::rekey_dropout(int64_t micro) {

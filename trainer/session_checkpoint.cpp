@@ -14,12 +14,13 @@ namespace trainer {
 
 std::vector<TensorPiece> Session::optimizer_pieces() const {
   const parallel::ParallelPlan& plan = parallel_plan_;
-  // ZeRO-1 shards are distinct along the data-parallel dimensions: every
-  // index there writes its own; the other dimensions as the parameter's.
+  // Along the data-parallel dimensions a ZeRO-1 shard is distinct (every
+  // index writes its own), a whole entry is written by the replica that
+  // writes its parameter; the other dimensions as the parameter's placement.
   parallel::MeshCoord coord = plan.coord;
-  if (plan.shards_optimizer)
-    for (parallel::Dim d : parallel::kAllDims)
-      if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
+  for (parallel::Dim d : parallel::kAllDims)
+    if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
+  const int replica = parallel::group_index(plan.mesh, plan.coord, parallel::kDataParallel);
   std::set<std::string> copies;  // tied across stages: the owner writes their state
   for (const TiedAcrossStages& t : tied_)
     if (!t.owner) copies.insert(t.name);
@@ -52,6 +53,7 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
         if (on.kind == parallel::Placement::Kind::shard) on = parallel::Placement::replicate();
     }
     if (!parallel::writes(p, coord)) continue;
+    if (!plan.shards_optimizer && replica != plan.replica_writer_of(param)) continue;
     TensorPiece piece = piece_of(name, e.tensor, p, plan.mesh, plan.coord);
     if (range) piece.begin = begin, piece.end = end;
     out.push_back(std::move(piece));
