@@ -74,8 +74,8 @@ grep -Eq "^blocks/none: step time ${num}x, peak RSS ${num}x, alloc peak ${num}x;
 if "$build/bench_recompute" --bogus > "$out" 2>&1; then fail "bench_recompute accepted --bogus"; fi
 grep -q "usage: bench_recompute" "$out" || fail "bench_recompute --bogus: no usage"
 
-"$build/bench_checkpoint" --ranks 2 --layers 1 --width 64 > "$out"
-grep -Eq "^2 +\| +$num \| +$num +$num \| +$num% \| +$num +$num +$num$" "$out" ||
+"$build/bench_checkpoint" --case gpt --ranks 2 --layers 1 --width 64 --no-torch > "$out"
+grep -Eq "^2 +\| +$num \| +$num +$num \| +$num% \| +$num +$num +$num \| +- +- +-$" "$out" ||
   fail "bench_checkpoint: no 2-rank row"
 if "$build/bench_checkpoint" --bogus > "$out" 2>&1; then fail "bench_checkpoint accepted --bogus"; fi
 grep -q "usage: bench_checkpoint" "$out" || fail "bench_checkpoint --bogus: no usage"

@@ -6,6 +6,7 @@
 // about its bubble. The trainer runs as a subprocess, tiny: a 2-layer GPT
 // of width 32 on the KJV characters (73 of them), one thread per rank.
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
 #include <vector>
@@ -302,8 +303,38 @@ TEST_CASE(
   for (const std::string& line :
        {"step 2, epoch 0", "layout: world 2 (dp=1, pp=1, tp=2)", "model-rank00001.safetensors",
         "transformer.h.0.attn.c_attn.weight  [96, 32] f32  2 pieces", "lm_head.weight  [74, 32]",
-        "verified: every file whole, every tensor's pieces cover it once, all values finite"})
+        "verified: every file whole, every tensor's pieces cover it once, the index matches the "
+        "files, all values finite"})
     CHECK(info.output.find(line) != std::string::npos);
+
+  // The index maps each tensor to its pieces: file, bytes, boxes.
+  const std::string index_path = checkpoint_index_file(step.string());
+  const nlohmann::json index = nlohmann::json::parse(read_file(index_path));
+  const nlohmann::json& qkv = index["model"]["transformer.h.0.attn.c_attn.weight"];
+  CHECK(qkv["shape"] == nlohmann::json({96, 32}));
+  REQUIRE(qkv["pieces"].size() == 2);
+  for (const nlohmann::json& piece : qkv["pieces"]) {
+    const std::string file = (step / piece["file"].get<std::string>()).string();
+    bool found = false;
+    for (const SafetensorsEntry& e : read_safetensors_header(file).entries)
+      if (e.name == piece["key"].get<std::string>()) {
+        found = true;
+        CHECK(piece["offsets"] == nlohmann::json({e.begin, e.end}));
+        CHECK(e.shape == Shape{48, 32});
+      }
+    CHECK(found);
+    CHECK(piece["boxes"].size() == 3);  // its heads' q, k and v rows
+  }
+  CHECK(index["files"].contains("optimizer-rank00001.safetensors"));
+  // An index that does not describe the files is named.
+  nlohmann::json wrong = index;
+  wrong["model"]["lm_head.weight"]["pieces"][0]["offsets"][0] = 1;
+  write_file_atomic(index_path, wrong.dump());
+  const ProcessResult stale = run_trainer({"checkpoint", "info", step.string()});
+  CHECK(stale.code == 1);
+  CHECK(stale.output.find(index_path + ": model 'lm_head.weight' is not what the checkpoint's "
+                                       "files hold") != std::string::npos);
+  write_file_atomic(index_path, index.dump());
 
   // Exported in bf16 from the pointer file: PyTorch's names and shapes (the
   // padded row cut), each tensor the checkpoint's.

@@ -92,6 +92,7 @@ std::string CheckpointDir::commit(int64_t step, bool is_best) {
   fs::path tmp = fs::path(root_) / (name + ".tmp");
   fs::path final_dir = fs::path(root_) / name;
   CHECK(is_complete(tmp.string())) << "commit of " << tmp << " without a trainer_state.json";
+  write_checkpoint_index(tmp.string());
   fsync_tree(tmp.string());
   // Re-saving a step (e.g. after a resume) replaces the old directory.
   checked_fs(root_, [&] {
@@ -105,20 +106,21 @@ std::string CheckpointDir::commit(int64_t step, bool is_best) {
   return final_dir.string();
 }
 
-std::optional<std::string> CheckpointDir::read_pointer(const std::string& pointer) const {
-  fs::path p = fs::path(root_) / pointer;
+std::optional<std::string> CheckpointDir::pointer_in(const std::string& root,
+                                                     const std::string& pointer) {
+  fs::path p = fs::path(root) / pointer;
   if (!fs::is_regular_file(status_of(p))) return std::nullopt;
   std::string name = read_file(p.string(), "the checkpoint pointer");
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
   if (parse_step(name) < 0) return std::nullopt;
-  std::string dir = (fs::path(root_) / name).string();
+  std::string dir = (fs::path(root) / name).string();
   return is_complete(dir) ? std::optional<std::string>(dir) : std::nullopt;
 }
 
-std::vector<std::string> CheckpointDir::complete() const {
+std::vector<std::string> CheckpointDir::complete_in(const std::string& root) {
   std::vector<std::pair<int64_t, std::string>> found;
-  checked_fs(root_, [&] {
-    for (const auto& e : fs::directory_iterator(root_)) {
+  checked_fs(root, [&] {
+    for (const auto& e : fs::directory_iterator(root)) {
       int64_t s = parse_step(e.path().filename().string());
       if (s >= 0 && is_complete(e.path().string())) found.emplace_back(s, e.path().string());
     }
@@ -129,30 +131,50 @@ std::vector<std::string> CheckpointDir::complete() const {
   return out;
 }
 
-std::optional<std::string> CheckpointDir::latest_complete() const {
-  if (auto p = read_pointer("latest")) return p;
-  std::vector<std::string> all = complete();
+std::optional<std::string> CheckpointDir::latest_in(const std::string& root) {
+  if (auto p = pointer_in(root, "latest")) return p;
+  std::vector<std::string> all = complete_in(root);
   if (all.empty()) return std::nullopt;
   return all.back();
 }
 
-void CheckpointDir::prune() const {
+void CheckpointDir::prune() {
   std::vector<std::string> all = complete();
-  std::optional<std::string> best = read_pointer("best");
-  std::optional<std::string> latest = read_pointer("latest");
-  // Keep the newest keep_last, plus best and latest wherever they are.
+  std::optional<std::string> best = pointer_in(root_, "best");
+  std::optional<std::string> latest = pointer_in(root_, "latest");
+  // Keep the newest keep_last, plus best and latest wherever they are. The
+  // others are renamed out of the way at once (no longer step directories)
+  // and deleted in the background: deleting a large checkpoint takes a
+  // good part of a second that the step would otherwise wait.
   checked_fs(root_, [&] {
     for (int64_t i = 0; i + keep_last_ < int64_t(all.size()); ++i) {
       if ((best && *best == all[i]) || (latest && *latest == all[i])) continue;
-      fs::remove_all(all[i]);
-    }
-    // Stale temporaries of other steps (a crash mid-write) go too.
-    for (const auto& e : fs::directory_iterator(root_)) {
-      std::string n = e.path().filename().string();
-      if (n.size() > 4 && n.substr(n.size() - 4) == ".tmp" && e.is_directory())
-        fs::remove_all(e.path());
+      const fs::path trash = all[i] + ".pruned";
+      if (fs::exists(trash)) fs::remove_all(trash);
+      fs::rename(all[i], trash);
     }
   });
+  // Stale temporaries of other steps (a crash mid-write) and what a run
+  // stopped while deleting left go too.
+  std::vector<fs::path> doomed;
+  checked_fs(root_, [&] {
+    for (const auto& e : fs::directory_iterator(root_)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && (n.ends_with(".tmp") || n.ends_with(".pruned")))
+        doomed.push_back(e.path());
+    }
+  });
+  if (pruner_.joinable()) pruner_.join();
+  pruner_ = std::thread([doomed = std::move(doomed)] {
+    for (const fs::path& d : doomed) {
+      std::error_code ignored;  // gone already, or not ours to delete: nothing depends on it
+      fs::remove_all(d, ignored);
+    }
+  });
+}
+
+CheckpointDir::~CheckpointDir() {
+  if (pruner_.joinable()) pruner_.join();
 }
 
 // ---- the files of one checkpoint ----

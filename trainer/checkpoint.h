@@ -37,6 +37,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/alpha_beta.h"
@@ -179,6 +180,18 @@ bool has_pieces(const std::string& dir, const std::string& stem);
 std::map<std::string, Tensor> read_pieces(const std::string& dir, const std::string& stem,
                                           const CheckpointReadOptions& options = {});
 
+// index.json of a checkpoint of pieces: for the model and the optimizer
+// state, every logical tensor's dtype, shape and pieces (file, key, byte
+// offsets in the file, local shape, boxes, element range), and every
+// file's size; written when the checkpoint is committed, from the files'
+// headers. For tools that read single tensors without joining the rest.
+std::string checkpoint_index_file(const std::string& dir);
+// Writes it (nothing for a checkpoint of the earlier formats).
+void write_checkpoint_index(const std::string& dir);
+// Error naming the index and the first tensor or file it gets wrong, when
+// it does not describe the files in dir (nothing when there is no index).
+void verify_checkpoint_index(const std::string& dir);
+
 // One rank's part of a checkpoint.
 struct CheckpointPart {
   std::vector<TensorPiece> model;      // pieces of the model's parameters and buffers
@@ -209,6 +222,10 @@ std::map<std::string, Tensor> read_stream_state(const std::string& dir, int rank
 class CheckpointDir {
  public:
   CheckpointDir(std::string root, int64_t keep_last);
+  // Waits for the deletion of pruned checkpoints.
+  ~CheckpointDir();
+  CheckpointDir(const CheckpointDir&) = delete;
+  CheckpointDir& operator=(const CheckpointDir&) = delete;
 
   // Creates an empty step_N.tmp directory (removing a stale one) and returns its path.
   std::string begin(int64_t step) const;
@@ -217,20 +234,25 @@ class CheckpointDir {
 
   // The newest complete checkpoint: `latest` if it is valid, else the highest
   // step_N holding a trainer_state.json. Empty when there is none.
-  std::optional<std::string> latest_complete() const;
+  std::optional<std::string> latest_complete() const { return latest_in(root_); }
   // Complete checkpoints, oldest first.
-  std::vector<std::string> complete() const;
+  std::vector<std::string> complete() const { return complete_in(root_); }
+  // The same of any checkpoints folder, read only; and the complete
+  // checkpoint a pointer file (latest, best) in it names.
+  static std::optional<std::string> latest_in(const std::string& root);
+  static std::vector<std::string> complete_in(const std::string& root);
+  static std::optional<std::string> pointer_in(const std::string& root, const std::string& pointer);
 
   static std::string step_name(int64_t step);
   static bool is_complete(const std::string& dir);
   const std::string& root() const { return root_; }
 
  private:
-  void prune() const;
-  std::optional<std::string> read_pointer(const std::string& name) const;
+  void prune();
 
   std::string root_;
   int64_t keep_last_;
+  std::thread pruner_;  // deleting the checkpoints the last commit pruned
 };
 
 // fsyncs every regular file in dir, then dir itself.

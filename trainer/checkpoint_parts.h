@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "trainer/checkpoint.h"
 
 namespace trainer {
 
@@ -37,5 +38,17 @@ auto checked_fs(const std::string& root, F f) -> decltype(f()) {
 // or copied in) would be joined into the state or silently ignored, and a
 // missing one leaves a hole; either is an Error naming the file.
 std::map<int, std::string> shard_files(const std::string& dir);
+
+// The <stem>-rank<r>.safetensors files of dir, by rank.
+std::map<int, std::string> pieces_files(const std::string& dir, const std::string& stem);
+// Error naming path unless its metadata marks a file of pieces.
+void require_pieces_file(const std::map<std::string, std::string>& metadata,
+                         const std::string& path);
+// The piece that tensor `key` (of `shape`) of a file of pieces holds, from
+// the file's metadata (a whole tensor when it has no description); its
+// values are left undefined.
+TensorPiece piece_in_header(const std::string& key, const Shape& shape,
+                            const std::map<std::string, std::string>& metadata,
+                            const std::string& path);
 
 }  // namespace trainer

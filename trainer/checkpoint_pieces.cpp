@@ -278,6 +278,8 @@ int pieces_file_rank(const std::string& name, const std::string& stem) {
   return ec == std::errc() && end == first + 5 ? rank : -1;
 }
 
+}  // namespace
+
 std::map<int, std::string> pieces_files(const std::string& dir, const std::string& stem) {
   std::map<int, std::string> files;
   checked_fs(dir, [&] {
@@ -288,8 +290,6 @@ std::map<int, std::string> pieces_files(const std::string& dir, const std::strin
   });
   return files;
 }
-
-}  // namespace
 
 std::string pieces_file(const std::string& dir, const std::string& stem, int rank) {
   char name[32];
@@ -307,6 +307,34 @@ TensorPiece piece_of(const std::string& name, const Tensor& local,
   p.values = local;
   for (parallel::Dim d : parallel::kAllDims)
     if (placement[d].kind == parallel::Placement::Kind::shard) p.dim = placement[d].dim;
+  return p;
+}
+
+void require_pieces_file(const std::map<std::string, std::string>& metadata,
+                         const std::string& path) {
+  auto version = metadata.find(kPiecesKey);
+  if (version == metadata.end() || version->second != kPiecesVersion)
+    throw Error(cat(path, ": metadata '", kPiecesKey, "' is not ", kPiecesVersion,
+                    ": not a file of this trainer's checkpoints; use an earlier checkpoint"));
+}
+
+TensorPiece piece_in_header(const std::string& key, const Shape& shape,
+                            const std::map<std::string, std::string>& metadata,
+                            const std::string& path) {
+  auto described = metadata.find(key);
+  TensorPiece p;
+  if (described == metadata.end() && key.find('#') != std::string::npos)
+    throw Error(cat(path, ": tensor '", key,
+                    "' is a piece with no description in the "
+                    "metadata; the file is damaged: use an earlier checkpoint"));
+  if (described == metadata.end()) {
+    p.name = key;
+    p.global = shape;
+    p.boxes = {{Shape(shape.size(), 0), shape}};
+  } else {
+    p = DescriptionParser(described->second, path, key).parse();
+    p.name = key.substr(0, key.rfind('#'));
+  }
   return p;
 }
 
@@ -361,25 +389,9 @@ std::map<std::string, Tensor> read_pieces(const std::string& dir, const std::str
   for (const auto& [rank, path] : files) {
     SafetensorsFile f = read_safetensors(path);
     if (options.refuse_non_finite) require_finite(f.tensors, path);
-    auto version = f.metadata.find(kPiecesKey);
-    if (version == f.metadata.end() || version->second != kPiecesVersion)
-      throw Error(cat(path, ": metadata '", kPiecesKey, "' is not ", kPiecesVersion,
-                      ": not a file of this trainer's checkpoints; use an earlier checkpoint"));
+    require_pieces_file(f.metadata, path);
     for (auto& [key, tensor] : f.tensors) {
-      auto described = f.metadata.find(key);
-      TensorPiece p;
-      if (described == f.metadata.end() && key.find('#') != std::string::npos)
-        throw Error(cat(path, ": tensor '", key,
-                        "' is a piece with no description in the "
-                        "metadata; the file is damaged: use an earlier checkpoint"));
-      if (described == f.metadata.end()) {
-        p.name = key;
-        p.global = tensor.shape();
-        p.boxes = {{Shape(tensor.dim(), 0), tensor.shape()}};
-      } else {
-        p = DescriptionParser(described->second, path, key).parse();
-        p.name = key.substr(0, key.rfind('#'));
-      }
+      TensorPiece p = piece_in_header(key, tensor.shape(), f.metadata, path);
       p.values = tensor;
       by_name[p.name].push_back({std::move(p), path});
     }

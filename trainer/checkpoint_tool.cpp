@@ -34,20 +34,6 @@ std::string size_text(double bytes) {
   return buf;
 }
 
-// A pointer file's step directory beside it, when it names a complete one.
-std::optional<std::string> pointed_to(const fs::path& file) {
-  std::string name = read_file(file.string(), "the checkpoint pointer");
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  // A step directory's name (step_00001200), nothing else: the file may be
-  // anything a user points at.
-  if (name.size() > 32 || !name.starts_with("step_") ||
-      name.find_first_not_of("0123456789", 5) != std::string::npos)
-    return std::nullopt;
-  const fs::path dir = file.parent_path() / name;
-  if (!CheckpointDir::is_complete(dir.string())) return std::nullopt;
-  return dir.string();
-}
-
 // The name of the first non-finite tensor of `tensors`, or "".
 std::string non_finite_tensor(const std::map<std::string, Tensor>& tensors) {
   for (const auto& [name, t] : tensors)
@@ -58,12 +44,10 @@ std::string non_finite_tensor(const std::map<std::string, Tensor>& tensors) {
 // Per logical tensor, how many pieces the files of `stem` hold.
 std::map<std::string, int> piece_counts(const std::string& dir, const std::string& stem) {
   std::map<std::string, int> counts;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (!name.starts_with(stem + "-rank")) continue;
-    for (const auto& [key, t] : read_safetensors(e.path().string()).tensors)
-      ++counts[key.substr(0, key.rfind('#') == std::string::npos ? key.size() : key.rfind('#'))];
-  }
+  for (const auto& [rank, path] : pieces_files(dir, stem))
+    for (const SafetensorsEntry& e : read_safetensors_header(path).entries)
+      ++counts[e.name.substr(
+          0, e.name.rfind('#') == std::string::npos ? e.name.size() : e.name.rfind('#'))];
   return counts;
 }
 
@@ -89,7 +73,9 @@ std::string find_checkpoint(const std::string& given, const std::string& option)
   const fs::path path(given);
   const fs::file_status status = status_of(path);
   if (fs::is_regular_file(status)) {
-    if (std::optional<std::string> dir = pointed_to(path)) return *dir;
+    // A pointer file: the step directory it names beside it.
+    const std::string root = path.has_parent_path() ? path.parent_path().string() : ".";
+    if (auto dir = CheckpointDir::pointer_in(root, path.filename().string())) return *dir;
     throw Error(cat(option, " ", given,
                     ": a file that names no complete checkpoint beside it; "
                     "give a checkpoint directory, a pointer file (latest, best), a run's output "
@@ -98,20 +84,12 @@ std::string find_checkpoint(const std::string& given, const std::string& option)
   if (!fs::is_directory(status))
     throw Error(cat(option, " ", given, ": not a complete checkpoint: no such file or directory"));
   if (CheckpointDir::is_complete(given)) return given;
-  std::string dir = given;
-  if (fs::is_directory(status_of(path / "checkpoints"))) dir = (path / "checkpoints").string();
-  if (fs::is_regular_file(status_of(fs::path(dir) / "latest")))
-    if (std::optional<std::string> latest = pointed_to(fs::path(dir) / "latest")) return *latest;
-  std::optional<std::string> newest;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().filename().string().starts_with("step_") &&
-        CheckpointDir::is_complete(e.path().string()) && (!newest || e.path().string() > *newest))
-      newest = e.path().string();
-  if (!newest)
-    throw Error(cat(option, " ", given,
-                    ": not a complete checkpoint (no trainer_state.json), nor a checkpoints/ "
-                    "folder or run directory holding one"));
-  return *newest;
+  const fs::path folder =
+      fs::is_directory(status_of(path / "checkpoints")) ? path / "checkpoints" : path;
+  if (auto latest = CheckpointDir::latest_in(folder.string())) return *latest;
+  throw Error(cat(option, " ", given,
+                  ": not a complete checkpoint (no trainer_state.json), nor a checkpoints/ "
+                  "folder or run directory holding one"));
 }
 
 std::string checkpoint_info(const std::string& dir) {
@@ -142,11 +120,12 @@ std::string checkpoint_info(const std::string& dir) {
     out += cat("  optimizer: ", optim.size(), " tensors (", size_text(double(bytes)), ")\n");
     if (non_finite.empty()) non_finite = non_finite_tensor(optim);
   }
-  out += non_finite.empty()
-             ? "  verified: every file whole, every tensor's pieces cover it once, all values "
-               "finite\n"
-             : cat("  verified: every file whole, every tensor's pieces cover it once; tensor '",
-                   non_finite, "' holds a NaN or Inf\n");
+  verify_checkpoint_index(dir);
+  const std::string checked =
+      cat("  verified: every file whole, every tensor's pieces cover it once",
+          fs::exists(checkpoint_index_file(dir)) ? ", the index matches the files" : "");
+  out += non_finite.empty() ? cat(checked, ", all values finite\n")
+                            : cat(checked, "; tensor '", non_finite, "' holds a NaN or Inf\n");
   return out;
 }
 

@@ -28,13 +28,25 @@ int64_t part_bytes(const CheckpointPart& part) {
 }
 
 // A copy of every tensor of the part in host memory, which training no
-// longer touches.
-void stage(CheckpointPart& part) {
-  auto copy = [](const Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(Device{}); };
-  for (TensorPiece& p : part.model) p.values = copy(p.values);
-  for (TensorPiece& p : part.optimizer) p.values = copy(p.values);
+// longer touches: into the buffers of the previous checkpoint where they
+// fit (the part's tensors come in the same order each time), so a run
+// allocates its staging memory once.
+void stage(CheckpointPart& part, std::vector<Tensor>& buffers) {
+  size_t next = 0;
+  auto copy = [&](Tensor& t) {
+    if (next == buffers.size()) buffers.emplace_back();
+    Tensor& buffer = buffers[next++];
+    const bool fits =
+        buffer.defined() && buffer.shape() == t.shape() && buffer.dtype() == t.dtype();
+    if (!fits) buffer = empty(t.shape(), t.dtype());
+    buffer.copy_(t);
+    t = buffer;
+  };
+  for (TensorPiece& p : part.model) copy(p.values);
+  for (TensorPiece& p : part.optimizer) copy(p.values);
   if (part.stream_state)
-    for (NamedTensor& t : *part.stream_state) t.tensor = copy(t.tensor);
+    for (NamedTensor& t : *part.stream_state) copy(t.tensor);
+  buffers.resize(next);
 }
 
 // TRAINER_FAULT_CHECKPOINT_DELAY_MS: a pause in the middle of each
@@ -61,6 +73,7 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
   step_ = step;
   best_ = best;
   staged_bytes_ = 0;
+  commit_ = 0;
   fallback_.clear();
   const int rank = run.dist().rank();
   // The ranks agree on writing in the background: the cap is per rank.
@@ -82,7 +95,7 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     blocked_ = seconds_since(t0);
     return committed;
   }
-  stage(part);
+  stage(part, staging_);
   staged_bytes_ = part_bytes(part);
   done_ = false;
   error_ = nullptr;
@@ -129,7 +142,10 @@ std::optional<std::string> CheckpointWriter::finish(const DistributedRun& run) {
 
 std::optional<std::string> CheckpointWriter::commit(const DistributedRun&) {
   if (!main_) return std::nullopt;
-  return dir_.commit(step_, best_);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string committed = dir_.commit(step_, best_);
+  commit_ = seconds_since(t0);
+  return committed;
 }
 
 }  // namespace trainer

@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "trainer/checkpoint.h"
 
@@ -59,6 +60,9 @@ class CheckpointWriter {
   // whole write and commit (sync), in seconds; and the bytes of this rank's
   // part (staged, or written).
   double blocked_seconds() const { return blocked_; }
+  // What committing the last background write cost the step that did it
+  // (the main rank's: the index, the rename, the pointers).
+  double commit_seconds() const { return commit_; }
   int64_t staged_bytes() const { return staged_bytes_; }
   // Why the last start() wrote synchronously although async was asked ("" if it did not).
   const std::string& fallback() const { return fallback_; }
@@ -75,9 +79,12 @@ class CheckpointWriter {
   std::exception_ptr error_;
   int64_t step_ = 0;
   bool best_ = false;
-  double blocked_ = 0;
+  double blocked_ = 0, commit_ = 0;
   int64_t staged_bytes_ = 0;
   std::string fallback_;
+  // The staged copy, reused by the next checkpoint (free once the write
+  // that used it is joined).
+  std::vector<Tensor> staging_;
 };
 
 }  // namespace trainer

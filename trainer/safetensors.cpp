@@ -136,10 +136,15 @@ void write_file_atomic(const std::string& path, const std::vector<std::string_vi
   std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) throw Error(cat("cannot create ", tmp, ": ", std::strerror(errno)));
+  // The disk starts writing each chunk while the next is copied into the
+  // page cache (sync_file_range), so the fsync below waits for the last
+  // chunk only, not for the whole file.
+  constexpr size_t kChunk = size_t(32) << 20;
+  uint64_t written = 0, flushed = 0;
   for (std::string_view bytes : pieces) {
     size_t done = 0;
     while (done < bytes.size()) {
-      ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      ssize_t n = ::write(fd, bytes.data() + done, std::min(bytes.size() - done, kChunk));
       if (n < 0) {
         if (errno == EINTR) continue;
         int e = errno;
@@ -148,6 +153,13 @@ void write_file_atomic(const std::string& path, const std::vector<std::string_vi
         throw Error(cat("cannot write ", tmp, ": ", std::strerror(e)));
       }
       done += size_t(n);
+      written += uint64_t(n);
+#ifdef __linux__
+      if (written - flushed >= kChunk) {
+        ::sync_file_range(fd, off_t(flushed), off_t(written - flushed), SYNC_FILE_RANGE_WRITE);
+        flushed = written;
+      }
+#endif
     }
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
@@ -199,19 +211,11 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
 
 namespace {
 
-// A tensor's place in the data section, as its header entry gives it.
-struct Span {
-  uint64_t begin, end;
-  std::string name;
-  DType dtype;
-  Shape shape;
-};
-
 // The header entry `v` of tensor `key`, checked: a known dtype, a plausible
 // shape, and data_offsets within the data_size bytes of data that hold
-// exactly the shape's bytes.
-Span parse_span(const std::string& name, const std::string& key, const json& v,
-                uint64_t data_size) {
+// exactly the shape's bytes. Offsets relative to the data start.
+SafetensorsEntry parse_span(const std::string& name, const std::string& key, const json& v,
+                            uint64_t data_size) {
   auto entry = [&](const std::string& what) { return cat("tensor '", key, "': ", what); };
   if (!v.is_object()) bad(name, entry("entry is not an object"));
   if (!v.contains("dtype") || !v["dtype"].is_string()) bad(name, entry("missing dtype"));
@@ -239,31 +243,37 @@ Span parse_span(const std::string& name, const std::string& key, const json& v,
   if (e - b != numel * dtype_size(dtype))
     bad(name, entry(cat("data_offsets cover ", e - b, " bytes but shape ", shape_str(shape), " of ",
                         dtype_name(dtype), " needs ", numel * dtype_size(dtype))));
-  return {b, e, key, dtype, shape};
+  return {key, dtype, shape, b, e};
 }
 
-}  // namespace
-
-SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {
-  if (bytes.size() < 8)
-    bad(name, cat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
+// The header length the first 8 bytes give, checked against the file size.
+uint64_t header_length(std::string_view first8, uint64_t file_size, const std::string& name) {
+  if (file_size < 8)
+    bad(name, cat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(bytes[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(first8[size_t(i)])) << (8 * i);
   if (n > kSafetensorsMaxHeader) bad(name, cat("header length ", n, " exceeds the limit"));
-  if (n > bytes.size() - 8)
-    bad(name, cat("header length ", n, " exceeds the ", bytes.size() - 8, " bytes that follow"));
+  if (n > file_size - 8)
+    bad(name, cat("header length ", n, " exceeds the ", file_size - 8, " bytes that follow"));
+  return n;
+}
+
+// The header `prefix` (the 8-byte length and the JSON) of a file of
+// file_size bytes, every entry checked and the data covered exactly (no
+// overlaps, no gaps, nothing trailing); entries in file order, offsets
+// absolute in the file.
+SafetensorsHeader parse_header(std::string_view prefix, uint64_t file_size,
+                               const std::string& name) {
+  const uint64_t n = header_length(prefix, file_size, name);
   // The format's header begins with '{' and may be padded with spaces after
   // the object (the reference writer pads to 8 bytes).
-  const std::string_view text(bytes.data() + 8, n);
+  const std::string_view text(prefix.data() + 8, n);
   if (text.empty() || text[0] != '{')
     bad(name, "header is not a JSON object (it must begin with '{')");
   json header = parse_strict_json(
       text, [&](const std::string& problem) { bad(name, cat("header: ", problem)); });
-
-  const uint64_t data_start = 8 + n;
-  const uint64_t data_size = bytes.size() - data_start;
-  SafetensorsFile file;
-  std::vector<Span> spans;
+  const uint64_t data_start = 8 + n, data_size = file_size - data_start;
+  SafetensorsHeader out;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& key = it.key();
     const json& v = it.value();
@@ -272,18 +282,18 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string())
           bad(name, cat("__metadata__ value '", m.key(), "' is not a string"));
-        file.metadata[m.key()] = m.value().get<std::string>();
+        out.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    spans.push_back(parse_span(name, key, v, data_size));
+    out.entries.push_back(parse_span(name, key, v, data_size));
   }
-  // The data must be covered exactly: no overlaps, no gaps, nothing trailing.
-  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
+  std::vector<SafetensorsEntry>& spans = out.entries;
+  std::sort(spans.begin(), spans.end(), [](const SafetensorsEntry& x, const SafetensorsEntry& y) {
     return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
   });
   uint64_t pos = 0;
-  for (const Span& s : spans) {
+  for (const SafetensorsEntry& s : spans) {
     if (s.begin != pos)
       bad(name, cat("tensor '", s.name, "' starts at ", s.begin, " but the previous data ends at ",
                     pos, " (overlap or gap)"));
@@ -291,13 +301,38 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& n
   }
   if (pos != data_size)
     bad(name, cat("data section is ", data_size, " bytes but tensors cover ", pos));
+  for (SafetensorsEntry& s : spans) {
+    s.begin += data_start;
+    s.end += data_start;
+  }
+  return out;
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {
+  const uint64_t n = header_length(bytes, bytes.size(), name);
+  SafetensorsHeader header =
+      parse_header(std::string_view(bytes).substr(0, 8 + n), bytes.size(), name);
   // Only now, with every span checked, copy the tensors out.
-  for (const Span& s : spans) {
+  SafetensorsFile file;
+  file.metadata = std::move(header.metadata);
+  for (const SafetensorsEntry& s : header.entries) {
     Tensor t = empty(s.shape, s.dtype);
-    std::memcpy(t.data_ptr(), bytes.data() + data_start + s.begin, s.end - s.begin);
+    std::memcpy(t.data_ptr(), bytes.data() + s.begin, s.end - s.begin);
     file.tensors.emplace(s.name, std::move(t));
   }
   return file;
+}
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  data::RegularFile file(path, "the safetensors file");
+  std::string prefix(std::min<uint64_t>(8, file.size()), '\0');
+  file.read_exactly(prefix.data(), prefix.size());
+  const uint64_t n = header_length(prefix, file.size(), path);
+  prefix.resize(8 + n);
+  file.read_exactly(prefix.data() + 8, n);
+  return parse_header(prefix, file.size(), path);
 }
 
 nlohmann::json parse_strict_json(std::string_view text,

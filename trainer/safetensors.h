@@ -40,6 +40,21 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
                        const std::map<std::string, std::string>& metadata = {});
 
 SafetensorsFile read_safetensors(const std::string& path);
+
+// One tensor of a file as its header gives it, checked: the bytes
+// [begin, end) of the file hold it.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;  // in file order
+  std::map<std::string, std::string> metadata;
+};
+// Reads and checks a file's header only (its data is not read).
+SafetensorsHeader read_safetensors_header(const std::string& path);
 // Parses an in-memory image of a file; `name` is used in error messages.
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name);
 

@@ -100,10 +100,15 @@ void Session::place_tensors() {
     if (plan_) p = p.with(parallel::Dim::pp, parallel::Placement::owned(stage_));
     parallel_plan_.place(t.name, std::move(p));
   }
-  // The data-parallel replicas share the writing of what they all hold.
+  // The data-parallel replicas share the writing of what they all hold;
+  // not under parameter servers, whose workers' copies may differ (asp,
+  // ssp) and whose optimizer state only the first worker fetches.
   std::map<std::string, int64_t> bytes;
   for (const NamedTensor& t : held_state()) bytes[t.name] = int64_t(t.tensor.nbytes());
-  parallel_plan_.spread_writers(bytes);
+  if (remote_optimizer_)
+    parallel_plan_.replica_writer.clear();
+  else
+    parallel_plan_.spread_writers(bytes);
 }
 
 void Session::rekey_dropout(int64_t micro) {
@@ -232,6 +237,7 @@ void Session::set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zer
 
 void Session::set_remote_optimizer(std::shared_ptr<optim::Optimizer> optimizer) {
   optimizer_ = std::move(optimizer);
+  remote_optimizer_ = true;
 }
 
 EvalMetrics Session::evaluate() {

@@ -220,6 +220,7 @@ class Session {
   // Built by optimizer() on first use, or handed over (sharded, remote).
   mutable std::shared_ptr<optim::Optimizer> optimizer_;
   std::shared_ptr<parallel::ZeroOptimizer> zero_;  // the sharded one, when it is
+  bool remote_optimizer_ = false;                  // on parameter servers
   std::string resharded_;
   std::optional<optim::LrSchedule> schedule_;
   int64_t micro_batch_ = 0;

@@ -249,7 +249,10 @@ class TrainLoop {
   void poll_checkpoint() { announce(writer_.poll(run_)); }
   void finish_checkpoint() { announce(writer_.finish(run_)); }
   void announce(const std::optional<std::string>& dir) {
-    if (dir) say(cat("checkpoint: ", *dir, " (written in the background; ", waited("copy"), ")"));
+    if (!dir) return;
+    char commit[48];
+    std::snprintf(commit, sizeof commit, " and %.0f ms to commit", writer_.commit_seconds() * 1e3);
+    say(cat("checkpoint: ", *dir, " (written in the background; ", waited("copy"), commit, ")"));
   }
   // "the step waited 12 ms to copy 35.2 MiB" (rank 0's part).
   std::string waited(const char* what) const {
