@@ -612,7 +612,6 @@ std::vector<std::string> small_gpt_args(const fs::path& out, std::vector<std::st
                              "training.threads=1",
                              "training.log_every=1",
                              "training.eval_every=0",
-                             "training.global_batch=4",
                              "model.n_layer=2",
                              "model.n_head=4",
                              "model.d_model=64",
@@ -627,22 +626,36 @@ std::vector<std::string> small_gpt_args(const fs::path& out, std::vector<std::st
 }  // namespace
 
 TEST_CASE(
-    "checkpoints: under tp 2 and pp 2 a random rank killed at a random point of an asynchronous "
-    "write resumes bit for bit",
+    "checkpoints: under tp 2, pp 2 and dp 2 x tp 2 with ZeRO-1 a random rank killed at a random "
+    "point of an asynchronous write resumes bit for bit",
     "[parallel][mp][checkpoint]") {
-  for (const std::string layout : {"parallel.tp=2", "parallel.pp=2"}) {
+  struct Layout {
+    std::string name;
+    int ranks;
+    std::vector<std::string> args;
+  };
+  for (const Layout& layout :
+       {Layout{"tp", 2, {"parallel.tp=2"}}, Layout{"pp", 2, {"parallel.pp=2"}},
+        Layout{"dp_tp", 4, {"parallel.tp=2", "parallel.zero1=true"}}}) {
     const uint32_t seed = std::random_device()();
     std::mt19937 random(seed);
-    const int victim = int(random() % 2);
+    const int victim = int(random() % uint32_t(layout.ranks));
     const int after_ms = int(random() % 2000);
-    INFO(layout << ": seed " << seed << ", rank " << victim << " killed " << after_ms
-                << " ms into step 4's write");
-    const std::string name = layout.substr(layout.find('.') + 1, 2);
-    const fs::path straight = fresh("async_" + name + "_straight"),
-                   killed = fresh("async_" + name + "_killed");
-    const std::vector<std::string> extra = {"training.steps=8", "training.checkpoint_every=2",
-                                            layout};
-    Outcome a = finish(start(launched(small_gpt_args(straight, extra))), 180);
+    INFO(layout.name << ": seed " << seed << ", rank " << victim << " killed " << after_ms
+                     << " ms into step 4's write");
+    const fs::path straight = fresh("async_" + layout.name + "_straight"),
+                   killed = fresh("async_" + layout.name + "_killed");
+    std::vector<std::string> extra = {"training.steps=8", "training.checkpoint_every=2",
+                                      cat("training.global_batch=", 2 * layout.ranks)};
+    extra.insert(extra.end(), layout.args.begin(), layout.args.end());
+    auto launched = [&](const std::vector<std::string>& trainer, const std::string& grace) {
+      std::vector<std::string> argv{
+          TRAINER_BINARY, "launch", "--nproc-per-node", cat(layout.ranks), "--grace-seconds",
+          grace,          "--"};
+      argv.insert(argv.end(), trainer.begin(), trainer.end());
+      return argv;
+    };
+    Outcome a = finish(start(launched(small_gpt_args(straight, extra), "10")), 180);
     INFO(a.output);
     REQUIRE(a.code == 0);
     // Each write pauses 3 s after the model's pieces: once step 2's is
@@ -661,7 +674,7 @@ TEST_CASE(
     CHECK(fs::path(*latest).filename() == "step_00000002");
     std::vector<std::string> resume = small_gpt_args(killed, extra);
     resume.insert(resume.end(), {"--resume", "auto"});
-    Outcome b = finish(start(launched(resume)), 180);
+    Outcome b = finish(start(launched(resume, "10")), 180);
     INFO(b.output);
     REQUIRE(b.code == 0);
     CHECK(b.output.find("resumed from") != std::string::npos);
@@ -687,4 +700,85 @@ TEST_CASE("checkpoints: a state over training.async_checkpoint_mb is written syn
   CHECK(o.output.find("checkpoint: a rank's state is over training.async_checkpoint_mb (1 MiB; "
                       "this rank's: ") != std::string::npos);
   CHECK(CheckpointDir::is_complete(checkpoint_file(out, 2, "").string()));
+}
+
+namespace {
+
+// a and b within tolerance (of each tensor's largest magnitude, at least
+// 1), a vocabulary padded for tensor parallelism cut to the other's rows.
+void check_close_models(const std::map<std::string, Tensor>& a,
+                        const std::map<std::string, Tensor>& b, double tolerance) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, t] : a) {
+    INFO(name);
+    REQUIRE(b.count(name) == 1);
+    Tensor x = t, y = b.at(name);
+    if (x.dim() > 0 && y.dim() > 0 && x.size(0) != y.size(0)) {
+      const int64_t rows = std::min(x.size(0), y.size(0));
+      x = x.narrow(0, 0, rows).contiguous(), y = y.narrow(0, 0, rows).contiguous();
+    }
+    REQUIRE(x.shape() == y.shape());
+    if (x.dtype() != DType::f32) continue;
+    double worst = 0, scale = 1;
+    const std::vector<float> u = x.to_vector<float>(), v = y.to_vector<float>();
+    for (size_t i = 0; i < u.size(); ++i) {
+      worst = std::max(worst, double(std::fabs(u[i] - v[i])));
+      scale = std::max(scale, double(std::fabs(u[i])));
+    }
+    CHECK(worst <= tolerance * scale);
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "checkpoints: a GPT checkpoint of each layout (one process, dp 2 with ZeRO-1, tp 2, pp 2) "
+    "resumes under every other, the same model within float tolerance",
+    "[parallel][mp][checkpoint]") {
+  struct Layout {
+    std::string name;
+    int ranks;
+    std::vector<std::string> args;
+  };
+  const std::vector<Layout> layouts = {{"single", 1, {}},
+                                       {"dp2_zero1", 2, {"parallel.zero1=true"}},
+                                       {"tp2", 2, {"parallel.tp=2"}},
+                                       {"pp2", 2, {"parallel.pp=2"}}};
+  // SGD with momentum: state to reshard, and no Adam normalisation to
+  // magnify the layouts' rounding differences.
+  const std::vector<std::string> common = {
+      "optimizer.name=sgd",          "optimizer.lr=0.1",
+      "optimizer.momentum=0.9",      "model.dropout=0",
+      "training.checkpoint_every=2", "training.global_batch=4"};
+  auto run = [&](const Layout& l, const fs::path& out, int64_t steps, bool resume) {
+    std::vector<std::string> extra = common;
+    extra.push_back(cat("training.steps=", steps));
+    extra.insert(extra.end(), l.args.begin(), l.args.end());
+    std::vector<std::string> args = small_gpt_args(out, extra);
+    if (resume) args.insert(args.end(), {"--resume", "auto"});
+    Outcome o = finish(start(l.ranks == 1 ? single(args) : launched(args)), 180);
+    INFO(l.name << ": " << o.output);
+    REQUIRE(o.code == 0);
+    if (resume) CHECK(o.output.find("resumed from") != std::string::npos);
+  };
+  std::map<std::string, std::map<std::string, Tensor>> written;
+  for (const Layout& from : layouts) {
+    const fs::path source = fresh("reshard_" + from.name);
+    run(from, source, 2, false);
+    written[from.name] = model_at(source, 2);
+    INFO("written under " << from.name);
+    check_close_models(written["single"], written[from.name], 1e-5);
+    std::map<std::string, Tensor> continued;  // under the first target
+    for (const Layout& to : layouts) {
+      INFO("resumed under " << to.name);
+      const fs::path target = fresh("reshard_" + from.name + "_to_" + to.name);
+      fs::create_directories(target / "checkpoints");
+      fs::copy(source / "checkpoints" / CheckpointDir::step_name(2),
+               target / "checkpoints" / CheckpointDir::step_name(2), fs::copy_options::recursive);
+      run(to, target, 4, true);
+      const std::map<std::string, Tensor> model = model_at(target, 4);
+      if (continued.empty()) continued = model;
+      check_close_models(continued, model, 1e-5);
+    }
+  }
 }

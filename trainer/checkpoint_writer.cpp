@@ -64,11 +64,13 @@ CheckpointWriter::CheckpointWriter(CheckpointDir& dir, CheckpointWriterOptions o
 
 CheckpointWriter::~CheckpointWriter() {
   if (thread_.joinable()) thread_.join();
+  if (committer_.joinable()) committer_.join();
 }
 
 std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64_t step, bool best,
                                                    CheckpointPart part, const DistributedRun& run) {
-  CHECK(!thread_.joinable()) << "a checkpoint started while another is being written";
+  CHECK(!thread_.joinable() && !committer_.joinable())
+      << "a checkpoint started while another is being written";
   const auto t0 = std::chrono::steady_clock::now();
   step_ = step;
   best_ = best;
@@ -126,14 +128,41 @@ void CheckpointWriter::join() {
 }
 
 std::optional<std::string> CheckpointWriter::poll(const DistributedRun& run) {
+  // The main rank's commit, in the background since the last poll.
+  if (committer_.joinable()) return committed_.load() ? join_commit() : std::nullopt;
   if (!thread_.joinable()) return std::nullopt;
   // Every rank holds a write in flight here (they started it at the same step).
   if (run.any_rank(!done_.load())) return std::nullopt;
   join();
-  return commit(run);
+  if (!main_) return std::nullopt;
+  // Committing (the index, fsyncs, the rename, `latest`, pruning) is the
+  // main rank's alone and needs no other: it goes on in the background too.
+  committed_ = false;
+  commit_ = 0;
+  committer_ = std::thread([this] {
+    try {
+      committed_dir_ = dir_.commit(step_, best_);
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    committed_ = true;
+  });
+  return std::nullopt;
+}
+
+std::optional<std::string> CheckpointWriter::join_commit() {
+  committer_.join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  return std::exchange(committed_dir_, std::nullopt);
 }
 
 std::optional<std::string> CheckpointWriter::finish(const DistributedRun& run) {
+  if (committer_.joinable()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::optional<std::string> dir = join_commit();
+    commit_ = seconds_since(t0);
+    return dir;
+  }
   if (!thread_.joinable()) return std::nullopt;
   join();
   run.barrier();

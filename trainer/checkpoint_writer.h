@@ -8,7 +8,8 @@
 // allreduce per step while a write is in flight). A second checkpoint waits
 // for the one in flight (never two), and so do the end of training and a
 // stop signal. A SIGKILL at any moment leaves `latest` at the last committed
-// checkpoint. When the staged copy would exceed the cap, or without
+// checkpoint. The main rank commits in the background as well, so a step
+// waits only for the copy. When the staged copy would exceed the cap, or without
 // async_checkpoint, the step writes synchronously.
 //
 //   CheckpointWriter writer(dir, {.async = true, .max_staging_bytes = 1 << 30}, main_rank);
@@ -55,13 +56,15 @@ class CheckpointWriter {
   std::optional<std::string> poll(const DistributedRun& run);
   // Waits for the write in flight and commits it (collective).
   std::optional<std::string> finish(const DistributedRun& run);
-  bool pending() const { return thread_.joinable(); }
+  bool pending() const { return thread_.joinable() || committer_.joinable(); }
   // What the last start() cost the step: the staging copy (async) or the
   // whole write and commit (sync), in seconds; and the bytes of this rank's
   // part (staged, or written).
   double blocked_seconds() const { return blocked_; }
-  // What committing the last background write cost the step that did it
-  // (the main rank's: the index, the rename, the pointers).
+  // What committing the last background write held the step that waited
+  // for it (the main rank's: 0 when it was committed in the background
+  // between two steps, the commit's time when finish() or the next
+  // checkpoint had to wait for it or make it).
   double commit_seconds() const { return commit_; }
   int64_t staged_bytes() const { return staged_bytes_; }
   // Why the last start() wrote synchronously although async was asked ("" if it did not).
@@ -70,6 +73,7 @@ class CheckpointWriter {
  private:
   std::optional<std::string> commit(const DistributedRun& run);
   void join();
+  std::optional<std::string> join_commit();
 
   CheckpointDir& dir_;
   CheckpointWriterOptions options_;
@@ -77,6 +81,10 @@ class CheckpointWriter {
   std::thread thread_;
   std::atomic<bool> done_{false};
   std::exception_ptr error_;
+  // The main rank's commit of a finished write, in the background.
+  std::thread committer_;
+  std::atomic<bool> committed_{false};
+  std::optional<std::string> committed_dir_;
   int64_t step_ = 0;
   bool best_ = false;
   double blocked_ = 0, commit_ = 0;

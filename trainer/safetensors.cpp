@@ -28,12 +28,6 @@ constexpr DTypeName kDTypeNames[] = {
     {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::u8, "U8"},     {DType::boolean, "BOOL"},
 };
 
-const char* safetensors_dtype(DType t) {
-  for (const DTypeName& d : kDTypeNames)
-    if (d.dtype == t) return d.name;
-  return "?";
-}
-
 bool parse_dtype(const std::string& s, DType* out) {
   for (const DTypeName& d : kDTypeNames)
     if (s == d.name) {
@@ -309,6 +303,12 @@ SafetensorsHeader parse_header(std::string_view prefix, uint64_t file_size,
 }
 
 }  // namespace
+
+const char* safetensors_dtype(DType t) {
+  for (const DTypeName& d : kDTypeNames)
+    if (d.dtype == t) return d.name;
+  return "?";
+}
 
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& name) {
   const uint64_t n = header_length(bytes, bytes.size(), name);

@@ -53,6 +53,8 @@ struct SafetensorsHeader {
   std::vector<SafetensorsEntry> entries;  // in file order
   std::map<std::string, std::string> metadata;
 };
+// The format's name of a dtype ("F32", "BF16").
+const char* safetensors_dtype(DType t);
 // Reads and checks a file's header only (its data is not read).
 SafetensorsHeader read_safetensors_header(const std::string& path);
 // Parses an in-memory image of a file; `name` is used in error messages.
