@@ -39,9 +39,7 @@ torch.distributed.checkpoint.
 """
 import argparse
 import os
-import queue
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -50,12 +48,12 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_ranks import spawn_ranks  # noqa: E402
 from bench_train_torch import GPT  # noqa: E402
 
 CONTEXT = 64  # bench_checkpoint's model.context and data.seq_len
@@ -180,45 +178,12 @@ def rank_main(rank, args, port, results):
         sys.exit(1)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(args):
     """Every rank's measure(), by rank; fails the run when a rank fails."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, results))
-             for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    got, error = {}, None
-    while len(got) < args.ranks and error is None:
-        try:
-            kind, rank, *payload = results.get(timeout=1)
-        except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:  # died without a word (a signal: the OOM killer?)
-                rank, code = dead[0]
-                error = (f"rank {rank} killed by signal {-code}" if code < 0
-                         else f"rank {rank} exited with {code}")
-            continue
-        if kind == "error":
-            error = f"rank {rank}: {payload[0]}"
-        else:
-            got[rank] = payload
-    if error is not None:
-        for proc in procs:  # the others may wait on the failed one in a collective
-            if proc.is_alive():
-                proc.terminate()
-    for proc in procs:
-        proc.join()
-    if error is not None:
-        fail(error)
-    return got
+    try:
+        return spawn_ranks(args.ranks, rank_main, args)
+    except RuntimeError as e:
+        fail(str(e))
 
 
 def report(args, times, sizes):

@@ -40,9 +40,7 @@ Not a project dependency: bench_tp calls it when torch is importable.
 import argparse
 import contextlib
 import os
-import queue
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -50,11 +48,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_ranks import spawn_ranks  # noqa: E402
 from bench_train_torch import GPT, Block  # noqa: E402
 
 # Processes and threads per process of each --layout.
@@ -267,47 +265,13 @@ def rank_main(rank, args, port, results):
         sys.exit(1)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(args):
     """Every rank's (ends, peak, losses, parameter counts), by rank; fails the run when a
     rank fails."""
-    world = WORLD[args.layout]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    got, error = {}, None
-    while len(got) < world and error is None:
-        try:
-            kind, rank, *payload = results.get(timeout=1)
-        except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:  # died without a word (a signal: the OOM killer?)
-                rank, code = dead[0]
-                error = (f"rank {rank} killed by signal {-code}" if code < 0
-                         else f"rank {rank} exited with {code}")
-            continue
-        if kind == "error":
-            error = f"rank {rank}: {payload[0]}"
-        else:
-            got[rank] = payload
-    if error is not None:
-        for proc in procs:  # the others may wait on the failed one in a collective
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join()
-        fail(error)
-    for proc in procs:
-        proc.join()
-    return got
+    try:
+        return spawn_ranks(WORLD[args.layout], rank_main, args)
+    except RuntimeError as e:
+        fail(str(e))
 
 
 def main():

@@ -71,7 +71,6 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
                                                    CheckpointPart part, const DistributedRun& run) {
   CHECK(!thread_.joinable() && !committer_.joinable())
       << "a checkpoint started while another is being written";
-  const auto t0 = std::chrono::steady_clock::now();
   step_ = step;
   best_ = best;
   staged_bytes_ = 0;
@@ -93,9 +92,7 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     staged_bytes_ = part_bytes(part);
     write_checkpoint_part(tmp, rank, part);
     run.barrier();
-    std::optional<std::string> committed = commit(run);
-    blocked_ = seconds_since(t0);
-    return committed;
+    return commit(run);
   }
   stage(part, staging_);
   staged_bytes_ = part_bytes(part);
@@ -118,7 +115,6 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     }
     done_ = true;
   });
-  blocked_ = seconds_since(t0);
   return std::nullopt;
 }
 

@@ -57,10 +57,7 @@ class CheckpointWriter {
   // Waits for the write in flight and commits it (collective).
   std::optional<std::string> finish(const DistributedRun& run);
   bool pending() const { return thread_.joinable() || committer_.joinable(); }
-  // What the last start() cost the step: the staging copy (async) or the
-  // whole write and commit (sync), in seconds; and the bytes of this rank's
-  // part (staged, or written).
-  double blocked_seconds() const { return blocked_; }
+  // The bytes of this rank's part in the last start() (staged, or written).
   // What committing the last background write held the step that waited
   // for it (the main rank's: 0 when it was committed in the background
   // between two steps, the commit's time when finish() or the next
@@ -87,7 +84,7 @@ class CheckpointWriter {
   std::optional<std::string> committed_dir_;
   int64_t step_ = 0;
   bool best_ = false;
-  double blocked_ = 0, commit_ = 0;
+  double commit_ = 0;
   int64_t staged_bytes_ = 0;
   std::string fallback_;
   // The staged copy, reused by the next checkpoint (free once the write

@@ -229,6 +229,8 @@ class TrainLoop {
   // its part. A checkpoint in flight is finished first: never two.
   void save() {
     finish_checkpoint();
+    // What the step waits from here: the directory, the part, the copy or the write.
+    const auto t0 = std::chrono::steady_clock::now();
     // The name CheckpointDir::begin gives the directory on rank 0.
     std::string tmp = ckpt_.root() + "/" + CheckpointDir::step_name(state_.step) + ".tmp";
     if (print_) {
@@ -240,6 +242,7 @@ class TrainLoop {
     if (print_) precision_.save(tmp);
     std::optional<std::string> dir =
         writer_.start(tmp, state_.step, pending_best_, s_.checkpoint_part(state_), run_);
+    save_seconds_ = seconds_since(t0);
     if (!writer_.fallback().empty()) say(cat("checkpoint: ", writer_.fallback()));
     if (dir) say(cat("checkpoint: ", *dir, " (", waited("write"), ")"));
     pending_best_ = false;
@@ -257,9 +260,8 @@ class TrainLoop {
   // "the step waited 12 ms to copy 35.2 MiB" (rank 0's part).
   std::string waited(const char* what) const {
     char text[96];
-    std::snprintf(text, sizeof text, "the step waited %.0f ms to %s %.1f MiB",
-                  writer_.blocked_seconds() * 1e3, what,
-                  double(writer_.staged_bytes()) / (1 << 20));
+    std::snprintf(text, sizeof text, "the step waited %.0f ms to %s %.1f MiB", save_seconds_ * 1e3,
+                  what, double(writer_.staged_bytes()) / (1 << 20));
     return text;
   }
 
@@ -302,7 +304,8 @@ class TrainLoop {
   int64_t nonfinite_in_a_row_ = 0;
   double last_loss_ = 0, last_lr_ = 0, last_grad_norm_ = 0;
   bool pending_best_ = false;
-  bool stop_ = false;  // the ranks agreed to checkpoint and exit
+  double save_seconds_ = 0;  // what the last checkpoint step waited (after the one in flight)
+  bool stop_ = false;        // the ranks agreed to checkpoint and exit
   EvalMetrics last_eval_;
 };
 

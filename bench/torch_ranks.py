@@ -1,0 +1,53 @@
+"""Ranks of the PyTorch side of the benchmarks as spawned processes (gloo on this host).
+
+    got = spawn_ranks(world, rank_main, args)   # {rank: payload}; RuntimeError on failure
+
+rank_main(rank, args, port, results) runs in each process: it joins the process group at
+127.0.0.1:port and puts ("ok", rank, *payload) or ("error", rank, reason) on results.
+Not a project dependency: only the *_torch.py benchmark scripts import it.
+"""
+import queue
+import socket
+
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(world, rank_main, args):
+    """Every rank's payload, by rank. A rank that reports an error or dies without a word
+    (a signal: the OOM killer?) stops the others and raises RuntimeError saying which."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args, port, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got, error = {}, None
+    while len(got) < world and error is None:
+        try:
+            kind, rank, *payload = results.get(timeout=1)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                rank, code = dead[0]
+                error = (f"rank {rank} killed by signal {-code}" if code < 0
+                         else f"rank {rank} exited with {code}")
+            continue
+        if kind == "error":
+            error = f"rank {rank}: {payload[0]}"
+        else:
+            got[rank] = payload
+    if error is not None:
+        for proc in procs:  # the others may wait on the failed one in a collective
+            if proc.is_alive():
+                proc.terminate()
+    for proc in procs:
+        proc.join()
+    if error is not None:
+        raise RuntimeError(error)
+    return got
