@@ -305,6 +305,29 @@ def tp_section(text):
                           "speedup", "bytes/step / analytic"], rows), runs
 
 
+# ---- bench_checkpoint: the step blocked by a checkpoint, sync and async, ours and DCP's
+def checkpoint_section(text):
+    rows, model = [], "?"
+    row = re.compile(rf"^(\d+)\s+\|\s+{NUM}\s+\|\s+{NUM}\s+{NUM}\s+\|\s+{NUM}%\s+\|"
+                     rf"\s+{NUM}\s+{NUM}\s+{NUM}\s+\|\s+(\S+)\s+(\S+)\s+(\S+)$")
+    for line in text.splitlines():
+        m = re.match(r"^(gpt|resnet50): (.*?),", line)
+        if m:
+            model = m.group(2)
+            continue
+        m = row.match(line)
+        if m:
+            ranks, mib, sync_ms, async_ms, pct, ours, plain, r, dcp_sync, dcp_async, dcp_r = m.groups()
+            rows.append([model, ranks, mib, sync_ms, async_ms, f"{pct}%", ours, plain, r,
+                         dcp_sync, dcp_async, dcp_r])
+    lines = ["The step blocked by a checkpoint (rank 0's, median over the run's checkpoints),",
+             "written synchronously and in the background, against PyTorch DCP's save and",
+             "async_save of the same state; write bandwidth against plain writes with fsync.", ""]
+    return lines + table(["model", "ranks", "MiB/rank", "sync ms", "async ms", "async/sync",
+                          "sync MiB/s", "plain MiB/s", "ratio", "DCP save ms",
+                          "DCP async_save ms", "ours/DCP async"], rows), rows
+
+
 SECTIONS = {
     "train": ("Training step vs PyTorch", train_section),
     "dp": ("Data-parallel scaling", dp_section),
@@ -313,6 +336,7 @@ SECTIONS = {
     "loader": ("Data pipeline", loader_section),
     "pipeline": ("Pipeline parallelism vs PyTorch", pipeline_section),
     "tp": ("Tensor parallelism vs PyTorch", tp_section),
+    "checkpoint": ("Checkpoints vs PyTorch DCP", checkpoint_section),
 }
 
 
