@@ -37,7 +37,6 @@ failure the exit status is 1 and the last line of both stdout and stderr is "ERR
 Not a project dependency: bench_checkpoint calls it when python3 can import
 torch.distributed.checkpoint.
 """
-import argparse
 import os
 import shutil
 import statistics
@@ -53,27 +52,11 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_ranks import spawn_ranks  # noqa: E402
+from torch_ranks import Arguments, fail, spawn_ranks  # noqa: E402
 from bench_train_torch import GPT  # noqa: E402
 
 CONTEXT = 64  # bench_checkpoint's model.context and data.seq_len
 IMAGE_SIDE, IMAGE_BATCH, CLASSES = 28, 4, 1000  # bench_checkpoint's images, per-rank batch
-
-
-def fail(reason):
-    """The failure convention: "ERR <reason>" on one line, last on stdout and stderr; exit 1."""
-    line = "ERR " + " ".join(str(reason).split())
-    print(line, file=sys.stderr, flush=True)
-    print(line, flush=True)
-    sys.exit(1)
-
-
-class Arguments(argparse.ArgumentParser):
-    """argparse whose errors follow the failure convention."""
-
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        fail(f"arguments: {message}")
 
 
 def build_model(args):

@@ -37,7 +37,6 @@ the last line of both stdout and stderr is "ERR <reason>".
 
 Not a project dependency: bench_tp calls it when torch is importable.
 """
-import argparse
 import contextlib
 import os
 import resource
@@ -52,28 +51,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_ranks import spawn_ranks  # noqa: E402
+from torch_ranks import Arguments, fail, spawn_ranks  # noqa: E402
 from bench_train_torch import GPT, Block  # noqa: E402
 
 # Processes and threads per process of each --layout.
 WORLD = {"tp": 2, "dp": 2, "single": 1}
 THREADS = {"tp": 1, "dp": 1, "single": 2}
-
-
-def fail(reason):
-    """The failure convention: "ERR <reason>" on one line, last on stdout and stderr; exit 1."""
-    line = "ERR " + " ".join(str(reason).split())
-    print(line, file=sys.stderr, flush=True)
-    print(line, flush=True)
-    sys.exit(1)
-
-
-class Arguments(argparse.ArgumentParser):
-    """argparse whose errors follow the failure convention."""
-
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        fail(f"arguments: {message}")
 
 
 class WideMLP(nn.Module):

@@ -1,15 +1,35 @@
-"""Ranks of the PyTorch side of the benchmarks as spawned processes (gloo on this host).
+"""What the PyTorch sides of the multi-rank benchmarks share: their ranks as spawned
+processes (gloo on this host), and the failure convention bench/*.cpp parse.
 
     got = spawn_ranks(world, rank_main, args)   # {rank: payload}; RuntimeError on failure
+    fail("no torchvision")                      # "ERR no torchvision", exit 1
 
 rank_main(rank, args, port, results) runs in each process: it joins the process group at
 127.0.0.1:port and puts ("ok", rank, *payload) or ("error", rank, reason) on results.
 Not a project dependency: only the *_torch.py benchmark scripts import it.
 """
+import argparse
 import queue
 import socket
+import sys
 
 import torch.multiprocessing as mp
+
+
+def fail(reason):
+    """The failure convention: "ERR <reason>" on one line, last on stdout and stderr; exit 1."""
+    line = "ERR " + " ".join(str(reason).split())
+    print(line, file=sys.stderr, flush=True)
+    print(line, flush=True)
+    sys.exit(1)
+
+
+class Arguments(argparse.ArgumentParser):
+    """argparse whose errors follow the failure convention."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        fail(f"arguments: {message}")
 
 
 def free_port():
