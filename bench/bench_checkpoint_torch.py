@@ -42,7 +42,6 @@ import shutil
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -151,20 +150,10 @@ def measure(rank, args, port):
     return times, sizes
 
 
-def rank_main(rank, args, port, results):
-    """A rank's process: its figures, or the reason it failed, onto results."""
-    try:
-        results.put(("done", rank, *measure(rank, args, port)))
-    except Exception as e:  # reported to the parent, which fails the run
-        traceback.print_exc()
-        results.put(("error", rank, f"{type(e).__name__}: {e}"))
-        sys.exit(1)
-
-
 def run_ranks(args):
     """Every rank's measure(), by rank; fails the run when a rank fails."""
     try:
-        return spawn_ranks(args.ranks, rank_main, args)
+        return spawn_ranks(args.ranks, measure, args)
     except RuntimeError as e:
         fail(str(e))
 

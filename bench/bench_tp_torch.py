@@ -43,7 +43,6 @@ import resource
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -238,21 +237,11 @@ def train(rank, args, port):
     return ends, peak, losses, counts
 
 
-def rank_main(rank, args, port, results):
-    """A rank's process: its figures, or the reason it failed, onto results."""
-    try:
-        results.put(("done", rank, *train(rank, args, port)))
-    except Exception as e:  # reported to the parent, which fails the run
-        traceback.print_exc()
-        results.put(("error", rank, f"{type(e).__name__}: {e}"))
-        sys.exit(1)
-
-
 def run_ranks(args):
     """Every rank's (ends, peak, losses, parameter counts), by rank; fails the run when a
     rank fails."""
     try:
-        return spawn_ranks(WORLD[args.layout], rank_main, args)
+        return spawn_ranks(WORLD[args.layout], train, args)
     except RuntimeError as e:
         fail(str(e))
 

@@ -1,17 +1,18 @@
 """What the PyTorch sides of the multi-rank benchmarks share: their ranks as spawned
 processes (gloo on this host), and the failure convention bench/*.cpp parse.
 
-    got = spawn_ranks(world, rank_main, args)   # {rank: payload}; RuntimeError on failure
+    got = spawn_ranks(world, work, args)   # {rank: work(rank, args, port)}; RuntimeError on failure
     fail("no torchvision")                      # "ERR no torchvision", exit 1
 
-rank_main(rank, args, port, results) runs in each process: it joins the process group at
-127.0.0.1:port and puts ("ok", rank, *payload) or ("error", rank, reason) on results.
+work(rank, args, port), a module-level function, runs in each process: it joins the
+process group at 127.0.0.1:port and returns the rank's figures, a tuple.
 Not a project dependency: only the *_torch.py benchmark scripts import it.
 """
 import argparse
 import queue
 import socket
 import sys
+import traceback
 
 import torch.multiprocessing as mp
 
@@ -38,13 +39,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn_ranks(world, rank_main, args):
-    """Every rank's payload, by rank. A rank that reports an error or dies without a word
-    (a signal: the OOM killer?) stops the others and raises RuntimeError saying which."""
+def rank_main(work, rank, args, port, results):
+    """A rank's process: its figures, or the reason it failed, onto results."""
+    try:
+        results.put(("done", rank, *work(rank, args, port)))
+    except Exception as e:  # reported to the parent, which fails the run
+        traceback.print_exc()
+        results.put(("error", rank, f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+
+
+def spawn_ranks(world, work, args):
+    """Every rank's work(), by rank. A rank that raises or dies without a word (a signal:
+    the OOM killer?) stops the others and raises RuntimeError saying which."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, results)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(work, r, args, port, results))
+             for r in range(world)]
     for proc in procs:
         proc.start()
     got, error = {}, None
