@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -198,6 +199,10 @@ struct CheckpointPart {
   std::vector<TensorPiece> optimizer;  // of the optimizer state
   // The carried stream state, when training carries one.
   std::optional<std::vector<NamedTensor>> stream_state;
+  // The model pieces (by name) the next forward pass changes, the
+  // buffers: a background writer copies these before training goes on,
+  // and the rest (changed only by the next optimizer step) meanwhile.
+  std::set<std::string> changes_in_forward;
   // The main rank's: trainer_state.json, written last.
   std::optional<TrainerStateFile> trainer_state;
 };

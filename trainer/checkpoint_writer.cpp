@@ -27,26 +27,38 @@ int64_t part_bytes(const CheckpointPart& part) {
   return bytes;
 }
 
-// A copy of every tensor of the part in host memory, which training no
-// longer touches: into the buffers of the previous checkpoint where they
-// fit (the part's tensors come in the same order each time), so a run
-// allocates its staging memory once.
-void stage(CheckpointPart& part, std::vector<Tensor>& buffers) {
-  size_t next = 0;
-  auto copy = [&](Tensor& t) {
-    if (next == buffers.size()) buffers.emplace_back();
-    Tensor& buffer = buffers[next++];
+// The part's tensors in staging order: `now`, what the next forward pass
+// changes (the model's buffers, the carried stream state), copied before
+// training goes on; `later`, what only the next optimizer step changes
+// (parameters, optimizer state), copied in the background meanwhile.
+struct StagingOrder {
+  std::vector<Tensor*> now, later;
+};
+StagingOrder staging_order(CheckpointPart& part) {
+  StagingOrder order;
+  for (TensorPiece& p : part.model)
+    (part.changes_in_forward.count(p.name) ? order.now : order.later).push_back(&p.values);
+  if (part.stream_state)
+    for (NamedTensor& t : *part.stream_state) order.now.push_back(&t.tensor);
+  for (TensorPiece& p : part.optimizer) order.later.push_back(&p.values);
+  return order;
+}
+
+// Copies each tensor into host memory training does not touch, buffers[first
+// + k] for the k-th: the buffers of the previous checkpoint where they fit
+// (a part's tensors come in the same order each time), so a run allocates
+// its staging memory once. The tensor then refers to its copy.
+void copy_into(const std::vector<Tensor*>& tensors, std::vector<Tensor>& buffers, size_t first) {
+  buffers.resize(first + tensors.size());
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    Tensor& t = *tensors[k];
+    Tensor& buffer = buffers[first + k];
     const bool fits =
         buffer.defined() && buffer.shape() == t.shape() && buffer.dtype() == t.dtype();
     if (!fits) buffer = empty(t.shape(), t.dtype());
     buffer.copy_(t);
     t = buffer;
-  };
-  for (TensorPiece& p : part.model) copy(p.values);
-  for (TensorPiece& p : part.optimizer) copy(p.values);
-  if (part.stream_state)
-    for (NamedTensor& t : *part.stream_state) copy(t.tensor);
-  buffers.resize(next);
+  }
 }
 
 // TRAINER_FAULT_CHECKPOINT_DELAY_MS: a pause in the middle of each
@@ -75,6 +87,7 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
   best_ = best;
   staged_bytes_ = 0;
   commit_ = 0;
+  staging_wait_ = 0;
   fallback_.clear();
   const int rank = run.dist().rank();
   // The ranks agree on writing in the background: the cap is per rank.
@@ -94,11 +107,27 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     run.barrier();
     return commit(run);
   }
-  stage(part, staging_);
+  copy_into(staging_order(part).now, staging_, 0);
   staged_bytes_ = part_bytes(part);
   done_ = false;
+  staged_ = false;
   error_ = nullptr;
-  thread_ = std::thread([this, tmp, rank, part = std::move(part)] {
+  thread_ = std::thread([this, tmp, rank, part = std::move(part)]() mutable {
+    try {
+      const StagingOrder order = staging_order(part);
+      copy_into(order.later, staging_, order.now.size());
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(staged_mutex_);
+      staged_ = true;
+    }
+    staged_changed_.notify_all();
+    if (error_) {
+      done_ = true;
+      return;
+    }
     try {
       // The model's pieces first, then the rest; TRAINER_FAULT_CHECKPOINT_DELAY_MS
       // holds the write between the two (the crash tests' window).
@@ -116,6 +145,14 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     done_ = true;
   });
   return std::nullopt;
+}
+
+void CheckpointWriter::wait_staged() {
+  if (!thread_.joinable() || staged_.load()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(staged_mutex_);
+  staged_changed_.wait(lock, [this] { return staged_.load(); });
+  staging_wait_ += seconds_since(t0);
 }
 
 void CheckpointWriter::join() {

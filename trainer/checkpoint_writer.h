@@ -19,8 +19,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -57,6 +59,13 @@ class CheckpointWriter {
   // Waits for the write in flight and commits it (collective).
   std::optional<std::string> finish(const DistributedRun& run);
   bool pending() const { return thread_.joinable() || committer_.joinable(); }
+  // Waits until the background copy of the part started last is done:
+  // before anything changes the parameters or the optimizer state (the
+  // next optimizer step), which the background thread copies while the
+  // next forward and backward passes run.
+  void wait_staged();
+  // How long wait_staged() held training for the checkpoint started last.
+  double staging_wait_seconds() const { return staging_wait_; }
   // The bytes of this rank's part in the last start() (staged, or written).
   // What committing the last background write held the step that waited
   // for it (the main rank's: 0 when it was committed in the background
@@ -78,13 +87,17 @@ class CheckpointWriter {
   std::thread thread_;
   std::atomic<bool> done_{false};
   std::exception_ptr error_;
+  // Set once the background thread has copied the part (or failed to).
+  std::atomic<bool> staged_{true};
+  std::mutex staged_mutex_;
+  std::condition_variable staged_changed_;
   // The main rank's commit of a finished write, in the background.
   std::thread committer_;
   std::atomic<bool> committed_{false};
   std::optional<std::string> committed_dir_;
   int64_t step_ = 0;
   bool best_ = false;
-  double commit_ = 0;
+  double commit_ = 0, staging_wait_ = 0;
   int64_t staged_bytes_ = 0;
   std::string fallback_;
   // The staged copy, reused by the next checkpoint (free once the write

@@ -71,6 +71,13 @@ CheckpointPart Session::checkpoint_part(const TrainState& state) const {
     if (plan.writes(t.name))
       part.model.push_back(
           piece_of(t.name, t.tensor, plan.placement(t.name), plan.mesh, plan.coord));
+  // What is not a parameter (batch-norm statistics and the like) changes
+  // in the next forward pass.
+  std::set<std::string> parameters;
+  for (const NamedTensor& p : (stage_module_ ? *stage_module_ : *model_).named_parameters())
+    parameters.insert(p.name);
+  for (const TensorPiece& p : part.model)
+    if (!parameters.count(p.name)) part.changes_in_forward.insert(p.name);
   part.optimizer = optimizer_pieces();
   part.stream_state = source_->stream_state();
   if (layout_.rank != 0) return part;

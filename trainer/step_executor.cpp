@@ -196,6 +196,7 @@ bool StepExecutor::pipeline_forward(int m, int chunk, InFlight& in_flight) {
 }
 
 void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
+  if (before_update_) before_update_();
   StepResult& result = in_flight.result;
   parallel::PipelineRuntime* pipeline = run_.pipeline();
   const bool has_loss = !pipeline || pipeline->is_last_piece(schedule_.chunks - 1);

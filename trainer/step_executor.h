@@ -44,6 +44,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -82,6 +83,9 @@ class StepExecutor {
   StepResult run(int64_t step, bool stop_requested);
 
   const parallel::Schedule& schedule() const { return schedule_; }
+  // Called before each optimizer step changes the parameters and the
+  // optimizer state (a checkpoint's background copy waits to be done).
+  void set_before_update(std::function<void()> f) { before_update_ = std::move(f); }
   // True when run() left by an exception after a micro-batch's forward had
   // run: the model's buffers (batch-norm statistics) are then part-way
   // through the step, and not a state to checkpoint.
@@ -108,6 +112,7 @@ class StepExecutor {
   Session& session_;
   DistributedRun& run_;
   Precision& precision_;
+  std::function<void()> before_update_;
   parallel::Schedule schedule_;
   const std::vector<parallel::Action>& actions_;  // this rank's stage
   bool step_begun_ = false;

@@ -72,7 +72,9 @@ class TrainLoop {
                 {.async = r_.training.async_checkpoint,
                  .max_staging_bytes = r_.training.async_checkpoint_mb << 20},
                 print_),
-        log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {}
+        log_(print_ ? std::make_unique<MetricsLog>(r_.output_dir) : nullptr) {
+    executor_.set_before_update([this] { writer_.wait_staged(); });
+  }
 
   int run() {
     try {
@@ -260,8 +262,9 @@ class TrainLoop {
   // "the step waited 12 ms to copy 35.2 MiB" (rank 0's part).
   std::string waited(const char* what) const {
     char text[96];
-    std::snprintf(text, sizeof text, "the step waited %.0f ms to %s %.1f MiB", save_seconds_ * 1e3,
-                  what, double(writer_.staged_bytes()) / (1 << 20));
+    std::snprintf(text, sizeof text, "the step waited %.0f ms to %s %.1f MiB",
+                  (save_seconds_ + writer_.staging_wait_seconds()) * 1e3, what,
+                  double(writer_.staged_bytes()) / (1 << 20));
     return text;
   }
 
@@ -304,8 +307,10 @@ class TrainLoop {
   int64_t nonfinite_in_a_row_ = 0;
   double last_loss_ = 0, last_lr_ = 0, last_grad_norm_ = 0;
   bool pending_best_ = false;
-  double save_seconds_ = 0;  // what the last checkpoint step waited (after the one in flight)
-  bool stop_ = false;        // the ranks agreed to checkpoint and exit
+  // What the last checkpoint step waited (after the one in flight); the
+  // next optimizer step's wait for the background copy is added to it.
+  double save_seconds_ = 0;
+  bool stop_ = false;  // the ranks agreed to checkpoint and exit
   EvalMetrics last_eval_;
 };
 
