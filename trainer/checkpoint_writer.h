@@ -1,19 +1,23 @@
 // Writing checkpoints without stopping training (training.async_checkpoint):
-// at a checkpoint step each rank copies its part (CheckpointPart: its pieces
-// of the model and the optimizer state, its stream state; the main rank's
-// trainer_state.json too) into host memory, and a background thread writes
-// the files while the next steps run. The checkpoint is committed (renamed,
-// `latest` moved) only once every rank has finished its part: the ranks
-// agree on it at a step boundary (DistributedRun::any_rank, one small
-// allreduce per step while a write is in flight). A second checkpoint waits
-// for the one in flight (never two), and so do the end of training and a
-// stop signal. A SIGKILL at any moment leaves `latest` at the last committed
-// checkpoint. The main rank commits in the background as well, so a step
-// waits only for the copy. When the staged copy would exceed the cap, or without
-// async_checkpoint, the step writes synchronously.
+// at a checkpoint step each rank copies into host memory what the next
+// forward pass changes (CheckpointPart::changes_in_forward: the model's
+// buffers, its stream state; the main rank's trainer_state.json is a copy
+// already); a background thread copies the rest (parameters, optimizer
+// state) while the next forward and backward passes run, the next
+// optimizer step waiting for it (wait_staged), then writes the files while
+// training goes on. The checkpoint is committed (renamed, `latest` moved)
+// only once every rank has finished its part: the ranks agree on it at a
+// step boundary (DistributedRun::any_rank, one small allreduce per step
+// while a write is in flight), and the main rank commits on a thread of
+// its own. A second checkpoint waits for the one in flight (never two),
+// and so do the end of training and a stop signal. A SIGKILL at any moment
+// leaves `latest` at the last committed checkpoint. When the staged copy
+// would exceed the cap, or without async_checkpoint, the step writes
+// synchronously.
 //
 //   CheckpointWriter writer(dir, {.async = true, .max_staging_bytes = 1 << 30}, main_rank);
 //   writer.start(tmp, step, is_best, session.checkpoint_part(state), run);  // at a checkpoint
+//   writer.wait_staged();                                    // before each optimizer step
 //   if (auto done = writer.poll(run)) log("checkpoint: " + *done);         // every step
 //   writer.finish(run);                                                     // at the end
 #pragma once
