@@ -95,9 +95,10 @@ std::vector<std::string> single(const std::vector<std::string>& trainer) {
 
 // grace: seconds the launcher gives the ranks between SIGTERM and SIGKILL.
 std::vector<std::string> launched(const std::vector<std::string>& trainer,
-                                  const std::string& grace = "10") {
+                                  const std::string& grace = "10", int nproc = 2) {
   std::vector<std::string> argv{
-      TRAINER_BINARY, "launch", "--nproc-per-node", "2", "--grace-seconds", grace, "--"};
+      TRAINER_BINARY, "launch", "--nproc-per-node", std::to_string(nproc), "--grace-seconds",
+      grace,          "--"};
   argv.insert(argv.end(), trainer.begin(), trainer.end());
   return argv;
 }
@@ -648,19 +649,12 @@ TEST_CASE(
     std::vector<std::string> extra = {"training.steps=8", "training.checkpoint_every=2",
                                       cat("training.global_batch=", 2 * layout.ranks)};
     extra.insert(extra.end(), layout.args.begin(), layout.args.end());
-    auto launched = [&](const std::vector<std::string>& trainer, const std::string& grace) {
-      std::vector<std::string> argv{
-          TRAINER_BINARY, "launch", "--nproc-per-node", cat(layout.ranks), "--grace-seconds",
-          grace,          "--"};
-      argv.insert(argv.end(), trainer.begin(), trainer.end());
-      return argv;
-    };
-    Outcome a = finish(start(launched(small_gpt_args(straight, extra), "10")), 180);
+    Outcome a = finish(start(launched(small_gpt_args(straight, extra), "10", layout.ranks)), 180);
     INFO(a.output);
     REQUIRE(a.code == 0);
     // Each write pauses 3 s after the model's pieces: once step 2's is
     // committed, step 4's is in flight for at least that long.
-    Child job = start(launched(small_gpt_args(killed, extra), "2"),
+    Child job = start(launched(small_gpt_args(killed, extra), "2", layout.ranks),
                       {{"TRAINER_FAULT_CHECKPOINT_DELAY_MS", "3000"}});
     REQUIRE(wait_for_output(job, "checkpoints/step_00000002 (written in the background", 180));
     std::this_thread::sleep_for(std::chrono::milliseconds(after_ms));
@@ -674,7 +668,7 @@ TEST_CASE(
     CHECK(fs::path(*latest).filename() == "step_00000002");
     std::vector<std::string> resume = small_gpt_args(killed, extra);
     resume.insert(resume.end(), {"--resume", "auto"});
-    Outcome b = finish(start(launched(resume, "10")), 180);
+    Outcome b = finish(start(launched(resume, "10", layout.ranks)), 180);
     INFO(b.output);
     REQUIRE(b.code == 0);
     CHECK(b.output.find("resumed from") != std::string::npos);

@@ -34,7 +34,8 @@ json stem_index(const std::string& dir, const std::string& stem, json& files) {
     for (const SafetensorsEntry& e : header.entries) {
       const TensorPiece p = piece_in_header(e.name, e.shape, header.metadata, path);
       json& t = tensors[p.name];
-      if (t.is_null()) t = {{"dtype", safetensors_dtype(e.dtype)}, {"shape", p.global}, {"pieces", {}}};
+      if (t.is_null())
+        t = {{"dtype", safetensors_dtype(e.dtype)}, {"shape", p.global}, {"pieces", {}}};
       json boxes = json::array();
       for (const parallel::Box& b : p.boxes) boxes.push_back(box_json(b));
       t["pieces"].push_back({{"file", file},

@@ -85,30 +85,29 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
       << "a checkpoint started while another is being written";
   step_ = step;
   best_ = best;
-  staged_bytes_ = 0;
   commit_ = 0;
   staging_wait_ = 0;
   fallback_.clear();
   const int rank = run.dist().rank();
+  // Staging copies every tensor whole: the part's bytes are the staged bytes.
+  staged_bytes_ = part_bytes(part);
   // The ranks agree on writing in the background: the cap is per rank.
   bool async = options_.async;
   if (async && options_.max_staging_bytes > 0) {
-    const bool over = part_bytes(part) > options_.max_staging_bytes;
+    const bool over = staged_bytes_ > options_.max_staging_bytes;
     if (run.any_rank(over)) {
       async = false;
-      fallback_ = cat(
-          "a rank's state is over training.async_checkpoint_mb (", options_.max_staging_bytes >> 20,
-          " MiB; this rank's: ", part_bytes(part) >> 20, " MiB): written synchronously");
+      fallback_ = cat("a rank's state is over training.async_checkpoint_mb (",
+                      options_.max_staging_bytes >> 20, " MiB; this rank's: ", staged_bytes_ >> 20,
+                      " MiB): written synchronously");
     }
   }
   if (!async) {
-    staged_bytes_ = part_bytes(part);
     write_checkpoint_part(tmp, rank, part);
     run.barrier();
     return commit(run);
   }
   copy_into(staging_order(part).now, staging_, 0);
-  staged_bytes_ = part_bytes(part);
   done_ = false;
   staged_ = false;
   error_ = nullptr;
