@@ -15,11 +15,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -190,6 +192,10 @@ inline bool wait_for_output(const Child& c, const std::string& text, double time
   const auto t0 = std::chrono::steady_clock::now();
   while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s) {
     if (output_of(c).find(text) != std::string::npos) return true;
+    siginfo_t info{};  // exited without printing it? (WNOWAIT: finish() still reaps it)
+    if (::waitid(P_PID, id_t(c.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == c.pid)
+      return output_of(c).find(text) != std::string::npos;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return false;
@@ -209,18 +215,37 @@ inline pid_t launched_rank(pid_t launcher, int rank) {
   return -1;
 }
 
-// A free TCP port of this host for a rendezvous the test sets up itself.
-inline int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+// True if a TCP socket can bind this loopback port now.
+inline bool port_is_free(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   REQUIRE(fd >= 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  socklen_t len = sizeof addr;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  addr.sin_port = htons(uint16_t(port));
+  const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
   ::close(fd);
-  return ntohs(addr.sin_port);
+  return free;
+}
+
+// A free TCP port of this host for a rendezvous the test sets up itself,
+// with the `count` - 1 ports after it free too. It is drawn below the
+// kernel's ephemeral range (ip_local_port_range): a port from that range
+// can be taken by any outgoing connection of a test running alongside
+// between this check and the bind of the process that serves it.
+inline int free_port(int count = 1) {
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  const int first = 10000, last = std::max(first + 1000, low) - count;
+  std::random_device device;
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = first + int(device() % unsigned(last - first));
+    bool free = true;
+    for (int i = 0; i < count && free; ++i) free = port_is_free(port + i);
+    if (free) return port;
+  }
+  FAIL("no " << count << " free consecutive TCP ports in [" << first << ", " << last << ")");
+  return -1;
 }
 
 }  // namespace trainer::testing

@@ -286,7 +286,8 @@ TEST_CASE("launch: --nnodes 1:2 goes on with the node that is left, resharded", 
   // Two launchers on this host play two nodes of one rank each; node 1's
   // launcher is killed (its rank dies with it), and node 0 restarts alone.
   const fs::path run = fresh("elastic");
-  const int port = testing::free_port();
+  const int port =
+      testing::free_port(2);  // the ranks' store, and the nodes' rendezvous on port + 1
   auto node = [&](int rank) {
     return start(launch(
         1,
@@ -296,10 +297,13 @@ TEST_CASE("launch: --nnodes 1:2 goes on with the node that is left, resharded", 
                          "training.log_every=100"})));
   };
   Child n0 = node(0), n1 = node(1);
-  REQUIRE(wait_for_output(n0, "checkpoint: /", 120));  // not the recipe's *_checkpoint: keys
+  const bool checkpointed = wait_for_output(n0, "checkpoint: /", 120);  // not *_checkpoint: keys
   ::kill(n1.pid, SIGKILL);
+  if (!checkpointed) ::kill(-n0.pid, SIGKILL);
+  INFO("node 1:\n" << output_of(n1));
   ProcessResult r1 = finish(n1, 10), r0 = finish(n0, 300);
-  INFO(r0.output);
+  INFO("node 0:\n" << r0.output);
+  REQUIRE(checkpointed);
   CHECK(r1.code == 128 + SIGKILL);
   REQUIRE(r0.code == 0);
   CHECK(contains(r0.output, "round 0: 2 of 2 nodes (node ranks 0, 1), 2 ranks"));
