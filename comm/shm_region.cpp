@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -11,13 +12,22 @@
 
 namespace trainer::comm {
 
+namespace {
+std::atomic<size_t> g_local_bytes{0};  // this process's parts of the live regions
+}
+
 ShmRegion::ShmRegion(uint64_t id, size_t bytes, int rank, int size)
-    : id_(id), bytes_(bytes), rank_(rank), parts_(size_t(size), nullptr) {}
+    : id_(id), bytes_(bytes), rank_(rank), parts_(size_t(size), nullptr) {
+  g_local_bytes += bytes_;
+}
 
 ShmRegion::~ShmRegion() {
+  g_local_bytes -= bytes_;
   for (char* part : parts_)
     if (part) ::munmap(part, bytes_);
 }
+
+size_t ShmRegion::local_bytes_in_use() { return g_local_bytes.load(); }
 
 bool ShmRegion::contains(const void* data, size_t bytes) const {
   const char* p = static_cast<const char*>(data);

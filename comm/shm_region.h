@@ -42,6 +42,10 @@ class ShmRegion {
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
 
+  // This process's parts of every region alive now, in bytes (the memory
+  // the CPU allocator does not count: data parallelism's buckets).
+  static size_t local_bytes_in_use();
+
   uint64_t id() const { return id_; }
   size_t bytes() const { return bytes_; }
   char* local() const { return parts_[size_t(rank_)]; }

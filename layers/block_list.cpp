@@ -152,14 +152,14 @@ TensorList BlockList::call(size_t w, size_t b, const TensorList& inputs) const {
   return wrappers_[w].run(blocks_[b], inputs, next);
 }
 
-void BlockList::add_wrapper(BlockWrapper wrapper) {
+void BlockList::add_wrapper(BlockWrapper wrapper, bool outermost) {
   CHECK(wrapper.run) << "block wrapper '" << wrapper.name << "' without a function";
   for (BlockWrapper& w : wrappers_)
     if (w.name == wrapper.name) {
       w = std::move(wrapper);
       return;
     }
-  wrappers_.push_back(std::move(wrapper));
+  wrappers_.insert(outermost ? wrappers_.begin() : wrappers_.end(), std::move(wrapper));
 }
 
 void BlockList::remove_wrapper(const std::string& name) {

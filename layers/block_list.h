@@ -103,9 +103,11 @@ class BlockList {
   // Parameters held by several blocks under different names.
   const std::vector<TiedParameter>& tied() const { return tied_; }
 
-  // Wrappers run around every block, the first added outermost. Adding a
-  // wrapper whose name is already there replaces it in place.
-  void add_wrapper(BlockWrapper wrapper);
+  // Wrappers run around every block, the first added outermost (or, with
+  // outermost, around all the others: the gather of sharded parameters
+  // around recomputation). Adding a wrapper whose name is already there
+  // replaces it in place.
+  void add_wrapper(BlockWrapper wrapper, bool outermost = false);
   void remove_wrapper(const std::string& name);
   bool has_wrapper(const std::string& name) const;
   const std::vector<BlockWrapper>& wrappers() const { return wrappers_; }
@@ -170,6 +172,11 @@ class Model : public Module {
   virtual std::string tensor_parallel_note() const { return ""; }
   // BlockList::set_recompute on the model's blocks (parallel.recompute: blocks).
   void set_recompute(bool on) { blocks_.set_recompute(on, this); }
+  // BlockList::add_wrapper and remove_wrapper on the model's blocks.
+  void add_block_wrapper(BlockWrapper wrapper, bool outermost = false) {
+    blocks_.add_wrapper(std::move(wrapper), outermost);
+  }
+  void remove_block_wrapper(const std::string& name) { blocks_.remove_wrapper(name); }
 
  protected:
   // Called once at the end of the model's constructor.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <utility>
 
 #include "core/autograd.h"
@@ -20,27 +21,60 @@ struct DataParallel::Impl {
   BucketReduceFn reduce;
   std::vector<Bucket> buckets;
 
-  // ---- per sync step ----
+  // ---- per sync step (transient buckets: per backward) ----
   std::vector<std::vector<char>> arrived;  // [bucket][param]: gradient arrived
   std::vector<int> pending;                // gradients still to arrive per bucket
+  int next_to_start = 0;                   // buckets start in index order
+  // ---- per sync step ----
   std::vector<comm::Work> works;
-  // The timeline's end-of-span tasks, queued after each reduction: finish()
-  // waits for them too, so no span is recorded after it returns.
+  // The timeline's end-of-span tasks, queued after each reduction, and the
+  // release of transient buckets: finish() waits for them too, so no span
+  // is recorded after it returns.
   std::vector<comm::Work> markers;
-  int next_to_start = 0;  // buckets start in index order
   int started_in_backward = 0;
   int last_started_in_backward = 0;
   bool sync = true;
 
-  void reset_step() {
+  void reset_backward() {
     for (size_t b = 0; b < buckets.size(); ++b) {
       std::fill(arrived[b].begin(), arrived[b].end(), 0);
       pending[b] = int(buckets[b].params.size());
-      works[b] = comm::Work();
-      markers[b] = comm::Work();
     }
     next_to_start = 0;
+  }
+  void reset_step() {
+    reset_backward();
+    works.clear();
+    markers.clear();
     started_in_backward = 0;
+  }
+  bool synchronises() const { return sync || options.transient_buckets; }
+
+  // A transient bucket's flat buffer, padded: the gradients copied in (zeros
+  // where none arrived) and dropped from their parameters.
+  void pack_transient(Bucket& bucket) {
+    int64_t numel = 0;
+    for (const NamedTensor& p : bucket.params) numel += p.tensor.numel();
+    const int64_t multiple = std::max<int64_t>(options.bucket_numel_multiple, 1);
+    const int64_t padded = (numel + multiple - 1) / multiple * multiple;
+    const Tensor& first = bucket.params.front().tensor;
+    bucket.flat = empty({padded}, first.dtype(), first.device());
+    const size_t item = dtype_size(first.dtype());
+    char* base = static_cast<char*>(bucket.flat.data_ptr());
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      const Tensor& param = bucket.params[i].tensor;
+      char* dst = base + size_t(bucket.offsets[i]) * item;
+      Tensor g = param.grad();
+      if (g.defined() && g.is_contiguous() && g.device().is_cpu())
+        std::memcpy(dst, g.data_ptr(), g.nbytes());
+      else if (g.defined())
+        make_view(bucket.flat, param.shape(), contiguous_strides(param.shape()), bucket.offsets[i])
+            .copy_(g);
+      else
+        std::memset(dst, 0, param.nbytes());
+      param.set_grad(Tensor());
+    }
+    std::memset(base + size_t(numel) * item, 0, size_t(padded - numel) * item);
   }
 
   // Makes params[i]'s gradient the bucket view, copying a gradient that
@@ -62,15 +96,22 @@ struct DataParallel::Impl {
 
   void start(int b) {
     Bucket& bucket = buckets[size_t(b)];
+    if (options.transient_buckets) pack_transient(bucket);
     Timeline* timeline = options.timeline;
     auto begin_us = std::make_shared<int64_t>(0);
     if (timeline) comm->enqueue([begin_us] { *begin_us = trace_now_us(); });
-    works[size_t(b)] = reduce(*comm, bucket);
+    works.push_back(reduce(*comm, bucket));
     if (timeline) {
-      markers[size_t(b)] = comm->enqueue([timeline, begin_us, b, bytes = bucket.flat.nbytes()] {
+      markers.push_back(comm->enqueue([timeline, begin_us, b, bytes = bucket.flat.nbytes()] {
         timeline->add(cat("allreduce bucket ", b, " (", (bytes + 1023) / 1024, " KiB)"),
                       Track::comm, *begin_us, trace_now_us());
-      });
+      }));
+    }
+    if (options.transient_buckets) {
+      // Freed on the progress thread once the reduction has read it.
+      markers.push_back(comm->enqueue(
+          [flat = std::exchange(bucket.flat, Tensor())]() mutable { flat = Tensor(); }));
+      if (options.on_bucket_started) options.on_bucket_started(b);
     }
   }
 
@@ -84,8 +125,8 @@ struct DataParallel::Impl {
 
   void on_grad_ready(int b, size_t i) {
     Bucket& bucket = buckets[size_t(b)];
-    adopt_grad(bucket, i, /*zero_if_missing=*/false);
-    if (!sync) return;
+    if (!options.transient_buckets) adopt_grad(bucket, i, /*zero_if_missing=*/false);
+    if (!synchronises()) return;
     CHECK(!arrived[size_t(b)][i])
         << "the gradient of " << bucket.params[i].name
         << " arrived twice in one synchronised step: call finish() after each backward, or "
@@ -120,6 +161,24 @@ std::vector<Tensor> allocate_flats(comm::Communicator& comm, const DataParallelO
   return flats;
 }
 
+// One group per unit, the last unit first, each in reverse registration
+// order; every parameter in exactly one unit.
+std::vector<std::vector<NamedTensor>> unit_groups(const std::vector<NamedTensor>& params,
+                                                  const DataParallelOptions& options) {
+  std::map<const TensorImpl*, size_t> unit_of;
+  for (size_t u = 0; u < options.units.size(); ++u)
+    for (const Tensor& t : options.units[u])
+      CHECK(unit_of.emplace(t.impl(), u).second) << "DataParallel: a parameter in two units";
+  std::vector<std::vector<NamedTensor>> groups(options.units.size());
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    auto u = unit_of.find(it->tensor.impl());
+    CHECK(u != unit_of.end()) << "DataParallel: parameter " << it->name << " is in no unit";
+    groups[options.units.size() - 1 - u->second].push_back(*it);
+  }
+  std::erase_if(groups, [](const auto& g) { return g.empty(); });
+  return groups;
+}
+
 // Reverse registration order, a bucket closing once it holds its cap (the
 // first one smaller), before a parameter of another dtype, or where the
 // last bucket (the leading parameters up to last_bucket_bytes) begins.
@@ -147,9 +206,11 @@ std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
     return std::any_of(options.own_bucket.begin(), options.own_bucket.end(),
                        [&](const Tensor& q) { return q.impl() == p.impl(); });
   };
-  std::vector<std::vector<NamedTensor>> groups;
+  std::vector<std::vector<NamedTensor>> groups = options.units.empty()
+                                                     ? std::vector<std::vector<NamedTensor>>()
+                                                     : unit_groups(params, options);
   size_t bytes = 0;
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+  for (auto it = params.rbegin(); options.units.empty() && it != params.rend(); ++it) {
     const size_t cap = groups.size() <= 1 ? options.first_bucket_bytes : options.bucket_bytes;
     const bool new_dtype =
         !groups.empty() && groups.back().back().tensor.dtype() != it->tensor.dtype();
@@ -163,7 +224,8 @@ std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
     groups.back().push_back(*it);
     bytes += it->tensor.nbytes();
   }
-  std::vector<Tensor> flats = allocate_flats(comm, options, groups);
+  std::vector<Tensor> flats = options.transient_buckets ? std::vector<Tensor>(groups.size())
+                                                        : allocate_flats(comm, options, groups);
   std::vector<Bucket> buckets;
   for (auto& group : groups) {
     Bucket bucket;
@@ -174,7 +236,7 @@ std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
       numel += p.tensor.numel();
     }
     bucket.flat = flats[size_t(bucket.index)];
-    for (size_t i = 0; i < group.size(); ++i) {
+    for (size_t i = 0; bucket.flat.defined() && i < group.size(); ++i) {
       const Shape& shape = group[i].tensor.shape();
       bucket.grads.push_back(
           make_view(bucket.flat, shape, contiguous_strides(shape), bucket.offsets[i]));
@@ -279,8 +341,10 @@ DataParallel::DataParallel(std::shared_ptr<Module> module, std::shared_ptr<comm:
     impl_->arrived[b].resize(bucket.params.size());
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       // Gradients accumulated before wrapping carry over into the buckets.
-      impl_->adopt_grad(bucket, i, /*zero_if_missing=*/false);
-      bucket.params[i].tensor.set_grad_destination(bucket.grads[i]);
+      if (!options_.transient_buckets) {
+        impl_->adopt_grad(bucket, i, /*zero_if_missing=*/false);
+        bucket.params[i].tensor.set_grad_destination(bucket.grads[i]);
+      }
       std::weak_ptr<Impl> weak = impl_;
       bucket.params[i].tensor.register_hook([weak, b, i](const Tensor&) {
         if (std::shared_ptr<Impl> impl = weak.lock()) impl->on_grad_ready(int(b), i);
@@ -331,18 +395,35 @@ DataParallel::NoSync::~NoSync() {
 DataParallel::NoSync::NoSync(NoSync&& other) noexcept
     : dp_(std::exchange(other.dp_, nullptr)), previous_(other.previous_) {}
 
+void DataParallel::end_backward() {
+  Impl& s = *impl_;
+  if (!options_.transient_buckets) return;
+  // A bucket none of whose gradients arrived in this backward (all zeros)
+  // still starts: every rank issues the same reductions.
+  while (s.next_to_start < int(s.buckets.size())) s.start(s.next_to_start++);
+  s.reset_backward();
+}
+
 void DataParallel::finish() {
   Impl& s = *impl_;
-  if (!s.sync) return;
+  if (!s.synchronises()) return;
   TraceScope scope(options_.timeline, "dp finish");
   // Parameters whose hook did not fire this step contribute what their view
   // holds (gradients of NoSync micro-steps, or zeros).
-  for (size_t b = 0; b < s.buckets.size(); ++b) {
+  for (size_t b = 0; !options_.transient_buckets && b < s.buckets.size(); ++b) {
     for (size_t i = 0; i < s.buckets[b].params.size(); ++i)
       if (!s.arrived[b][i]) s.adopt_grad(s.buckets[b], i, /*zero_if_missing=*/true);
   }
   const int in_backward = s.started_in_backward;
-  while (s.next_to_start < int(s.buckets.size())) s.start(s.next_to_start++);
+  // Transient buckets: only a backward that ran since the last end_backward() starts some.
+  if (options_.transient_buckets) {
+    bool began = false;
+    for (size_t b = 0; b < s.buckets.size(); ++b)
+      began = began || s.pending[b] != int(s.buckets[b].params.size());
+    if (began || s.works.empty()) end_backward();
+  } else {
+    while (s.next_to_start < int(s.buckets.size())) s.start(s.next_to_start++);
+  }
   std::exception_ptr error;
   for (const auto* list : {&s.works, &s.markers}) {
     for (const comm::Work& w : *list) {

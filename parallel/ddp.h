@@ -99,6 +99,25 @@ struct DataParallelOptions {
   // shard of it) is then the same wherever the parameter is (a weight tied
   // across pipeline stages, whose two copies' gradients are added shard by shard).
   std::vector<Tensor> own_bucket;
+  // The buckets as given: one per unit (a set of blocks whose parameters
+  // are sharded together, parallel/fsdp.h), in forward order; the buckets
+  // take them in reverse, each unit's parameters in reverse registration
+  // order. Every parameter that requires a gradient must be in exactly one.
+  // Empty: buckets by size, as above.
+  std::vector<std::vector<Tensor>> units;
+  // Sharded gradients (ZeRO-2 and -3): no bucket memory lives between
+  // reductions. Backward puts each gradient in its parameter's grad() as
+  // without data parallelism; once a bucket's have all arrived they are
+  // copied into a new flat buffer of bucket_numel_multiple-padded size, the
+  // parameters' gradients are dropped, and the reduction starts. Every
+  // backward reduces (NoSync is ignored: the reduction accumulates in the
+  // shard); end_backward() starts what did not start. The flat buffers are
+  // freed once their reductions finish.
+  bool transient_buckets = false;
+  int64_t bucket_numel_multiple = 1;
+  // Called on the backward thread after bucket `index` started its reduction
+  // (transient buckets: the unit's gradients are complete).
+  std::function<void(int index)> on_bucket_started;
 };
 
 // Flat CPU buffers of the given element counts and dtypes in one shared
@@ -165,6 +184,11 @@ class DataParallel {
   // Releases every parameter's gradient, as optimizer.zero_grad(set_to_none)
   // does; the next backward's gradients land in the bucket views.
   void zero_grad();
+
+  // After each backward with transient buckets: starts the buckets that did
+  // not start (their missing gradients count as zeros) so the next backward
+  // begins afresh. Nothing otherwise.
+  void end_backward();
 
   // Buckets whose reduction started in backward, before finish(), in the
   // last sync step (0 with overlap off).

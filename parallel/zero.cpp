@@ -31,6 +31,7 @@ struct ZeroOptimizer::SegmentBuffers {
   Tensor master;  // on the parameters' device
   Tensor grad;    // staged: this rank's reduced block [shard_numel] on the parameters' device
   bool reduced = false;        // its gradients were reduced this step
+  bool accumulated = false;    // stages 2, 3: flat holds this step's reduced gradients
   bool stepped = false;        // some parameter of it had a gradient this step
   std::vector<bool> has_grad;  // per parameter, this step
 };
@@ -42,6 +43,11 @@ char* bytes_at(const Tensor& t, int64_t element) {
 }
 
 size_t byte_count(DType dtype, int64_t elements) { return size_t(elements) * dtype_size(dtype); }
+
+template <class T>
+void add_into(T* acc, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
+}
 
 template <class T>
 double sum_of_squares(const T* x, int64_t n) {
@@ -122,10 +128,16 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   }
   for (const Tensor& t : options_.norm_skips) norm_skips_.insert(t.impl());
   staged_ = !device_.is_cpu() || options_.stage_through_host;
+  CHECK(options_.stage >= 1 && options_.stage <= 3) << "ZeRO stage " << options_.stage;
+  if (options_.stage > 1 && (staged_ || !options_.buckets))
+    throw Error(cat("ZeRO-", options_.stage,
+                    ": sharded gradients and parameters need DataParallel's buckets and "
+                    "parameters on the CPU (these are on ",
+                    device_, "); use parallel.shard=optimizer"));
   // Unstaged segments in one shared region when the ranks share a host (the
   // collectives then run in place); else ordinary memory and the ring.
   std::vector<Tensor> shared;
-  if (options_.shared_buffers && !staged_) {
+  if (options_.shared_buffers && !staged_ && options_.stage == 1) {
     std::vector<std::pair<int64_t, DType>> sizes;
     for (const ZeroSegment& seg : segments_)
       sizes.emplace_back(seg.shard_numel * world_size(), dtype_);
@@ -135,7 +147,9 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   buffers_.resize(segments_.size());
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
-    buffers_[s].flat = shared_ ? shared[s] : zeros({seg.shard_numel * world_size()}, dtype_);
+    // Stages 2 and 3: this rank's block of the reduced gradients only.
+    const int64_t flat = options_.stage > 1 ? seg.shard_numel : seg.shard_numel * world_size();
+    buffers_[s].flat = shared_ ? shared[s] : zeros({flat}, dtype_);
     buffers_[s].master = zeros({seg.shard_numel}, dtype_, device_);
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
@@ -178,8 +192,8 @@ void ZeroOptimizer::build_pieces(const OptimizerFactory& make_optimizer) {
       piece.shard_offset = lo + piece.begin - first;
       int64_t n = piece.end - piece.begin;
       piece.value = make_view(buffers_[s].master, {n}, {1}, piece.shard_offset);
-      piece.host_grad = make_view(buffers_[s].flat, {n}, {1},
-                                  int64_t(rank()) * seg.shard_numel + piece.shard_offset);
+      const int64_t block = options_.stage > 1 ? 0 : int64_t(rank()) * seg.shard_numel;
+      piece.host_grad = make_view(buffers_[s].flat, {n}, {1}, block + piece.shard_offset);
       piece.grad =
           staged_ ? make_view(buffers_[s].grad, {n}, {1}, piece.shard_offset) : piece.host_grad;
       pieces.push_back(std::move(piece));
@@ -245,6 +259,7 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   CHECK(options_.buckets) << "ZeRO-1: reduce_bucket without buckets in ZeroOptions";
   CHECK(bucket.index >= 0 && size_t(bucket.index) < segments_.size())
       << "ZeRO-1: bucket " << bucket.index << " of " << segments_.size();
+  if (options_.stage > 1) return reduce_transient_bucket(bucket);
   const ZeroSegment& seg = segments_[size_t(bucket.index)];
   SegmentBuffers& buf = buffers_[size_t(bucket.index)];
   CHECK(bucket.numel() == seg.numel && bucket.flat.dtype() == dtype_ && bucket.flat.is_contiguous())
@@ -265,6 +280,36 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   buf.reduced = true;
   buf.has_grad.assign(seg.params.size(), true);  // DataParallel: a missing gradient counts as zero
   return w;
+}
+
+comm::Work ZeroOptimizer::reduce_transient_bucket(const Bucket& bucket) {
+  const ZeroSegment& seg = segments_[size_t(bucket.index)];
+  SegmentBuffers& buf = buffers_[size_t(bucket.index)];
+  CHECK(bucket.flat.numel() == seg.shard_numel * world_size() && bucket.flat.dtype() == dtype_ &&
+        bucket.flat.is_contiguous() && bucket.flat.device().is_cpu())
+      << "ZeRO-" << options_.stage << ": bucket " << bucket.index << " is " << bucket.flat.dtype()
+      << " " << bucket.flat.shape_str() << ", expected " << seg.shard_numel * world_size() << " x "
+      << dtype_ << " (padded, on the CPU)";
+  comm::CollectiveOptions rs = options_.collective;
+  rs.op = comm::ReduceOp::avg;
+  // This rank's block of the bucket receives the reduction (the collective
+  // copies its input first), then is added into the shard's gradients.
+  char* block = bytes_at(bucket.flat, int64_t(rank()) * seg.shard_numel);
+  pending_.push_back(comm::reduce_scatter_async(*comm_, bucket.flat.data_ptr(), block,
+                                                size_t(seg.shard_numel), dtype_, rs));
+  comm::Work added = comm_->enqueue([this, &buf, block, n = seg.shard_numel] {
+    if (!buf.accumulated)
+      std::memcpy(buf.flat.data_ptr(), block, byte_count(dtype_, n));
+    else if (dtype_ == DType::f64)
+      add_into(buf.flat.data<double>(), reinterpret_cast<const double*>(block), n);
+    else
+      add_into(buf.flat.data<float>(), reinterpret_cast<const float*>(block), n);
+    buf.accumulated = true;
+  });
+  pending_.push_back(added);
+  buf.reduced = true;
+  buf.has_grad.assign(seg.params.size(), true);  // DataParallel: a missing gradient counts as zero
+  return added;
 }
 
 void ZeroOptimizer::reduce_gradients() {
@@ -335,8 +380,10 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
 void ZeroOptimizer::step() {
   autograd::NoGradGuard no_grad;
   reduce_gradients();
-  // The block starts from the current parameters (a checkpoint may have replaced them).
+  // The block starts from the current parameters (a checkpoint may have
+  // replaced them); under ZeRO-3 it is the parameters.
   for (const Piece& p : pieces_) {
+    if (options_.stage == 3) break;
     const Tensor& param = segments_[size_t(p.segment)].params[size_t(p.param)].tensor;
     if (staged_)
       Tensor(p.value).copy_(make_view(param, {p.end - p.begin}, {1}, param.offset() + p.begin));
@@ -345,6 +392,61 @@ void ZeroOptimizer::step() {
                   byte_count(dtype_, p.end - p.begin));
   }
   optimizer_->step();
+  if (options_.stage == 1)
+    gather_parameters();
+  else if (options_.stage == 2)
+    gather_parameters_transient();
+  for (SegmentBuffers& buf : buffers_) buf.reduced = buf.accumulated = false;
+  for (const Piece& p : pieces_) p.value.set_grad(Tensor());
+  reduced_ = false;
+}
+
+void ZeroOptimizer::gather_parameters_transient() {
+  comm::CollectiveOptions ag = options_.collective;
+  ag.shared_region = false;
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    SegmentBuffers& buf = buffers_[s];
+    if (!buf.stepped) continue;  // the same on every rank: no parameter had a gradient
+    Tensor flat = empty({seg.shard_numel * world_size()}, dtype_);
+    comm::allgather(*comm_, buf.master.data_ptr(), flat.data_ptr(),
+                    byte_count(dtype_, seg.shard_numel), ag);
+    for (size_t i = 0; i < seg.params.size(); ++i)
+      if (buf.has_grad[i])
+        std::memcpy(seg.params[i].tensor.data_ptr(), bytes_at(flat, seg.offsets[i]),
+                    byte_count(dtype_, seg.params[i].tensor.numel()));
+  }
+}
+
+void ZeroOptimizer::shard_parameters() {
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    auto [first, last] = seg.shard_range(rank());
+    char* master = static_cast<char*>(buffers_[s].master.data_ptr());
+    for (size_t i = 0; i < seg.params.size(); ++i) {
+      const int64_t lo = std::max(seg.offsets[i], first),
+                    hi = std::min(seg.offsets[i] + seg.params[i].tensor.numel(), last);
+      if (lo < hi)
+        std::memcpy(master + byte_count(dtype_, lo - first),
+                    bytes_at(seg.params[i].tensor, lo - seg.offsets[i]),
+                    byte_count(dtype_, hi - lo));
+    }
+  }
+}
+
+comm::Work ZeroOptimizer::gather_segment_async(int segment, const Tensor& flat) {
+  const ZeroSegment& seg = segments_[size_t(segment)];
+  CHECK(flat.numel() == seg.shard_numel * world_size() && flat.dtype() == dtype_ &&
+        flat.is_contiguous() && flat.device().is_cpu())
+      << "ZeRO-3: segment " << segment << " gathers into " << seg.shard_numel * world_size()
+      << " x " << dtype_ << ", not " << flat.dtype() << " " << flat.shape_str();
+  comm::CollectiveOptions ag = options_.collective;
+  ag.shared_region = false;
+  return comm::allgather_async(*comm_, buffers_[size_t(segment)].master.data_ptr(), flat.data_ptr(),
+                               byte_count(dtype_, seg.shard_numel), ag);
+}
+
+void ZeroOptimizer::gather_parameters() {
   comm::CollectiveOptions ag = options_.collective;
   ag.shared_region = shared_;
   for (size_t s = 0; s < segments_.size(); ++s) {
@@ -369,16 +471,13 @@ void ZeroOptimizer::step() {
                       byte_count(dtype_, param.numel()));
       }
   }
-  for (SegmentBuffers& buf : buffers_) buf.reduced = false;
-  for (const Piece& p : pieces_) p.value.set_grad(Tensor());
-  reduced_ = false;
 }
 
 void ZeroOptimizer::zero_grad(bool set_to_none) {
   // A step skipped after its reduction (a non-finite loss) must not leave it for the next one.
   for (const comm::Work& w : pending_) w.wait();
   pending_.clear();
-  for (SegmentBuffers& buf : buffers_) buf.reduced = false;
+  for (SegmentBuffers& buf : buffers_) buf.reduced = buf.accumulated = false;
   for (const Piece& p : pieces_) p.value.set_grad(Tensor());
   reduced_ = false;
   optim::zero_grads(groups_, set_to_none);

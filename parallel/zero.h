@@ -93,6 +93,16 @@ using OptimizerFactory =
     std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
 struct ZeroOptions {
+  // What is sharded besides the optimizer state. 1: nothing (ZeRO-1). 2:
+  // the gradients (ZeRO-2): each bucket (transient, DataParallelOptions::
+  // transient_buckets, padded to a multiple of the world size) is
+  // reduce-scattered into this rank's block and added there, so micro-steps
+  // accumulate in the shard; no full-size buffer lives between steps. 3: the
+  // parameters too (ZeRO-3): this rank's block of each segment is the only
+  // lasting copy of its parameters; the segments are DataParallel's units,
+  // gathered before use (gather_segment_async, parallel/fsdp.h) and step()
+  // gathers nothing. Stages 2 and 3 need buckets and CPU parameters.
+  int stage = 1;
   // DataParallel's buckets as the segments; their reduction must be
   // zero_bucket_reduce(). Null: one segment over the groups' parameters,
   // reduced in step().
@@ -183,11 +193,26 @@ class ZeroOptimizer final : public optim::Optimizer {
   // (averaged) into this rank's block. Used through zero_bucket_reduce().
   comm::Work reduce_bucket(const Bucket& bucket);
 
+  // ---- stage 3 ----
+  // Takes this rank's block of every segment from the parameters' current
+  // values (once, before the first gather: after a checkpoint has loaded).
+  void shard_parameters();
+  // All-gathers segment s's parameters into flat ([world_size * shard_numel]
+  // on the CPU, alive until the returned work finishes), in the order of
+  // the segment's parameters and offsets.
+  comm::Work gather_segment_async(int segment, const Tensor& flat);
+  int stage() const { return options_.stage; }
+
  private:
   struct Piece;
   struct SegmentBuffers;
   void build_pieces(const OptimizerFactory& make_optimizer);
   void reduce_standalone();
+  comm::Work reduce_transient_bucket(const Bucket& bucket);
+  // After the update: the stepped blocks all-gathered into the parameters
+  // (stage 1 through the flat buffers, stage 2 through a transient one).
+  void gather_parameters();
+  void gather_parameters_transient();
   void mark_missing_gradients(const std::vector<bool>& has_grad);
   std::string layout_name() const;
   Tensor layout_tensor() const;

@@ -173,12 +173,12 @@ TEST_CASE("parameter server: recipes it cannot train are refused with the key to
     int ranks;
     std::string message;
   };
-  for (const Case& c :
-       std::vector<Case>{{{"parallel.servers=2"}, 2, "leaves no worker among the 2 ranks"},
-                         {{"parallel.pp=2"}, 3, "need parallel.mode = allreduce"},
-                         {{"parallel.zero1=true"}, 3, "set parallel.zero1=false"},
-                         {{"optimizer.clip_grad_norm=1"}, 3, "set optimizer.clip_grad_norm=0"},
-                         {{"parallel.sync=bulk"}, 3, "parallel.sync"}}) {
+  for (const Case& c : std::vector<Case>{
+           {{"parallel.servers=2"}, 2, "leaves no worker among the 2 ranks"},
+           {{"parallel.pp=2"}, 3, "need parallel.mode = allreduce"},
+           {{"parallel.zero1=true"}, 3, "set parallel.shard=none (and parallel.zero1=false)"},
+           {{"optimizer.clip_grad_norm=1"}, 3, "set optimizer.clip_grad_norm=0"},
+           {{"parallel.sync=bulk"}, 3, "parallel.sync"}}) {
     std::vector<std::string> extra{"parallel.mode=parameter_server"};
     extra.insert(extra.end(), c.extra.begin(), c.extra.end());
     ProcessResult r = run_ranks(c.ranks, args(out, extra), {.timeout_s = 120});

@@ -30,7 +30,8 @@ ParallelLayout layout_of(int dp, int pp, int tp, bool zero1) {
   return ParallelLayout{.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, dp},
                                                     {parallel::Dim::pp, pp},
                                                     {parallel::Dim::tp, tp}},
-                        .zero1 = zero1};
+                        .zero1 = zero1,
+                        .zero_stage = zero1 ? 1 : 0};
 }
 
 void require_same_bits(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>& b) {
@@ -258,6 +259,12 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
   CHECK(back.lr == 0.05);
   CHECK(back.vocab == file.vocab);
   CHECK(back.recipe_yaml == file.recipe_yaml);
+  // Sharded parameters (ZeRO-3) are recorded as parallel.shard.
+  file.state.layout.zero_stage = 3;
+  write_trainer_state(dir.string(), file);
+  j = nlohmann::json::parse(read_file(trainer_state_file(dir.string())));
+  CHECK(j["parallel"]["shard"] == "parameters");
+  CHECK(read_trainer_state(dir.string()).state.layout.zero_stage == 3);
 
   // Older files: no dp/pp/tp (all data-parallel), or no parallel record (one process).
   j["parallel"] = {{"world_size", 3}, {"zero1", false}};

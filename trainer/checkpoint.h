@@ -71,9 +71,15 @@ inline constexpr int kTrainerStateFormat = 3;
 struct ParallelLayout {
   parallel::MeshShape mesh;  // its product is the world size
   bool zero1 = false;        // the optimizer state sharded over the dp ranks
+  // What else is: 1 the optimizer state only, 2 the gradients too, 3 the
+  // parameters too (parallel.shard); 0 when zero1 is off.
+  int zero_stage = 0;
   int world_size() const { return mesh.size(); }
   bool operator==(const ParallelLayout&) const = default;
 };
+
+// parallel.shard's names of the ZeRO stages 0 to 3.
+inline constexpr const char* kShardNames[] = {"none", "optimizer", "gradients", "parameters"};
 
 // What moves during training; saved in trainer_state.json.
 struct TrainState {

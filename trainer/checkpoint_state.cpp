@@ -1,6 +1,7 @@
 // trainer_state.json (trainer/checkpoint.h): the replicated state of a
 // checkpoint written and read back, each field checked for its type and
 // range; and what changes when a checkpoint is resumed on another layout.
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
@@ -85,6 +86,8 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
                    {"pp", l.mesh[parallel::Dim::pp]},
                    {"tp", l.mesh[parallel::Dim::tp]},
                    {"zero1", l.zero1}};
+  // Sharded gradients or parameters; zero1 says the rest.
+  if (l.zero1 && l.zero_stage > 1) j["parallel"]["shard"] = kShardNames[l.zero_stage];
   // dp, pp and tp say it all unless another dimension is in use.
   const parallel::Dims said{parallel::Dim::dp_replicate, parallel::Dim::pp, parallel::Dim::tp};
   if (l.mesh.size(said.complement()) > 1)
@@ -128,6 +131,21 @@ parallel::MeshShape read_mesh(StateFields& fields, const json& p, int64_t world,
   return mesh;
 }
 
+// parallel.shard: the ZeRO stage, which zero1 must agree with (files
+// without it: zero1's stage, 1 or 0).
+int read_shard(StateFields& fields, const json& p, bool zero1) {
+  if (!p.contains("shard")) return zero1 ? 1 : 0;
+  const json& shard = p["shard"];
+  const auto* it = shard.is_string() ? std::find(std::begin(kShardNames), std::end(kShardNames),
+                                                 shard.get<std::string>())
+                                     : std::end(kShardNames);
+  if (it == std::end(kShardNames) || (it != std::begin(kShardNames)) != zero1)
+    fields.wrong_type(
+        "parallel.shard", shard,
+        zero1 ? "optimizer, gradients or parameters (zero1 is on)" : "none (zero1 is off)");
+  return int(it - std::begin(kShardNames));
+}
+
 }  // namespace
 
 TrainerStateFile parse_trainer_state(const std::string& text, const std::string& path) {
@@ -163,6 +181,7 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
     const int64_t world = fields.integer(p, "world_size", 1, "parallel.", kMaxRanks);
     s.layout.mesh = read_mesh(fields, p, world, kMaxRanks);
     s.layout.zero1 = fields.boolean(p, "zero1", false, "parallel.");
+    s.layout.zero_stage = read_shard(fields, p, s.layout.zero1);
     if (int64_t(s.layout.mesh.size()) != world)
       throw Error(cat(path, ": parallel.world_size ", world, " is not ",
                       p.contains("mesh") ? "the product of parallel.mesh" : "dp x pp x tp", " (",
@@ -218,6 +237,9 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
   change("pp", saved.mesh[parallel::Dim::pp], current.mesh[parallel::Dim::pp]);
   change("tp", saved.mesh[parallel::Dim::tp], current.mesh[parallel::Dim::tp]);
   change("zero1", saved.zero1 ? "on" : "off", current.zero1 ? "on" : "off");
+  if (saved.zero1 && current.zero1)
+    change("shard", kShardNames[std::max(saved.zero_stage, 1)],
+           kShardNames[std::max(current.zero_stage, 1)]);
   return out;
 }
 

@@ -42,9 +42,9 @@ int parameter_server_workers(const Recipe& r, int world_size) {
     throw Error(cat(what, ": the servers hold whole replicas' parameters; pipeline and tensor ",
                     "parallelism need parallel.mode = allreduce (parallel.pp = ", p.pp,
                     ", parallel.tp = ", p.tp, ")"));
-  if (p.zero1)
+  if (zero_stage(p) > 0)
     throw Error(cat(what, ": the servers already hold the optimizer state, sharded; set ",
-                    "parallel.zero1=false"));
+                    "parallel.shard=none (and parallel.zero1=false)"));
   if (r.optimizer.clip_grad_norm > 0)
     throw Error(cat(what, ": optimizer.clip_grad_norm needs the norm of the global gradient, ",
                     "which no rank sees; set optimizer.clip_grad_norm=0 or use parallel.mode = "
@@ -227,7 +227,27 @@ void check_pipeline_keys(const Recipe& r) {
   }
 }
 
+// Sharded gradients and parameters: what they do not compose with yet.
+void check_sharding_keys(const Recipe& r, int stage) {
+  const std::string what = cat(r.source, ": parallel.shard = ", kShardNames[stage]);
+  if (r.parallel.pp > 1)
+    throw Error(cat(what, " with parallel.pp = ", r.parallel.pp,
+                    ": pipeline stages shard their optimizer state only; use parallel.shard = "
+                    "optimizer with pipelines"));
+  if (r.device != "cpu")
+    throw Error(cat(what, " on device ", r.device,
+                    ": sharded gradients and parameters run on the CPU; use parallel.shard = "
+                    "optimizer on GPUs"));
+}
+
 }  // namespace
+
+int zero_stage(const ParallelRecipe& p) {
+  const auto* it = std::find(std::begin(kShardNames), std::end(kShardNames), p.shard);
+  CHECK(it != std::end(kShardNames)) << "parallel.shard '" << p.shard << "'";
+  const int stage = int(it - std::begin(kShardNames));
+  return stage == 0 && p.zero1 ? 1 : stage;
+}
 
 ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   if (r.parallel.mode == "parameter_server") world_size = parameter_server_workers(r, world_size);
@@ -242,7 +262,10 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   layout.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, int(dp)},
                                     {parallel::Dim::pp, int(p.pp)},
                                     {parallel::Dim::tp, int(p.tp)}};
-  layout.zero1 = p.zero1 && dp > 1;
+  const int stage = zero_stage(p);
+  if (stage > 1 && dp > 1) check_sharding_keys(r, stage);
+  layout.zero1 = stage > 0 && dp > 1;
+  layout.zero_stage = layout.zero1 ? stage : 0;
   return layout;
 }
 

@@ -57,7 +57,8 @@ namespace trainer {
 
 namespace parallel {
 class PipelineRuntime;
-}
+class ShardedParameters;
+}  // namespace parallel
 class Session;
 struct EvalMetrics;
 struct EvalSums;
@@ -83,6 +84,8 @@ struct RankLayout {
 // pp = 1. zero1 is set when parallel.zero1 has several dp ranks to shard
 // over. Throws Error naming the recipe keys and the launch that fits.
 ParallelLayout parallel_layout(const Recipe& recipe, int world_size);
+// The ZeRO stage parallel.shard asks for (0 to 3; parallel.zero1 is 1).
+int zero_stage(const ParallelRecipe& parallel);
 // World rank `rank` of that layout.
 RankLayout rank_layout(const ParallelLayout& job, int rank);
 
@@ -152,6 +155,9 @@ class DistributedRun {
 
   // For a non-final micro-step of gradient accumulation: no communication.
   parallel::DataParallel::NoSync no_sync(bool active);
+  // After every backward (each micro-step's): under sharded gradients the
+  // reductions of this backward start (they accumulate in the shards).
+  void end_backward();
   // After the last backward of a step: waits for the averaged gradients;
   // on a pipeline, the two stages holding a tied weight then add up their
   // gradients of it (the same sum on both).
@@ -185,6 +191,9 @@ class DistributedRun {
   // Whether flag is set on any rank (one small allreduce over the world;
   // flag itself on a single process).
   bool any_rank(bool flag) const;
+  // "memory: peak 12.5 MiB of tensors, 80.1 MiB resident": the largest of
+  // any rank (collective over the world).
+  std::string memory_summary() const;
   // Every rank reaches this point before any continues (checkpoint commits).
   void barrier() const;
   // The allreduce cost models every rank has found so far, joined
@@ -231,6 +240,8 @@ class DistributedRun {
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;
   std::unique_ptr<parallel::DataParallel> dp_;
+  // ZeRO-3: the gathers of the blocks' parameters (after dp_: it reads its buckets).
+  std::unique_ptr<parallel::ShardedParameters> sharded_parameters_;
   std::shared_ptr<parallel::ParameterServerClient> ps_;
 };
 

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -13,8 +15,10 @@
 
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
+#include "comm/shm_region.h"
 #include "optim/clip.h"
 #include "parallel/device_staging.h"
+#include "parallel/fsdp.h"
 #include "parallel/pipeline_eval.h"
 #include "parallel/planner.h"
 #include "parallel/sync_batchnorm.h"
@@ -29,7 +33,11 @@ namespace trainer {
 EvalMetrics DistributedRun::evaluate(Session& session) const {
   if (!dist_.active()) return session.evaluate();
   if (dp_) dp_->broadcast_buffers(0);
+  // ZeRO-3: the whole model gathered for the evaluation (the ranks' shares
+  // of the validation set may take different numbers of forward passes).
+  if (sharded_parameters_) sharded_parameters_->pin();
   EvalSums mine = pipeline_ ? evaluate_pipeline(session) : session.evaluate_shard();
+  if (sharded_parameters_) sharded_parameters_->unpin();
   // Gathered, not allreduced: a ring's sums would round differently on each
   // rank, and best-checkpoint decisions must agree.
   constexpr int kValues = 5;
@@ -98,6 +106,28 @@ bool DistributedRun::any_rank(bool flag) const {
   double v = flag ? 1.0 : 0.0;
   comm::allreduce(*dist_.world(), &v, 1, DType::f64, {.op = comm::ReduceOp::max});
   return v > 0;
+}
+
+std::string DistributedRun::memory_summary() const {
+  // The CPU allocator's peak (every tensor's bytes) and the process's peak
+  // resident set (VmHWM: the binary, libraries, buffers and allocator caches too).
+  // Shared regions (data parallelism's buckets on one host) live for the
+  // whole run, beside the allocator's memory.
+  double v[3] = {
+      double(allocator(Device{}).stats().peak_bytes + comm::ShmRegion::local_bytes_in_use()), 0,
+      double(comm::ShmRegion::local_bytes_in_use())};
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) v[1] = std::atof(line.c_str() + 6) * 1024;
+  if (dist_.active())
+    comm::allreduce(*dist_.world(), v, 3, DType::f64, {.op = comm::ReduceOp::max});
+  char text[200];
+  std::snprintf(text, sizeof text,
+                "memory: peak %.1f MiB of tensors (%.1f MiB of them shared with the host's other "
+                "ranks), %.1f MiB resident%s",
+                v[0] / (1 << 20), v[2] / (1 << 20), v[1] / (1 << 20),
+                dist_.active() ? " (the largest of any rank)" : "");
+  return text;
 }
 
 void DistributedRun::barrier() const {

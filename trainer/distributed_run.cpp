@@ -17,6 +17,7 @@
 #include "comm/collectives.h"
 #include "optim/clip.h"
 #include "parallel/device_staging.h"
+#include "parallel/fsdp.h"
 #include "parallel/pipeline_runtime.h"
 #include "parallel/placement.h"
 #include "parallel/planner.h"
@@ -168,6 +169,23 @@ void DistributedRun::apply_data_parallel(Session& session) {
     for (const Session::TiedAcrossStages& t : session.tied_across_stages())
       o.own_bucket.push_back(t.param);
   std::shared_ptr<Module> model = session.trained_ptr();
+  // ZeRO-2 and -3: gradients reduce-scattered from transient buckets, one
+  // per unit of blocks; under ZeRO-3 the units' parameters are gathered per use.
+  const int stage = dist_.layout.job.zero_stage;
+  Model* blocks_model = dynamic_cast<Model*>(model.get());
+  std::vector<std::vector<size_t>> units;
+  if (stage >= 2) {
+    CHECK(blocks_model) << "ZeRO-" << stage << " shards a model's blocks";
+    o.transient_buckets = true;
+    o.bucket_numel_multiple = dp_comm->size();
+    units = parallel::sharding_units(blocks_model->blocks());
+    o.units = parallel::unit_parameters(blocks_model->blocks(), units);
+  }
+  if (stage == 3) {
+    o.on_bucket_started = [this](int bucket) {
+      if (sharded_parameters_) sharded_parameters_->bucket_started(bucket);
+    };
+  }
 #if TRAINER_HAVE_CUDA
   const Device device = module_device(*model);
   // parallel.gpu_direct: the buckets' device memory goes to UCX, reduced by
@@ -182,7 +200,16 @@ void DistributedRun::apply_data_parallel(Session& session) {
 #endif
   dp_ = std::make_unique<parallel::DataParallel>(model, dp_comm, o);
   if (sharded) build_sharded_optimizer(session);
-  session.record_pass("data", cat("dp=", dp_comm->size(), sharded ? ", zero1" : ""));
+  if (stage == 3) {
+    sharded_parameters_ = std::make_unique<parallel::ShardedParameters>(
+        *blocks_model, units, *dp_, &zero_,
+        parallel::ShardingOptions{.reshard_after_forward = recipe.parallel.reshard_after_forward,
+                                  .keep_last = int(recipe.parallel.keep_last_blocks),
+                                  .timeline = timeline_.get()});
+    session.set_parameter_gather([this] { return sharded_parameters_->gathered_copies(); });
+  }
+  session.record_pass(
+      "data", cat("dp=", dp_comm->size(), sharded ? cat(", zero", std::max(stage, 1)) : ""));
 }
 
 void DistributedRun::build_sharded_optimizer(Session& session) {
@@ -199,7 +226,8 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
       if (!counted_in_norm(p)) skips.push_back(p);
   zero_ = std::make_shared<parallel::ZeroOptimizer>(
       dist_.mesh.comm(parallel::kDataParallel), session.trained_param_groups(), make,
-      parallel::ZeroOptions{.buckets = &dp_->buckets(),
+      parallel::ZeroOptions{.stage = std::max(dist_.layout.job.zero_stage, 1),
+                            .buckets = &dp_->buckets(),
                             .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
                                                dist_.mesh.comm(parallel::Dim::tp)},
                             .norm_skips = std::move(skips)});
@@ -286,6 +314,11 @@ void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
   // the gradients at its zeroed buckets again.
   if (zero_ || !dp_) optimizer.zero_grad();
   if (dp_) dp_->zero_grad();
+  if (sharded_parameters_) sharded_parameters_->end_step();
+}
+
+void DistributedRun::end_backward() {
+  if (dp_) dp_->end_backward();
 }
 
 }  // namespace trainer

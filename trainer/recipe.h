@@ -125,7 +125,15 @@ struct ParallelRecipe {
   // The gradient allreduce's algorithm (comm/collectives.h): auto | ring |
   // recursive_doubling | tree | butterfly | all_to_all | master_worker | round_robin.
   std::string allreduce = "auto";
+  // What the data-parallel ranks shard (ZeRO stages): none | optimizer (1)
+  // | gradients (2) | parameters (3); zero1: true is optimizer.
+  std::string shard = "none";
   bool zero1 = false;
+  // ZeRO-3: a block's gathered parameters are freed after its forward
+  // (false: kept until its backward), except for the last keep_last_blocks
+  // units, whose backward comes first.
+  bool reshard_after_forward = true;
+  int64_t keep_last_blocks = 1;
   bool sync_bn = false;
   bool auto_plan = false;  // parallel.auto: the layout planned at start-up (trainer/plan.h)
   // Activation checkpointing: "blocks" keeps each block's inputs only and

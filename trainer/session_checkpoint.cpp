@@ -67,10 +67,15 @@ CheckpointPart Session::checkpoint_part(const TrainState& state) const {
   // a replicated tensor on the first of its replicas. Nothing is gathered.
   const parallel::ParallelPlan& plan = parallel_plan_;
   CheckpointPart part;
-  for (const NamedTensor& t : held_state())
-    if (plan.writes(t.name))
-      part.model.push_back(
-          piece_of(t.name, t.tensor, plan.placement(t.name), plan.mesh, plan.coord));
+  // ZeRO-3: the parameters' values gathered into memory of their own.
+  const std::map<const TensorImpl*, Tensor> gathered =
+      parameter_gather_ ? parameter_gather_() : std::map<const TensorImpl*, Tensor>();
+  for (const NamedTensor& t : held_state()) {
+    if (!plan.writes(t.name)) continue;
+    auto g = gathered.find(t.tensor.impl());
+    const Tensor& value = g == gathered.end() ? t.tensor : g->second;
+    part.model.push_back(piece_of(t.name, value, plan.placement(t.name), plan.mesh, plan.coord));
+  }
   // What is not a parameter (batch-norm statistics and the like) changes
   // in the next forward pass.
   std::set<std::string> parameters;

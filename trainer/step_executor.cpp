@@ -125,6 +125,7 @@ void StepExecutor::backward(int m, bool last, InFlight& in_flight) {
   parallel::TraceScope span(run_.timeline(), "backward");
   const int M = schedule_.micro_batches;
   precision_.scale_loss(M == 1 ? loss : loss * (1.0 / double(M))).backward();
+  run_.end_backward();
 }
 
 void StepExecutor::grad_sync(InFlight& in_flight) {

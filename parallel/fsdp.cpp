@@ -1,0 +1,289 @@
+#include "parallel/fsdp.h"
+
+#include <algorithm>
+#include <functional>
+#include <set>
+#include <utility>
+
+#include "comm/collectives.h"
+#include "core/autograd.h"
+
+namespace trainer::parallel {
+
+struct ShardedParameters::Unit {
+  std::string name;            // its blocks' names, "transformer.h.3" or "embed+head"
+  std::vector<size_t> blocks;  // increasing
+  int segment = -1;            // of the ZeroOptimizer (= DataParallel bucket); -1: nothing sharded
+  Tensor flat;                 // gathered: the whole unit; undefined when freed
+  comm::Work pending;          // a gather in flight into flat
+  bool in_flight = false;
+  bool keep_after_forward = false;
+};
+
+namespace {
+
+// Identity on a unit's outputs whose backward first runs a hook (the
+// unit's gather): gradients flow on unchanged.
+struct BeforeBackwardOp {
+  struct Saved {
+    std::function<void()> hook;
+  };
+  static constexpr const char* name = "before_backward";
+  static TensorList forward(Saved& s, const TensorList& xs, const std::function<void()>& hook) {
+    s.hook = hook;
+    return xs;
+  }
+  static TensorList backward(Saved& s, const TensorList& grad_out, const autograd::GradMask&) {
+    s.hook();
+    return grad_out;
+  }
+};
+
+}  // namespace
+
+std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks) {
+  // Union-find over blocks that share a parameter.
+  std::vector<size_t> root(blocks.size());
+  for (size_t b = 0; b < root.size(); ++b) root[b] = b;
+  std::function<size_t(size_t)> find = [&](size_t b) {
+    return root[b] == b ? b : root[b] = find(root[b]);
+  };
+  std::map<const TensorImpl*, size_t> first_block;
+  for (size_t b = 0; b < blocks.size(); ++b)
+    for (const NamedTensor& p : blocks.named_parameters(b, b + 1)) {
+      auto [it, fresh] = first_block.emplace(p.tensor.impl(), b);
+      if (!fresh) root[find(b)] = find(it->second);
+    }
+  std::map<size_t, std::vector<size_t>> by_root;
+  for (size_t b = 0; b < blocks.size(); ++b) by_root[find(b)].push_back(b);
+  std::vector<std::vector<size_t>> units;
+  for (auto& [r, members] : by_root) units.push_back(std::move(members));
+  std::sort(units.begin(), units.end());  // by first block
+  return units;
+}
+
+std::vector<std::vector<Tensor>> unit_parameters(const BlockList& blocks,
+                                                 const std::vector<std::vector<size_t>>& units) {
+  std::set<const TensorImpl*> seen;
+  std::vector<std::vector<Tensor>> out;
+  for (const std::vector<size_t>& unit : units) {
+    out.emplace_back();
+    for (size_t b : unit)
+      for (const NamedTensor& p : blocks.named_parameters(b, b + 1))
+        if (p.tensor.requires_grad() && seen.insert(p.tensor.impl()).second)
+          out.back().push_back(p.tensor);
+  }
+  return out;
+}
+
+ShardedParameters::ShardedParameters(Model& model, std::vector<std::vector<size_t>> units,
+                                     const DataParallel& dp,
+                                     const std::shared_ptr<ZeroOptimizer>* zero,
+                                     ShardingOptions options)
+    : model_(model), comm_(&dp.comm()), zero_(zero), options_(options) {
+  const BlockList& blocks = model.blocks();
+  block_unit_.assign(blocks.size(), 0);
+  std::map<const TensorImpl*, size_t> unit_of_param;
+  for (size_t u = 0; u < units.size(); ++u) {
+    Unit unit;
+    unit.blocks = std::move(units[u]);
+    CHECK(!unit.blocks.empty()) << "ShardedParameters: an empty unit";
+    for (size_t b : unit.blocks) {
+      unit.name += (unit.name.empty() ? "" : "+") + blocks[b].name;
+      block_unit_[b] = u;
+      unit_of_block_[&blocks[b]] = u;
+      for (const NamedTensor& p : blocks.named_parameters(b, b + 1))
+        unit_of_param.emplace(p.tensor.impl(), u);
+    }
+    units_.push_back(std::move(unit));
+  }
+  for (const Bucket& bucket : dp.buckets()) {
+    auto u = unit_of_param.find(bucket.params.front().tensor.impl());
+    CHECK(u != unit_of_param.end())
+        << "ShardedParameters: bucket " << bucket.index << " holds parameters of no unit";
+    units_[u->second].segment = bucket.index;
+    unit_of_bucket_[bucket.index] = u->second;
+  }
+  // The units that finish last in forward: their backward comes first.
+  std::vector<size_t> by_end(units_.size());
+  for (size_t u = 0; u < by_end.size(); ++u) by_end[u] = u;
+  std::sort(by_end.begin(), by_end.end(),
+            [&](size_t a, size_t b) { return units_[a].blocks.back() < units_[b].blocks.back(); });
+  for (size_t k = 0; k < by_end.size(); ++k)
+    units_[by_end[k]].keep_after_forward =
+        !options_.reshard_after_forward ||
+        k + size_t(std::max(options_.keep_last, 0)) >= by_end.size();
+  model_.add_block_wrapper(
+      {.name = "shard_parameters",
+       .run = [this](const BlockSpec& block, const TensorList& inputs,
+                     const BlockFn& next) { return run_block(block, inputs, next); }},
+      /*outermost=*/true);
+}
+
+size_t ShardedParameters::num_units() const { return units_.size(); }
+
+ShardedParameters::~ShardedParameters() {
+  model_.remove_block_wrapper("shard_parameters");
+  for (Unit& u : units_)
+    if (u.in_flight) {
+      try {
+        u.pending.wait();
+      } catch (const std::exception&) {  // reported where it was waited for, or moot now
+      }
+    }
+}
+
+ShardedParameters::Unit& ShardedParameters::unit_of(const BlockSpec& block) {
+  auto it = unit_of_block_.find(&block);
+  CHECK(it != unit_of_block_.end())
+      << "ShardedParameters: block " << block.name << " is not of the model it wraps";
+  return units_[it->second];
+}
+
+void ShardedParameters::shard_once() {
+  if (sharded_) return;
+  // The parameters hold their values until now (a checkpoint loaded into
+  // them): each rank takes its block, and the model's copies are freed.
+  (*zero_)->shard_parameters();
+  for (size_t u = 0; u < units_.size(); ++u) release(u);
+  sharded_ = true;
+}
+
+void ShardedParameters::pin() {
+  shard_once();
+  for (size_t u = 0; u < units_.size(); ++u) gather(u);
+  pinned_ = true;
+}
+
+void ShardedParameters::unpin() {
+  pinned_ = false;
+  for (size_t u = 0; u < units_.size(); ++u) release(u);
+}
+
+TensorList ShardedParameters::run_block(const BlockSpec& block, const TensorList& inputs,
+                                        const BlockFn& next) {
+  if (pinned_) return next(inputs);
+  shard_once();
+  const size_t u = unit_of_block_.at(&block);
+  gather(u);
+  const size_t index = size_t(&block - &model_.blocks()[0]);
+  prefetch(index, +1);
+  TensorList out = next(inputs);
+  const bool recording = autograd::grad_enabled() && autograd::detail::any_requires_grad(out);
+  if (recording && units_[u].segment >= 0) {
+    TensorList marked = autograd::apply<BeforeBackwardOp>(
+        out, std::function<void()>([this, u, index] { before_backward(u, index); }));
+    out = std::move(marked);
+  }
+  // After the unit's last block: freed unless backward comes right after.
+  if (index == units_[u].blocks.back() && (!recording || !units_[u].keep_after_forward)) release(u);
+  return out;
+}
+
+void ShardedParameters::before_backward(size_t u, size_t block) {
+  gather(u);
+  prefetch(block, -1);
+}
+
+void ShardedParameters::check_order(size_t u) {
+  if (order_checked_) return;
+  comm::Communicator& comm = *comm_;
+  std::vector<int64_t> all(size_t(comm.size()));
+  const int64_t mine = int64_t(u);
+  comm::allgather(comm, &mine, all.data(), sizeof mine);
+  for (int r = 1; r < comm.size(); ++r)
+    if (all[size_t(r)] != all[0]) {
+      auto name = [&](int64_t k) {
+        return k >= 0 && size_t(k) < units_.size() ? units_[size_t(k)].name : cat("#", k);
+      };
+      throw Error(cat("ZeRO-3: rank ", r, " of the data-parallel group gathers the parameters of ",
+                      name(all[size_t(r)]), " where rank 0 gathers those of ", name(all[0]),
+                      ": every rank must run the same blocks in the same order"));
+    }
+}
+
+void ShardedParameters::start_gather(size_t u) {
+  Unit& unit = units_[u];
+  const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segment)];
+  unit.flat = empty({seg.shard_numel * (*zero_)->world_size()}, seg.params.front().tensor.dtype());
+  unit.pending = (*zero_)->gather_segment_async(unit.segment, unit.flat);
+  unit.in_flight = true;
+}
+
+void ShardedParameters::gather(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.segment < 0 || (unit.flat.defined() && !unit.in_flight)) return;
+  if (!unit.in_flight) {
+    check_order(u);
+    TraceScope span(options_.timeline, "zero3 gather", Track::comm);
+    start_gather(u);
+    ++gathers_;
+  }
+  unit.pending.wait();
+  unit.in_flight = false;
+  // The parameters point into the gathered buffer.
+  const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segment)];
+  for (size_t i = 0; i < seg.params.size(); ++i) {
+    TensorImpl* p = seg.params[i].tensor.impl();
+    p->storage = unit.flat.storage();
+    p->offset = seg.offsets[i];
+  }
+}
+
+void ShardedParameters::prefetch(size_t block, int direction) {
+  if (!options_.prefetch || !order_checked_) return;
+  const size_t here = block_unit_[block];
+  for (int64_t b = int64_t(block) + direction; b >= 0 && b < int64_t(block_unit_.size());
+       b += direction) {
+    const size_t u = block_unit_[size_t(b)];
+    if (u == here) continue;
+    Unit& unit = units_[u];
+    if (unit.segment >= 0 && !unit.flat.defined()) {
+      start_gather(u);
+      ++prefetches_;
+    }
+    return;
+  }
+}
+
+void ShardedParameters::release(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.segment < 0) return;
+  if (unit.in_flight) {
+    unit.pending.wait();
+    unit.in_flight = false;
+  }
+  for (const NamedTensor& p : (*zero_)->segments()[size_t(unit.segment)].params)
+    release_storage(p.tensor);
+  unit.flat = Tensor();
+}
+
+void ShardedParameters::bucket_started(int bucket) {
+  auto it = unit_of_bucket_.find(bucket);
+  if (it != unit_of_bucket_.end()) release(it->second);
+}
+
+void ShardedParameters::end_step() {
+  for (size_t u = 0; u < units_.size(); ++u) release(u);
+  if (sharded_) order_checked_ = true;
+}
+
+std::map<const TensorImpl*, Tensor> ShardedParameters::gathered_copies() {
+  std::map<const TensorImpl*, Tensor> out;
+  ZeroOptimizer& zero = **zero_;
+  for (const Unit& unit : units_) {
+    if (unit.segment < 0) continue;
+    const ZeroSegment& seg = zero.segments()[size_t(unit.segment)];
+    Tensor flat = empty({seg.shard_numel * zero.world_size()}, seg.params.front().tensor.dtype());
+    if (sharded_) zero.gather_segment_async(unit.segment, flat).wait();
+    for (size_t i = 0; i < seg.params.size(); ++i) {
+      const Tensor& p = seg.params[i].tensor;
+      Tensor copy = make_view(flat, p.shape(), contiguous_strides(p.shape()), seg.offsets[i]);
+      if (!sharded_) copy.copy_(p);  // not sharded yet: the parameters hold the values
+      out.emplace(p.impl(), copy);
+    }
+  }
+  return out;
+}
+
+}  // namespace trainer::parallel

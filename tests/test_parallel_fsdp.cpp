@@ -1,0 +1,274 @@
+// Sharded data parallelism (parallel.shard: gradients = ZeRO-2, parameters
+// = ZeRO-3) in the trainer: each mode on 2 and 4 ranks against one process
+// (MLP, GPT with its tied head and recomputation, ResNet-18, the LSTM LM),
+// composed with tensor parallelism, gradient accumulation and clipping; its
+// checkpoints resuming bit for bit and on other layouts; the memory it
+// saves, measured; and the recipes it refuses.
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "tests/runs.h"
+#include "trainer/checkpoint.h"
+#include "trainer/safetensors.h"
+
+using namespace trainer;
+using trainer::testing::check_close;
+using trainer::testing::check_models;
+using trainer::testing::model_at;
+using trainer::testing::ProcessResult;
+using trainer::testing::run_ranks;
+using trainer::testing::step_log;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kRecipes = std::string(TRAINER_SOURCE_DIR) + "/recipes/";
+
+std::string run_dir(const std::string& name) {
+  return testing::fresh_temp_dir("fsdp_" + name, false).string();
+}
+
+// The MLP recipe (testing::mlp_sgd_args) with momentum, two micro-steps
+// per step and clipping: the sharded gradient norm and accumulation in the shard.
+std::vector<std::string> mlp_args(const std::string& out, std::vector<std::string> extra) {
+  extra.insert(extra.begin(),
+               {"training.steps=6", "training.grad_accum=2", "optimizer.momentum=0.9",
+                "optimizer.clip_grad_norm=0.5", "training.log_every=1"});
+  return testing::mlp_sgd_args(out, extra);
+}
+
+// recipes/gpt_kjv.yaml made tiny (tied head), AdamW at a constant rate.
+std::vector<std::string> gpt_args(const std::string& out, std::vector<std::string> extra) {
+  std::vector<std::string> a{"train",
+                             kRecipes + "gpt_kjv.yaml",
+                             "output_dir=" + out,
+                             "data.path=" + std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt",
+                             "training.threads=1",
+                             "data.workers=1",
+                             "training.steps=4",
+                             "training.log_every=1",
+                             "training.eval_every=0",
+                             "model.n_layer=3",
+                             "model.d_model=32",
+                             "model.n_head=2",
+                             "model.context=32",
+                             "model.dropout=0",
+                             "data.seq_len=32",
+                             "data.val_windows=8",
+                             "schedule.name=constant",
+                             "schedule.warmup_steps=0",
+                             "optimizer.clip_grad_norm=0.5"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+ProcessResult trained(int ranks, const std::vector<std::string>& args) {
+  ProcessResult r = run_ranks(ranks, args);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  return r;
+}
+
+// check_models, a tensor-parallel run's vocabulary padding left out (its
+// embedding and head rows past the vocabulary: models/gpt.h).
+void check_models_unpadded(const std::map<std::string, Tensor>& one,
+                           std::map<std::string, Tensor> padded, double tolerance) {
+  for (auto& [name, t] : padded)
+    if (one.count(name) && t.dim() == 2 && t.size(0) > one.at(name).size(0))
+      t = t.narrow(0, 0, one.at(name).size(0)).contiguous();
+  check_models(one, padded, tolerance);
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// "memory: peak 12.3 MiB of tensors" from a run's summary.
+double peak_tensor_mib(const std::string& output) {
+  std::smatch m;
+  const std::regex peak("memory: peak ([0-9.]+) MiB of tensors");
+  REQUIRE(std::regex_search(output, m, peak));
+  return std::stod(m[1]);
+}
+
+}  // namespace
+
+TEST_CASE("fsdp: ZeRO-2 and ZeRO-3 train the MLP as one process, on 2 and 4 ranks",
+          "[parallel][mp][fsdp]") {
+  const std::string ref = run_dir("mlp_one");
+  trained(1, mlp_args(ref, {}));
+  for (const char* shard : {"gradients", "parameters"}) {
+    for (int ranks : {2, 4}) {
+      INFO(shard << " on " << ranks << " ranks");
+      const std::string out = run_dir(cat("mlp_", shard, ranks));
+      ProcessResult r = trained(ranks, mlp_args(out, {cat("parallel.shard=", shard)}));
+      CHECK(contains(r.output, cat("tp=1, zero", shard == std::string("gradients") ? 2 : 3, ")")));
+      check_close(step_log(ref).loss, step_log(out).loss, 1e-5, "loss");
+      check_close(step_log(ref).grad_norm, step_log(out).grad_norm, 1e-5, "gradient norm");
+      check_models(model_at(ref, 6), model_at(out, 6), 1e-6);
+    }
+  }
+}
+
+TEST_CASE("fsdp: ZeRO-3 trains GPT (tied head) as one process, with recomputation and tp 2",
+          "[parallel][mp][fsdp]") {
+  const std::string ref = run_dir("gpt_one");
+  trained(1, gpt_args(ref, {}));
+  struct Layout {
+    const char* name;
+    int ranks;
+    std::vector<std::string> extra;
+  };
+  for (const Layout& l : {Layout{"dp2", 2, {"parallel.shard=parameters"}},
+                          Layout{"dp2_recompute_keep",
+                                 2,
+                                 {"parallel.shard=parameters", "parallel.recompute=blocks",
+                                  "parallel.reshard_after_forward=false"}},
+                          Layout{"dp4_zero2", 4, {"parallel.shard=gradients"}},
+                          Layout{"dp2_tp2", 4, {"parallel.shard=parameters", "parallel.tp=2"}}}) {
+    INFO(l.name);
+    const std::string out = run_dir(cat("gpt_", l.name));
+    trained(l.ranks, gpt_args(out, l.extra));
+    check_close(step_log(ref).loss, step_log(out).loss, 1e-5, "loss");
+    check_models_unpadded(model_at(ref, 4), model_at(out, 4), 1e-5);
+  }
+}
+
+TEST_CASE("fsdp: ZeRO-3 trains ResNet-18 and the LSTM LM as one process", "[parallel][mp][fsdp]") {
+  SECTION("resnet18_small") {
+    const std::vector<std::string> common = {"model.name=resnet18_small", "model.in_channels=1",
+                                             "training.global_batch=8",   "optimizer.lr=0.05",
+                                             "data.val_samples=64",       "training.steps=3",
+                                             "training.log_every=1"};
+    auto args = [&](const std::string& out, std::vector<std::string> extra) {
+      std::vector<std::string> a{"train", kRecipes + "fmnist_cnn.yaml", "output_dir=" + out,
+                                 "training.threads=1", "data.workers=1"};
+      a.insert(a.end(), common.begin(), common.end());
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    // Against plain data parallelism: batch norm's statistics are each rank's own.
+    const std::string ref = run_dir("resnet_dp2"), out = run_dir("resnet_zero3");
+    trained(2, args(ref, {}));
+    trained(2, args(out, {"parallel.shard=parameters"}));
+    check_close(step_log(ref).loss, step_log(out).loss, 1e-5, "loss");
+    check_models(model_at(ref, 3), model_at(out, 3), 1e-5);
+  }
+  SECTION("lstm") {
+    auto args = [&](const std::string& out, std::vector<std::string> extra) {
+      std::vector<std::string> a{
+          "train",
+          kRecipes + "lstm_kjv.yaml",
+          "output_dir=" + out,
+          "data.path=" + std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt",
+          "training.threads=1",
+          "data.workers=1",
+          "training.steps=3",
+          "training.log_every=1",
+          "training.eval_every=0",
+          "model.hidden=32",
+          "model.d_model=32",
+          "model.dropout=0",
+          "data.seq_len=16",
+          "data.val_windows=8"};
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    const std::string ref = run_dir("lstm_one"), out = run_dir("lstm_zero3");
+    trained(1, args(ref, {}));
+    trained(2, args(out, {"parallel.shard=parameters"}));
+    check_close(step_log(ref).loss, step_log(out).loss, 1e-5, "loss");
+    check_models(model_at(ref, 3), model_at(out, 3), 1e-5);
+  }
+}
+
+TEST_CASE("fsdp: a ZeRO-3 run resumes bit for bit, and on other shard modes and sizes",
+          "[parallel][mp][fsdp]") {
+  const std::vector<std::string> every = {"training.steps=12", "training.checkpoint_every=6",
+                                          "optimizer.name=adamw", "optimizer.lr=0.002"};
+  auto args = [&](const std::string& out, const std::vector<std::string>& extra) {
+    std::vector<std::string> a = every;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return testing::mlp_sgd_args(out, a);
+  };
+  const std::string straight = run_dir("resume_straight");
+  ProcessResult a = trained(2, args(straight, {"parallel.shard=parameters"}));
+  nlohmann::json state = nlohmann::json::parse(
+      read_file(straight + "/checkpoints/" + CheckpointDir::step_name(12) + "/trainer_state.json"));
+  CHECK(state.at("parallel").at("shard") == "parameters");
+  struct Continue {
+    const char* name;
+    int ranks;
+    const char* shard;
+    const char* resharded;  // "" for the same layout: bit for bit
+  };
+  for (const Continue& c : {Continue{"same", 2, "parameters", ""},
+                            Continue{"one", 1, "none", "resharded: dp 2 -> 1, zero1 on -> off"},
+                            Continue{"zero1", 2, "optimizer", "shard parameters -> optimizer"},
+                            Continue{"zero2_dp4", 4, "gradients", "dp 2 -> 4"}}) {
+    INFO(c.name);
+    const std::string run = run_dir(cat("resume_", c.name));
+    const std::string mid = CheckpointDir::step_name(6);
+    fs::create_directories(run + "/checkpoints");
+    fs::copy(straight + "/checkpoints/" + mid, run + "/checkpoints/" + mid);
+    std::vector<std::string> resume = args(run, {cat("parallel.shard=", c.shard)});
+    resume.insert(resume.end(), {"--resume", "auto"});
+    ProcessResult b = trained(c.ranks, resume);
+    CHECK(contains(b.output, "resumed from"));
+    CHECK(contains(b.output, c.resharded));
+    check_models(model_at(straight, 12), model_at(run, 12), *c.resharded ? 1e-5 : 0);
+  }
+  // One process evaluates it.
+  ProcessResult e = run_ranks(
+      1, {"eval", kRecipes + "fmnist_mlp.yaml", "--checkpoint", straight + "/checkpoints"});
+  INFO(e.output);
+  CHECK(e.code == 0);
+  CHECK(contains(e.output, "top1"));
+}
+
+TEST_CASE("fsdp: a rank's peak tensor memory falls with each shard mode", "[parallel][mp][fsdp]") {
+  // A GPT whose weights (W bytes; with AdamW's two moments and the
+  // gradients 4 W) outweigh its activations, on 4 ranks: sharding what
+  // takes k W saves 3/4 k W in an ideal world; at least half must be saved.
+  std::map<std::string, double> peak;
+  double weights_mib = 0;
+  for (const char* shard : {"none", "optimizer", "gradients", "parameters"}) {
+    const std::string out = run_dir(cat("memory_", shard));
+    ProcessResult r =
+        trained(4, gpt_args(out, {"model.d_model=256", "model.n_layer=4", "model.n_head=4",
+                                  "training.global_batch=4", "training.steps=2",
+                                  "optimizer.name=adamw", cat("parallel.shard=", shard)}));
+    peak[shard] = peak_tensor_mib(r.output);
+    weights_mib = 0;
+    for (const auto& [name, t] : model_at(out, 2))
+      if (name != "lm_head.weight") weights_mib += double(t.nbytes()) / (1 << 20);  // tied
+  }
+  INFO("weights " << weights_mib << " MiB; peak: none " << peak["none"] << ", optimizer "
+                  << peak["optimizer"] << ", gradients " << peak["gradients"] << ", parameters "
+                  << peak["parameters"] << " MiB");
+  // ZeRO-1 keeps a second full gradient buffer (its reduce-scatter's), so
+  // it saves less than the optimizer state; ZeRO-2 and -3 keep none.
+  const double quarter = 0.75 * weights_mib;
+  CHECK(peak["optimizer"] <= peak["none"]);
+  CHECK(peak["gradients"] < peak["optimizer"] - 0.5 * quarter);
+  CHECK(peak["parameters"] < peak["gradients"] - 0.5 * quarter);
+  CHECK(peak["parameters"] < peak["none"] - 0.5 * 4 * quarter);
+}
+
+TEST_CASE("fsdp: what the shard modes refuse, by key", "[parallel][fsdp]") {
+  ProcessResult pp = run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.pp=2",
+                                   "parallel.dp=2", "parallel.shard=parameters", "--dry-run"});
+  INFO(pp.output);
+  CHECK(pp.code != 0);
+  CHECK(contains(pp.output, "parallel.shard = parameters with parallel.pp = 2"));
+  ProcessResult bad =
+      run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.shard=all", "--dry-run"});
+  INFO(bad.output);
+  CHECK(bad.code != 0);
+  CHECK(contains(bad.output,
+                 "'parallel.shard' = 'all' is not one of: none, optimizer, gradients, "
+                 "parameters"));
+}
