@@ -81,51 +81,16 @@ struct Dcp {
   std::string note;  // the script's summary of its files, or why it failed
 };
 
-// An ImageFolder of one 28 x 28 grey PGM per class in train/ and val/, so a
-// 1000-class ResNet-50 can train: the pixels do not change what a checkpoint
-// costs.
-void write_image_folder(const std::string& dir) {
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  std::string pixels(kImageSide * kImageSide, '\0');
-  for (const char* split : {"train", "val"})
-    for (int c = 0; c < kClasses; ++c) {
-      char name[16];
-      std::snprintf(name, sizeof name, "c%04d", c);
-      const fs::path folder = fs::path(dir) / split / name;
-      fs::create_directories(folder);
-      for (char& p : pixels) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        p = char(state >> 56);
-      }
-      std::ofstream f(folder / "0.pgm", std::ios::binary);
-      f << "P5\n" << kImageSide << " " << kImageSide << "\n255\n" << pixels;
-    }
-}
-
 // The recipe and overrides that make a case's model, data and batch.
 std::vector<std::string> case_args(const Settings& s, const std::string& name, int ranks,
                                    const std::string& work) {
-  const std::string src = TRAINER_SOURCE_DIR;
-  if (name == "gpt")
-    return {src + "/recipes/gpt_kjv.yaml",
-            "data.path=" + src + "/datasets/kjv.txt",
-            "model.n_layer=" + std::to_string(s.layers),
-            "model.d_model=" + std::to_string(s.width),
-            "model.n_head=" + std::to_string(std::max(1, s.width / 64)),
-            "model.context=64",
-            "data.seq_len=64",
-            "data.val_windows=4",
-            "training.global_batch=" + std::to_string(ranks)};
-  // fmnist_cnn.yaml's SGD (momentum 0.9, Nesterov), another model and data.
-  return {src + "/recipes/fmnist_cnn.yaml",
-          "model.name=resnet50",
-          "model.num_classes=" + std::to_string(kClasses),
-          "model.in_channels=3",
-          "data.name=image_folder",
-          "data.root=" + work + kImages,
-          "data.image_size=" + std::to_string(kImageSide),
-          "data.val_samples=8",
-          "training.global_batch=" + std::to_string(kImageBatch * ranks)};
+  return bench::large_case_args({.name = name,
+                                 .layers = s.layers,
+                                 .width = s.width,
+                                 .sequences = 1,
+                                 .images = kImageBatch,
+                                 .ranks = ranks,
+                                 .images_dir = work + kImages});
 }
 
 Report run_case(const Settings& s, const std::string& name, int ranks, bool async,
@@ -327,7 +292,8 @@ int main(int argc, char** argv) {
                 : "off (--no-torch)";
   std::printf("cpu %s\n", cpu::cpu_name(cpu::cpu_features()).c_str());
   for (const std::string& name : s.cases) {
-    if (name == "resnet50" && !fs::exists(work + kImages)) write_image_folder(work + kImages);
+    if (name == "resnet50" && !fs::exists(work + kImages))
+      bench::write_class_images(work + kImages, kClasses, kImageSide);
     print_header(s, name, torch_state);
     for (int ranks : s.ranks) run_row(s, name, ranks, torch, work);
   }

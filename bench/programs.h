@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -87,6 +88,64 @@ inline void write_fake_fashion_mnist(const std::string& dir, int64_t train, int6
     be32(labels, uint32_t(n));
     for (int64_t i = 0; i < n; ++i) labels.put(char(i % 10));
   }
+}
+
+// An ImageFolder of one side x side grey PGM of random pixels per class in
+// train/ and val/, so that a model of `classes` classes (ResNet-50's 1000)
+// trains on the trainer's image reader: the pixels do not change what a
+// step costs.
+inline void write_class_images(const std::string& dir, int classes, int side) {
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  std::string pixels(size_t(side) * size_t(side), '\0');
+  for (const char* split : {"train", "val"})
+    for (int c = 0; c < classes; ++c) {
+      char name[16];
+      std::snprintf(name, sizeof name, "c%04d", c);
+      const std::filesystem::path folder = std::filesystem::path(dir) / split / name;
+      std::filesystem::create_directories(folder);
+      for (char& p : pixels) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        p = char(state >> 56);
+      }
+      std::ofstream f(folder / "0.pgm", std::ios::binary);
+      f << "P5\n" << side << " " << side << "\n255\n" << pixels;
+    }
+}
+
+// The two large cases of the multi-rank benchmarks, as trainer arguments
+// (recipe, then overrides):
+//   gpt       recipes/gpt_kjv.yaml at layers x width (n_head = width / 64),
+//             context 64, KJV characters, `sequences` per rank; AdamW
+//   resnet50  recipes/fmnist_cnn.yaml's SGD on ResNet-50, 1000 classes, 28 x
+//             28 images read as 3 channels from images_dir
+//             (write_class_images), `images` per rank
+struct LargeCase {
+  std::string name;
+  int layers = 12, width = 768, sequences = 1, images = 4, ranks = 1;
+  std::string images_dir;
+};
+inline std::vector<std::string> large_case_args(const LargeCase& c) {
+  const std::string src = TRAINER_SOURCE_DIR;
+  if (c.name == "gpt")
+    return {src + "/recipes/gpt_kjv.yaml",
+            "data.path=" + src + "/datasets/kjv.txt",
+            "model.n_layer=" + std::to_string(c.layers),
+            "model.d_model=" + std::to_string(c.width),
+            "model.n_head=" + std::to_string(std::max(1, c.width / 64)),
+            "model.context=64",
+            "data.seq_len=64",
+            "data.val_windows=4",
+            "training.global_batch=" + std::to_string(c.sequences * c.ranks)};
+  // fmnist_cnn.yaml's SGD (momentum 0.9, Nesterov), another model and data.
+  return {src + "/recipes/fmnist_cnn.yaml",
+          "model.name=resnet50",
+          "model.num_classes=1000",
+          "model.in_channels=3",
+          "data.name=image_folder",
+          "data.root=" + c.images_dir,
+          "data.image_size=28",
+          "data.val_samples=8",
+          "training.global_batch=" + std::to_string(c.images * c.ranks)};
 }
 
 }  // namespace trainer::bench

@@ -6,8 +6,6 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -15,7 +13,6 @@
 
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
-#include "comm/shm_region.h"
 #include "optim/clip.h"
 #include "parallel/device_staging.h"
 #include "parallel/fsdp.h"
@@ -109,24 +106,15 @@ bool DistributedRun::any_rank(bool flag) const {
 }
 
 std::string DistributedRun::memory_summary() const {
-  // The CPU allocator's peak (every tensor's bytes) and the process's peak
-  // resident set (VmHWM: the binary, libraries, buffers and allocator caches too).
-  // Shared regions (data parallelism's buckets on one host) live for the
-  // whole run, beside the allocator's memory.
-  double v[3] = {
-      double(allocator(Device{}).stats().peak_bytes + comm::ShmRegion::local_bytes_in_use()), 0,
-      double(comm::ShmRegion::local_bytes_in_use())};
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0) v[1] = std::atof(line.c_str() + 6) * 1024;
+  const MemoryPeaks m = memory_peaks();
+  double v[3] = {m.tensors_mib, m.shared_mib, m.resident_mib};
   if (dist_.active())
     comm::allreduce(*dist_.world(), v, 3, DType::f64, {.op = comm::ReduceOp::max});
   char text[200];
   std::snprintf(text, sizeof text,
                 "memory: peak %.1f MiB of tensors (%.1f MiB of them shared with the host's other "
                 "ranks), %.1f MiB resident%s",
-                v[0] / (1 << 20), v[2] / (1 << 20), v[1] / (1 << 20),
-                dist_.active() ? " (the largest of any rank)" : "");
+                v[0], v[1], v[2], dist_.active() ? " (the largest of any rank)" : "");
   return text;
 }
 

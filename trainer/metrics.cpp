@@ -3,11 +3,15 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "comm/shm_region.h"
 #include "core/check.h"
+#include "core/tensor.h"
 #include "data/files.h"
 
 namespace trainer {
@@ -77,6 +81,17 @@ std::string with_commas(int64_t value) {
     out.push_back(digits[i]);
   }
   return out;
+}
+
+MemoryPeaks memory_peaks() {
+  constexpr double kMiB = 1 << 20;
+  const double shared = double(comm::ShmRegion::local_bytes_in_use());
+  MemoryPeaks m{.tensors_mib = (double(allocator(Device{}).stats().peak_bytes) + shared) / kMiB,
+                .shared_mib = shared / kMiB};
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) m.resident_mib = std::atof(line.c_str() + 6) / 1024;
+  return m;
 }
 
 }  // namespace trainer

@@ -55,4 +55,13 @@ std::string format_duration(double seconds);
 // 421834 -> "421,834"
 std::string with_commas(int64_t value);
 
+// This process's memory so far, in MiB: the peak of its tensors (the CPU
+// allocator's peak plus its parts of the regions shared with the host's
+// other ranks, which live for the whole run), those shared parts, and the
+// peak resident set (VmHWM: the binary, libraries and caches too).
+struct MemoryPeaks {
+  double tensors_mib = 0, shared_mib = 0, resident_mib = 0;
+};
+MemoryPeaks memory_peaks();
+
 }  // namespace trainer

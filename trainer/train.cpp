@@ -206,6 +206,9 @@ class TrainLoop {
     if (const parallel::ParameterServerClient* ps = run_.parameter_server())
       sc.push_back({"staleness", double(ps->last_staleness())});
     for (const auto& kv : precision_.scalars()) sc.push_back(kv);
+    const MemoryPeaks memory = memory_peaks();  // this rank's, so far
+    sc.insert(sc.end(), {{"memory_peak_mib", memory.tensors_mib},
+                         {"resident_peak_mib", memory.resident_mib}});
     write_log("train", sc);
   }
 
