@@ -106,8 +106,8 @@ void print_plan(const GptCase& gpt, const std::string& device, int gpus, const P
       "%6.2f %6.2f %6.2f %6.2f | %6.1f | %7.1f\n",
       gpt.name, device.c_str(), gpus, plan.layout().c_str(), plan.micro_batches,
       static_cast<long long>(plan.micro_batch_size), schedule.c_str(),
-      to_string(plan.recompute).c_str(), plan.zero1 ? "on" : "off", t.total(),
-      plan.tokens_per_second, 100 * plan.model_flops_utilisation,
+      to_string(plan.recompute).c_str(), plan.zero > 0 ? cat("zero", plan.zero).c_str() : "off",
+      t.total(), plan.tokens_per_second, 100 * plan.model_flops_utilisation,
       plan.hardware_flops_per_gpu / 1e12, t.compute, t.bubble, t.tp_comm, t.pp_comm, t.dp_exposed,
       plan.memory / (1024.0 * 1024 * 1024), seconds * 1e3);
 }
@@ -286,14 +286,14 @@ std::vector<Predicted> predict(const LocalCase& c, const std::string& trainer,
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
     Predicted p;
-    int chunks = 1, zero1 = 0;
+    int chunks = 1, zero = 0;
     std::string recompute;
     fields >> p.config.dp >> p.config.pp >> p.config.tp >> p.config.micro_batches;
     int64_t b = 0;
-    fields >> b >> p.config.schedule >> chunks >> zero1 >> recompute >> p.step_s >> p.compute_s >>
+    fields >> b >> p.config.schedule >> chunks >> zero >> recompute >> p.step_s >> p.compute_s >>
         p.bubble_s >> p.tp_s >> p.pp_s >> p.dp_s >> p.optimizer_s >> p.stage_starts;
     // The layouts compared are the plain ones (the figures are about dp, pp and tp).
-    if (fields && chunks == 1 && zero1 == 0 && recompute == "none") out.push_back(p);
+    if (fields && chunks == 1 && zero == 0 && recompute == "none") out.push_back(p);
   }
   return out;
 }

@@ -76,7 +76,7 @@ std::string plan_label(const Plan& plan) {
                           " M=", plan.micro_batches, " b=", plan.micro_batch_size);
   if (plan.pp > 1) label += " " + plan.schedule;
   if (plan.chunks > 1) label += cat(" V=", plan.chunks);
-  if (plan.zero1) label += " zero1";
+  if (plan.zero > 0) label += cat(" zero", plan.zero);
   if (plan.recompute != Recompute::none) label += " recompute=" + to_string(plan.recompute);
   return label;
 }
@@ -304,6 +304,14 @@ size_t stage_end(const ModelDesc& model, const Plan& plan, int stage) {
                                                       : model.blocks.size();
 }
 
+// The most parameters one block of the stage holds (a ZeRO-3 gather's).
+double largest_params(const ModelDesc& model, const Plan& plan, int stage) {
+  double largest = 0;
+  for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i)
+    largest = std::max(largest, model.blocks[i].params / (model.blocks[i].tp_split ? plan.tp : 1));
+  return largest;
+}
+
 // Saved activations of one block for one sample, bytes at 16 bits.
 double block_activations(const BlockCost& block, const Plan& plan) {
   const double tp = block.tp_split ? plan.tp : 1;
@@ -354,9 +362,14 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
     }
     if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
     StageMemory& m = memory[size_t(stage)];
-    m.params = params * weight_bytes;
-    m.grads = params * grad_bytes;
-    m.optimizer = params * optimizer_bytes / (plan.zero1 ? plan.dp : 1);
+    // ZeRO-3 keeps 1/dp of the parameters and, gathered, the block that
+    // runs and the one prefetched.
+    const double dp = plan.dp;
+    m.params = plan.zero == 3
+                   ? (params / dp + 2 * largest_params(model, plan, stage)) * weight_bytes
+                   : params * weight_bytes;
+    m.grads = params * grad_bytes / (plan.zero >= 2 ? dp : 1);
+    m.optimizer = params * optimizer_bytes / (plan.zero >= 1 ? dp : 1);
     const double in_flight =
         activations_in_flight(plan.schedule, plan.pp, stage, plan.micro_batches, plan.chunks);
     // Under recomputation one block's whole activations live again during its backward.
@@ -445,6 +458,28 @@ void set_memory(const ModelDesc& model, const PlanRequest& request, Plan& plan, 
 
 }  // namespace
 
+// The data-parallel time ZeRO-2 and -3 leave exposed in a step of M
+// micro-batches: every micro-batch's gradients are reduce-scattered as
+// backward makes them (M reduce-scatters); ZeRO-2 all-gathers the
+// parameters after the step, ZeRO-3 gathers each block before its forward
+// and again before its backward (2 M all-gathers), prefetched while the
+// block before it computes, so only what compute cannot cover shows, and
+// at least the first block's gather.
+double sharded_dp_exposed(const ModelDesc& model, const PlanRequest& request, const Plan& plan,
+                          const LinkSpec& link, double grad_bytes, double forward,
+                          double backward) {
+  const double M = plan.micro_batches;
+  const double scatter = ring_allgather(link, plan.dp, grad_bytes);  // the same bytes as a gather
+  const double gather = ring_allgather(link, plan.dp, grad_bytes);
+  if (plan.zero == 2) {
+    const double reduce = M * scatter;
+    return (request.overlap_dp ? std::max(scatter / M, reduce - M * backward) : reduce) + gather;
+  }
+  const double comm = M * (scatter + 2 * gather);
+  const double first = gather / double(std::max<size_t>(model.blocks.size(), 1));
+  return request.overlap_dp ? std::max(first, comm - M * (forward + backward)) : comm;
+}
+
 Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
                    Plan plan, std::string* why) {
   const ClusterSpec& cluster = request.cluster;
@@ -478,10 +513,14 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
     // Buckets reduce while the last micro-batch's backward runs; the last one after it.
     terms.dp_exposed =
         request.overlap_dp ? std::max(last_bucket, sync - (backward + tp_backward)) : sync;
-    if (plan.zero1) terms.dp_exposed += ring_allgather(link, plan.dp, grad_bytes);
+    if (plan.zero >= 2)
+      terms.dp_exposed = sharded_dp_exposed(model, request, plan, link, grad_bytes,
+                                            forward + tp_forward, backward + tp_backward);
+    else if (plan.zero == 1)
+      terms.dp_exposed += ring_allgather(link, plan.dp, grad_bytes);
   }
   terms.optimizer =
-      request.optimizer_seconds_per_param * stage_params_max / (plan.zero1 ? plan.dp : 1);
+      request.optimizer_seconds_per_param * stage_params_max / (plan.zero >= 1 ? plan.dp : 1);
 
   set_memory(model, request, plan, why);
 
@@ -577,24 +616,25 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
   // (more recomputation, ZeRO-1 on) dominated: those are skipped.
   // With the optimizer timed, ZeRO-1 may be the faster (it updates
   // 1/dp of the parameters): then it is dominated only by itself.
-  const bool zero1_may_win = request.optimizer_seconds_per_param > 0;
-  bool fits[3][2] = {};
+  const bool zero_may_win = request.optimizer_seconds_per_param > 0;
+  const int max_zero = !request.allow_zero1 || base.dp == 1 ? 0
+                       : base.pp > 1                        ? std::min(request.max_zero, 1)
+                                                            : request.max_zero;
+  bool fits[3][4] = {};
   for (Recompute recompute : {Recompute::none, Recompute::selective, Recompute::blocks}) {
     const int level = int(recompute);
     if (recompute == Recompute::selective && !model.language_model) continue;
     if (recompute != Recompute::none && !request.allow_recompute) continue;
-    for (int zero1 = 0; zero1 < 2; ++zero1) {
-      if (zero1 && (base.dp == 1 || !request.allow_zero1)) continue;
+    for (int zero = 0; zero <= max_zero; ++zero) {
       bool dominated = false;
       for (int l = 0; l <= level; ++l)
-        for (int z = zero1_may_win ? zero1 : 0; z <= zero1; ++z)
-          dominated = dominated || fits[l][z];
+        for (int z = zero_may_win ? zero : 0; z <= zero; ++z) dominated = dominated || fits[l][z];
       if (dominated) {
         ++result.pruned;
         continue;
       }
       Plan plan = base;
-      plan.zero1 = zero1 != 0;
+      plan.zero = zero;
       plan.recompute = recompute;
       std::string why;
       Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
@@ -603,7 +643,7 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
         rejected.add("over device memory", cat(plan_label(scored), ": ", why), scored.memory);
         continue;
       }
-      fits[level][zero1] = true;
+      fits[level][zero] = true;
       result.ranked.push_back(std::move(scored));
     }
   }
@@ -695,7 +735,7 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
   char line[256];
   std::snprintf(
       line, sizeof line, "%4s  %-14s %5s %5s %-14s %-5s %-9s %9s %9s %5s %8s %7s %8s %8s %8s\n",
-      "rank", "dp x pp x tp", "M", "b", "schedule", "zero1", "recompute", "step ms",
+      "rank", "dp x pp x tp", "M", "b", "schedule", "zero", "recompute", "step ms",
       tokens ? "tokens/s" : "samples/s", "MFU", "mem GiB", "bubble", "tp ms", "pp ms", "dp ms");
   out += line;
   const int rows = std::min<int>(top, int(result.ranked.size()));
@@ -709,7 +749,8 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
                   "%8s\n",
                   i + 1, plan.layout().c_str(), plan.micro_batches,
                   static_cast<long long>(plan.micro_batch_size), schedule.c_str(),
-                  plan.zero1 ? "on" : "off", to_string(plan.recompute).c_str(), ms(step).c_str(),
+                  plan.zero > 0 ? cat(plan.zero).c_str() : "off", to_string(plan.recompute).c_str(),
+                  ms(step).c_str(),
                   rate_text(tokens ? plan.tokens_per_second : plan.samples_per_second).c_str(),
                   100 * plan.model_flops_utilisation, plan.memory / kGiB,
                   100 * plan.terms.bubble / step, ms(plan.terms.tp_comm).c_str(),
@@ -750,7 +791,9 @@ std::string plan_overrides(const Plan& plan) {
       out += cat(s > 1 ? "," : "", plan.stage_starts[s]);
     out += "]";
   }
-  out += cat(" parallel.zero1=", plan.zero1 ? "true" : "false");
+  static const char* const kShard[] = {"none", "optimizer", "gradients", "parameters"};
+  out += cat(" parallel.shard=", kShard[plan.zero],
+             " parallel.zero1=", plan.zero == 1 ? "true" : "false");
   if (plan.tp > 1)
     out += cat(" parallel.sequence_parallel=", plan.sequence_parallel ? "true" : "false");
   out += " parallel.recompute=" + to_string(plan.recompute);

@@ -260,7 +260,11 @@ struct PlanRequest {
   // backward runs on, so the whole allreduce adds to the step.
   bool overlap_dp = true;
   bool allow_recompute = true;
-  bool allow_zero1 = true;
+  bool allow_zero1 = true;  // ZeRO at all
+  // The highest ZeRO stage scored: 1 shards the optimizer state, 2 the
+  // gradients too, 3 the parameters too (2 and 3 only without a pipeline,
+  // and on CPUs, as the trainer runs them: cpu_plan_request sets 3).
+  int max_zero = 1;
 };
 
 struct StepTerms {
@@ -279,7 +283,7 @@ struct Plan {
   int64_t micro_batch_size = 1;   // samples
   std::string schedule = "none";  // none (pp = 1) | gpipe | 1f1b | interleaved | zbh1
   int chunks = 1;
-  bool zero1 = false;
+  int zero = 0;  // the ZeRO stage over dp: 0 none, 1 optimizer, 2 + gradients, 3 + parameters
   bool sequence_parallel = false;
   Recompute recompute = Recompute::none;
   StepTerms terms;

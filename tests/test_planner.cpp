@@ -136,12 +136,28 @@ TEST_CASE("planner: memory per rank for a hand-computed GPT case", "[parallel]")
     CHECK(m.params == 2 * (12 * 64 * 64 + 13 * 64));
     CHECK(m.optimizer == 12 * (12 * 64 * 64 + 13 * 64));
   }
+  SECTION("ZeRO-2 and ZeRO-3 at dp 4: the gradients, then the parameters, over dp") {
+    Plan plan;
+    plan.dp = 4, plan.micro_batch_size = 1;
+    plan.stage_starts = {0};
+    const StageMemory whole = stage_memory(model, request, plan)[0];
+    plan.zero = 2;
+    StageMemory m = stage_memory(model, request, plan)[0];
+    CHECK(m.params == whole.params);
+    CHECK(m.grads == whole.grads / 4);
+    CHECK(m.optimizer == whole.optimizer / 4);
+    plan.zero = 3;
+    m = stage_memory(model, request, plan)[0];
+    // A quarter of the weights, and two layers gathered (the one running, the one prefetched).
+    CHECK(m.params == whole.params / 4 + 2 * 2 * (12 * 64 * 64 + 13 * 64));
+    CHECK(m.grads == whole.grads / 4);
+  }
   SECTION("dp 2, pp 2, tp 2 with SP, ZeRO-1, 1F1B, M = 4 of b = 2") {
     Plan plan;
     plan.dp = 2, plan.pp = 2, plan.tp = 2;
     plan.micro_batches = 4, plan.micro_batch_size = 2;
     plan.schedule = "1f1b";
-    plan.zero1 = true;
+    plan.zero = 1;
     plan.sequence_parallel = true;
     std::string why;
     plan = evaluate_plan(model, request, FlopBlockTimer(request.cluster.device), plan, &why);
@@ -460,11 +476,12 @@ TEST_CASE("trainer plan --device cpu: a tiny GPT profiled here, every layout of 
   tsv.insert(tsv.end(), {"--format", "tsv"});
   r = run_trainer(tsv);
   REQUIRE(r.code == 0);
-  // A header, dp=2 (M 1, 2; with and without ZeRO-1: with the optimizer
-  // timed, neither dominates), pp=2 (gpipe, 1f1b, zbh1 at M 1, 2, 4; 2 layers
-  // make no interleaved chunks; dp = 1 has nothing to shard), tp=2 (M 1, 2, 4).
+  // A header, dp=2 (M 1, 2; each of ZeRO 0 to 3: with the optimizer timed,
+  // none dominates), pp=2 (gpipe, 1f1b, zbh1 at M 1, 2, 4; 2 layers make no
+  // interleaved chunks; dp = 1 has nothing to shard), tp=2 (M 1, 2, 4).
   // Recomputation is slower and everything fits: dominated.
-  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1 + 2 * 2 + 9 + 3);
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1 + 2 * 4 + 9 + 3);
+  CHECK(r.output.find("\n2\t1\t1\t1\t2\tnone\t1\t3\tnone\t") != std::string::npos);
   CHECK(r.output.find("\n1\t2\t1\t2\t2\t1f1b\t1\t0\tnone\t") != std::string::npos);
   CHECK(r.output.find("\n2\t1\t1\t1\t2\tnone\t1\t1\tnone\t") != std::string::npos);
 }

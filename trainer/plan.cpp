@@ -280,7 +280,7 @@ namespace {
 // benchmark reads to run the same layouts.
 std::string plan_tsv(const parallel::PlanResult& result) {
   std::string out =
-      "# dp\tpp\ttp\tM\tb\tschedule\tchunks\tzero1\trecompute\tstep_s\tcompute_s\tbubble_s\ttp_s\t"
+      "# dp\tpp\ttp\tM\tb\tschedule\tchunks\tzero\trecompute\tstep_s\tcompute_s\tbubble_s\ttp_s\t"
       "pp_s\t"
       "dp_s\toptimizer_s\tstage_starts\n";
   for (const parallel::Plan& plan : result.ranked) {
@@ -288,13 +288,12 @@ std::string plan_tsv(const parallel::PlanResult& result) {
     std::string starts;
     for (size_t s = 1; s < plan.stage_starts.size(); ++s)
       starts += cat(s > 1 ? "," : "", plan.stage_starts[s]);
-    out +=
-        cat(plan.dp, "\t", plan.pp, "\t", plan.tp, "\t", plan.micro_batches, "\t",
-            plan.micro_batch_size, "\t", plan.schedule, "\t", plan.chunks, "\t", plan.zero1 ? 1 : 0,
-            "\t", parallel::to_string(plan.recompute), "\t", plan_number(t.total()), "\t",
-            plan_number(t.compute), "\t", plan_number(t.bubble), "\t", plan_number(t.tp_comm), "\t",
-            plan_number(t.pp_comm), "\t", plan_number(t.dp_exposed), "\t", plan_number(t.optimizer),
-            "\t", starts.empty() ? "-" : starts, "\n");
+    out += cat(plan.dp, "\t", plan.pp, "\t", plan.tp, "\t", plan.micro_batches, "\t",
+               plan.micro_batch_size, "\t", plan.schedule, "\t", plan.chunks, "\t", plan.zero, "\t",
+               parallel::to_string(plan.recompute), "\t", plan_number(t.total()), "\t",
+               plan_number(t.compute), "\t", plan_number(t.bubble), "\t", plan_number(t.tp_comm),
+               "\t", plan_number(t.pp_comm), "\t", plan_number(t.dp_exposed), "\t",
+               plan_number(t.optimizer), "\t", starts.empty() ? "-" : starts, "\n");
   }
   return out;
 }

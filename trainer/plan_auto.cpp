@@ -36,7 +36,7 @@ std::string plan_line(const parallel::Plan& plan) {
   std::string out = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp, " M=", plan.micro_batches,
                         " b=", plan.micro_batch_size);
   if (plan.pp > 1) out += " " + plan.schedule;
-  if (plan.zero1) out += " zero1";
+  if (plan.zero > 0) out += cat(" zero", plan.zero);
   if (plan.recompute != parallel::Recompute::none)
     out += " recompute=" + parallel::to_string(plan.recompute);
   return cat(out, ": ", plan_number(plan.terms.total() * 1e3), " ms per step");
@@ -68,7 +68,7 @@ std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t
                                p.pp > 1 ? p.micro_batches : was.training.grad_accum,
                                p.pp > 1 ? schedule : 0,
                                p.pp > 1 ? int64_t(p.stage_starts.size()) + 1 : 0,
-                               p.zero1 ? 1 : 0,
+                               zero_stage(p),
                                recompute};
   std::copy(std::begin(head), std::end(head), choice.begin());
   // As the planner gives them: the first stage's start (0), then the recipe's list.
@@ -115,7 +115,7 @@ std::vector<int64_t> planned_choice(const Recipe& recipe, int world, int per_nod
       best.micro_batches,
       index_of(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule),
       int64_t(best.stage_starts.size()),
-      best.zero1 ? 1 : 0,
+      best.zero,
       int64_t(best.recompute)};
   std::copy(std::begin(head), std::end(head), choice.begin());
   for (size_t k = 0; k < best.stage_starts.size(); ++k)
@@ -129,7 +129,9 @@ void apply_choice(const std::vector<int64_t>& choice, Recipe& recipe) {
   ParallelRecipe& p = recipe.parallel;
   p.dp = choice[1], p.pp = choice[2], p.tp = choice[3];
   p.schedule = kAutoSchedules[choice[5]];
-  p.zero1 = choice[7] != 0;
+  if (choice[7] < 0 || choice[7] > 3) throw Error("parallel.auto: a ZeRO stage out of range");
+  p.shard = kShardNames[choice[7]];
+  p.zero1 = choice[7] == 1;
   p.recompute = kAutoRecompute[choice[8]];
   if (p.pp > 1) {
     p.micro_batches = choice[4];

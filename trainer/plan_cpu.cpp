@@ -292,6 +292,7 @@ parallel::PlanRequest cpu_plan_request(const Recipe& recipe, const parallel::Mod
   // parameters' all-gather, for 1/dp of the optimizer's measured time.
   request.allow_recompute = true;
   request.allow_zero1 = true;
+  request.max_zero = 3;  // parallel.shard up to parameters (ZeRO-3) on the CPU
   request.overlap_dp = false;
   CpuProfile profile = profile_for_cpu_plans(recipe, model, cluster.world(), cluster.per_node);
   request.optimizer_seconds_per_param = profile.optimizer_seconds_per_param;
