@@ -319,7 +319,7 @@ void ZeroOptimizer::reduce_gradients() {
     pending_.clear();
     for (size_t s = 0; s < segments_.size(); ++s)
       if (!buffers_[s].reduced)
-        throw Error(cat("ZeRO-1: bucket ", s,
+        throw Error(cat("ZeRO-", options_.stage, ": bucket ", s,
                         " was not reduced this step; DataParallel's reduce "
                         "must be zero_bucket_reduce() and dp.finish() must run before step()"));
   } else {

@@ -10,7 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "core/ops.h"
+#include "models/small.h"
+#include "optim/optimizer.h"
+#include "parallel/fsdp.h"
 #include "tests/runs.h"
+#include "tests/thread_world.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
 
@@ -94,7 +99,110 @@ double peak_tensor_mib(const std::string& output) {
   return std::stod(m[1]);
 }
 
+// One rank's run of a small MLP (three linear blocks) for two SGD steps on
+// its own batch, under ZeRO-1 (stage 1) or ZeRO-3 (stage 3): the gathers and
+// prefetches it made, whether each block's weight had memory right after
+// the first forward, and the final weights (gathered).
+struct UnitRun {
+  int64_t gathers = 0, prefetches = 0;
+  std::vector<bool> held_after_forward;
+  std::vector<float> weights;
+};
+
+UnitRun run_units(comm::Communicator& world, int stage, bool diverge = false) {
+  auto comm = std::shared_ptr<comm::Communicator>(&world, [](comm::Communicator*) {});
+  auto model =
+      std::make_shared<MLP>(MLPOptions{.in_features = 8, .hidden = {16, 16}, .num_classes = 4});
+  const std::vector<std::vector<size_t>> units = parallel::sharding_units(model->blocks());
+  std::unique_ptr<parallel::ShardedParameters> sharded;
+  std::shared_ptr<parallel::ZeroOptimizer> zero;
+  parallel::DataParallelOptions o;
+  o.reduce = parallel::zero_bucket_reduce(&zero);
+  if (stage == 3) {
+    o.transient_buckets = true;
+    o.bucket_numel_multiple = world.size();
+    o.units = parallel::unit_parameters(model->blocks(), units);
+    o.on_bucket_started = [&](int b) { sharded->bucket_started(b); };
+  }
+  parallel::DataParallel dp(model, comm, o);
+  zero = std::make_shared<parallel::ZeroOptimizer>(
+      comm, std::vector<optim::ParamGroup>{{model->named_parameters()}},
+      [](std::vector<optim::ParamGroup> g) {
+        return std::make_unique<optim::SGD>(std::move(g),
+                                            optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+      },
+      parallel::ZeroOptions{.stage = stage, .buckets = &dp.buckets()});
+  if (stage == 3) sharded = std::make_unique<parallel::ShardedParameters>(*model, units, dp, &zero);
+  UnitRun run;
+  for (int step = 0; step < 2; ++step) {
+    Generator gen(uint64_t(100 + 10 * world.rank() + step), 0);
+    Tensor x = randn({2, 8}, gen);
+    Tensor out = diverge && world.rank() == 1 ? model->blocks().run(1, 3, {randn({2, 16}, gen)})[0]
+                                              : model->forward(x);
+    if (step == 0)
+      for (const NamedTensor& p : model->named_parameters())
+        if (p.name.ends_with(".weight"))
+          run.held_after_forward.push_back(p.tensor.storage()->data != nullptr);
+    mean(out * out).backward();
+    dp.end_backward();
+    dp.finish();
+    zero->step();
+    zero->zero_grad();
+    dp.zero_grad();
+    if (sharded) sharded->end_step();
+  }
+  std::map<const TensorImpl*, Tensor> gathered;
+  if (sharded) {
+    gathered = sharded->gathered_copies();
+    run.gathers = sharded->gathers();
+    run.prefetches = sharded->prefetches();
+  }
+  for (const NamedTensor& p : model->named_parameters()) {
+    const Tensor& t = gathered.count(p.tensor.impl()) ? gathered.at(p.tensor.impl()) : p.tensor;
+    for (float v : t.contiguous().to_vector<float>()) run.weights.push_back(v);
+  }
+  return run;
+}
+
 }  // namespace
+
+TEST_CASE("fsdp: units gathered per use, prefetched after the first step, freed after use",
+          "[parallel][fsdp][threads]") {
+  const std::vector<UnitRun> zero3 = testing::run_thread_ranks<UnitRun>(
+      2, [](comm::Communicator& world) { return run_units(world, 3); });
+  const std::vector<UnitRun> zero1 = testing::run_thread_ranks<UnitRun>(
+      2, [](comm::Communicator& world) { return run_units(world, 1); });
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    const UnitRun& run = zero3[size_t(r)];
+    // After forward the last block keeps its weight for backward; the others are freed.
+    CHECK(run.held_after_forward == std::vector<bool>{false, false, true});
+    // Step 1, checked and unprefetched: 3 gathers in forward, 2 in backward
+    // (the last block's kept). Step 2: the first block's gather, then the
+    // next two prefetched in forward and two in backward.
+    CHECK(run.gathers == 6);
+    CHECK(run.prefetches == 4);
+    REQUIRE(run.weights.size() == zero1[size_t(r)].weights.size());
+    float worst = 0;
+    for (size_t i = 0; i < run.weights.size(); ++i)
+      worst = std::max(worst, std::fabs(run.weights[i] - zero1[size_t(r)].weights[i]));
+    CHECK(worst < 1e-6f);
+    CHECK(run.weights == zero3[0].weights);
+  }
+}
+
+TEST_CASE("fsdp: ranks that gather units in different orders fail naming both, not hang",
+          "[parallel][fsdp][threads]") {
+  try {
+    testing::run_thread_ranks<UnitRun>(
+        2, [](comm::Communicator& world) { return run_units(world, 3, /*diverge=*/true); });
+    FAIL("the divergent ranks trained");
+  } catch (const Error& e) {
+    CHECK(contains(e.what(),
+                   "ZeRO-3: rank 1 of the data-parallel group gathers the parameters of "
+                   "fc2 where rank 0 gathers those of fc1"));
+  }
+}
 
 TEST_CASE("fsdp: ZeRO-2 and ZeRO-3 train the MLP as one process, on 2 and 4 ranks",
           "[parallel][mp][fsdp]") {
