@@ -1,5 +1,8 @@
 #include "core/allocator.h"
 
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -16,6 +19,14 @@ void BlockDeleter::operator()(void* p) const {
 
 namespace {
 
+std::atomic<int64_t> g_cpu_limit{0};
+
+std::string mib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", double(bytes) / (1 << 20));
+  return text;
+}
+
 class CpuCachingAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t bytes) override {
@@ -23,6 +34,14 @@ class CpuCachingAllocator final : public Allocator {
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      const int64_t limit = g_cpu_limit.load(std::memory_order_relaxed);
+      if (limit > 0 && stats_.current_bytes + int64_t(cls) > limit)
+        throw Error(cat("tensor memory: ", mib(int64_t(cls)), " MiB more with ",
+                        mib(stats_.current_bytes), " MiB in use passes this rank's limit of ",
+                        mib(limit),
+                        " MiB (training.memory_limit_mb); shard more (parallel.shard: gradients or "
+                        "parameters), recompute (parallel.recompute: blocks), lower the "
+                        "micro-batch, or raise the limit"));
       ++stats_.allocations;
       auto it = free_.find(cls);
       if (it != free_.end() && !it->second.empty()) {
@@ -80,6 +99,9 @@ class CpuCachingAllocator final : public Allocator {
 Allocator* g_allocators[kNumDeviceKinds] = {};
 
 }  // namespace
+
+void set_cpu_memory_limit(int64_t bytes) { g_cpu_limit = std::max<int64_t>(bytes, 0); }
+int64_t cpu_memory_limit() { return g_cpu_limit.load(); }
 
 void register_allocator(DeviceKind kind, Allocator* a) { g_allocators[int(kind)] = a; }
 

@@ -48,6 +48,13 @@ class Allocator {
   virtual void release(void* p, size_t bytes) = 0;
 };
 
+// A cap on the CPU allocator's tensor bytes in use (0: none): an
+// allocation that would pass it throws Error saying so and changes nothing
+// (training.memory_limit_mb). Memory mapped outside the allocator (the
+// regions shared with other ranks) is not counted.
+void set_cpu_memory_limit(int64_t bytes);
+int64_t cpu_memory_limit();
+
 // The allocator of a device. CUDA's is registered by the CUDA backend.
 Allocator& allocator(Device device);
 void register_allocator(DeviceKind kind, Allocator* allocator);

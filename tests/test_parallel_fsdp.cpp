@@ -366,6 +366,24 @@ TEST_CASE("fsdp: a rank's peak tensor memory falls with each shard mode", "[para
   CHECK(peak["parameters"] < peak["none"] - 0.5 * 4 * quarter);
 }
 
+TEST_CASE("fsdp: a GPT over a rank's memory limit trains under ZeRO-3 on 4 ranks",
+          "[parallel][mp][fsdp]") {
+  // GPT 6 x 512 with AdamW (72 MiB of weights): unsharded, a rank's tensors
+  // take 270 MiB of the allocator's (and 72 MiB of shared buckets); under
+  // ZeRO-3 on 4 ranks about 160 MiB.
+  auto args = [](const std::string& out, const char* shard) {
+    return gpt_args(out, {"model.d_model=512", "model.n_layer=6", "model.n_head=8",
+                          "training.global_batch=4", "training.steps=2", "optimizer.name=adamw",
+                          "training.memory_limit_mb=220", cat("parallel.shard=", shard)});
+  };
+  ProcessResult whole = run_ranks(4, args(run_dir("limit_none"), "none"));
+  INFO(whole.output);
+  CHECK(whole.code != 0);
+  CHECK(contains(whole.output, "passes this rank's limit of 220.0 MiB (training.memory_limit_mb)"));
+  ProcessResult sharded = trained(4, args(run_dir("limit_zero3"), "parameters"));
+  CHECK(peak_tensor_mib(sharded.output) < 220);
+}
+
 TEST_CASE("fsdp: what the shard modes refuse, by key", "[parallel][fsdp]") {
   ProcessResult pp = run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.pp=2",
                                    "parallel.dp=2", "parallel.shard=parameters", "--dry-run"});

@@ -104,6 +104,7 @@ std::vector<Field> schema(Recipe& r) {
       bool_field("training.allow_non_finite", &t.allow_non_finite),
       bool_field("training.async_checkpoint", &t.async_checkpoint),
       int_field("training.async_checkpoint_mb", &t.async_checkpoint_mb, 0, 1 << 30),
+      int_field("training.memory_limit_mb", &t.memory_limit_mb, 0, int64_t(1) << 30),
 
       int_field("parallel.dp", &p.dp, 0, 1 << 20),
       int_field("parallel.pp", &p.pp, 1, 4096),

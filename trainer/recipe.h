@@ -97,6 +97,9 @@ struct TrainingRecipe {
   // rank (0: no cap) is written synchronously.
   bool async_checkpoint = true;
   int64_t async_checkpoint_mb = 0;
+  // Each rank's cap on its CPU tensor memory in MiB (0: none): passing it
+  // is an error saying what to change (core/allocator.h).
+  int64_t memory_limit_mb = 0;
 };
 
 struct ParallelRecipe {

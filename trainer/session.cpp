@@ -35,6 +35,7 @@ const char* recompute_note(const std::string& recompute) {
 Session::Session(Recipe recipe, RankLayout layout, DataAccess access)
     : recipe_(std::move(recipe)), layout_(layout) {
   const Recipe& r = recipe_;
+  set_cpu_memory_limit(r.training.memory_limit_mb << 20);
   // First: a recipe asking for an absent GPU fails before any data is read.
   const Device device = training_device(r, layout_.world_size());
   const int64_t dp = layout_.dp_size();
