@@ -402,17 +402,13 @@ void ZeroOptimizer::step() {
 }
 
 void ZeroOptimizer::gather_parameters_transient() {
-  comm::CollectiveOptions ag = options_.collective;
-  ag.shared_region = false;
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
-    SegmentBuffers& buf = buffers_[s];
-    if (!buf.stepped) continue;  // the same on every rank: no parameter had a gradient
+    if (!buffers_[s].stepped) continue;  // the same on every rank: no parameter had a gradient
     Tensor flat = empty({seg.shard_numel * world_size()}, dtype_);
-    comm::allgather(*comm_, buf.master.data_ptr(), flat.data_ptr(),
-                    byte_count(dtype_, seg.shard_numel), ag);
+    gather_segment_async(int(s), flat).wait();
     for (size_t i = 0; i < seg.params.size(); ++i)
-      if (buf.has_grad[i])
+      if (buffers_[s].has_grad[i])
         std::memcpy(seg.params[i].tensor.data_ptr(), bytes_at(flat, seg.offsets[i]),
                     byte_count(dtype_, seg.params[i].tensor.numel()));
   }
