@@ -5,7 +5,7 @@
 # against the peer measured in the same run) and, with matplotlib, the
 # allreduce and data-parallel figures.
 #
-#   scripts/bench.sh                    # all: train dp allreduce matmul loader pipeline tp checkpoint
+#   scripts/bench.sh                    # all: train dp allreduce matmul loader pipeline tp checkpoint fsdp
 #   scripts/bench.sh train dp           # the named ones
 #   scripts/bench.sh --quick            # smallest sizes: checks that all run, figures not meaningful
 #   scripts/bench.sh --out DIR ...      # default bench/results/<UTC date>-<commit>
@@ -16,12 +16,13 @@
 # Without them the figures of ours are still measured and the peer columns read "-".
 # train dp allreduce matmul loader take about 30 minutes on 2 cores, pipeline
 # and tp (two ranks each, with PyTorch's runs) add to that, checkpoint about 25
-# minutes (GPT 12 x 768 and ResNet-50 on 1, 2 and 4 ranks, with PyTorch DCP); two ranks on a
+# minutes (GPT 12 x 768 and ResNet-50 on 1, 2 and 4 ranks, with PyTorch DCP), fsdp about 30
+# (the same models under each parallel.shard, with DDP and FSDP2); two ranks on a
 # 2-core machine need both cores free, so run it on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-ALL=(train dp allreduce matmul loader pipeline tp checkpoint)
+ALL=(train dp allreduce matmul loader pipeline tp checkpoint fsdp)
 
 quick=0
 out=""
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --out) out=$2; shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    train | dp | allreduce | matmul | loader | pipeline | tp | checkpoint) names+=("$1") ;;
+    train | dp | allreduce | matmul | loader | pipeline | tp | checkpoint | fsdp) names+=("$1") ;;
     *) echo "bench.sh: unknown argument '$1' (benchmarks: ${ALL[*]}; options: --quick, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -42,7 +43,7 @@ done
 # with the trainer's launcher.
 binaries_of() {
   case "$1" in
-    allreduce | pipeline | checkpoint) echo "bench_$1 trainer" ;;
+    allreduce | pipeline | checkpoint | fsdp) echo "bench_$1 trainer" ;;
     *) echo "bench_$1" ;;
   esac
 }
@@ -107,6 +108,8 @@ commands_of() {
     tp:1) echo "$b/bench_tp --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 --warmup 1" ;;
     checkpoint:0) echo "$b/bench_checkpoint" ;;
     checkpoint:1) echo "$b/bench_checkpoint --case gpt --ranks 2 --layers 1 --width 64" ;;
+    fsdp:0) echo "$b/bench_fsdp" ;;
+    fsdp:1) echo "$b/bench_fsdp --case gpt --ranks 2 --layers 1 --width 64 --steps 1 --warmup 1" ;;
   esac
 }
 

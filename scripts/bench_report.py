@@ -328,6 +328,28 @@ def checkpoint_section(text):
                           "DCP async_save ms", "ours/DCP async"], rows), rows
 
 
+# ---- bench_fsdp: memory and step time of each shard mode, ours and DDP / FSDP2's
+def fsdp_section(text):
+    rows, model = [], "?"
+    row = re.compile(rf"^(\d+)\s+(\S+)\s+\|\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+\|"
+                     rf"\s+(\S+)\s+(\S+)\s+(\S+)\s+\|\s+(\S+)\s+(\S+)$")
+    for line in text.splitlines():
+        m = re.match(r"^(gpt|resnet50): (.*?);", line)
+        if m:
+            model = m.group(2).split(",")[0]
+            continue
+        m = row.match(line)
+        if m:
+            rows.append([model, *m.groups()])
+    lines = ["Rank 0's step time and memory under each parallel.shard (none, ZeRO-1, -2, -3),",
+             "against PyTorch DDP and FSDP2 (fully_shard, gloo) on the same model in the same run;",
+             "*peak* is the tensors' peak (ours) and VmHWM (resident, both); *sent* is computed",
+             "from the parameter bytes.", ""]
+    return lines + table(["model", "ranks", "shard", "ms", "peak MiB", "resident MiB",
+                          "sent MiB", "torch ms", "torch peak MiB", "torch steady MiB",
+                          "torch/ours ms", "torch/ours resident"], rows), rows
+
+
 SECTIONS = {
     "train": ("Training step vs PyTorch", train_section),
     "dp": ("Data-parallel scaling", dp_section),
@@ -337,6 +359,7 @@ SECTIONS = {
     "pipeline": ("Pipeline parallelism vs PyTorch", pipeline_section),
     "tp": ("Tensor parallelism vs PyTorch", tp_section),
     "checkpoint": ("Checkpoints vs PyTorch DCP", checkpoint_section),
+    "fsdp": ("Sharded data parallelism vs PyTorch FSDP2", fsdp_section),
 }
 
 
