@@ -91,7 +91,6 @@ ShardedParameters::ShardedParameters(Model& model, std::vector<std::vector<size_
     for (size_t b : unit.blocks) {
       unit.name += (unit.name.empty() ? "" : "+") + blocks[b].name;
       block_unit_[b] = u;
-      unit_of_block_[&blocks[b]] = u;
       for (const NamedTensor& p : blocks.named_parameters(b, b + 1))
         unit_of_param.emplace(p.tensor.impl(), u);
     }
@@ -120,8 +119,6 @@ ShardedParameters::ShardedParameters(Model& model, std::vector<std::vector<size_
       /*outermost=*/true);
 }
 
-size_t ShardedParameters::num_units() const { return units_.size(); }
-
 ShardedParameters::~ShardedParameters() {
   model_.remove_block_wrapper("shard_parameters");
   for (Unit& u : units_)
@@ -131,13 +128,6 @@ ShardedParameters::~ShardedParameters() {
       } catch (const std::exception&) {  // reported where it was waited for, or moot now
       }
     }
-}
-
-ShardedParameters::Unit& ShardedParameters::unit_of(const BlockSpec& block) {
-  auto it = unit_of_block_.find(&block);
-  CHECK(it != unit_of_block_.end())
-      << "ShardedParameters: block " << block.name << " is not of the model it wraps";
-  return units_[it->second];
 }
 
 void ShardedParameters::shard_once() {
@@ -164,9 +154,11 @@ TensorList ShardedParameters::run_block(const BlockSpec& block, const TensorList
                                         const BlockFn& next) {
   if (pinned_) return next(inputs);
   shard_once();
-  const size_t u = unit_of_block_.at(&block);
-  gather(u);
   const size_t index = size_t(&block - &model_.blocks()[0]);
+  CHECK(index < block_unit_.size())
+      << "ShardedParameters: block " << block.name << " is not of the model it wraps";
+  const size_t u = block_unit_[index];
+  gather(u);
   prefetch(index, +1);
   TensorList out = next(inputs);
   const bool recording = autograd::grad_enabled() && autograd::detail::any_requires_grad(out);

@@ -94,11 +94,9 @@ class ShardedParameters {
 
   int64_t gathers() const { return gathers_; }
   int64_t prefetches() const { return prefetches_; }
-  size_t num_units() const;
 
  private:
   struct Unit;
-  Unit& unit_of(const BlockSpec& block);
   TensorList run_block(const BlockSpec& block, const TensorList& inputs, const BlockFn& next);
   void before_backward(size_t unit, size_t block);
   void gather(size_t unit);
@@ -113,7 +111,6 @@ class ShardedParameters {
   const std::shared_ptr<ZeroOptimizer>* zero_;
   ShardingOptions options_;
   std::vector<Unit> units_;
-  std::map<const BlockSpec*, size_t> unit_of_block_;
   std::map<int, size_t> unit_of_bucket_;
   std::vector<size_t> block_unit_;  // per block index
   bool sharded_ = false;
