@@ -108,9 +108,16 @@ struct DataParallel::Impl {
       }));
     }
     if (options.transient_buckets) {
-      // Freed on the progress thread once the reduction has read it.
+      // Freed on the progress thread once the reduction has read it (the
+      // reduction may run on another communicator's thread: hybrid sharding).
       markers.push_back(comm->enqueue(
-          [flat = std::exchange(bucket.flat, Tensor())]() mutable { flat = Tensor(); }));
+          [flat = std::exchange(bucket.flat, Tensor()), reduced = works.back()]() mutable {
+            try {
+              reduced.wait();
+            } catch (...) {  // finish() reports it, from the reduction's Work
+            }
+            flat = Tensor();
+          }));
       if (options.on_bucket_started) options.on_bucket_started(b);
     }
   }

@@ -77,6 +77,7 @@ std::string plan_label(const Plan& plan) {
   if (plan.pp > 1) label += " " + plan.schedule;
   if (plan.chunks > 1) label += cat(" V=", plan.chunks);
   if (plan.zero > 0) label += cat(" zero", plan.zero);
+  if (plan.replicas > 1) label += cat(" hybrid ", plan.replicas, "x", plan.shard_group());
   if (plan.recompute != Recompute::none) label += " recompute=" + to_string(plan.recompute);
   return label;
 }
@@ -362,9 +363,9 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
     }
     if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
     StageMemory& m = memory[size_t(stage)];
-    // ZeRO-3 keeps 1/dp of the parameters and, gathered, the block that
-    // runs and the one prefetched.
-    const double dp = plan.dp;
+    // ZeRO-3 keeps 1/dp of the parameters (1/shard group under hybrid
+    // sharding) and, gathered, the block that runs and the one prefetched.
+    const double dp = plan.shard_group();
     m.params = plan.zero == 3
                    ? (params / dp + 2 * largest_params(model, plan, stage)) * weight_bytes
                    : params * weight_bytes;
@@ -465,12 +466,19 @@ void set_memory(const ModelDesc& model, const PlanRequest& request, Plan& plan, 
 // and again before its backward (2 M all-gathers), prefetched while the
 // block before it computes, so only what compute cannot cover shows, and
 // at least the first block's gather.
+// Under hybrid sharding the collectives run in the shard group (on a host)
+// and each reduce-scatter is followed by an allreduce of its 1/shard_group
+// slice across the replica groups (`across`).
 double sharded_dp_exposed(const ModelDesc& model, const PlanRequest& request, const Plan& plan,
-                          const LinkSpec& link, double grad_bytes, double forward,
-                          double backward) {
+                          const LinkSpec& link, const LinkSpec& across, double grad_bytes,
+                          double forward, double backward) {
   const double M = plan.micro_batches;
-  const double scatter = ring_allgather(link, plan.dp, grad_bytes);  // the same bytes as a gather
-  const double gather = ring_allgather(link, plan.dp, grad_bytes);
+  const int group = plan.shard_group();
+  // A reduce-scatter moves the bytes of a gather.
+  const double scatter =
+      ring_allgather(link, group, grad_bytes) +
+      (plan.replicas > 1 ? ring_allreduce(across, plan.replicas, grad_bytes / group) : 0);
+  const double gather = ring_allgather(link, group, grad_bytes);
   if (plan.zero == 2) {
     const double reduce = M * scatter;
     return (request.overlap_dp ? std::max(scatter / M, reduce - M * backward) : reduce) + gather;
@@ -513,14 +521,24 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
     // Buckets reduce while the last micro-batch's backward runs; the last one after it.
     terms.dp_exposed =
         request.overlap_dp ? std::max(last_bucket, sync - (backward + tp_backward)) : sync;
-    if (plan.zero >= 2)
-      terms.dp_exposed = sharded_dp_exposed(model, request, plan, link, grad_bytes,
+    // Hybrid sharding: the shard group's collectives on a host's links.
+    const LinkSpec& group_link = plan.replicas > 1 ? cluster.intra : link;
+    if (plan.zero >= 2) {
+      terms.dp_exposed = sharded_dp_exposed(model, request, plan, group_link, link, grad_bytes,
                                             forward + tp_forward, backward + tp_backward);
-    else if (plan.zero == 1)
+    } else if (plan.zero == 1 && plan.replicas > 1) {
+      const int group = plan.shard_group();
+      const double reduce = ring_allgather(group_link, group, grad_bytes) +
+                            ring_allreduce(link, plan.replicas, grad_bytes / group);
+      terms.dp_exposed =
+          (request.overlap_dp ? std::max(reduce / plan.micro_batches, reduce - backward) : reduce) +
+          ring_allgather(group_link, group, grad_bytes);
+    } else if (plan.zero == 1) {
       terms.dp_exposed += ring_allgather(link, plan.dp, grad_bytes);
+    }
   }
-  terms.optimizer =
-      request.optimizer_seconds_per_param * stage_params_max / (plan.zero >= 1 ? plan.dp : 1);
+  terms.optimizer = request.optimizer_seconds_per_param * stage_params_max /
+                    (plan.zero >= 1 ? plan.shard_group() : 1);
 
   set_memory(model, request, plan, why);
 
@@ -646,6 +664,25 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
       fits[level][zero] = true;
       result.ranked.push_back(std::move(scored));
     }
+    // Hybrid sharding, when the dp ranks span hosts: shards within a host's
+    // dp ranks (at least 2), replicas across hosts. Scored beside each
+    // sharded plan above; it takes more memory, and its cross-host traffic
+    // is one allreduce of a shard.
+    const int per_host = request.cluster.per_node / (base.tp * base.pp);
+    if (per_host < 2 || per_host >= base.dp || base.dp % per_host != 0) continue;
+    for (int zero = 1; zero <= max_zero; ++zero) {
+      Plan plan = base;
+      plan.zero = zero;
+      plan.replicas = base.dp / per_host;
+      plan.recompute = recompute;
+      std::string why;
+      Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
+      ++result.evaluated;
+      if (!why.empty())
+        rejected.add("over device memory", cat(plan_label(scored), ": ", why), scored.memory);
+      else
+        result.ranked.push_back(std::move(scored));
+    }
   }
 }
 
@@ -749,8 +786,10 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
                   "%8s\n",
                   i + 1, plan.layout().c_str(), plan.micro_batches,
                   static_cast<long long>(plan.micro_batch_size), schedule.c_str(),
-                  plan.zero > 0 ? cat(plan.zero).c_str() : "off", to_string(plan.recompute).c_str(),
-                  ms(step).c_str(),
+                  plan.zero == 0       ? "off"
+                  : plan.replicas == 1 ? cat(plan.zero).c_str()
+                                       : cat(plan.zero, "/h", plan.replicas).c_str(),
+                  to_string(plan.recompute).c_str(), ms(step).c_str(),
                   rate_text(tokens ? plan.tokens_per_second : plan.samples_per_second).c_str(),
                   100 * plan.model_flops_utilisation, plan.memory / kGiB,
                   100 * plan.terms.bubble / step, ms(plan.terms.tp_comm).c_str(),
@@ -794,6 +833,7 @@ std::string plan_overrides(const Plan& plan) {
   static const char* const kShard[] = {"none", "optimizer", "gradients", "parameters"};
   out += cat(" parallel.shard=", kShard[plan.zero],
              " parallel.zero1=", plan.zero == 1 ? "true" : "false");
+  if (plan.replicas > 1) out += cat(" parallel.dp_replicate=", plan.replicas);
   if (plan.tp > 1)
     out += cat(" parallel.sequence_parallel=", plan.sequence_parallel ? "true" : "false");
   out += " parallel.recompute=" + to_string(plan.recompute);

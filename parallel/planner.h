@@ -284,6 +284,11 @@ struct Plan {
   std::string schedule = "none";  // none (pp = 1) | gpipe | 1f1b | interleaved | zbh1
   int chunks = 1;
   int zero = 0;  // the ZeRO stage over dp: 0 none, 1 optimizer, 2 + gradients, 3 + parameters
+  // Hybrid sharding: the dp ranks in `replicas` groups (one per host's dp
+  // ranks), each sharding as `zero` says, the groups' shards averaged
+  // across hosts. 1: one group of dp ranks.
+  int replicas = 1;
+  int shard_group() const { return dp / replicas; }  // the ranks a shard is one of
   bool sequence_parallel = false;
   Recompute recompute = Recompute::none;
   StepTerms terms;

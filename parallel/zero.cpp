@@ -56,6 +56,14 @@ double sum_of_squares(const T* x, int64_t n) {
   return s;
 }
 
+// HSDP: this rank's reduced block averaged over the replica groups as well.
+void average_over_replicas(const std::shared_ptr<comm::Communicator>& replicate, void* block,
+                           int64_t n, DType dtype, comm::Millis timeout) {
+  if (replicate && replicate->size() > 1)
+    comm::allreduce(*replicate, block, size_t(n), dtype,
+                    {.op = comm::ReduceOp::avg, .timeout = timeout});
+}
+
 std::string numels_str(const std::vector<int64_t>& v, size_t from) {
   std::string out = "[";
   for (size_t i = from; i < v.size(); ++i) out += cat(i > from ? ", " : "", v[i]);
@@ -220,9 +228,10 @@ void ZeroOptimizer::reduce_standalone() {
   std::vector<float> counts;
   for (const ZeroSegment& seg : segments_)
     for (const NamedTensor& p : seg.params) counts.push_back(p.tensor.grad().defined() ? 1 : 0);
-  if (world_size() > 1 && !counts.empty())
-    comm::allreduce(*comm_, counts.data(), counts.size(), DType::f32,
-                    {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
+  for (comm::Communicator* over : {comm_.get(), options_.replicate.get()})
+    if (over && over->size() > 1 && !counts.empty())
+      comm::allreduce(*over, counts.data(), counts.size(), DType::f32,
+                      {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
   rs.shared_region = shared_;
@@ -251,6 +260,7 @@ void ZeroOptimizer::reduce_standalone() {
     char* block = bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel);
     // The collective copies its input first, so its output may be inside it.
     comm::reduce_scatter(*comm_, buf.flat.data_ptr(), block, size_t(seg.shard_numel), dtype_, rs);
+    average_over_replicas(options_.replicate, block, seg.shard_numel, dtype_, rs.timeout);
     buf.reduced = true;
   }
 }
@@ -273,9 +283,16 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
   rs.shared_region = shared_;
-  comm::Work w = comm::reduce_scatter_async(*comm_, buf.flat.data_ptr(),
-                                            bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel),
+  char* block = bytes_at(buf.flat, int64_t(rank()) * seg.shard_numel);
+  comm::Work w = comm::reduce_scatter_async(*comm_, buf.flat.data_ptr(), block,
                                             size_t(seg.shard_numel), dtype_, rs);
+  // On the progress thread after it, in the same bucket order on every rank.
+  if (options_.replicate && options_.replicate->size() > 1) {
+    pending_.push_back(w);
+    w = comm_->enqueue([this, block, n = seg.shard_numel, timeout = rs.timeout] {
+      average_over_replicas(options_.replicate, block, n, dtype_, timeout);
+    });
+  }
   pending_.push_back(w);
   buf.reduced = true;
   buf.has_grad.assign(seg.params.size(), true);  // DataParallel: a missing gradient counts as zero
@@ -297,7 +314,8 @@ comm::Work ZeroOptimizer::reduce_transient_bucket(const Bucket& bucket) {
   char* block = bytes_at(bucket.flat, int64_t(rank()) * seg.shard_numel);
   pending_.push_back(comm::reduce_scatter_async(*comm_, bucket.flat.data_ptr(), block,
                                                 size_t(seg.shard_numel), dtype_, rs));
-  comm::Work added = comm_->enqueue([this, &buf, block, n = seg.shard_numel] {
+  comm::Work added = comm_->enqueue([this, &buf, block, n = seg.shard_numel, rs] {
+    average_over_replicas(options_.replicate, block, n, dtype_, rs.timeout);
     if (!buf.accumulated)
       std::memcpy(buf.flat.data_ptr(), block, byte_count(dtype_, n));
     else if (dtype_ == DType::f64)

@@ -119,6 +119,11 @@ struct ZeroOptions {
   // over the shared-memory channel instead of the ring. Every rank must pass
   // the same value (creation is collective).
   bool shared_buffers = true;
+  // Hybrid sharding (HSDP): the replica groups of the same shards. comm is
+  // then one group of sharding ranks; each reduced block (averaged over
+  // comm) is averaged again over replicate, so the gradient is the mean
+  // over both. Null: no replicas.
+  std::shared_ptr<comm::Communicator> replicate;
   // The gradient norm of clip_grad_norm also sums over these communicators
   // (the other pipeline stages, the other tensor-parallel ranks: they hold
   // the model's other parameters, or other parts of them); nulls are skipped.

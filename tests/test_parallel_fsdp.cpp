@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/ops.h"
@@ -221,7 +222,7 @@ TEST_CASE("fsdp: ZeRO-2 and ZeRO-3 train the MLP as one process, on 2 and 4 rank
   }
 }
 
-TEST_CASE("fsdp: ZeRO-3 trains GPT (tied head) as one process, with recomputation and tp 2",
+TEST_CASE("fsdp: ZeRO-3 trains GPT (tied head) as one process, with recomputation, tp 2 and hybrid",
           "[parallel][mp][fsdp]") {
   const std::string ref = run_dir("gpt_one");
   trained(1, gpt_args(ref, {}));
@@ -230,13 +231,21 @@ TEST_CASE("fsdp: ZeRO-3 trains GPT (tied head) as one process, with recomputatio
     int ranks;
     std::vector<std::string> extra;
   };
-  for (const Layout& l : {Layout{"dp2", 2, {"parallel.shard=parameters"}},
-                          Layout{"dp2_recompute_keep",
-                                 2,
-                                 {"parallel.shard=parameters", "parallel.recompute=blocks",
-                                  "parallel.reshard_after_forward=false"}},
-                          Layout{"dp4_zero2", 4, {"parallel.shard=gradients"}},
-                          Layout{"dp2_tp2", 4, {"parallel.shard=parameters", "parallel.tp=2"}}}) {
+  for (const Layout& l :
+       {Layout{"dp2", 2, {"parallel.shard=parameters"}},
+        Layout{"dp2_recompute_keep",
+               2,
+               {"parallel.shard=parameters", "parallel.recompute=blocks",
+                "parallel.reshard_after_forward=false"}},
+        Layout{"dp4_zero2", 4, {"parallel.shard=gradients"}},
+        Layout{"hybrid_2x2", 4, {"parallel.shard=parameters", "parallel.dp_replicate=2"}},
+        Layout{"hybrid_2x2_tp2",
+               8,
+               {"parallel.shard=parameters", "parallel.dp_replicate=2", "parallel.tp=2"}},
+        Layout{"hybrid_2x2_pp2_zero1",
+               8,
+               {"parallel.shard=optimizer", "parallel.dp_replicate=2", "parallel.pp=2"}},
+        Layout{"dp2_tp2", 4, {"parallel.shard=parameters", "parallel.tp=2"}}}) {
     INFO(l.name);
     const std::string out = run_dir(cat("gpt_", l.name));
     trained(l.ranks, gpt_args(out, l.extra));
@@ -337,6 +346,45 @@ TEST_CASE("fsdp: a ZeRO-3 run resumes bit for bit, and on other shard modes and 
   CHECK(contains(e.output, "top1"));
 }
 
+TEST_CASE("fsdp: hybrid sharding (2 replica groups of 2 shards) trains as one process",
+          "[parallel][mp][fsdp]") {
+  const std::string ref = run_dir("hybrid_one");
+  trained(1, mlp_args(ref, {"training.checkpoint_every=3"}));
+  for (const char* shard : {"optimizer", "gradients", "parameters"}) {
+    INFO(shard);
+    const std::string out = run_dir(cat("hybrid_", shard));
+    ProcessResult r =
+        trained(4, mlp_args(out, {cat("parallel.shard=", shard), "parallel.dp_replicate=2",
+                                  "training.checkpoint_every=3"}));
+    CHECK(contains(r.output, "dp_replicate=2, dp_shard=2"));
+    check_close(step_log(ref).loss, step_log(out).loss, 1e-5, "loss");
+    check_close(step_log(ref).grad_norm, step_log(out).grad_norm, 1e-5, "gradient norm");
+    check_models(model_at(ref, 6), model_at(out, 6), 1e-6);
+    // The first replica group writes the optimizer's shards; the second holds copies.
+    const std::string mid = out + "/checkpoints/" + CheckpointDir::step_name(3);
+    CHECK(fs::exists(mid + "/optimizer-rank00001.safetensors"));
+    CHECK_FALSE(fs::exists(mid + "/optimizer-rank00002.safetensors"));
+    CHECK_FALSE(fs::exists(mid + "/optimizer-rank00003.safetensors"));
+    if (shard != std::string("parameters")) continue;
+    // Its checkpoint resumes on the same layout bit for bit, and on plain
+    // ZeRO-3 over 2 ranks (resharded).
+    for (const auto& [ranks, extra, resharded] :
+         {std::tuple{4, "parallel.dp_replicate=2", ""},
+          std::tuple{2, "parallel.dp_replicate=1", "dp 4 -> 2, dp_replicate 2 -> 1"}}) {
+      INFO(ranks << " ranks");
+      const std::string run = run_dir(cat("hybrid_resume_", ranks));
+      fs::create_directories(run + "/checkpoints");
+      fs::copy(mid, run + "/checkpoints/" + CheckpointDir::step_name(3));
+      std::vector<std::string> resume =
+          mlp_args(run, {"parallel.shard=parameters", extra, "--resume", "auto"});
+      ProcessResult b = trained(ranks, resume);
+      CHECK(contains(b.output, "resumed from"));
+      CHECK(contains(b.output, resharded));
+      check_models(model_at(out, 6), model_at(run, 6), *resharded ? 1e-5 : 0);
+    }
+  }
+}
+
 TEST_CASE("fsdp: a rank's peak tensor memory falls with each shard mode", "[parallel][mp][fsdp]") {
   // A GPT whose weights (W bytes; with AdamW's two moments and the
   // gradients 4 W) outweigh its activations, on 4 ranks: sharding what
@@ -390,6 +438,20 @@ TEST_CASE("fsdp: what the shard modes refuse, by key", "[parallel][fsdp]") {
   INFO(pp.output);
   CHECK(pp.code != 0);
   CHECK(contains(pp.output, "parallel.shard = parameters with parallel.pp = 2"));
+  ProcessResult unsharded = run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.dp=4",
+                                          "parallel.dp_replicate=2", "--dry-run"});
+  INFO(unsharded.output);
+  CHECK(unsharded.code != 0);
+  CHECK(contains(unsharded.output,
+                 "parallel.dp_replicate = 2 with parallel.shard = none: replica groups"));
+  ProcessResult uneven =
+      run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.dp=4", "parallel.dp_replicate=3",
+                    "parallel.shard=parameters", "--dry-run"});
+  INFO(uneven.output);
+  CHECK(uneven.code != 0);
+  CHECK(contains(uneven.output,
+                 "parallel.dp_replicate = 3 with dp = 4: hybrid sharding needs "
+                 "groups of at least 2 ranks that divide the dp ranks"));
   ProcessResult bad =
       run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.shard=all", "--dry-run"});
   INFO(bad.output);

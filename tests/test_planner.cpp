@@ -152,6 +152,18 @@ TEST_CASE("planner: memory per rank for a hand-computed GPT case", "[parallel]")
     CHECK(m.params == whole.params / 4 + 2 * 2 * (12 * 64 * 64 + 13 * 64));
     CHECK(m.grads == whole.grads / 4);
   }
+  SECTION("hybrid sharding at dp 8 in 2 groups: sharded over the group of 4") {
+    Plan plan;
+    plan.dp = 8, plan.micro_batch_size = 1;
+    plan.stage_starts = {0};
+    const StageMemory whole = stage_memory(model, request, plan)[0];
+    plan.zero = 3;
+    plan.replicas = 2;
+    const StageMemory m = stage_memory(model, request, plan)[0];
+    CHECK(m.params == whole.params / 4 + 2 * 2 * (12 * 64 * 64 + 13 * 64));
+    CHECK(m.grads == whole.grads / 4);
+    CHECK(m.optimizer == whole.optimizer / 4);
+  }
   SECTION("dp 2, pp 2, tp 2 with SP, ZeRO-1, 1F1B, M = 4 of b = 2") {
     Plan plan;
     plan.dp = 2, plan.pp = 2, plan.tp = 2;
@@ -244,6 +256,41 @@ TEST_CASE("planner: known answers on small clusters", "[parallel]") {
     CHECK(overrides.find("parallel.dp=8 parallel.pp=1 parallel.tp=1 parallel.micro_batches=") == 0);
     CHECK(overrides.find("parallel.recompute=") != std::string::npos);
   }
+}
+
+TEST_CASE("planner: hybrid sharding keeps ZeRO's collectives on a host and is scored",
+          "[parallel]") {
+  // GPT 1.3B on 4 hosts of 8 GPUs at dp 32: sharded over all 32 ranks, or
+  // in 4 replica groups of 8 shards (one per host).
+  PlanRequest request{.cluster = cluster_for("a100-80gb", 4, 8), .global_batch = 256};
+  request.max_zero = 3;
+  const ModelDesc model = gpt_model(kGpt1_3B);
+  const FlopBlockTimer timer(request.cluster.device);
+  Plan base;
+  base.dp = 32, base.micro_batches = 8, base.micro_batch_size = 1;
+  const char* const shard[] = {"none", "optimizer", "gradients", "parameters"};
+  for (int zero : {1, 2, 3}) {
+    INFO("zero " << zero);
+    Plan plan = base;
+    plan.zero = zero;
+    std::string why;
+    const Plan flat = evaluate_plan(model, request, timer, plan, &why);
+    plan.replicas = 4;
+    const Plan hybrid = evaluate_plan(model, request, timer, plan, &why);
+    CHECK(hybrid.shard_group() == 8);
+    // Less traffic across hosts; more memory (sharded 8 ways, not 32).
+    CHECK(hybrid.terms.dp_exposed < flat.terms.dp_exposed);
+    CHECK(hybrid.memory > flat.memory);
+    CHECK(plan_overrides(hybrid).find(cat("parallel.shard=", shard[zero],
+                                          " parallel.zero1=", zero == 1 ? "true" : "false",
+                                          " parallel.dp_replicate=4")) != std::string::npos);
+  }
+  // The search scores the hybrid layouts beside the others.
+  const PlanResult result = plan_cluster(model, request, timer);
+  INFO(plan_table(result, 8, model));
+  int hybrid_plans = 0;
+  for (const Plan& p : result.ranked) hybrid_plans += p.replicas > 1;
+  CHECK(hybrid_plans > 0);
 }
 
 TEST_CASE("planner: 175B on 1024 A100 plans in under a second", "[parallel]") {

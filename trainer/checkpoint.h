@@ -75,6 +75,12 @@ struct ParallelLayout {
   // parameters too (parallel.shard); 0 when zero1 is off.
   int zero_stage = 0;
   int world_size() const { return mesh.size(); }
+  // Hybrid sharding (parallel.dp_replicate) has the dp ranks in replica
+  // groups of dp_shard ranks; otherwise they are one group along dp_replicate.
+  bool hybrid() const { return mesh[parallel::Dim::dp_shard] > 1; }
+  int replica_groups() const { return hybrid() ? mesh[parallel::Dim::dp_replicate] : 1; }
+  // The ranks a ZeRO shard is one of.
+  int shard_group() const { return mesh.size(parallel::kDataParallel) / replica_groups(); }
   bool operator==(const ParallelLayout&) const = default;
 };
 

@@ -234,6 +234,7 @@ std::string resharding(const ParallelLayout& saved, const ParallelLayout& curren
   };
   change("dp", saved.mesh.size(parallel::kDataParallel),
          current.mesh.size(parallel::kDataParallel));
+  change("dp_replicate", saved.replica_groups(), current.replica_groups());
   change("pp", saved.mesh[parallel::Dim::pp], current.mesh[parallel::Dim::pp]);
   change("tp", saved.mesh[parallel::Dim::tp], current.mesh[parallel::Dim::tp]);
   change("zero1", saved.zero1 ? "on" : "off", current.zero1 ? "on" : "off");

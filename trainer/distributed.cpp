@@ -240,6 +240,22 @@ void check_sharding_keys(const Recipe& r, int stage) {
                     "optimizer on GPUs"));
 }
 
+// parallel.dp_replicate: the replica groups of hybrid sharding (1 without).
+int64_t hybrid_replicas(const Recipe& r, int64_t dp, int stage) {
+  const int64_t replicas = r.parallel.dp_replicate;
+  if (replicas == 1) return 1;
+  const std::string what = cat(r.source, ": parallel.dp_replicate = ", replicas);
+  if (stage == 0)
+    throw Error(cat(what, " with parallel.shard = none: replica groups of hybrid sharding need ",
+                    "something to shard inside them; set parallel.shard (optimizer, gradients or ",
+                    "parameters) or parallel.dp_replicate=1"));
+  if (dp % replicas != 0 || dp / replicas < 2)
+    throw Error(cat(what, " with dp = ", dp, ": hybrid sharding needs groups of at least 2 ranks ",
+                    "that divide the dp ranks; use a divisor of ", dp, " below it as ",
+                    "parallel.dp_replicate (or 1 to shard over all ", dp, ")"));
+  return replicas;
+}
+
 }  // namespace
 
 int zero_stage(const ParallelRecipe& p) {
@@ -259,10 +275,15 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
   if (dp == 0 || dp * model_ranks != world_size) throw Error(layout_mismatch(r, world_size));
   ParallelLayout layout;
-  layout.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, int(dp)},
+  const int stage = zero_stage(p);
+  // Hybrid sharding: dp_replicate groups of dp_shard ranks. Otherwise the
+  // dp ranks are one dimension, dp_replicate, sharded or not.
+  const int64_t replicas = hybrid_replicas(r, dp, stage);
+  const int64_t shard_group = replicas > 1 ? dp / replicas : 1;
+  layout.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, int(dp / shard_group)},
+                                    {parallel::Dim::dp_shard, int(shard_group)},
                                     {parallel::Dim::pp, int(p.pp)},
                                     {parallel::Dim::tp, int(p.tp)}};
-  const int stage = zero_stage(p);
   if (stage > 1 && dp > 1) check_sharding_keys(r, stage);
   layout.zero1 = stage > 0 && dp > 1;
   layout.zero_stage = layout.zero1 ? stage : 0;

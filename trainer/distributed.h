@@ -217,6 +217,9 @@ class DistributedRun {
   void apply_parameter_servers(Session& session);
   void apply_data_parallel(Session& session);
   void build_sharded_optimizer(Session& session);
+  // The ranks that shard the optimizer state (and gradients, parameters)
+  // among them: the dp group, or under hybrid sharding this rank's dp_shard group.
+  std::shared_ptr<comm::Communicator> shard_comm() const;
   // Whether this rank counts parameter p (which it trains) in the gradient
   // norm of its replica and stage: a tensor-parallel part on every rank, a
   // whole tensor on the first tensor-parallel rank (parallel/placement.h).

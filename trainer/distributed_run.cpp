@@ -177,7 +177,7 @@ void DistributedRun::apply_data_parallel(Session& session) {
   if (stage >= 2) {
     CHECK(blocks_model) << "ZeRO-" << stage << " shards a model's blocks";
     o.transient_buckets = true;
-    o.bucket_numel_multiple = dp_comm->size();
+    o.bucket_numel_multiple = shard_comm()->size();
     units = parallel::sharding_units(blocks_model->blocks());
     o.units = parallel::unit_parameters(blocks_model->blocks(), units);
   }
@@ -208,8 +208,12 @@ void DistributedRun::apply_data_parallel(Session& session) {
                                   .timeline = timeline_.get()});
     session.set_parameter_gather([this] { return sharded_parameters_->gathered_copies(); });
   }
-  session.record_pass(
-      "data", cat("dp=", dp_comm->size(), sharded ? cat(", zero", std::max(stage, 1)) : ""));
+  const int replicas = dist_.layout.job.replica_groups();
+  session.record_pass("data",
+                      cat("dp=", dp_comm->size(), sharded ? cat(", zero", std::max(stage, 1)) : "",
+                          replicas > 1 ? cat(", hybrid: ", replicas, " replicas of ",
+                                             dp_comm->size() / replicas, " shards")
+                                       : ""));
 }
 
 void DistributedRun::build_sharded_optimizer(Session& session) {
@@ -224,14 +228,23 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
   if (tp_)
     for (const Tensor& p : session.trained().parameters())
       if (!counted_in_norm(p)) skips.push_back(p);
+  // Hybrid sharding: shards within a group, their gradients averaged across the groups.
+  const bool hybrid = dist_.layout.job.hybrid();
   zero_ = std::make_shared<parallel::ZeroOptimizer>(
-      dist_.mesh.comm(parallel::kDataParallel), session.trained_param_groups(), make,
-      parallel::ZeroOptions{.stage = std::max(dist_.layout.job.zero_stage, 1),
-                            .buckets = &dp_->buckets(),
-                            .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
-                                               dist_.mesh.comm(parallel::Dim::tp)},
-                            .norm_skips = std::move(skips)});
+      shard_comm(), session.trained_param_groups(), make,
+      parallel::ZeroOptions{
+          .stage = std::max(dist_.layout.job.zero_stage, 1),
+          .buckets = &dp_->buckets(),
+          .replicate = hybrid ? dist_.mesh.comm(parallel::Dim::dp_replicate) : nullptr,
+          .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
+                             dist_.mesh.comm(parallel::Dim::tp)},
+          .norm_skips = std::move(skips)});
   session.set_sharded_optimizer(zero_);
+}
+
+std::shared_ptr<comm::Communicator> DistributedRun::shard_comm() const {
+  return dist_.mesh.comm(dist_.layout.job.hybrid() ? parallel::Dims(parallel::Dim::dp_shard)
+                                                   : parallel::kDataParallel);
 }
 
 bool DistributedRun::counted_in_norm(const Tensor& p) const {

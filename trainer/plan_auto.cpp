@@ -20,10 +20,10 @@ namespace trainer {
 namespace {
 
 // The plan rank 0 chose, as the integers it broadcasts: ok, dp, pp, tp, M,
-// schedule, the stage count, ZeRO-1, recomputation, then each stage's
-// first block.
+// schedule, the stage count, the ZeRO stage, recomputation, the replica
+// groups of hybrid sharding, then each stage's first block.
 constexpr size_t kMaxAutoStages = 64;
-constexpr size_t kHead = 9;
+constexpr size_t kHead = 10;
 const char* const kAutoSchedules[] = {"none", "gpipe", "1f1b", "zbh1"};
 const char* const kAutoRecompute[] = {"none", "selective", "blocks"};  // parallel::Recompute order
 
@@ -37,6 +37,7 @@ std::string plan_line(const parallel::Plan& plan) {
                         " b=", plan.micro_batch_size);
   if (plan.pp > 1) out += " " + plan.schedule;
   if (plan.zero > 0) out += cat(" zero", plan.zero);
+  if (plan.replicas > 1) out += cat(" hybrid ", plan.replicas, "x", plan.shard_group());
   if (plan.recompute != parallel::Recompute::none)
     out += " recompute=" + parallel::to_string(plan.recompute);
   return cat(out, ": ", plan_number(plan.terms.total() * 1e3), " ms per step");
@@ -69,7 +70,8 @@ std::vector<int64_t> checkpoint_choice(const std::string& dir, int world, size_t
                                p.pp > 1 ? schedule : 0,
                                p.pp > 1 ? int64_t(p.stage_starts.size()) + 1 : 0,
                                zero_stage(p),
-                               recompute};
+                               recompute,
+                               saved.state.layout.replica_groups()};
   std::copy(std::begin(head), std::end(head), choice.begin());
   // As the planner gives them: the first stage's start (0), then the recipe's list.
   for (size_t k = 0; p.pp > 1 && k < p.stage_starts.size(); ++k)
@@ -116,7 +118,8 @@ std::vector<int64_t> planned_choice(const Recipe& recipe, int world, int per_nod
       index_of(std::begin(kAutoSchedules), std::end(kAutoSchedules), best.schedule),
       int64_t(best.stage_starts.size()),
       best.zero,
-      int64_t(best.recompute)};
+      int64_t(best.recompute),
+      best.replicas};
   std::copy(std::begin(head), std::end(head), choice.begin());
   for (size_t k = 0; k < best.stage_starts.size(); ++k)
     choice[kHead + k] = int64_t(best.stage_starts[k]);
@@ -133,6 +136,9 @@ void apply_choice(const std::vector<int64_t>& choice, Recipe& recipe) {
   p.shard = kShardNames[choice[7]];
   p.zero1 = choice[7] == 1;
   p.recompute = kAutoRecompute[choice[8]];
+  if (choice[9] < 1 || choice[9] > choice[1])
+    throw Error("parallel.auto: replica groups out of range");
+  p.dp_replicate = choice[9];
   if (p.pp > 1) {
     p.micro_batches = choice[4];
     recipe.training.grad_accum = 1;

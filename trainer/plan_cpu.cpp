@@ -38,6 +38,8 @@ void set_plain_layout(ParallelRecipe& p, int64_t dp) {
   p.stage_starts.clear();
   p.sequence_parallel = false;
   p.zero1 = false;
+  p.shard = "none";
+  p.dp_replicate = 1;
 }
 
 namespace {

@@ -137,6 +137,10 @@ struct ParallelRecipe {
   // units, whose backward comes first.
   bool reshard_after_forward = true;
   int64_t keep_last_blocks = 1;
+  // Hybrid sharding (HSDP): the dp ranks form dp_replicate groups of dp /
+  // dp_replicate consecutive ranks; each group shards as parallel.shard says
+  // and the groups hold replicas (their shards' gradients averaged across).
+  int64_t dp_replicate = 1;
   bool sync_bn = false;
   bool auto_plan = false;  // parallel.auto: the layout planned at start-up (trainer/plan.h)
   // Activation checkpointing: "blocks" keeps each block's inputs only and

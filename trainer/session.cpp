@@ -287,7 +287,7 @@ std::string Session::summary(int64_t activation_bytes) const {
   const int64_t state_bytes =
       optimizer_ ? optimizer_->state_bytes()
                  : make_optimizer(recipe_, param_groups(recipe_, *model_))->state_bytes() /
-                       layout_.dp_size();
+                       layout_.job.shard_group();
   double mib = 1.0 / (1024.0 * 1024.0);
   char buf[256];
   std::snprintf(
@@ -295,7 +295,7 @@ std::string Session::summary(int64_t activation_bytes) const {
       "memory estimate: parameters %.1f MiB, gradients %.1f MiB, optimizer state %.1f MiB%s, "
       "activations %.1f MiB (micro-batch %lld%s)\n",
       double(param_bytes) * mib, double(param_bytes) * mib, double(state_bytes) * mib,
-      shards_optimizer() ? cat(" (zero1: sharded, 1/", layout_.dp_size(), " per rank)").c_str()
+      shards_optimizer() ? cat(" (sharded, 1/", layout_.job.shard_group(), " per rank)").c_str()
                          : "",
       double(activation_bytes) * mib, (long long)micro_batch_,
       recompute_note(recipe_.parallel.recompute));

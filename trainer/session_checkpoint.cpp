@@ -21,6 +21,9 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
   for (parallel::Dim d : parallel::kAllDims)
     if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
   const int replica = parallel::group_index(plan.mesh, plan.coord, parallel::kDataParallel);
+  // Hybrid sharding: the first replica group writes the shards, the others hold copies.
+  if (plan.shards_optimizer && layout_.job.hybrid() && plan.coord[parallel::Dim::dp_replicate] != 0)
+    return {};
   std::set<std::string> copies;  // tied across stages: the owner writes their state
   for (const TiedAcrossStages& t : tied_)
     if (!t.owner) copies.insert(t.name);
