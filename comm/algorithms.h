@@ -211,7 +211,9 @@ void all_gather_ring(OpChannel& ch, void* data, size_t chunk_bytes, size_t segme
 // (comm/shm_region_collectives.cpp): the input of the one and the output of
 // the other lie at the same offset of a shared region on every rank, so rank
 // r reads block r of every rank's input where it lies, or writes its block
-// into every rank's output. Throws Error when the buffer lies in no region.
+// into every rank's output. An all-gather whose inputs lie in the region
+// and outputs do not reads every rank's input where it lies instead. Throws
+// Error when the buffer lies in no region.
 void reduce_scatter_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,
                         void* output, size_t count, DType dtype, ReduceOp op);
 void all_gather_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,

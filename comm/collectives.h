@@ -93,7 +93,8 @@ struct CollectiveOptions {
   ReduceOp op = ReduceOp::sum;     // reduce_scatter
   size_t segment_bytes = 1 << 20;  // reduce_scatter, allgather, broadcast: the pipeline unit
   Millis timeout{0};               // 0: the communicator's
-  // reduce_scatter's input, allgather's output lie at the same offset of a
+  // reduce_scatter's input, allgather's output (or its input: each rank
+  // then reads the others' where they lie) lie at the same offset of a
   // shared region (Communicator::share_memory) on every rank: they run in
   // place over the shared-memory channel. Every rank passes the same value;
   // without a channel (ranks on several hosts) the ring runs as usual.

@@ -9,7 +9,10 @@
 //   phase 2, nobody changes its input while a peer may still read it.
 // all-gather: phase 1, every rank may have its output written; rank r copies
 //   its input into block r of every rank's output (its own input may be that
-//   block already); phase 2, every block is everywhere.
+//   block already); phase 2, every block is everywhere. When the inputs lie
+//   in the region instead (ZeRO-3's shards, gathered into private memory):
+//   phase 1, every input is final; rank r copies every rank's input into its
+//   output; phase 2, nobody changes its input while a peer may read it.
 //
 // Each byte moves once in and once out of each rank's memory, against the
 // ring's copy of the input plus n - 1 steps through the transport.
@@ -63,12 +66,39 @@ void reduce_scatter_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const v
   turn.wait_all(2);
 }
 
+namespace {
+
+// The all-gather whose inputs lie in a region and outputs anywhere: rank r
+// copies every rank's input from where it lies into its own output.
+void all_gather_pull(ShmChannel& ch, ShmChannel::Turn& turn, const void* input, void* output,
+                     size_t bytes) {
+  const int n = ch.size(), rank = ch.rank();
+  COMM_LOG(LogLevel::debug, "allgather shm: ", bytes, " bytes per rank, read in place");
+  const std::shared_ptr<ShmRegion> region =
+      post_in_region(ch, turn, input, bytes, "allgather(shm)", "input");
+  const size_t at = region->offset_of(input);
+  char* out = static_cast<char*>(output);
+  for (int p = 0; p < n; ++p) {
+    const char* src = p == rank ? static_cast<const char*>(input) : region->of(p) + at;
+    if (bytes > 0) std::memmove(out + size_t(p) * bytes, src, bytes);
+  }
+  // Nobody changes its input while a peer may still read it.
+  turn.publish(2);
+  turn.wait_all(2);
+}
+
+}  // namespace
+
 void all_gather_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,
                     void* output, size_t bytes) {
   const char* name = "allgather(shm)";
   ShmChannel::Turn turn(ch, ticket, name, timeout);
   const int n = ch.size(), rank = ch.rank();
   const size_t total = bytes * size_t(n);
+  // Every rank's output outside the regions and its input inside one: read
+  // in place (every rank decides alike, as its buffers lie alike).
+  if (!ch.find_region(output, total) && ch.find_region(input, bytes))
+    return all_gather_pull(ch, turn, input, output, bytes);
   COMM_LOG(LogLevel::debug, "allgather shm: ", bytes, " bytes per rank, in place");
   const std::shared_ptr<ShmRegion> region = post_in_region(ch, turn, output, total, name, "output");
   const size_t offset = region->offset_of(output);

@@ -58,7 +58,8 @@ struct DataParallel::Impl {
     const int64_t multiple = std::max<int64_t>(options.bucket_numel_multiple, 1);
     const int64_t padded = (numel + multiple - 1) / multiple * multiple;
     const Tensor& first = bucket.params.front().tensor;
-    bucket.flat = empty({padded}, first.dtype(), first.device());
+    bucket.flat = options.transient_buffer ? options.transient_buffer(padded, first.dtype())
+                                           : empty({padded}, first.dtype(), first.device());
     const size_t item = dtype_size(first.dtype());
     char* base = static_cast<char*>(bucket.flat.data_ptr());
     for (size_t i = 0; i < bucket.params.size(); ++i) {

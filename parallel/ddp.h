@@ -115,6 +115,10 @@ struct DataParallelOptions {
   // freed once their reductions finish.
   bool transient_buckets = false;
   int64_t bucket_numel_multiple = 1;
+  // Where a transient bucket's flat buffer comes from (numel, dtype), on the
+  // backward thread, in bucket order; empty: a new tensor. ZeRO hands out
+  // slots of a shared region, so the reduce-scatter runs in place.
+  std::function<Tensor(int64_t numel, DType dtype)> transient_buffer;
   // Called on the backward thread after bucket `index` started its reduction
   // (transient buckets: the unit's gradients are complete).
   std::function<void(int index)> on_bucket_started;

@@ -144,21 +144,33 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
                     device_, "); use parallel.shard=optimizer"));
   // Unstaged segments in one shared region when the ranks share a host (the
   // collectives then run in place); else ordinary memory and the ring.
+  // Stage 1 shares the flat buffers (reduce-scattered and all-gathered in
+  // place); stages 2 and 3 the blocks of parameters, which the gathers read
+  // where they lie.
+  // Stages 2 and 3 add the transient buckets' two slots after them.
   std::vector<Tensor> shared;
-  if (options_.shared_buffers && !staged_ && options_.stage == 1) {
+  if (options_.shared_buffers && !staged_) {
     std::vector<std::pair<int64_t, DType>> sizes;
-    for (const ZeroSegment& seg : segments_)
-      sizes.emplace_back(seg.shard_numel * world_size(), dtype_);
+    int64_t largest = 0;
+    for (const ZeroSegment& seg : segments_) {
+      sizes.emplace_back(seg.shard_numel * (options_.stage == 1 ? world_size() : 1), dtype_);
+      largest = std::max(largest, seg.shard_numel * world_size());
+    }
+    if (options_.stage > 1)
+      for (int k = 0; k < 2; ++k) sizes.emplace_back(largest, dtype_);
     shared = shared_flat_buffers(*comm_, sizes);
   }
   shared_ = !shared.empty();
+  for (size_t k = segments_.size(); k < shared.size(); ++k) slots_.push_back({shared[k], {}});
   buffers_.resize(segments_.size());
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
+    const bool flat_shared = shared_ && options_.stage == 1;
+    const bool master_shared = shared_ && options_.stage > 1;
     // Stages 2 and 3: this rank's block of the reduced gradients only.
     const int64_t flat = options_.stage > 1 ? seg.shard_numel : seg.shard_numel * world_size();
-    buffers_[s].flat = shared_ ? shared[s] : zeros({flat}, dtype_);
-    buffers_[s].master = zeros({seg.shard_numel}, dtype_, device_);
+    buffers_[s].flat = flat_shared ? shared[s] : zeros({flat}, dtype_);
+    buffers_[s].master = master_shared ? shared[s] : zeros({seg.shard_numel}, dtype_, device_);
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
   }
@@ -299,9 +311,25 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   return w;
 }
 
+Tensor ZeroOptimizer::transient_buffer(int64_t numel, DType dtype) {
+  if (slots_.empty()) return empty({numel}, dtype);
+  Slot& slot = slots_[next_slot_];
+  CHECK(numel <= slot.buffer.numel() && dtype == dtype_)
+      << "ZeRO-" << options_.stage << ": a transient bucket of " << numel << " x " << dtype
+      << " in a slot of " << slot.buffer.numel() << " x " << dtype_;
+  slot.reduced.wait();  // peers have read it too: the reduce-scatter's last wait
+  return make_view(slot.buffer, {numel}, {1}, 0);
+}
+
 comm::Work ZeroOptimizer::reduce_transient_bucket(const Bucket& bucket) {
   const ZeroSegment& seg = segments_[size_t(bucket.index)];
   SegmentBuffers& buf = buffers_[size_t(bucket.index)];
+  // In the slot transient_buffer handed out: in place over the shared region.
+  Slot* slot = nullptr;
+  if (!slots_.empty() && bucket.flat.data_ptr() == slots_[next_slot_].buffer.data_ptr()) {
+    slot = &slots_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % slots_.size();
+  }
   CHECK(bucket.flat.numel() == seg.shard_numel * world_size() && bucket.flat.dtype() == dtype_ &&
         bucket.flat.is_contiguous() && bucket.flat.device().is_cpu())
       << "ZeRO-" << options_.stage << ": bucket " << bucket.index << " is " << bucket.flat.dtype()
@@ -309,8 +337,9 @@ comm::Work ZeroOptimizer::reduce_transient_bucket(const Bucket& bucket) {
       << dtype_ << " (padded, on the CPU)";
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
+  rs.shared_region = slot != nullptr;
   // This rank's block of the bucket receives the reduction (the collective
-  // copies its input first), then is added into the shard's gradients.
+  // reads each piece of it before writing), then is added into the shard's gradients.
   char* block = bytes_at(bucket.flat, int64_t(rank()) * seg.shard_numel);
   pending_.push_back(comm::reduce_scatter_async(*comm_, bucket.flat.data_ptr(), block,
                                                 size_t(seg.shard_numel), dtype_, rs));
@@ -325,6 +354,7 @@ comm::Work ZeroOptimizer::reduce_transient_bucket(const Bucket& bucket) {
     buf.accumulated = true;
   });
   pending_.push_back(added);
+  if (slot) slot->reduced = added;
   buf.reduced = true;
   buf.has_grad.assign(seg.params.size(), true);  // DataParallel: a missing gradient counts as zero
   return added;
@@ -455,7 +485,7 @@ comm::Work ZeroOptimizer::gather_segment_async(int segment, const Tensor& flat) 
       << "ZeRO-3: segment " << segment << " gathers into " << seg.shard_numel * world_size()
       << " x " << dtype_ << ", not " << flat.dtype() << " " << flat.shape_str();
   comm::CollectiveOptions ag = options_.collective;
-  ag.shared_region = false;
+  ag.shared_region = shared_;  // the blocks lie in a shared region: read where they lie
   return comm::allgather_async(*comm_, buffers_[size_t(segment)].master.data_ptr(), flat.data_ptr(),
                                byte_count(dtype_, seg.shard_numel), ag);
 }

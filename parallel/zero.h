@@ -116,8 +116,9 @@ struct ZeroOptions {
   bool stage_through_host = false;
   // Unstaged segments live in a shared region (comm/shm_region.h) when every
   // rank runs on this host, so the reduce-scatter and all-gather run in place
-  // over the shared-memory channel instead of the ring. Every rank must pass
-  // the same value (creation is collective).
+  // over the shared-memory channel instead of the ring (stages 2 and 3: the
+  // blocks of parameters, which each gather reads where they lie). Every
+  // rank must pass the same value (creation is collective).
   bool shared_buffers = true;
   // Hybrid sharding (HSDP): the replica groups of the same shards. comm is
   // then one group of sharding ranks; each reduced block (averaged over
@@ -170,7 +171,8 @@ class ZeroOptimizer final : public optim::Optimizer {
   const optim::Optimizer& shard_optimizer() const { return *optimizer_; }
   int rank() const { return comm_->rank(); }
   int world_size() const { return comm_->size(); }
-  // Whether the flat buffers lie in a shared region (collectives in place).
+  // Whether the flat buffers (stage 1), or the blocks of parameters (stages
+  // 2 and 3), lie in a shared region (collectives in place).
   bool shared_buffers() const { return shared_; }
 
   // This rank's shard of the state (names as in the header comment), aliasing
@@ -197,6 +199,14 @@ class ZeroOptimizer final : public optim::Optimizer {
   // The reduction of one DataParallel bucket: its gradients reduce-scattered
   // (averaged) into this rank's block. Used through zero_bucket_reduce().
   comm::Work reduce_bucket(const Bucket& bucket);
+
+  // Stages 2 and 3: the flat buffer of the next transient bucket
+  // (DataParallelOptions::transient_buffer), numel elements of dtype. Where
+  // the ranks share a host, one of two slots of a shared region, each as
+  // large as the largest bucket and taken in turn (after its previous
+  // bucket's reduction has finished), so the reduce-scatter runs in place;
+  // else a new tensor.
+  Tensor transient_buffer(int64_t numel, DType dtype);
 
   // ---- stage 3 ----
   // Takes this rank's block of every segment from the parameters' current
@@ -237,6 +247,14 @@ class ZeroOptimizer final : public optim::Optimizer {
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::set<const TensorImpl*> norm_skips_;  // options_.norm_skips
   std::vector<comm::Work> pending_;         // bucket reductions of this step
+  // Stages 2 and 3 on one host: the transient buckets' slots, taken in
+  // turn, each with the reduction of the bucket that used it last.
+  struct Slot {
+    Tensor buffer;
+    comm::Work reduced;
+  };
+  std::vector<Slot> slots_;
+  size_t next_slot_ = 0;
   bool reduced_ = false;
 };
 

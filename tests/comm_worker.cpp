@@ -138,7 +138,8 @@ void check_reduce_scatter(Communicator& comm, size_t count);
 // (CollectiveOptions::shared_region): the input, resp. output, at an odd
 // offset of the region, the output of reduce_scatter elsewhere and inside the
 // input, the input of allgather elsewhere and inside the output; then buffers
-// in no region must be an Error on every rank, after which the channel works.
+// in no region must be an Error on every rank, after which the channel works;
+// and allgather with its input in the region and its output outside.
 void check_shared_region_scatter_gather(Communicator& comm) {
   const int n = comm.size();
   const size_t count = 70001, offset = 5;
@@ -171,6 +172,21 @@ void check_shared_region_scatter_gather(Communicator& comm) {
             " ranks)"),
         std::vector<float>(flat, flat + count * size_t(n)),
         [&](size_t i) { return double(i / count * 1000 + (i % count) % 997); }, DType::f32);
+  }
+  {
+    // The inputs in the region, the output in private memory: each rank
+    // reads the others' inputs where they lie. Twice, the input changed in
+    // between (nobody may still be reading the first).
+    for (int round = 0; round < 2; ++round) {
+      float* in = flat + 3;  // the same odd offset on every rank
+      for (size_t i = 0; i < count; ++i) in[i] = float(comm.rank() * 1000 + int(i % 997) + round);
+      std::vector<float> gathered(count * size_t(n), -1.0f);
+      allgather(comm, in, gathered.data(), count * sizeof(float), shared);
+      expect(
+          cat("allgather reading the inputs in place, round ", round, " (", n, " ranks)"), gathered,
+          [&](size_t i) { return double(i / count * 1000 + (i % count) % 997 + size_t(round)); },
+          DType::f32);
+    }
   }
   std::vector<float> ordinary = make_input<float>(comm.rank(), 3 * size_t(n)), out(3);
   expect_error("a shared_region reduce_scatter outside any region", "lies in no shared region",

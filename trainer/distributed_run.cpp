@@ -180,6 +180,9 @@ void DistributedRun::apply_data_parallel(Session& session) {
     o.bucket_numel_multiple = shard_comm()->size();
     units = parallel::sharding_units(blocks_model->blocks());
     o.units = parallel::unit_parameters(blocks_model->blocks(), units);
+    o.transient_buffer = [this](int64_t numel, DType dtype) {
+      return zero_->transient_buffer(numel, dtype);
+    };
   }
   if (stage == 3) {
     o.on_bucket_started = [this](int bucket) {
