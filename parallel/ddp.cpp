@@ -155,13 +155,15 @@ std::vector<Tensor> allocate_flats(comm::Communicator& comm, const DataParallelO
                                    const std::vector<std::vector<NamedTensor>>& groups) {
   std::vector<std::pair<int64_t, DType>> sizes;
   bool all_cpu = true;
+  const int64_t multiple =
+      options.reduce_in_place ? std::max<int64_t>(options.bucket_numel_multiple, 1) : 1;
   for (const auto& group : groups) {
     int64_t numel = 0;
     for (const NamedTensor& p : group) numel += p.tensor.numel();
-    sizes.emplace_back(numel, group.front().tensor.dtype());
+    sizes.emplace_back((numel + multiple - 1) / multiple * multiple, group.front().tensor.dtype());
     all_cpu = all_cpu && group.front().tensor.device().is_cpu();
   }
-  if (options.shared_buckets && !options.reduce && all_cpu)
+  if (options.shared_buckets && (!options.reduce || options.reduce_in_place) && all_cpu)
     if (std::vector<Tensor> flats = shared_flat_buffers(comm, sizes); !flats.empty()) return flats;
   std::vector<Tensor> flats;
   for (size_t b = 0; b < groups.size(); ++b)

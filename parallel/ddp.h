@@ -81,8 +81,14 @@ struct DataParallelOptions {
   // CPU buckets live in a shared region (comm/shm_region.h) when every rank
   // runs on this host, so the default reduction reads and writes the peers'
   // buckets in place instead of copying through staging areas. Ignored with
-  // a custom reduce. Every rank must pass the same value (creation is collective).
+  // a custom reduce, unless reduce_in_place. Every rank must pass the same
+  // value (creation is collective).
   bool shared_buckets = true;
+  // The custom reduce works on the buckets where they lie (ZeRO-1 reduces
+  // in place in them): CPU buckets are then shared as above all the same,
+  // and every bucket is padded to bucket_numel_multiple elements (zeros
+  // past its gradients).
+  bool reduce_in_place = false;
   bool broadcast_at_start = true;  // parameters and buffers from rank 0
   // The communicator's progress thread polls (spins) while it waits for
   // peers, taking compute time from backward where every core runs a rank.
@@ -114,6 +120,8 @@ struct DataParallelOptions {
   // shard); end_backward() starts what did not start. The flat buffers are
   // freed once their reductions finish.
   bool transient_buckets = false;
+  // Transient buckets, and those of reduce_in_place, are padded to a
+  // multiple of this many elements.
   int64_t bucket_numel_multiple = 1;
   // Where a transient bucket's flat buffer comes from (numel, dtype), on the
   // backward thread, in bucket order; empty: a new tensor. ZeRO hands out

@@ -149,7 +149,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   // where they lie.
   // Stages 2 and 3 add the transient buckets' two slots after them.
   std::vector<Tensor> shared;
-  if (options_.shared_buffers && !staged_) {
+  const bool own_buffers = !(options_.reduce_in_buckets && options_.stage == 1);
+  if (options_.shared_buffers && !staged_ && own_buffers) {
     std::vector<std::pair<int64_t, DType>> sizes;
     int64_t largest = 0;
     for (const ZeroSegment& seg : segments_) {
@@ -163,13 +164,31 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   shared_ = !shared.empty();
   for (size_t k = segments_.size(); k < shared.size(); ++k) slots_.push_back({shared[k], {}});
   buffers_.resize(segments_.size());
+  // Stage 1 in the buckets: their flat buffers are the segments'.
+  const bool in_buckets =
+      options_.reduce_in_buckets && options_.stage == 1 && !staged_ && options_.buckets != nullptr;
+  if (in_buckets) {
+    shared_ = true;
+    for (size_t s = 0; s < segments_.size(); ++s) {
+      const Tensor& flat = (*options_.buckets)[s].flat;
+      CHECK(flat.numel() == segments_[s].shard_numel * world_size() && flat.dtype() == dtype_ &&
+            flat.device().is_cpu())
+          << "ZeRO-1: bucket " << s << " is " << flat.dtype() << " " << flat.shape_str()
+          << ", reducing in place needs " << segments_[s].shard_numel * world_size() << " x "
+          << dtype_ << " (padded to a multiple of the world size, on the CPU)";
+      comm::ShmChannel* shm = comm_->size() > 1 ? comm_->shm() : nullptr;
+      shared_ = shared_ && shm && shm->find_region(flat.data_ptr(), flat.nbytes());
+    }
+  }
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
     const bool flat_shared = shared_ && options_.stage == 1;
     const bool master_shared = shared_ && options_.stage > 1;
     // Stages 2 and 3: this rank's block of the reduced gradients only.
     const int64_t flat = options_.stage > 1 ? seg.shard_numel : seg.shard_numel * world_size();
-    buffers_[s].flat = flat_shared ? shared[s] : zeros({flat}, dtype_);
+    buffers_[s].flat = in_buckets    ? (*options_.buckets)[s].flat
+                       : flat_shared ? shared[s]
+                                     : zeros({flat}, dtype_);
     buffers_[s].master = master_shared ? shared[s] : zeros({seg.shard_numel}, dtype_, device_);
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
@@ -284,12 +303,15 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   if (options_.stage > 1) return reduce_transient_bucket(bucket);
   const ZeroSegment& seg = segments_[size_t(bucket.index)];
   SegmentBuffers& buf = buffers_[size_t(bucket.index)];
-  CHECK(bucket.numel() == seg.numel && bucket.flat.dtype() == dtype_ && bucket.flat.is_contiguous())
+  const bool in_place = bucket.flat.data_ptr() == buf.flat.data_ptr();
+  CHECK((bucket.numel() == seg.numel || in_place) && bucket.flat.dtype() == dtype_ &&
+        bucket.flat.is_contiguous())
       << "ZeRO-1: bucket " << bucket.index << " is " << bucket.flat.dtype() << " "
       << bucket.flat.shape_str() << ", the layout has " << seg.numel << " x " << dtype_;
-  if (bucket.flat.device().is_cpu())
+  // In place, the gradients are where the collective reads them.
+  if (!in_place && bucket.flat.device().is_cpu())
     std::memcpy(buf.flat.data_ptr(), bucket.flat.data_ptr(), byte_count(dtype_, seg.numel));
-  else  // device -> host on the backward thread, after the bucket's gradients
+  else if (!in_place)  // device -> host on the backward thread, after the bucket's gradients
     make_view(buf.flat, {seg.numel}, {1}, 0).copy_(bucket.flat);
   std::memset(bytes_at(buf.flat, seg.numel), 0, byte_count(dtype_, buf.flat.numel() - seg.numel));
   comm::CollectiveOptions rs = options_.collective;

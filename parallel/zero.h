@@ -107,6 +107,14 @@ struct ZeroOptions {
   // zero_bucket_reduce(). Null: one segment over the groups' parameters,
   // reduced in step().
   const std::vector<Bucket>* buckets = nullptr;
+  // Stage 1 on the CPU: the buckets' flat buffers are the segments' own
+  // (DataParallelOptions::reduce_in_place, padded to a multiple of the world
+  // size): the gradients are reduce-scattered where backward wrote them,
+  // and the updated parameters all-gathered there, without a second buffer
+  // the size of the model. In place over a shared region when DataParallel
+  // shared them. Afterwards the parameters' gradients (views of the buckets)
+  // hold other values until zero_grad().
+  bool reduce_in_buckets = false;
   comm::CollectiveOptions collective{};  // segment size and timeout of both collectives
   // Parameters on a device (a GPU) are always staged: the collectives run on
   // host buffers, the gradients are copied device -> host into them, the

@@ -164,6 +164,12 @@ void DistributedRun::apply_data_parallel(Session& session) {
   // memory on a comm stream, allreduced there and copied back
   // (parallel/device_staging.h). SyncBatchNorm stages its statistics.
   if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
+  // ZeRO-1 on the CPU reduce-scatters the buckets where backward wrote them.
+  const int stage = dist_.layout.job.zero_stage;
+  if (sharded && stage <= 1 && recipe.device == "cpu") {
+    o.reduce_in_place = true;
+    o.bucket_numel_multiple = shard_comm()->size();
+  }
   // ZeRO-1: a weight tied across stages is sharded alike on both (finish_gradients).
   if (sharded)
     for (const Session::TiedAcrossStages& t : session.tied_across_stages())
@@ -171,7 +177,6 @@ void DistributedRun::apply_data_parallel(Session& session) {
   std::shared_ptr<Module> model = session.trained_ptr();
   // ZeRO-2 and -3: gradients reduce-scattered from transient buckets, one
   // per unit of blocks; under ZeRO-3 the units' parameters are gathered per use.
-  const int stage = dist_.layout.job.zero_stage;
   Model* blocks_model = dynamic_cast<Model*>(model.get());
   std::vector<std::vector<size_t>> units;
   if (stage >= 2) {
@@ -238,6 +243,7 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
       parallel::ZeroOptions{
           .stage = std::max(dist_.layout.job.zero_stage, 1),
           .buckets = &dp_->buckets(),
+          .reduce_in_buckets = dp_->options().reduce_in_place,
           .replicate = hybrid ? dist_.mesh.comm(parallel::Dim::dp_replicate) : nullptr,
           .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
                              dist_.mesh.comm(parallel::Dim::tp)},
