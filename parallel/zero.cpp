@@ -142,6 +142,11 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
                     ": sharded gradients and parameters need DataParallel's buckets and "
                     "parameters on the CPU (these are on ",
                     device_, "); use parallel.shard=optimizer"));
+  allocate_buffers();
+  build_pieces(make_optimizer);
+}
+
+void ZeroOptimizer::allocate_buffers() {
   // Unstaged segments in one shared region when the ranks share a host (the
   // collectives then run in place); else ordinary memory and the ring.
   // Stage 1 shares the flat buffers (reduce-scattered and all-gathered in
@@ -193,7 +198,6 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
   }
-  build_pieces(make_optimizer);
 }
 
 ZeroOptimizer::~ZeroOptimizer() {

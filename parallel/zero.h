@@ -229,6 +229,9 @@ class ZeroOptimizer final : public optim::Optimizer {
  private:
   struct Piece;
   struct SegmentBuffers;
+  // The segments' flat buffers and blocks of parameters, and the slots of
+  // transient buckets: in a shared region where the ranks share a host.
+  void allocate_buffers();
   void build_pieces(const OptimizerFactory& make_optimizer);
   void reduce_standalone();
   comm::Work reduce_transient_bucket(const Bucket& bucket);

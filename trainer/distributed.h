@@ -55,6 +55,8 @@
 
 namespace trainer {
 
+class Model;  // layers/block_list.h
+
 namespace parallel {
 class PipelineRuntime;
 class ShardedParameters;
@@ -217,6 +219,10 @@ class DistributedRun {
   void apply_parameter_servers(Session& session);
   void apply_data_parallel(Session& session);
   void build_sharded_optimizer(Session& session);
+  // The bucket options of the sharded optimizer (reduced into its shards,
+  // ZeRO-1 in place, ZeRO-2/3 transient per unit); the units of ZeRO-2/3.
+  std::vector<std::vector<size_t>> shard_buckets(const Session& session, Model* blocks_model,
+                                                 parallel::DataParallelOptions& o);
   // The ranks that shard the optimizer state (and gradients, parameters)
   // among them: the dp group, or under hybrid sharding this rank's dp_shard group.
   std::shared_ptr<comm::Communicator> shard_comm() const;

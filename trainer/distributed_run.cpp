@@ -159,41 +159,16 @@ void DistributedRun::apply_data_parallel(Session& session) {
   // channel on one host and the measured model's choice across hosts.
   o.allreduce.algorithm = *comm::parse_allreduce_algorithm(recipe.parallel.allreduce);
   o.timeline = timeline_.get();
-  // ZeRO-1 stages GPU buckets itself (its collectives run on host buffers,
-  // parallel/zero.h). Plain GPU gradients: each bucket copied to pinned host
-  // memory on a comm stream, allreduced there and copied back
-  // (parallel/device_staging.h). SyncBatchNorm stages its statistics.
-  if (sharded) o.reduce = parallel::zero_bucket_reduce(&zero_);
-  // ZeRO-1 on the CPU reduce-scatters the buckets where backward wrote them.
-  const int stage = dist_.layout.job.zero_stage;
-  if (sharded && stage <= 1 && recipe.device == "cpu") {
-    o.reduce_in_place = true;
-    o.bucket_numel_multiple = shard_comm()->size();
-  }
-  // ZeRO-1: a weight tied across stages is sharded alike on both (finish_gradients).
-  if (sharded)
-    for (const Session::TiedAcrossStages& t : session.tied_across_stages())
-      o.own_bucket.push_back(t.param);
+  // The sharded optimizer reduces the buckets into its shards (and stages
+  // GPU buckets itself: its collectives run on host buffers, parallel/zero.h).
   std::shared_ptr<Module> model = session.trained_ptr();
-  // ZeRO-2 and -3: gradients reduce-scattered from transient buckets, one
-  // per unit of blocks; under ZeRO-3 the units' parameters are gathered per use.
   Model* blocks_model = dynamic_cast<Model*>(model.get());
-  std::vector<std::vector<size_t>> units;
-  if (stage >= 2) {
-    CHECK(blocks_model) << "ZeRO-" << stage << " shards a model's blocks";
-    o.transient_buckets = true;
-    o.bucket_numel_multiple = shard_comm()->size();
-    units = parallel::sharding_units(blocks_model->blocks());
-    o.units = parallel::unit_parameters(blocks_model->blocks(), units);
-    o.transient_buffer = [this](int64_t numel, DType dtype) {
-      return zero_->transient_buffer(numel, dtype);
-    };
-  }
-  if (stage == 3) {
-    o.on_bucket_started = [this](int bucket) {
-      if (sharded_parameters_) sharded_parameters_->bucket_started(bucket);
-    };
-  }
+  const int stage = dist_.layout.job.zero_stage;
+  const std::vector<std::vector<size_t>> units =
+      sharded ? shard_buckets(session, blocks_model, o) : std::vector<std::vector<size_t>>();
+  // Plain GPU gradients: each bucket copied to pinned host memory on a comm
+  // stream, allreduced there and copied back (parallel/device_staging.h).
+  // SyncBatchNorm stages its statistics.
 #if TRAINER_HAVE_CUDA
   const Device device = module_device(*model);
   // parallel.gpu_direct: the buckets' device memory goes to UCX, reduced by
@@ -222,6 +197,40 @@ void DistributedRun::apply_data_parallel(Session& session) {
                           replicas > 1 ? cat(", hybrid: ", replicas, " replicas of ",
                                              dp_comm->size() / replicas, " shards")
                                        : ""));
+}
+
+std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& session,
+                                                               Model* blocks_model,
+                                                               parallel::DataParallelOptions& o) {
+  const int stage = dist_.layout.job.zero_stage;
+  o.reduce = parallel::zero_bucket_reduce(&zero_);
+  // ZeRO-1 on the CPU reduce-scatters the buckets where backward wrote them.
+  if (stage <= 1 && session.recipe().device == "cpu") {
+    o.reduce_in_place = true;
+    o.bucket_numel_multiple = shard_comm()->size();
+  }
+  // ZeRO-1: a weight tied across stages is sharded alike on both (finish_gradients).
+  for (const Session::TiedAcrossStages& t : session.tied_across_stages())
+    o.own_bucket.push_back(t.param);
+  // ZeRO-2 and -3: gradients reduce-scattered from transient buckets, one
+  // per unit of blocks; under ZeRO-3 the units' parameters are gathered per use.
+  std::vector<std::vector<size_t>> units;
+  if (stage >= 2) {
+    CHECK(blocks_model) << "ZeRO-" << stage << " shards a model's blocks";
+    o.transient_buckets = true;
+    o.bucket_numel_multiple = shard_comm()->size();
+    units = parallel::sharding_units(blocks_model->blocks());
+    o.units = parallel::unit_parameters(blocks_model->blocks(), units);
+    o.transient_buffer = [this](int64_t numel, DType dtype) {
+      return zero_->transient_buffer(numel, dtype);
+    };
+  }
+  if (stage == 3) {
+    o.on_bucket_started = [this](int bucket) {
+      if (sharded_parameters_) sharded_parameters_->bucket_started(bucket);
+    };
+  }
+  return units;
 }
 
 void DistributedRun::build_sharded_optimizer(Session& session) {
