@@ -341,6 +341,12 @@ TEST_CASE("planner: the cluster file sets figures and a bad key names file, line
   CHECK(cluster.intra.gbps == 1000);
   CHECK(cluster.inter.gbps == 400);  // h100-80gb's
 
+  // A p2p link given in part takes the rest from intra.
+  write("intra:\n  alpha_us: 2\n  gbps: 1000\np2p: {gbps: 300}\n");
+  const ClusterSpec p2p = load_cluster_file(path, base);
+  CHECK(p2p.intra_p2p.gbps == 300);
+  CHECK(p2p.intra_p2p.alpha_us == 2);
+
   write("device: h100-80gb\nintra:\n  alpha_us: 2\n  gbsp: 100\n");
   CHECK_THROWS_WITH(load_cluster_file(path, base),
                     Catch::Contains(path + ":4: unknown key 'intra.gbsp'"));

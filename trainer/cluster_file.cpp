@@ -107,6 +107,7 @@ parallel::ClusterSpec parse_cluster_file(const std::string& text, const std::str
     }
   }
   bool named_device = false;
+  bool p2p_alpha = false, p2p_gbps = false;  // the p2p figures the file gives
   for (const auto& [key, at, value] : entries) {
     if (key == "device") {
       named_device = true;
@@ -118,6 +119,7 @@ parallel::ClusterSpec parse_cluster_file(const std::string& text, const std::str
       for (const auto& [field, field_at, figure] : reader.entries(value, key + ".")) {
         const double number = reader.figure(figure, field_at, field);
         (field == key + ".alpha_us" ? link.alpha_us : link.gbps) = number;
+        if (key == "p2p") (field == "p2p.alpha_us" ? p2p_alpha : p2p_gbps) = true;
       }
     } else {
       const double number = reader.figure(value, at, key);
@@ -131,6 +133,11 @@ parallel::ClusterSpec parse_cluster_file(const std::string& text, const std::str
         base.per_node = int(number);
       }
     }
+  }
+  // A p2p link the file gives in part takes the rest from intra.
+  if (p2p_alpha || p2p_gbps) {
+    if (!p2p_alpha) base.intra_p2p.alpha_us = base.intra.alpha_us;
+    if (!p2p_gbps) base.intra_p2p.gbps = base.intra.gbps;
   }
   if (!named_device) base.device.name += " (cluster file)";
   return base;
