@@ -71,6 +71,8 @@ double ring_allgather(const LinkSpec& link, int ranks, double bytes) {
 // Bytes a value takes in the step's precision, relative to 16 bits.
 double value_scale(const std::string& precision) { return precision == "fp32" ? 2.0 : 1.0; }
 
+}  // namespace
+
 std::string plan_label(const Plan& plan) {
   std::string label = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp,
                           " M=", plan.micro_batches, " b=", plan.micro_batch_size);
@@ -81,8 +83,6 @@ std::string plan_label(const Plan& plan) {
   if (plan.recompute != Recompute::none) label += " recompute=" + to_string(plan.recompute);
   return label;
 }
-
-}  // namespace
 
 // ---- devices ----
 
@@ -639,6 +639,18 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
                        : base.pp > 1                        ? std::min(request.max_zero, 1)
                                                             : request.max_zero;
   bool fits[3][4] = {};
+  // Scores a variant: true when it fits (it then joins the ranking).
+  auto score = [&](Plan plan) {
+    std::string why;
+    Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
+    ++result.evaluated;
+    if (!why.empty()) {
+      rejected.add("over device memory", cat(plan_label(scored), ": ", why), scored.memory);
+      return false;
+    }
+    result.ranked.push_back(std::move(scored));
+    return true;
+  };
   for (Recompute recompute : {Recompute::none, Recompute::selective, Recompute::blocks}) {
     const int level = int(recompute);
     if (recompute == Recompute::selective && !model.language_model) continue;
@@ -654,15 +666,7 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
       Plan plan = base;
       plan.zero = zero;
       plan.recompute = recompute;
-      std::string why;
-      Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
-      ++result.evaluated;
-      if (!why.empty()) {
-        rejected.add("over device memory", cat(plan_label(scored), ": ", why), scored.memory);
-        continue;
-      }
-      fits[level][zero] = true;
-      result.ranked.push_back(std::move(scored));
+      fits[level][zero] = score(std::move(plan));
     }
     // Hybrid sharding, when the dp ranks span hosts: shards within a host's
     // dp ranks (at least 2), replicas across hosts. Scored beside each
@@ -675,13 +679,7 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
       plan.zero = zero;
       plan.replicas = base.dp / per_host;
       plan.recompute = recompute;
-      std::string why;
-      Plan scored = evaluate_plan(model, request, timer, std::move(plan), &why);
-      ++result.evaluated;
-      if (!why.empty())
-        rejected.add("over device memory", cat(plan_label(scored), ": ", why), scored.memory);
-      else
-        result.ranked.push_back(std::move(scored));
+      score(std::move(plan));
     }
   }
 }

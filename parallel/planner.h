@@ -337,6 +337,8 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
 // The ranked table (top rows), the rejections grouped by reason, the best
 // plan's terms; plan_overrides: the best plan as recipe key=value overrides.
 std::string plan_table(const PlanResult& result, int top, const ModelDesc& model);
+// "dp=8 pp=2 tp=4 M=8 b=2 1f1b zero1 recompute=selective": a plan in one line.
+std::string plan_label(const Plan& plan);
 std::string plan_overrides(const Plan& plan);
 
 }  // namespace trainer::parallel

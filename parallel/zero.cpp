@@ -173,7 +173,8 @@ void ZeroOptimizer::allocate_buffers() {
   const bool in_buckets =
       options_.reduce_in_buckets && options_.stage == 1 && !staged_ && options_.buckets != nullptr;
   if (in_buckets) {
-    shared_ = true;
+    comm::ShmChannel* shm = comm_->size() > 1 ? comm_->shm() : nullptr;
+    shared_ = shm != nullptr;
     for (size_t s = 0; s < segments_.size(); ++s) {
       const Tensor& flat = (*options_.buckets)[s].flat;
       CHECK(flat.numel() == segments_[s].shard_numel * world_size() && flat.dtype() == dtype_ &&
@@ -181,8 +182,7 @@ void ZeroOptimizer::allocate_buffers() {
           << "ZeRO-1: bucket " << s << " is " << flat.dtype() << " " << flat.shape_str()
           << ", reducing in place needs " << segments_[s].shard_numel * world_size() << " x "
           << dtype_ << " (padded to a multiple of the world size, on the CPU)";
-      comm::ShmChannel* shm = comm_->size() > 1 ? comm_->shm() : nullptr;
-      shared_ = shared_ && shm && shm->find_region(flat.data_ptr(), flat.nbytes());
+      shared_ = shared_ && shm->find_region(flat.data_ptr(), flat.nbytes());
     }
   }
   for (size_t s = 0; s < segments_.size(); ++s) {

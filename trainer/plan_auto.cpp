@@ -33,14 +33,8 @@ int64_t index_of(const char* const* begin, const char* const* end, const std::st
 }
 
 std::string plan_line(const parallel::Plan& plan) {
-  std::string out = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp, " M=", plan.micro_batches,
-                        " b=", plan.micro_batch_size);
-  if (plan.pp > 1) out += " " + plan.schedule;
-  if (plan.zero > 0) out += cat(" zero", plan.zero);
-  if (plan.replicas > 1) out += cat(" hybrid ", plan.replicas, "x", plan.shard_group());
-  if (plan.recompute != parallel::Recompute::none)
-    out += " recompute=" + parallel::to_string(plan.recompute);
-  return cat(out, ": ", plan_number(plan.terms.total() * 1e3), " ms per step");
+  return cat(parallel::plan_label(plan), ": ", plan_number(plan.terms.total() * 1e3),
+             " ms per step");
 }
 
 }  // namespace
