@@ -51,7 +51,8 @@ struct DataParallel::Impl {
   bool synchronises() const { return sync || options.transient_buckets; }
 
   // A transient bucket's flat buffer, padded: the gradients copied in (zeros
-  // where none arrived) and dropped from their parameters.
+  // where none arrived; converted where the buffer's dtype differs, as a
+  // bf16 reduction's) and dropped from their parameters.
   void pack_transient(Bucket& bucket) {
     int64_t numel = 0;
     for (const NamedTensor& p : bucket.params) numel += p.tensor.numel();
@@ -60,19 +61,20 @@ struct DataParallel::Impl {
     const Tensor& first = bucket.params.front().tensor;
     bucket.flat = options.transient_buffer ? options.transient_buffer(padded, first.dtype())
                                            : empty({padded}, first.dtype(), first.device());
-    const size_t item = dtype_size(first.dtype());
+    const size_t item = dtype_size(bucket.flat.dtype());
     char* base = static_cast<char*>(bucket.flat.data_ptr());
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       const Tensor& param = bucket.params[i].tensor;
       char* dst = base + size_t(bucket.offsets[i]) * item;
       Tensor g = param.grad();
-      if (g.defined() && g.is_contiguous() && g.device().is_cpu())
+      if (g.defined() && g.is_contiguous() && g.device().is_cpu() &&
+          g.dtype() == bucket.flat.dtype())
         std::memcpy(dst, g.data_ptr(), g.nbytes());
       else if (g.defined())
         make_view(bucket.flat, param.shape(), contiguous_strides(param.shape()), bucket.offsets[i])
             .copy_(g);
       else
-        std::memset(dst, 0, param.nbytes());
+        std::memset(dst, 0, size_t(param.numel()) * item);
       param.set_grad(Tensor());
     }
     std::memset(base + size_t(numel) * item, 0, size_t(padded - numel) * item);

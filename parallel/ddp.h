@@ -123,9 +123,11 @@ struct DataParallelOptions {
   // Transient buckets, and those of reduce_in_place, are padded to a
   // multiple of this many elements.
   int64_t bucket_numel_multiple = 1;
-  // Where a transient bucket's flat buffer comes from (numel, dtype), on the
-  // backward thread, in bucket order; empty: a new tensor. ZeRO hands out
-  // slots of a shared region, so the reduce-scatter runs in place.
+  // Where a transient bucket's flat buffer comes from (numel, the
+  // parameters' dtype), on the backward thread, in bucket order; empty: a
+  // new tensor. ZeRO hands out slots of a shared region, so the
+  // reduce-scatter runs in place, in its reduce dtype (the gradients are
+  // converted into it).
   std::function<Tensor(int64_t numel, DType dtype)> transient_buffer;
   // Called on the backward thread after bucket `index` started its reduction
   // (transient buckets: the unit's gradients are complete).

@@ -197,7 +197,7 @@ void ShardedParameters::check_order(size_t u) {
 void ShardedParameters::start_gather(size_t u) {
   Unit& unit = units_[u];
   const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segment)];
-  unit.flat = empty({seg.shard_numel * (*zero_)->world_size()}, seg.params.front().tensor.dtype());
+  unit.flat = empty({seg.shard_numel * (*zero_)->world_size()}, (*zero_)->gather_dtype());
   unit.pending = (*zero_)->gather_segment_async(unit.segment, unit.flat);
   unit.in_flight = true;
 }
@@ -213,12 +213,13 @@ void ShardedParameters::gather(size_t u) {
   }
   unit.pending.wait();
   unit.in_flight = false;
-  // The parameters point into the gathered buffer.
+  // The parameters point into the gathered buffer, in its dtype until freed.
   const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segment)];
   for (size_t i = 0; i < seg.params.size(); ++i) {
     TensorImpl* p = seg.params[i].tensor.impl();
     p->storage = unit.flat.storage();
     p->offset = seg.offsets[i];
+    p->dtype = unit.flat.dtype();
   }
 }
 
@@ -245,8 +246,10 @@ void ShardedParameters::release(size_t u) {
     unit.pending.wait();
     unit.in_flight = false;
   }
-  for (const NamedTensor& p : (*zero_)->segments()[size_t(unit.segment)].params)
+  for (const NamedTensor& p : (*zero_)->segments()[size_t(unit.segment)].params) {
     release_storage(p.tensor);
+    p.tensor.impl()->dtype = (*zero_)->master_dtype();
+  }
   unit.flat = Tensor();
 }
 
@@ -266,7 +269,7 @@ std::map<const TensorImpl*, Tensor> ShardedParameters::gathered_copies() {
   for (const Unit& unit : units_) {
     if (unit.segment < 0) continue;
     const ZeroSegment& seg = zero.segments()[size_t(unit.segment)];
-    Tensor flat = empty({seg.shard_numel * zero.world_size()}, seg.params.front().tensor.dtype());
+    Tensor flat = empty({seg.shard_numel * zero.world_size()}, zero.master_dtype());
     if (sharded_) zero.gather_segment_async(unit.segment, flat).wait();
     for (size_t i = 0; i < seg.params.size(); ++i) {
       const Tensor& p = seg.params[i].tensor;

@@ -22,7 +22,10 @@
 //                        the unit's reduce-scatter the buffer is freed.
 //
 // Parameters that are freed keep their shape, dtype and device but no
-// memory (release_storage); the optimizer and the loop never read them. A
+// memory (release_storage); the optimizer and the loop never read them.
+// Gathered in a narrower dtype (ZeroOptions::param_dtype, bf16 under
+// precision bf16) they are tensors of that dtype while gathered, and f32
+// again when freed. A
 // tensor a block saved for backward that is a view of a gathered buffer
 // keeps that buffer alive, so values stay right whatever is freed.
 //

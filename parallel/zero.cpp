@@ -142,6 +142,16 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
                     ": sharded gradients and parameters need DataParallel's buckets and "
                     "parameters on the CPU (these are on ",
                     device_, "); use parallel.shard=optimizer"));
+  gather_dtype_ = options_.param_dtype.value_or(dtype_);
+  reduce_dtype_ = options_.reduce_dtype.value_or(dtype_);
+  if (gather_dtype_ != dtype_ && options_.stage != 3)
+    throw Error(cat("ZeRO-", options_.stage, ": parameters gathered in ", gather_dtype_,
+                    " need sharded parameters (stage 3); the others keep them whole in ", dtype_));
+  if (reduce_dtype_ != dtype_ && options_.stage < 2)
+    throw Error(cat("ZeRO-1: gradients reduced in ", reduce_dtype_,
+                    " need sharded gradients (stage 2 or 3); ZeRO-1 reduces them in ", dtype_));
+  for (DType d : {gather_dtype_, reduce_dtype_})
+    if (!is_floating(d)) throw Error(cat("ZeRO-", options_.stage, ": ", d, " is not floating"));
   allocate_buffers();
   build_pieces(make_optimizer);
 }
@@ -153,21 +163,31 @@ void ZeroOptimizer::allocate_buffers() {
   // place); stages 2 and 3 the blocks of parameters, which the gathers read
   // where they lie.
   // Stages 2 and 3 add the transient buckets' two slots after them.
+  // Shared, in order: the segments' buffers, the two slots of transient
+  // buckets, and the gather slots (stage 3 gathering in a narrower dtype).
   std::vector<Tensor> shared;
   const bool own_buffers = !(options_.reduce_in_buckets && options_.stage == 1);
+  const bool rounded = options_.stage == 3 && gather_dtype_ != dtype_;
+  int64_t largest = 0, largest_shard = 0;
+  for (const ZeroSegment& seg : segments_) {
+    largest = std::max(largest, seg.shard_numel * world_size());
+    largest_shard = std::max(largest_shard, seg.shard_numel);
+  }
+  const size_t n_slots = options_.stage > 1 ? 2 : 0, n_gather_slots = rounded ? 2 : 0;
   if (options_.shared_buffers && !staged_ && own_buffers) {
     std::vector<std::pair<int64_t, DType>> sizes;
-    int64_t largest = 0;
-    for (const ZeroSegment& seg : segments_) {
+    for (const ZeroSegment& seg : segments_)
       sizes.emplace_back(seg.shard_numel * (options_.stage == 1 ? world_size() : 1), dtype_);
-      largest = std::max(largest, seg.shard_numel * world_size());
-    }
-    if (options_.stage > 1)
-      for (int k = 0; k < 2; ++k) sizes.emplace_back(largest, dtype_);
+    for (size_t k = 0; k < n_slots; ++k) sizes.emplace_back(largest, reduce_dtype_);
+    for (size_t k = 0; k < n_gather_slots; ++k) sizes.emplace_back(largest_shard, gather_dtype_);
     shared = shared_flat_buffers(*comm_, sizes);
   }
   shared_ = !shared.empty();
-  for (size_t k = segments_.size(); k < shared.size(); ++k) slots_.push_back({shared[k], {}});
+  const size_t first_slot = segments_.size();
+  for (size_t k = 0; shared_ && k < n_slots; ++k) slots_.push_back({shared[first_slot + k], {}});
+  for (size_t k = 0; k < n_gather_slots; ++k)
+    gather_slots_.push_back(
+        {shared_ ? shared[first_slot + n_slots + k] : zeros({largest_shard}, gather_dtype_), {}});
   buffers_.resize(segments_.size());
   // Stage 1 in the buckets: their flat buffers are the segments'.
   const bool in_buckets =
@@ -337,12 +357,12 @@ comm::Work ZeroOptimizer::reduce_bucket(const Bucket& bucket) {
   return w;
 }
 
-Tensor ZeroOptimizer::transient_buffer(int64_t numel, DType dtype) {
-  if (slots_.empty()) return empty({numel}, dtype);
+Tensor ZeroOptimizer::transient_buffer(int64_t numel, DType) {
+  // Whatever the gradients' dtype, the bucket holds them in the reduce dtype.
+  if (slots_.empty()) return empty({numel}, reduce_dtype_);
   Slot& slot = slots_[next_slot_];
-  CHECK(numel <= slot.buffer.numel() && dtype == dtype_)
-      << "ZeRO-" << options_.stage << ": a transient bucket of " << numel << " x " << dtype
-      << " in a slot of " << slot.buffer.numel() << " x " << dtype_;
+  CHECK(numel <= slot.buffer.numel()) << "ZeRO-" << options_.stage << ": a transient bucket of "
+                                      << numel << " elements in a slot of " << slot.buffer.numel();
   slot.reduced.wait();  // peers have read it too: the reduce-scatter's last wait
   return make_view(slot.buffer, {numel}, {1}, 0);
 }
@@ -356,27 +376,31 @@ comm::Work ZeroOptimizer::reduce_transient_bucket(const Bucket& bucket) {
     slot = &slots_[next_slot_];
     next_slot_ = (next_slot_ + 1) % slots_.size();
   }
-  CHECK(bucket.flat.numel() == seg.shard_numel * world_size() && bucket.flat.dtype() == dtype_ &&
-        bucket.flat.is_contiguous() && bucket.flat.device().is_cpu())
+  CHECK(bucket.flat.numel() == seg.shard_numel * world_size() &&
+        bucket.flat.dtype() == reduce_dtype_ && bucket.flat.is_contiguous() &&
+        bucket.flat.device().is_cpu())
       << "ZeRO-" << options_.stage << ": bucket " << bucket.index << " is " << bucket.flat.dtype()
       << " " << bucket.flat.shape_str() << ", expected " << seg.shard_numel * world_size() << " x "
-      << dtype_ << " (padded, on the CPU)";
+      << reduce_dtype_ << " (padded, on the CPU; from transient_buffer)";
   comm::CollectiveOptions rs = options_.collective;
   rs.op = comm::ReduceOp::avg;
   rs.shared_region = slot != nullptr;
   // This rank's block of the bucket receives the reduction (the collective
   // reads each piece of it before writing), then is added into the shard's gradients.
-  char* block = bytes_at(bucket.flat, int64_t(rank()) * seg.shard_numel);
-  pending_.push_back(comm::reduce_scatter_async(*comm_, bucket.flat.data_ptr(), block,
-                                                size_t(seg.shard_numel), dtype_, rs));
-  comm::Work added = comm_->enqueue([this, &buf, block, n = seg.shard_numel, rs] {
-    average_over_replicas(options_.replicate, block, n, dtype_, rs.timeout);
+  const int64_t n = seg.shard_numel;
+  Tensor block = make_view(bucket.flat, {n}, {1}, int64_t(rank()) * n);
+  pending_.push_back(comm::reduce_scatter_async(*comm_, bucket.flat.data_ptr(), block.data_ptr(),
+                                                size_t(n), reduce_dtype_, rs));
+  comm::Work added = comm_->enqueue([this, &buf, block, n, rs] {
+    average_over_replicas(options_.replicate, block.data_ptr(), n, reduce_dtype_, rs.timeout);
+    // Reduced in a narrower dtype: widened first.
+    const Tensor wide = reduce_dtype_ == dtype_ ? block : block.to(dtype_);
     if (!buf.accumulated)
-      std::memcpy(buf.flat.data_ptr(), block, byte_count(dtype_, n));
+      std::memcpy(buf.flat.data_ptr(), wide.data_ptr(), byte_count(dtype_, n));
     else if (dtype_ == DType::f64)
-      add_into(buf.flat.data<double>(), reinterpret_cast<const double*>(block), n);
+      add_into(buf.flat.data<double>(), wide.data<double>(), n);
     else
-      add_into(buf.flat.data<float>(), reinterpret_cast<const float*>(block), n);
+      add_into(buf.flat.data<float>(), wide.data<float>(), n);
     buf.accumulated = true;
   });
   pending_.push_back(added);
@@ -506,14 +530,27 @@ void ZeroOptimizer::shard_parameters() {
 
 comm::Work ZeroOptimizer::gather_segment_async(int segment, const Tensor& flat) {
   const ZeroSegment& seg = segments_[size_t(segment)];
-  CHECK(flat.numel() == seg.shard_numel * world_size() && flat.dtype() == dtype_ &&
+  const bool rounded = flat.dtype() != dtype_ && !gather_slots_.empty();
+  CHECK(flat.numel() == seg.shard_numel * world_size() &&
+        (flat.dtype() == dtype_ || (rounded && flat.dtype() == gather_dtype_)) &&
         flat.is_contiguous() && flat.device().is_cpu())
       << "ZeRO-3: segment " << segment << " gathers into " << seg.shard_numel * world_size()
-      << " x " << dtype_ << ", not " << flat.dtype() << " " << flat.shape_str();
+      << " x " << dtype_ << " or " << gather_dtype_ << ", not " << flat.dtype() << " "
+      << flat.shape_str();
   comm::CollectiveOptions ag = options_.collective;
   ag.shared_region = shared_;  // the blocks lie in a shared region: read where they lie
-  return comm::allgather_async(*comm_, buffers_[size_t(segment)].master.data_ptr(), flat.data_ptr(),
-                               byte_count(dtype_, seg.shard_numel), ag);
+  const size_t bytes = byte_count(flat.dtype(), seg.shard_numel);
+  const Tensor& master = buffers_[size_t(segment)].master;
+  if (!rounded) return comm::allgather_async(*comm_, master.data_ptr(), flat.data_ptr(), bytes, ag);
+  // In a narrower dtype: this rank's block rounded into the next slot, once
+  // the gather that used it last has finished (every peer has read it).
+  GatherSlot& slot = gather_slots_[next_gather_slot_];
+  next_gather_slot_ = (next_gather_slot_ + 1) % gather_slots_.size();
+  slot.gathered.wait();
+  Tensor block = make_view(slot.buffer, {seg.shard_numel}, {1}, 0);
+  block.copy_(master);
+  slot.gathered = comm::allgather_async(*comm_, block.data_ptr(), flat.data_ptr(), bytes, ag);
+  return slot.gathered;
 }
 
 void ZeroOptimizer::gather_parameters() {

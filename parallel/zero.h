@@ -60,6 +60,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -133,6 +134,17 @@ struct ZeroOptions {
   // comm) is averaged again over replicate, so the gradient is the mean
   // over both. Null: no replicas.
   std::shared_ptr<comm::Communicator> replicate;
+  // Mixed precision, as FSDP2's policy (unset: the parameters' dtype).
+  // param_dtype (stage 3): the dtype the parameters are gathered in. bf16
+  // rounds this rank's f32 block into a small slot at each gather (in the
+  // shared region too) and gathers that (half the bytes); the gathered
+  // parameters are bf16 tensors until freed, so forward computes with them
+  // and their gradients arrive in bf16.
+  // reduce_dtype (stages 2 and 3): the transient buckets' dtype and their
+  // reduce-scatter's; a bf16 reduced block is added into the f32 gradient
+  // shard. The master block and the optimizer state stay in the parameters' dtype.
+  std::optional<DType> param_dtype;
+  std::optional<DType> reduce_dtype;
   // The gradient norm of clip_grad_norm also sums over these communicators
   // (the other pipeline stages, the other tensor-parallel ranks: they hold
   // the model's other parameters, or other parts of them); nulls are skipped.
@@ -222,9 +234,14 @@ class ZeroOptimizer final : public optim::Optimizer {
   void shard_parameters();
   // All-gathers segment s's parameters into flat ([world_size * shard_numel]
   // on the CPU, alive until the returned work finishes), in the order of
-  // the segment's parameters and offsets.
+  // the segment's parameters and offsets, in flat's dtype: master_dtype(),
+  // or gather_dtype() (the block rounded to it first).
   comm::Work gather_segment_async(int segment, const Tensor& flat);
   int stage() const { return options_.stage; }
+  // The parameters' dtype (the master blocks') and the one stage 3 gathers
+  // them in (ZeroOptions::param_dtype).
+  DType master_dtype() const { return dtype_; }
+  DType gather_dtype() const { return gather_dtype_; }
 
  private:
   struct Piece;
@@ -249,8 +266,10 @@ class ZeroOptimizer final : public optim::Optimizer {
   std::vector<optim::ParamGroup> groups_;
   ZeroOptions options_;
   DType dtype_ = DType::f32;
-  Device device_;        // the parameters'
-  bool staged_ = false;  // the collectives' buffers are host copies of device ones
+  DType gather_dtype_ = DType::f32;  // options_.param_dtype, else dtype_
+  DType reduce_dtype_ = DType::f32;  // options_.reduce_dtype, else dtype_
+  Device device_;                    // the parameters'
+  bool staged_ = false;              // the collectives' buffers are host copies of device ones
   bool shared_ = false;  // the flat buffers lie in a shared region: collectives in place
   std::vector<ZeroSegment> segments_;
   std::vector<SegmentBuffers> buffers_;  // per segment
@@ -266,6 +285,16 @@ class ZeroOptimizer final : public optim::Optimizer {
   };
   std::vector<Slot> slots_;
   size_t next_slot_ = 0;
+  // Stage 3 gathering in a narrower dtype: this rank's block is rounded into
+  // one of two slots (shared where the buffers are), taken in turn, each
+  // with the gather that read it last (at most two are in flight: a unit's
+  // and the next one's prefetch).
+  struct GatherSlot {
+    Tensor buffer;
+    comm::Work gathered;
+  };
+  std::vector<GatherSlot> gather_slots_;
+  size_t next_gather_slot_ = 0;
   bool reduced_ = false;
 };
 

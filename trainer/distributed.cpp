@@ -258,6 +258,32 @@ int64_t hybrid_replicas(const Recipe& r, int64_t dp, int stage) {
 
 }  // namespace
 
+ShardDtypes shard_dtypes(const Recipe& r, int stage) {
+  const ParallelRecipe& p = r.parallel;
+  ShardDtypes out;
+  const bool bf16 = r.precision == "bf16";
+  if (p.param_dtype == "bf16" && (stage != 3 || !bf16))
+    throw Error(cat(r.source, ": parallel.param_dtype = bf16 with parallel.shard = ",
+                    kShardNames[stage], " and precision ", r.precision,
+                    ": only sharded parameters (parallel.shard = parameters) are gathered, in "
+                    "bf16 under precision bf16; use parallel.param_dtype = auto"));
+  if (p.param_dtype == "bf16" || (p.param_dtype == "auto" && stage == 3 && bf16))
+    out.param = DType::bf16;
+  if (p.reduce_dtype == "bf16" && stage < 2)
+    throw Error(cat(r.source, ": parallel.reduce_dtype = bf16 with parallel.shard = ",
+                    kShardNames[stage], ": gradients are reduced in bf16 when they are sharded ",
+                    "(parallel.shard = gradients or parameters); use parallel.reduce_dtype = f32"));
+  if (p.reduce_dtype == "bf16") out.reduce = DType::bf16;
+  return out;
+}
+
+std::string shard_label(const Recipe& r, const ParallelLayout& layout) {
+  if (!layout.zero1) return "";
+  const ShardDtypes d = shard_dtypes(r, layout.zero_stage);
+  return cat(", zero", layout.zero_stage, d.param ? cat(", gathers ", *d.param) : "",
+             d.reduce ? cat(", reduces ", *d.reduce) : "");
+}
+
 int zero_stage(const ParallelRecipe& p) {
   const auto* it = std::find(std::begin(kShardNames), std::end(kShardNames), p.shard);
   CHECK(it != std::end(kShardNames)) << "parallel.shard '" << p.shard << "'";
@@ -285,6 +311,7 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                                     {parallel::Dim::pp, int(p.pp)},
                                     {parallel::Dim::tp, int(p.tp)}};
   if (stage > 1 && dp > 1) check_sharding_keys(r, stage);
+  if (dp > 1) shard_dtypes(r, stage);  // refuses a combination that does not apply
   layout.zero1 = stage > 0 && dp > 1;
   layout.zero_stage = layout.zero1 ? stage : 0;
   return layout;

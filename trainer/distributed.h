@@ -35,6 +35,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -88,6 +89,18 @@ struct RankLayout {
 ParallelLayout parallel_layout(const Recipe& recipe, int world_size);
 // The ZeRO stage parallel.shard asks for (0 to 3; parallel.zero1 is 1).
 int zero_stage(const ParallelRecipe& parallel);
+// Sharding's mixed precision (FSDP2's policy): the dtype ZeRO-3 gathers the
+// parameters in (parallel.param_dtype; auto: bf16 under precision bf16) and
+// the one ZeRO-2 and -3 reduce the gradients in (parallel.reduce_dtype);
+// unset means the parameters' own. Error naming the key for a combination
+// that does not apply (bf16 parameters without precision bf16 or ZeRO-3, a
+// bf16 reduction below ZeRO-2).
+struct ShardDtypes {
+  std::optional<DType> param, reduce;
+};
+ShardDtypes shard_dtypes(const Recipe& recipe, int stage);
+// ", zero3, gathers bf16, reduces bf16" for the layout lines; "" unsharded.
+std::string shard_label(const Recipe& recipe, const ParallelLayout& layout);
 // World rank `rank` of that layout.
 RankLayout rank_layout(const ParallelLayout& job, int rank);
 

@@ -192,11 +192,10 @@ void DistributedRun::apply_data_parallel(Session& session) {
     session.set_parameter_gather([this] { return sharded_parameters_->gathered_copies(); });
   }
   const int replicas = dist_.layout.job.replica_groups();
-  session.record_pass("data",
-                      cat("dp=", dp_comm->size(), sharded ? cat(", zero", std::max(stage, 1)) : "",
-                          replicas > 1 ? cat(", hybrid: ", replicas, " replicas of ",
-                                             dp_comm->size() / replicas, " shards")
-                                       : ""));
+  session.record_pass("data", cat("dp=", dp_comm->size(), shard_label(recipe, dist_.layout.job),
+                                  replicas > 1 ? cat(", hybrid: ", replicas, " replicas of ",
+                                                     dp_comm->size() / replicas, " shards")
+                                               : ""));
 }
 
 std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& session,
@@ -247,6 +246,7 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
       if (!counted_in_norm(p)) skips.push_back(p);
   // Hybrid sharding: shards within a group, their gradients averaged across the groups.
   const bool hybrid = dist_.layout.job.hybrid();
+  const ShardDtypes dtypes = shard_dtypes(recipe, dist_.layout.job.zero_stage);
   zero_ = std::make_shared<parallel::ZeroOptimizer>(
       shard_comm(), session.trained_param_groups(), make,
       parallel::ZeroOptions{
@@ -254,6 +254,8 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
           .buckets = &dp_->buckets(),
           .reduce_in_buckets = dp_->options().reduce_in_place,
           .replicate = hybrid ? dist_.mesh.comm(parallel::Dim::dp_replicate) : nullptr,
+          .param_dtype = dtypes.param,
+          .reduce_dtype = dtypes.reduce,
           .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
                              dist_.mesh.comm(parallel::Dim::tp)},
           .norm_skips = std::move(skips)});

@@ -127,6 +127,8 @@ std::vector<Field> schema(Recipe& r) {
       bool_field("parallel.reshard_after_forward", &p.reshard_after_forward),
       int_field("parallel.keep_last_blocks", &p.keep_last_blocks, 0, 1 << 20),
       int_field("parallel.dp_replicate", &p.dp_replicate, 1, 1 << 20),
+      string_field("parallel.param_dtype", &p.param_dtype, {"auto", "f32", "bf16"}),
+      string_field("parallel.reduce_dtype", &p.reduce_dtype, {"f32", "bf16"}),
       bool_field("parallel.sync_bn", &p.sync_bn),
       bool_field("parallel.auto", &p.auto_plan),
       string_field("parallel.recompute", &p.recompute, {"none", "blocks", "selective"}),

@@ -141,6 +141,11 @@ struct ParallelRecipe {
   // dp_replicate consecutive ranks; each group shards as parallel.shard says
   // and the groups hold replicas (their shards' gradients averaged across).
   int64_t dp_replicate = 1;
+  // Mixed precision of sharding (FSDP2's MixedPrecisionPolicy): the dtype
+  // ZeRO-3 gathers parameters in (auto: bf16 under precision bf16, else
+  // f32) and the one ZeRO-2/3 reduce-scatter gradients in (f32 | bf16).
+  std::string param_dtype = "auto";
+  std::string reduce_dtype = "f32";
   bool sync_bn = false;
   bool auto_plan = false;  // parallel.auto: the layout planned at start-up (trainer/plan.h)
   // Activation checkpointing: "blocks" keeps each block's inputs only and

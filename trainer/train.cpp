@@ -327,8 +327,7 @@ void print_job(const Recipe& r, const Distributed& dist, Session& s) {
                 r.parallel.sync == "ssp" ? cat(", staleness ", r.parallel.staleness).c_str() : "");
   std::printf("parallel layout: world %d (%s%s), %d CPU threads per rank\n", dist.world_size(),
               parallel::to_string(dist.layout.job.mesh).c_str(),
-              s.shards_optimizer() ? cat(", zero", dist.layout.job.zero_stage).c_str() : "",
-              num_threads());
+              shard_label(r, dist.layout.job).c_str(), num_threads());
   std::printf("%lld steps (%lld per epoch), micro-batch %lld x %s %lld per rank\n",
               (long long)s.total_steps(), (long long)s.steps_per_epoch(),
               (long long)s.micro_batch(),
