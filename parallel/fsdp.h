@@ -95,6 +95,9 @@ class ShardedParameters {
   // changed) and, after the first, ends the order check (prefetching begins).
   void end_step();
 
+  // Whether the parameters are sharded yet (at the first forward or pin()):
+  // until then they hold their whole values.
+  bool sharded() const { return sharded_; }
   int64_t gathers() const { return gathers_; }
   int64_t prefetches() const { return prefetches_; }
 

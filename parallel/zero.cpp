@@ -553,6 +553,16 @@ comm::Work ZeroOptimizer::gather_segment_async(int segment, const Tensor& flat) 
   return slot.gathered;
 }
 
+std::map<const TensorImpl*, ParameterShard> ZeroOptimizer::parameter_shards() const {
+  std::map<const TensorImpl*, ParameterShard> out;
+  for (const ZeroSegment& seg : segments_)
+    for (const NamedTensor& p : seg.params) out.emplace(p.tensor.impl(), ParameterShard{});
+  for (const Piece& p : pieces_)
+    out[segments_[size_t(p.segment)].params[size_t(p.param)].tensor.impl()] =
+        ParameterShard{p.begin, p.end, p.value};
+  return out;
+}
+
 void ZeroOptimizer::gather_parameters() {
   comm::CollectiveOptions ag = options_.collective;
   ag.shared_region = shared_;

@@ -88,6 +88,13 @@ struct ZeroSegment {
 std::vector<ZeroSegment> zero_segments(
     const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size);
 
+// This rank's elements [begin, end) of a flattened parameter and their
+// values (begin == end: it holds none of it).
+struct ParameterShard {
+  int64_t begin = 0, end = 0;
+  Tensor values;
+};
+
 // Builds the wrapped optimizer over the pieces of this rank, grouped as the
 // parameters were (the ZeroOptimizer keeps the groups' weight decay and lr scale).
 using OptimizerFactory =
@@ -237,6 +244,9 @@ class ZeroOptimizer final : public optim::Optimizer {
   // the segment's parameters and offsets, in flat's dtype: master_dtype(),
   // or gather_dtype() (the block rounded to it first).
   comm::Work gather_segment_async(int segment, const Tensor& flat);
+  // Every parameter of the segments, by tensor, with this rank's part of it:
+  // views of the master blocks (a checkpoint's pieces, written without a gather).
+  std::map<const TensorImpl*, ParameterShard> parameter_shards() const;
   int stage() const { return options_.stage; }
   // The parameters' dtype (the master blocks') and the one stage 3 gathers
   // them in (ZeroOptions::param_dtype).

@@ -407,6 +407,21 @@ TEST_CASE("fsdp: a ZeRO-3 run resumes bit for bit, and on other shard modes and 
   nlohmann::json state = nlohmann::json::parse(
       read_file(straight + "/checkpoints/" + CheckpointDir::step_name(12) + "/trainer_state.json"));
   CHECK(state.at("parallel").at("shard") == "parameters");
+  // Each rank wrote its own elements of every parameter, no rank a whole one
+  // (nothing was gathered to write them).
+  for (int rank : {0, 1}) {
+    const SafetensorsHeader header = read_safetensors_header(
+        pieces_file(straight + "/checkpoints/" + CheckpointDir::step_name(12), "model", rank));
+    int64_t elements = 0;
+    for (const SafetensorsEntry& e : header.entries) {
+      INFO(e.name);
+      CHECK(e.name.find('#') != std::string::npos);
+      elements += shape_numel(e.shape);
+    }
+    CHECK(elements > 0);
+    for (const auto& [key, value] : header.metadata)
+      if (key.find('#') != std::string::npos) CHECK(!contains(value, "elements=0:-1"));
+  }
   struct Continue {
     const char* name;
     int ranks;
@@ -521,7 +536,14 @@ TEST_CASE("fsdp: a GPT over a rank's memory limit trains under ZeRO-3 on 4 ranks
   INFO(whole.output);
   CHECK(whole.code != 0);
   CHECK(contains(whole.output, "passes this rank's limit of 220.0 MiB (training.memory_limit_mb)"));
-  ProcessResult sharded = trained(4, args(run_dir("limit_zero3"), "parameters"));
+  // Checkpoints every step, written synchronously (an asynchronous one
+  // stages a copy of the shards): each rank writes its shards where they
+  // lie; a gathered copy of the model, 72 MiB more, would pass the limit.
+  std::vector<std::string> sharded_args = args(run_dir("limit_zero3"), "parameters");
+  sharded_args.insert(sharded_args.end(),
+                      {"training.checkpoint_every=1", "training.async_checkpoint=false"});
+  ProcessResult sharded = trained(4, sharded_args);
+  CHECK(contains(sharded.output, "checkpoint"));
   CHECK(peak_tensor_mib(sharded.output) < 220);
 }
 

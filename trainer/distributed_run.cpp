@@ -189,7 +189,11 @@ void DistributedRun::apply_data_parallel(Session& session) {
         parallel::ShardingOptions{.reshard_after_forward = recipe.parallel.reshard_after_forward,
                                   .keep_last = int(recipe.parallel.keep_last_blocks),
                                   .timeline = timeline_.get()});
-    session.set_parameter_gather([this] { return sharded_parameters_->gathered_copies(); });
+    session.set_parameter_shards([this] {
+      return sharded_parameters_->sharded()
+                 ? zero_->parameter_shards()
+                 : std::map<const TensorImpl*, parallel::ParameterShard>();
+    });
   }
   const int replicas = dist_.layout.job.replica_groups();
   session.record_pass("data", cat("dp=", dp_comm->size(), shard_label(recipe, dist_.layout.job),

@@ -67,11 +67,12 @@ class Session {
   bool shards_optimizer() const { return layout_.shards_optimizer(); }
   // Takes the sharded optimizer DistributedRun built (shards_optimizer() only).
   void set_sharded_optimizer(std::shared_ptr<parallel::ZeroOptimizer> zero);
-  // Under ZeRO-3 the parameters have memory only while gathered: gather()
-  // returns every sharded parameter's value in new memory, by the model's
-  // tensor (collective over the dp ranks); checkpoints write those.
-  using ParameterGather = std::function<std::map<const TensorImpl*, Tensor>()>;
-  void set_parameter_gather(ParameterGather gather) { parameter_gather_ = std::move(gather); }
+  // Under ZeRO-3 a rank holds its shard of each parameter only: shards()
+  // returns every sharded parameter, by the model's tensor, with the
+  // elements this rank holds; each rank writes those pieces to checkpoints
+  // (no gather). Empty while the parameters are still whole (not sharded yet).
+  using ParameterShards = std::function<std::map<const TensorImpl*, parallel::ParameterShard>()>;
+  void set_parameter_shards(ParameterShards shards) { parameter_shards_ = std::move(shards); }
   // Takes the optimizer of parameter servers (its state is the servers';
   // checkpoints see a local optimizer's).
   void set_remote_optimizer(std::shared_ptr<optim::Optimizer> optimizer);
@@ -226,7 +227,7 @@ class Session {
   // Built by optimizer() on first use, or handed over (sharded, remote).
   mutable std::shared_ptr<optim::Optimizer> optimizer_;
   std::shared_ptr<parallel::ZeroOptimizer> zero_;  // the sharded one, when it is
-  ParameterGather parameter_gather_;               // ZeRO-3's
+  ParameterShards parameter_shards_;               // ZeRO-3's
   bool remote_optimizer_ = false;                  // on parameter servers
   std::string resharded_;
   std::optional<optim::LrSchedule> schedule_;

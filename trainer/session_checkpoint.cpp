@@ -66,18 +66,36 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
 
 CheckpointPart Session::checkpoint_part(const TrainState& state) const {
   // Each rank writes one copy of what it holds, as its placement says: its
-  // part of a tensor split over tp, its stage's tensors, its ZeRO-1 shard;
-  // a replicated tensor on the first of its replicas. Nothing is gathered.
+  // part of a tensor split over tp, its stage's tensors, its ZeRO-1 or
+  // ZeRO-3 shard; a replicated tensor on the first of its replicas. Nothing
+  // is gathered.
   const parallel::ParallelPlan& plan = parallel_plan_;
   CheckpointPart part;
-  // ZeRO-3: the parameters' values gathered into memory of their own.
-  const std::map<const TensorImpl*, Tensor> gathered =
-      parameter_gather_ ? parameter_gather_() : std::map<const TensorImpl*, Tensor>();
+  // ZeRO-3: each rank writes its elements of the sharded parameters (the
+  // first replica group, under hybrid sharding), as it does their state.
+  const std::map<const TensorImpl*, parallel::ParameterShard> shards =
+      parameter_shards_ ? parameter_shards_()
+                        : std::map<const TensorImpl*, parallel::ParameterShard>();
+  parallel::MeshCoord first_replica = plan.coord;
+  for (parallel::Dim d : parallel::kAllDims)
+    if (parallel::kDataParallel.contains(d)) first_replica.set(d, 0);
+  const bool shard_writer = !layout_.job.hybrid() || plan.coord[parallel::Dim::dp_replicate] == 0;
   for (const NamedTensor& t : held_state()) {
-    if (!plan.writes(t.name)) continue;
-    auto g = gathered.find(t.tensor.impl());
-    const Tensor& value = g == gathered.end() ? t.tensor : g->second;
-    part.model.push_back(piece_of(t.name, value, plan.placement(t.name), plan.mesh, plan.coord));
+    auto s = shards.find(t.tensor.impl());
+    if (s == shards.end()) {
+      if (plan.writes(t.name))
+        part.model.push_back(
+            piece_of(t.name, t.tensor, plan.placement(t.name), plan.mesh, plan.coord));
+      continue;
+    }
+    const parallel::ParameterShard& mine = s->second;
+    if (mine.begin == mine.end || !shard_writer ||
+        !parallel::writes(plan.placement(t.name), first_replica))
+      continue;
+    TensorPiece piece =
+        piece_of(t.name, mine.values, plan.placement(t.name), plan.mesh, plan.coord);
+    piece.begin = mine.begin, piece.end = mine.end;
+    part.model.push_back(std::move(piece));
   }
   // What is not a parameter (batch-norm statistics and the like) changes
   // in the next forward pass.
