@@ -139,25 +139,35 @@ void ShardedParameters::shard_once() {
   sharded_ = true;
 }
 
-void ShardedParameters::pin() {
-  shard_once();
-  for (size_t u = 0; u < units_.size(); ++u) gather(u);
-  pinned_ = true;
+int64_t ShardedParameters::vote(bool running) {
+  double n = running ? 1 : 0;
+  comm::allreduce(*comm_, &n, 1, DType::f64, {.op = comm::ReduceOp::sum});
+  return int64_t(n);
 }
 
-void ShardedParameters::unpin() {
-  pinned_ = false;
-  for (size_t u = 0; u < units_.size(); ++u) release(u);
+void ShardedParameters::begin_lockstep() {
+  shard_once();
+  lockstep_ = true;
+}
+
+void ShardedParameters::end_lockstep() {
+  // The units in the order a forward pass gathers them: by first block.
+  while (vote(false) > 0)
+    for (size_t u = 0; u < units_.size(); ++u) {
+      gather(u);
+      release(u);
+    }
+  lockstep_ = false;
 }
 
 TensorList ShardedParameters::run_block(const BlockSpec& block, const TensorList& inputs,
                                         const BlockFn& next) {
-  if (pinned_) return next(inputs);
   shard_once();
   const size_t index = size_t(&block - &model_.blocks()[0]);
   CHECK(index < block_unit_.size())
       << "ShardedParameters: block " << block.name << " is not of the model it wraps";
   const size_t u = block_unit_[index];
+  if (lockstep_ && index == 0) vote(true);  // a forward pass begins
   gather(u);
   prefetch(index, +1);
   TensorList out = next(inputs);

@@ -86,16 +86,20 @@ class ShardedParameters {
   // Every sharded parameter's value, all-gathered into new memory that does
   // not alias the model's (a checkpoint's copy). Collective.
   std::map<const TensorImpl*, Tensor> gathered_copies();
-  // Gathers every unit and keeps them until unpin(): forward passes whose
-  // number differs between ranks (an evaluation's shares) then need no
-  // collective. Collective.
-  void pin();
-  void unpin();
+  // Forward passes whose number differs between the ranks (an evaluation's
+  // shares of the validation set), each unit gathered as it runs: between
+  // begin_lockstep() and end_lockstep() every forward pass starts with a
+  // vote over the ranks, and end_lockstep() serves the gathers of the
+  // ranks still running (each unit in forward order, gathered and freed)
+  // until every rank has called it. Collective.
+  void begin_lockstep();
+  void end_lockstep();
   // After each optimizer step: frees every unit still gathered (the shards
   // changed) and, after the first, ends the order check (prefetching begins).
   void end_step();
 
-  // Whether the parameters are sharded yet (at the first forward or pin()):
+  // Whether the parameters are sharded yet (at the first forward or
+  // begin_lockstep()):
   // until then they hold their whole values.
   bool sharded() const { return sharded_; }
   int64_t gathers() const { return gathers_; }
@@ -111,6 +115,8 @@ class ShardedParameters {
   void release(size_t unit);
   void check_order(size_t unit);
   void shard_once();
+  // The ranks still running forward passes, this one counting if running.
+  int64_t vote(bool running);
 
   Model& model_;
   comm::Communicator* comm_;  // the data-parallel group's (DataParallel's)
@@ -121,7 +127,7 @@ class ShardedParameters {
   std::vector<size_t> block_unit_;  // per block index
   bool sharded_ = false;
   bool order_checked_ = false;
-  bool pinned_ = false;
+  bool lockstep_ = false;
   int64_t gathers_ = 0, prefetches_ = 0;
 };
 

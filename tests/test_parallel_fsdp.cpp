@@ -393,6 +393,23 @@ TEST_CASE("fsdp: ZeRO-3 trains ResNet-18 and the LSTM LM as one process", "[para
   }
 }
 
+TEST_CASE("fsdp: ZeRO-3 evaluates unit by unit when the ranks' shares take different passes",
+          "[parallel][mp][fsdp]") {
+  // 33 validation images in batches of 16: one rank's share takes two
+  // forward passes, the other's one.
+  const std::vector<std::string> extra = {"training.steps=4", "training.eval_every=2",
+                                          "data.val_samples=33", "training.log_every=1"};
+  const std::string ref = run_dir("eval_one");
+  trained(1, testing::mlp_sgd_args(ref, extra));
+  const std::string out = run_dir("eval_zero3");
+  std::vector<std::string> sharded = extra;
+  sharded.push_back("parallel.shard=parameters");
+  trained(2, testing::mlp_sgd_args(out, sharded));
+  REQUIRE(step_log(ref).val_loss.size() == 2);
+  check_close(step_log(ref).val_loss, step_log(out).val_loss, 1e-5, "validation loss");
+  check_close(step_log(ref).val_top1, step_log(out).val_top1, 0, "validation top-1");
+}
+
 TEST_CASE("fsdp: a ZeRO-3 run resumes bit for bit, and on other shard modes and sizes",
           "[parallel][mp][fsdp]") {
   const std::vector<std::string> every = {"training.steps=12", "training.checkpoint_every=6",
@@ -536,12 +553,14 @@ TEST_CASE("fsdp: a GPT over a rank's memory limit trains under ZeRO-3 on 4 ranks
   INFO(whole.output);
   CHECK(whole.code != 0);
   CHECK(contains(whole.output, "passes this rank's limit of 220.0 MiB (training.memory_limit_mb)"));
-  // Checkpoints every step, written synchronously (an asynchronous one
-  // stages a copy of the shards): each rank writes its shards where they
+  // Evaluates and checkpoints every step, the checkpoints written
+  // synchronously (an asynchronous one stages a copy of the shards): the
+  // evaluation gathers unit by unit, each rank writes its shards where they
   // lie; a gathered copy of the model, 72 MiB more, would pass the limit.
   std::vector<std::string> sharded_args = args(run_dir("limit_zero3"), "parameters");
   sharded_args.insert(sharded_args.end(),
-                      {"training.checkpoint_every=1", "training.async_checkpoint=false"});
+                      {"training.checkpoint_every=1", "training.async_checkpoint=false",
+                       "training.eval_every=1", "data.val_windows=8"});
   ProcessResult sharded = trained(4, sharded_args);
   CHECK(contains(sharded.output, "checkpoint"));
   CHECK(peak_tensor_mib(sharded.output) < 220);

@@ -30,11 +30,12 @@ namespace trainer {
 EvalMetrics DistributedRun::evaluate(Session& session) const {
   if (!dist_.active()) return session.evaluate();
   if (dp_) dp_->broadcast_buffers(0);
-  // ZeRO-3: the whole model gathered for the evaluation (the ranks' shares
-  // of the validation set may take different numbers of forward passes).
-  if (sharded_parameters_) sharded_parameters_->pin();
+  // ZeRO-3: each unit gathered as the forward passes run it, the ranks in
+  // lockstep (their shares of the validation set may take different
+  // numbers of passes).
+  if (sharded_parameters_) sharded_parameters_->begin_lockstep();
   EvalSums mine = pipeline_ ? evaluate_pipeline(session) : session.evaluate_shard();
-  if (sharded_parameters_) sharded_parameters_->unpin();
+  if (sharded_parameters_) sharded_parameters_->end_lockstep();
   // Gathered, not allreduced: a ring's sums would round differently on each
   // rank, and best-checkpoint decisions must agree.
   constexpr int kValues = 5;
