@@ -174,20 +174,32 @@ std::vector<Tensor> allocate_flats(comm::Communicator& comm, const DataParallelO
 }
 
 // One group per unit, the last unit first, each in reverse registration
-// order; every parameter in exactly one unit.
+// order, and after it one per own_bucket parameter of the unit; every
+// parameter in exactly one unit.
 std::vector<std::vector<NamedTensor>> unit_groups(const std::vector<NamedTensor>& params,
                                                   const DataParallelOptions& options) {
   std::map<const TensorImpl*, size_t> unit_of;
   for (size_t u = 0; u < options.units.size(); ++u)
     for (const Tensor& t : options.units[u])
       CHECK(unit_of.emplace(t.impl(), u).second) << "DataParallel: a parameter in two units";
-  std::vector<std::vector<NamedTensor>> groups(options.units.size());
+  // Per unit, the last first: its parameters, then each of its own_bucket ones alone.
+  std::vector<std::vector<std::vector<NamedTensor>>> per_unit(options.units.size());
+  for (auto& unit : per_unit) unit.resize(1);
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     auto u = unit_of.find(it->tensor.impl());
     CHECK(u != unit_of.end()) << "DataParallel: parameter " << it->name << " is in no unit";
-    groups[options.units.size() - 1 - u->second].push_back(*it);
+    auto& unit = per_unit[options.units.size() - 1 - u->second];
+    const bool alone = std::any_of(options.own_bucket.begin(), options.own_bucket.end(),
+                                   [&](const Tensor& q) { return q.impl() == it->tensor.impl(); });
+    if (alone)
+      unit.push_back({*it});
+    else
+      unit.front().push_back(*it);
   }
-  std::erase_if(groups, [](const auto& g) { return g.empty(); });
+  std::vector<std::vector<NamedTensor>> groups;
+  for (auto& unit : per_unit)
+    for (auto& g : unit)
+      if (!g.empty()) groups.push_back(std::move(g));
   return groups;
 }
 

@@ -108,8 +108,9 @@ struct DataParallelOptions {
   // The buckets as given: one per unit (a set of blocks whose parameters
   // are sharded together, parallel/fsdp.h), in forward order; the buckets
   // take them in reverse, each unit's parameters in reverse registration
-  // order. Every parameter that requires a gradient must be in exactly one.
-  // Empty: buckets by size, as above.
+  // order; an own_bucket parameter of a unit has a bucket of its own after
+  // the unit's. Every parameter that requires a gradient must be in
+  // exactly one. Empty: buckets by size, as above.
   std::vector<std::vector<Tensor>> units;
   // Sharded gradients (ZeRO-2 and -3): no bucket memory lives between
   // reductions. Backward puts each gradient in its parameter's grad() as

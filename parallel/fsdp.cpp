@@ -13,11 +13,16 @@ namespace trainer::parallel {
 struct ShardedParameters::Unit {
   std::string name;            // its blocks' names, "transformer.h.3" or "embed+head"
   std::vector<size_t> blocks;  // increasing
-  int segment = -1;            // of the ZeroOptimizer (= DataParallel bucket); -1: nothing sharded
-  Tensor flat;                 // gathered: the whole unit; undefined when freed
-  comm::Work pending;          // a gather in flight into flat
+  // Of the ZeroOptimizer (= DataParallel buckets): the unit's, and one per
+  // parameter with a bucket of its own (DataParallelOptions::own_bucket).
+  // Empty: nothing sharded.
+  std::vector<int> segments;
+  std::vector<Tensor> flats;        // gathered: one per segment; empty when freed
+  std::vector<comm::Work> pending;  // gathers in flight into flats
   bool in_flight = false;
   bool keep_after_forward = false;
+  size_t started = 0;  // its buckets whose reduction started in this backward
+  bool gathered() const { return !flats.empty() && !in_flight; }
 };
 
 namespace {
@@ -41,7 +46,12 @@ struct BeforeBackwardOp {
 
 }  // namespace
 
-std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks) {
+std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks,
+                                                const std::vector<size_t>& only) {
+  std::vector<size_t> chosen = only;
+  if (chosen.empty())
+    for (size_t b = 0; b < blocks.size(); ++b) chosen.push_back(b);
+  std::sort(chosen.begin(), chosen.end());
   // Union-find over blocks that share a parameter.
   std::vector<size_t> root(blocks.size());
   for (size_t b = 0; b < root.size(); ++b) root[b] = b;
@@ -49,13 +59,13 @@ std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks) {
     return root[b] == b ? b : root[b] = find(root[b]);
   };
   std::map<const TensorImpl*, size_t> first_block;
-  for (size_t b = 0; b < blocks.size(); ++b)
+  for (size_t b : chosen)
     for (const NamedTensor& p : blocks.named_parameters(b, b + 1)) {
       auto [it, fresh] = first_block.emplace(p.tensor.impl(), b);
       if (!fresh) root[find(b)] = find(it->second);
     }
   std::map<size_t, std::vector<size_t>> by_root;
-  for (size_t b = 0; b < blocks.size(); ++b) by_root[find(b)].push_back(b);
+  for (size_t b : chosen) by_root[find(b)].push_back(b);
   std::vector<std::vector<size_t>> units;
   for (auto& [r, members] : by_root) units.push_back(std::move(members));
   std::sort(units.begin(), units.end());  // by first block
@@ -82,7 +92,7 @@ ShardedParameters::ShardedParameters(Model& model, std::vector<std::vector<size_
                                      ShardingOptions options)
     : model_(model), comm_(&dp.comm()), zero_(zero), options_(options) {
   const BlockList& blocks = model.blocks();
-  block_unit_.assign(blocks.size(), 0);
+  block_unit_.assign(blocks.size(), kNoUnit);
   std::map<const TensorImpl*, size_t> unit_of_param;
   for (size_t u = 0; u < units.size(); ++u) {
     Unit unit;
@@ -100,9 +110,10 @@ ShardedParameters::ShardedParameters(Model& model, std::vector<std::vector<size_
     auto u = unit_of_param.find(bucket.params.front().tensor.impl());
     CHECK(u != unit_of_param.end())
         << "ShardedParameters: bucket " << bucket.index << " holds parameters of no unit";
-    units_[u->second].segment = bucket.index;
+    units_[u->second].segments.push_back(bucket.index);
     unit_of_bucket_[bucket.index] = u->second;
   }
+  for (const Unit& unit : units_) first_block_ = std::min(first_block_, unit.blocks.front());
   // The units that finish last in forward: their backward comes first.
   std::vector<size_t> by_end(units_.size());
   for (size_t u = 0; u < by_end.size(); ++u) by_end[u] = u;
@@ -122,9 +133,9 @@ ShardedParameters::ShardedParameters(Model& model, std::vector<std::vector<size_
 ShardedParameters::~ShardedParameters() {
   model_.remove_block_wrapper("shard_parameters");
   for (Unit& u : units_)
-    if (u.in_flight) {
+    for (comm::Work& w : u.pending) {
       try {
-        u.pending.wait();
+        w.wait();
       } catch (const std::exception&) {  // reported where it was waited for, or moot now
       }
     }
@@ -167,18 +178,22 @@ TensorList ShardedParameters::run_block(const BlockSpec& block, const TensorList
   CHECK(index < block_unit_.size())
       << "ShardedParameters: block " << block.name << " is not of the model it wraps";
   const size_t u = block_unit_[index];
-  if (lockstep_ && index == 0) vote(true);  // a forward pass begins
+  CHECK(u != kNoUnit) << "ShardedParameters: block " << block.name << " is in no unit";
+  if (lockstep_ && index == first_block_) vote(true);  // a forward pass begins
   gather(u);
   prefetch(index, +1);
   TensorList out = next(inputs);
   const bool recording = autograd::grad_enabled() && autograd::detail::any_requires_grad(out);
-  if (recording && units_[u].segment >= 0) {
+  if (recording && !units_[u].segments.empty()) {
     TensorList marked = autograd::apply<BeforeBackwardOp>(
         out, std::function<void()>([this, u, index] { before_backward(u, index); }));
     out = std::move(marked);
   }
-  // After the unit's last block: freed unless backward comes right after.
-  if (index == units_[u].blocks.back() && (!recording || !units_[u].keep_after_forward)) release(u);
+  // After the unit's last block: freed unless backward comes right after
+  // (or the units stay for the step).
+  if (index == units_[u].blocks.back() && !options_.keep_for_step &&
+      (!recording || !units_[u].keep_after_forward))
+    release(u);
   return out;
 }
 
@@ -206,30 +221,36 @@ void ShardedParameters::check_order(size_t u) {
 
 void ShardedParameters::start_gather(size_t u) {
   Unit& unit = units_[u];
-  const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segment)];
-  unit.flat = empty({seg.shard_numel * (*zero_)->world_size()}, (*zero_)->gather_dtype());
-  unit.pending = (*zero_)->gather_segment_async(unit.segment, unit.flat);
+  ZeroOptimizer& zero = **zero_;
+  for (int segment : unit.segments) {
+    const ZeroSegment& seg = zero.segments()[size_t(segment)];
+    unit.flats.push_back(empty({seg.shard_numel * zero.world_size()}, zero.gather_dtype()));
+    unit.pending.push_back(zero.gather_segment_async(segment, unit.flats.back()));
+  }
   unit.in_flight = true;
 }
 
 void ShardedParameters::gather(size_t u) {
   Unit& unit = units_[u];
-  if (unit.segment < 0 || (unit.flat.defined() && !unit.in_flight)) return;
+  if (unit.segments.empty() || unit.gathered()) return;
   if (!unit.in_flight) {
     check_order(u);
     TraceScope span(options_.timeline, "zero3 gather", Track::comm);
     start_gather(u);
     ++gathers_;
   }
-  unit.pending.wait();
+  for (comm::Work& w : unit.pending) w.wait();
+  unit.pending.clear();
   unit.in_flight = false;
-  // The parameters point into the gathered buffer, in its dtype until freed.
-  const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segment)];
-  for (size_t i = 0; i < seg.params.size(); ++i) {
-    TensorImpl* p = seg.params[i].tensor.impl();
-    p->storage = unit.flat.storage();
-    p->offset = seg.offsets[i];
-    p->dtype = unit.flat.dtype();
+  // The parameters point into the gathered buffers, in their dtype until freed.
+  for (size_t k = 0; k < unit.segments.size(); ++k) {
+    const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segments[k])];
+    for (size_t i = 0; i < seg.params.size(); ++i) {
+      TensorImpl* p = seg.params[i].tensor.impl();
+      p->storage = unit.flats[k].storage();
+      p->offset = seg.offsets[i];
+      p->dtype = unit.flats[k].dtype();
+    }
   }
 }
 
@@ -240,8 +261,9 @@ void ShardedParameters::prefetch(size_t block, int direction) {
        b += direction) {
     const size_t u = block_unit_[size_t(b)];
     if (u == here) continue;
+    if (u == kNoUnit) return;  // another pipeline stage's block
     Unit& unit = units_[u];
-    if (unit.segment >= 0 && !unit.flat.defined()) {
+    if (!unit.segments.empty() && unit.flats.empty()) {
       start_gather(u);
       ++prefetches_;
     }
@@ -251,21 +273,26 @@ void ShardedParameters::prefetch(size_t block, int direction) {
 
 void ShardedParameters::release(size_t u) {
   Unit& unit = units_[u];
-  if (unit.segment < 0) return;
-  if (unit.in_flight) {
-    unit.pending.wait();
-    unit.in_flight = false;
-  }
-  for (const NamedTensor& p : (*zero_)->segments()[size_t(unit.segment)].params) {
-    release_storage(p.tensor);
-    p.tensor.impl()->dtype = (*zero_)->master_dtype();
-  }
-  unit.flat = Tensor();
+  if (unit.segments.empty()) return;
+  for (comm::Work& w : unit.pending) w.wait();
+  unit.pending.clear();
+  unit.in_flight = false;
+  for (int segment : unit.segments)
+    for (const NamedTensor& p : (*zero_)->segments()[size_t(segment)].params) {
+      release_storage(p.tensor);
+      p.tensor.impl()->dtype = (*zero_)->master_dtype();
+    }
+  unit.flats.clear();
 }
 
 void ShardedParameters::bucket_started(int bucket) {
   auto it = unit_of_bucket_.find(bucket);
-  if (it != unit_of_bucket_.end()) release(it->second);
+  if (it == unit_of_bucket_.end()) return;
+  // Once all of the unit's buckets are on their way (unless kept for the step).
+  Unit& unit = units_[it->second];
+  if (++unit.started < unit.segments.size()) return;
+  unit.started = 0;
+  if (!options_.keep_for_step) release(it->second);
 }
 
 void ShardedParameters::end_step() {
@@ -276,18 +303,18 @@ void ShardedParameters::end_step() {
 std::map<const TensorImpl*, Tensor> ShardedParameters::gathered_copies() {
   std::map<const TensorImpl*, Tensor> out;
   ZeroOptimizer& zero = **zero_;
-  for (const Unit& unit : units_) {
-    if (unit.segment < 0) continue;
-    const ZeroSegment& seg = zero.segments()[size_t(unit.segment)];
-    Tensor flat = empty({seg.shard_numel * zero.world_size()}, zero.master_dtype());
-    if (sharded_) zero.gather_segment_async(unit.segment, flat).wait();
-    for (size_t i = 0; i < seg.params.size(); ++i) {
-      const Tensor& p = seg.params[i].tensor;
-      Tensor copy = make_view(flat, p.shape(), contiguous_strides(p.shape()), seg.offsets[i]);
-      if (!sharded_) copy.copy_(p);  // not sharded yet: the parameters hold the values
-      out.emplace(p.impl(), copy);
+  for (const Unit& unit : units_)
+    for (int segment : unit.segments) {
+      const ZeroSegment& seg = zero.segments()[size_t(segment)];
+      Tensor flat = empty({seg.shard_numel * zero.world_size()}, zero.master_dtype());
+      if (sharded_) zero.gather_segment_async(segment, flat).wait();
+      for (size_t i = 0; i < seg.params.size(); ++i) {
+        const Tensor& p = seg.params[i].tensor;
+        Tensor copy = make_view(flat, p.shape(), contiguous_strides(p.shape()), seg.offsets[i]);
+        if (!sharded_) copy.copy_(p);  // not sharded yet: the parameters hold the values
+        out.emplace(p.impl(), copy);
+      }
     }
-  }
   return out;
 }
 

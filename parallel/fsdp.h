@@ -59,12 +59,19 @@ struct ShardingOptions {
   bool reshard_after_forward = true;
   int keep_last = 1;  // the last units in forward order stay gathered after forward
   bool prefetch = true;
+  // Units stay gathered from their first use to the end of the step
+  // (end_step): a pipeline stage's micro-batches then gather each unit once
+  // per step instead of twice per micro-batch, at the memory of its whole
+  // parameters for the step.
+  bool keep_for_step = false;
   Timeline* timeline = nullptr;  // records each gather as a comm span
 };
 
 // The units of blocks: block indices, in order; blocks that share a
-// parameter tensor in one unit (which runs from the first to the last of them).
-std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks);
+// parameter tensor in one unit (which runs from the first to the last of
+// them). `only`: these blocks (a pipeline stage's), empty: all.
+std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks,
+                                                const std::vector<size_t>& only = {});
 // The trainable parameters of each unit, for DataParallelOptions::units (a
 // tensor listed once, in the first unit that holds it).
 std::vector<std::vector<Tensor>> unit_parameters(const BlockList& blocks,
@@ -72,8 +79,9 @@ std::vector<std::vector<Tensor>> unit_parameters(const BlockList& blocks,
 
 class ShardedParameters {
  public:
-  // model's blocks, split into units (sharding_units); *zero is set after
-  // this is built and must be a stage-3 ZeroOptimizer over dp's buckets.
+  // model's blocks, split into units (sharding_units; a pipeline stage's
+  // blocks only: the others never run here); *zero is set after this is
+  // built and must be a stage-3 ZeroOptimizer over dp's buckets.
   ShardedParameters(Model& model, std::vector<std::vector<size_t>> units, const DataParallel& dp,
                     const std::shared_ptr<ZeroOptimizer>* zero, ShardingOptions options = {});
   ~ShardedParameters();
@@ -124,7 +132,9 @@ class ShardedParameters {
   ShardingOptions options_;
   std::vector<Unit> units_;
   std::map<int, size_t> unit_of_bucket_;
-  std::vector<size_t> block_unit_;  // per block index
+  static constexpr size_t kNoUnit = size_t(-1);
+  std::vector<size_t> block_unit_;   // per block index; kNoUnit: not sharded here
+  size_t first_block_ = size_t(-1);  // where a forward pass begins
   bool sharded_ = false;
   bool order_checked_ = false;
   bool lockstep_ = false;

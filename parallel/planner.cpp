@@ -635,9 +635,7 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
   // With the optimizer timed, ZeRO-1 may be the faster (it updates
   // 1/dp of the parameters): then it is dominated only by itself.
   const bool zero_may_win = request.optimizer_seconds_per_param > 0;
-  const int max_zero = !request.allow_zero1 || base.dp == 1 ? 0
-                       : base.pp > 1                        ? std::min(request.max_zero, 1)
-                                                            : request.max_zero;
+  const int max_zero = !request.allow_zero1 || base.dp == 1 ? 0 : request.max_zero;
   bool fits[3][4] = {};
   // Scores a variant: true when it fits (it then joins the ranking).
   auto score = [&](Plan plan) {

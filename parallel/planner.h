@@ -262,8 +262,8 @@ struct PlanRequest {
   bool allow_recompute = true;
   bool allow_zero1 = true;  // ZeRO at all
   // The highest ZeRO stage scored: 1 shards the optimizer state, 2 the
-  // gradients too, 3 the parameters too (2 and 3 only without a pipeline,
-  // and on CPUs, as the trainer runs them: cpu_plan_request sets 3).
+  // gradients too, 3 the parameters too (2 and 3 on CPUs, as the trainer
+  // runs them: cpu_plan_request sets 3).
   int max_zero = 1;
 };
 

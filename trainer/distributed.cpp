@@ -230,10 +230,6 @@ void check_pipeline_keys(const Recipe& r) {
 // Sharded gradients and parameters: what they do not compose with yet.
 void check_sharding_keys(const Recipe& r, int stage) {
   const std::string what = cat(r.source, ": parallel.shard = ", kShardNames[stage]);
-  if (r.parallel.pp > 1)
-    throw Error(cat(what, " with parallel.pp = ", r.parallel.pp,
-                    ": pipeline stages shard their optimizer state only; use parallel.shard = "
-                    "optimizer with pipelines"));
   if (r.device != "cpu")
     throw Error(cat(what, " on device ", r.device,
                     ": sharded gradients and parameters run on the CPU; use parallel.shard = "

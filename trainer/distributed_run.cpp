@@ -162,7 +162,8 @@ void DistributedRun::apply_data_parallel(Session& session) {
   // The sharded optimizer reduces the buckets into its shards (and stages
   // GPU buckets itself: its collectives run on host buffers, parallel/zero.h).
   std::shared_ptr<Module> model = session.trained_ptr();
-  Model* blocks_model = dynamic_cast<Model*>(model.get());
+  // The model whose blocks run (a pipeline stage runs its own of them).
+  Model* blocks_model = session.model_ptr().get();
   const int stage = dist_.layout.job.zero_stage;
   const std::vector<std::vector<size_t>> units =
       sharded ? shard_buckets(session, blocks_model, o) : std::vector<std::vector<size_t>>();
@@ -186,9 +187,15 @@ void DistributedRun::apply_data_parallel(Session& session) {
   if (stage == 3) {
     sharded_parameters_ = std::make_unique<parallel::ShardedParameters>(
         *blocks_model, units, *dp_, &zero_,
-        parallel::ShardingOptions{.reshard_after_forward = recipe.parallel.reshard_after_forward,
-                                  .keep_last = int(recipe.parallel.keep_last_blocks),
-                                  .timeline = timeline_.get()});
+        parallel::ShardingOptions{
+            .reshard_after_forward = recipe.parallel.reshard_after_forward,
+            .keep_last = int(recipe.parallel.keep_last_blocks),
+            // A pipeline stage keeps each unit for the step (not per
+            // micro-batch) when asked, and under zbh1, whose deferred weight
+            // gradients (W) run after other micro-batches' forwards.
+            .keep_for_step = pipeline_ && (!recipe.parallel.reshard_after_forward ||
+                                           recipe.parallel.schedule == "zbh1"),
+            .timeline = timeline_.get()});
     session.set_parameter_shards([this] {
       return sharded_parameters_->sharded()
                  ? zero_->parameter_shards()
@@ -222,7 +229,11 @@ std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& se
     CHECK(blocks_model) << "ZeRO-" << stage << " shards a model's blocks";
     o.transient_buckets = true;
     o.bucket_numel_multiple = shard_comm()->size();
-    units = parallel::sharding_units(blocks_model->blocks());
+    std::vector<size_t> stage_blocks;  // a pipeline stage's: the others never run here
+    if (const parallel::PipelinePlan* plan = session.pipeline_plan())
+      for (auto [begin, end] : plan->blocks_of_stage(session.stage()))
+        for (size_t b = begin; b < end; ++b) stage_blocks.push_back(b);
+    units = parallel::sharding_units(blocks_model->blocks(), stage_blocks);
     o.units = parallel::unit_parameters(blocks_model->blocks(), units);
     o.transient_buffer = [this](int64_t numel, DType dtype) {
       return zero_->transient_buffer(numel, dtype);

@@ -161,6 +161,10 @@ StepResult StepExecutor::run_pipeline(int64_t step, bool stop_requested) {
         // other actions compute no weight gradient).
         auto no_sync = run_.no_sync(i != last_backward_);
         rt.run(a);
+        // Sharded gradients: each micro-batch's weight gradients are
+        // reduce-scattered into the shard as they complete.
+        if (a.kind == ActionKind::backward || a.kind == ActionKind::backward_weight)
+          run_.end_backward();
       }
     }
   }
