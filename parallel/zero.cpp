@@ -500,6 +500,7 @@ void ZeroOptimizer::step() {
 }
 
 void ZeroOptimizer::gather_parameters_transient() {
+  if (shared_) return copy_parameters_from_region();
   for (size_t s = 0; s < segments_.size(); ++s) {
     const ZeroSegment& seg = segments_[s];
     if (!buffers_[s].stepped) continue;  // the same on every rank: no parameter had a gradient
@@ -551,6 +552,36 @@ comm::Work ZeroOptimizer::gather_segment_async(int segment, const Tensor& flat) 
   block.copy_(master);
   slot.gathered = comm::allgather_async(*comm_, block.data_ptr(), flat.data_ptr(), bytes, ag);
   return slot.gathered;
+}
+
+void ZeroOptimizer::copy_parameters_from_region() {
+  // Every rank's blocks are updated; then each parameter is copied from the
+  // blocks that hold it, where they lie (no gathered buffer, one copy).
+  comm::barrier(*comm_, options_.collective);
+  const size_t item = dtype_size(dtype_);
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const ZeroSegment& seg = segments_[s];
+    const SegmentBuffers& buf = buffers_[s];
+    if (!buf.stepped) continue;  // the same on every rank: no parameter had a gradient
+    const std::shared_ptr<comm::ShmRegion> region =
+        comm_->shm()->find_region(buf.master.data_ptr(), buf.master.nbytes());
+    CHECK(region) << "ZeRO-2: segment " << s << "'s block lies in no shared region";
+    const size_t at = region->offset_of(buf.master.data_ptr());
+    for (size_t i = 0; i < seg.params.size(); ++i) {
+      if (!buf.has_grad[i]) continue;
+      const int64_t lo = seg.offsets[i], hi = lo + seg.params[i].tensor.numel();
+      char* dst = static_cast<char*>(seg.params[i].tensor.data_ptr());
+      for (int r = 0; r < world_size(); ++r) {
+        auto [first, last] = seg.shard_range(r);
+        const int64_t a = std::max(lo, first), b = std::min(hi, last);
+        if (a < b)
+          std::memcpy(dst + size_t(a - lo) * item, region->of(r) + at + size_t(a - first) * item,
+                      size_t(b - a) * item);
+      }
+    }
+  }
+  // Nobody changes its blocks while a peer may still read them.
+  comm::barrier(*comm_, options_.collective);
 }
 
 std::map<const TensorImpl*, ParameterShard> ZeroOptimizer::parameter_shards() const {

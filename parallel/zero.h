@@ -266,6 +266,9 @@ class ZeroOptimizer final : public optim::Optimizer {
   // (stage 1 through the flat buffers, stage 2 through a transient one).
   void gather_parameters();
   void gather_parameters_transient();
+  // Stage 2 with the blocks in a shared region: the parameters copied
+  // straight from every rank's blocks.
+  void copy_parameters_from_region();
   void mark_missing_gradients(const std::vector<bool>& has_grad);
   std::string layout_name() const;
   Tensor layout_tensor() const;
