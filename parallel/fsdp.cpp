@@ -72,6 +72,30 @@ std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks,
   return units;
 }
 
+std::vector<std::vector<size_t>> merge_units(const BlockList& blocks,
+                                             std::vector<std::vector<size_t>> units,
+                                             int64_t min_numel) {
+  if (min_numel <= 0 || units.empty()) return units;
+  const std::vector<std::vector<Tensor>> params = unit_parameters(blocks, units);
+  // A unit of blocks apart (a tied weight's) stays alone: merged, the
+  // blocks between would stay gathered with it.
+  auto apart = [](const std::vector<size_t>& unit) {
+    return unit.back() - unit.front() + 1 != unit.size();
+  };
+  std::vector<std::vector<size_t>> out;
+  int64_t held = 0;  // elements of out.back()
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (out.empty() || held >= min_numel || apart(units[u]) || apart(out.back())) {
+      out.emplace_back();
+      held = 0;
+    }
+    out.back().insert(out.back().end(), units[u].begin(), units[u].end());
+    for (const Tensor& p : params[u]) held += p.numel();
+  }
+  for (std::vector<size_t>& unit : out) std::sort(unit.begin(), unit.end());
+  return out;
+}
+
 std::vector<std::vector<Tensor>> unit_parameters(const BlockList& blocks,
                                                  const std::vector<std::vector<size_t>>& units) {
   std::set<const TensorImpl*> seen;

@@ -72,6 +72,14 @@ struct ShardingOptions {
 // them). `only`: these blocks (a pipeline stage's), empty: all.
 std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks,
                                                 const std::vector<size_t>& only = {});
+// units merged in order (by first block) until each holds at least
+// min_numel elements of trainable parameters (the last may hold fewer; a
+// unit of blocks apart, as a tied embedding and head, stays alone):
+// fewer, larger gathers and reduce-scatters for a model of many small
+// blocks (ResNet-50's first stages). min_numel 0: as given.
+std::vector<std::vector<size_t>> merge_units(const BlockList& blocks,
+                                             std::vector<std::vector<size_t>> units,
+                                             int64_t min_numel);
 // The trainable parameters of each unit, for DataParallelOptions::units (a
 // tensor listed once, in the first unit that holds it).
 std::vector<std::vector<Tensor>> unit_parameters(const BlockList& blocks,

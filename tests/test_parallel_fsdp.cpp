@@ -42,9 +42,9 @@ std::string run_dir(const std::string& name) {
 // The MLP recipe (testing::mlp_sgd_args) with momentum, two micro-steps
 // per step and clipping: the sharded gradient norm and accumulation in the shard.
 std::vector<std::string> mlp_args(const std::string& out, std::vector<std::string> extra) {
-  extra.insert(extra.begin(),
-               {"training.steps=6", "training.grad_accum=2", "optimizer.momentum=0.9",
-                "optimizer.clip_grad_norm=0.5", "training.log_every=1"});
+  extra.insert(extra.begin(), {"training.steps=6", "training.grad_accum=2",
+                               "optimizer.momentum=0.9", "parallel.shard_unit_mb=0",
+                               "optimizer.clip_grad_norm=0.5", "training.log_every=1"});
   return testing::mlp_sgd_args(out, extra);
 }
 
@@ -68,7 +68,8 @@ std::vector<std::string> gpt_args(const std::string& out, std::vector<std::strin
                              "data.val_windows=8",
                              "schedule.name=constant",
                              "schedule.warmup_steps=0",
-                             "optimizer.clip_grad_norm=0.5"};
+                             "optimizer.clip_grad_norm=0.5",
+                             "parallel.shard_unit_mb=0"};  // a unit per block
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -332,7 +333,9 @@ TEST_CASE("fsdp: ZeRO-3 trains GPT (tied head) as one process, with recomputatio
         Layout{"hybrid_2x2_pp2",
                8,
                {"parallel.shard=parameters", "parallel.dp_replicate=2", "parallel.pp=2"}},
-        Layout{"dp2_tp2", 4, {"parallel.shard=parameters", "parallel.tp=2"}}}) {
+        Layout{"dp2_tp2", 4, {"parallel.shard=parameters", "parallel.tp=2"}},
+        // Units of two blocks (0.05 MiB); the tied embedding and head alone.
+        Layout{"dp2_merged", 2, {"parallel.shard=parameters", "parallel.shard_unit_mb=0.05"}}}) {
     INFO(l.name);
     const std::string out = run_dir(cat("gpt_", l.name));
     trained(l.ranks, gpt_args(out, l.extra));

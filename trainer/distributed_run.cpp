@@ -233,7 +233,9 @@ std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& se
     if (const parallel::PipelinePlan* plan = session.pipeline_plan())
       for (auto [begin, end] : plan->blocks_of_stage(session.stage()))
         for (size_t b = begin; b < end; ++b) stage_blocks.push_back(b);
-    units = parallel::sharding_units(blocks_model->blocks(), stage_blocks);
+    units = parallel::merge_units(
+        blocks_model->blocks(), parallel::sharding_units(blocks_model->blocks(), stage_blocks),
+        int64_t(session.recipe().parallel.shard_unit_mb * 262144));  // MiB of f32
     o.units = parallel::unit_parameters(blocks_model->blocks(), units);
     o.transient_buffer = [this](int64_t numel, DType dtype) {
       return zero_->transient_buffer(numel, dtype);

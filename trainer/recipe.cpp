@@ -127,6 +127,7 @@ std::vector<Field> schema(Recipe& r) {
       bool_field("parallel.reshard_after_forward", &p.reshard_after_forward),
       int_field("parallel.keep_last_blocks", &p.keep_last_blocks, 0, 1 << 20),
       int_field("parallel.dp_replicate", &p.dp_replicate, 1, 1 << 20),
+      float_field("parallel.shard_unit_mb", &p.shard_unit_mb, 0.0, 1e6),
       string_field("parallel.param_dtype", &p.param_dtype, {"auto", "f32", "bf16"}),
       string_field("parallel.reduce_dtype", &p.reduce_dtype, {"f32", "bf16"}),
       bool_field("parallel.sync_bn", &p.sync_bn),

@@ -144,6 +144,9 @@ struct ParallelRecipe {
   // Mixed precision of sharding (FSDP2's MixedPrecisionPolicy): the dtype
   // ZeRO-3 gathers parameters in (auto: bf16 under precision bf16, else
   // f32) and the one ZeRO-2/3 reduce-scatter gradients in (f32 | bf16).
+  // ZeRO-2/3: consecutive blocks sharded as one unit until it holds this
+  // many MiB of f32 parameters (0: each block its own unit).
+  double shard_unit_mb = 16;
   std::string param_dtype = "auto";
   std::string reduce_dtype = "f32";
   bool sync_bn = false;
