@@ -20,12 +20,15 @@
 //                 written after them is left out)
 //   resident MiB  resident_peak_mib at the last step: the process's VmHWM
 //                 (binary, libraries, data, caches)
-//   sent MiB      what the data-parallel collectives of one step send per
-//                 rank, computed from the parameter bytes W: (N - 1) / N x W
-//                 for the reduce-scatter and for each all-gather (2 for
-//                 the allreduce of none, ZeRO-1 and ZeRO-2; 3 for ZeRO-3,
-//                 whose blocks are gathered for forward and again for
-//                 backward)
+//   comm MiB      median comm_mib of the logged steps after the warm-up:
+//                 what rank 0's collectives moved per step, counted by the
+//                 trainer (comm/traffic.h) in nccl-tests' bus bytes. For
+//                 parameter bytes W on N ranks, expect about 2 (N - 1) / N x W
+//                 for none, ZeRO-1 and ZeRO-2 (an allreduce, or a
+//                 reduce-scatter and an all-gather) and 3 (N - 1) / N x W for
+//                 ZeRO-3 (its blocks are gathered for forward and again for
+//                 backward), plus the loss's and the norms' small allreduces;
+//                 0 on one rank
 //
 // When python3 can import torch.distributed.fsdp, bench/bench_fsdp_torch.py
 // trains the same model shapes on as many gloo ranks under DDP (against
@@ -72,6 +75,7 @@ constexpr char kImages[] = "/images";
 
 struct Ours {
   double step_ms = 0, peak_mib = 0, resident_mib = 0;
+  double comm_mib = -1;  // negative: not logged
   bool ok = false;
 };
 
@@ -111,18 +115,22 @@ Ours run_ours(const Settings& s, const std::string& name, int ranks, const std::
     return r;
   }
   std::ifstream f(out + "/metrics.jsonl");
-  std::vector<double> times;
+  std::vector<double> times, comm;
   for (std::string line; std::getline(f, line);) {
     const nlohmann::json j = nlohmann::json::parse(line);
     if (j.value("split", "") != "train") continue;
     times.push_back(j.at("time").get<double>());
     r.peak_mib = std::max(r.peak_mib, j.at("memory_peak_mib").get<double>());
     r.resident_mib = j.at("resident_peak_mib").get<double>();
+    // Logged by runs of more than one process only.
+    if (times.size() > size_t(s.warmup) && j.contains("comm_mib"))
+      comm.push_back(j.at("comm_mib").get<double>());
   }
   std::vector<double> periods;
   for (size_t k = size_t(s.warmup); k < times.size(); ++k)
     periods.push_back((times[k] - times[k - 1]) * 1e3);
   r.step_ms = median(periods);
+  r.comm_mib = ranks == 1 ? 0 : comm.empty() ? -1 : median(comm);
   r.ok = !periods.empty();
   if (!s.keep) fs::remove_all(out);
   return r;
@@ -194,23 +202,23 @@ void print_header(const Settings& s, const std::string& name, double weights,
   std::printf("rank 0's figures, %d steps after %d of warm-up, one thread per rank; torch: %s\n",
               s.steps, s.warmup, torch_state.c_str());
   std::printf("%-5s %-10s | %9s %9s %9s %8s | %9s %9s %9s | %9s %9s\n", "ranks", "shard", "step ms",
-              "peak MiB", "resid MiB", "sent MiB", "torch ms", "peak MiB", "steady", "ms ratio",
+              "peak MiB", "resid MiB", "comm MiB", "torch ms", "peak MiB", "steady", "ms ratio",
               "peak ratio");
 }
 
 void run_row(const Settings& s, const std::string& name, int ranks, const std::string& mode,
-             double weights, bool torch, const std::string& work) {
+             bool torch, const std::string& work) {
   const Ours ours = run_ours(s, name, ranks, mode, work);
   if (!ours.ok) return;
-  const double n = ranks, share = (n - 1) / n * weights;
-  const double sent = ranks == 1 ? 0 : (mode == "parameters" ? 3 : 2) * share;
   const Torch t = torch ? run_torch(s, name, ranks, mode, work) : Torch{};
   char peer[96] = "        -         -         - |         -         -";
   if (t.ok)
     std::snprintf(peer, sizeof peer, "%9.1f %9.1f %9.1f | %9.2f %9.2f", t.step_ms, t.peak_mib,
                   t.steady_mib, t.step_ms / ours.step_ms, t.peak_mib / ours.resident_mib);
-  std::printf("%-5d %-10s | %9.1f %9.1f %9.1f %8.1f | %s\n", ranks, mode.c_str(), ours.step_ms,
-              ours.peak_mib, ours.resident_mib, sent, peer);
+  char comm[16] = "       -";
+  if (ours.comm_mib >= 0) std::snprintf(comm, sizeof comm, "%8.1f", ours.comm_mib);
+  std::printf("%-5d %-10s | %9.1f %9.1f %9.1f %s | %s\n", ranks, mode.c_str(), ours.step_ms,
+              ours.peak_mib, ours.resident_mib, comm, peer);
   if (torch && !t.ok && !t.why.empty()) std::printf("      torch: %s\n", t.why.c_str());
   std::fflush(stdout);
 }
@@ -275,7 +283,7 @@ int main(int argc, char** argv) {
     const double weights = weights_mib(s, name, work);
     print_header(s, name, weights, torch_state);
     for (int ranks : s.ranks)
-      for (const char* mode : kModes) run_row(s, name, ranks, mode, weights, torch, work);
+      for (const char* mode : kModes) run_row(s, name, ranks, mode, torch, work);
   }
   if (!s.keep) fs::remove_all(work);
   return 0;

@@ -10,6 +10,7 @@
 #include "comm/algorithms.h"
 #include "comm/alpha_beta.h"
 #include "comm/log.h"
+#include "comm/traffic.h"
 
 namespace trainer::comm {
 
@@ -101,6 +102,7 @@ Task allreduce_task(Communicator& comm, void* data, size_t count, DType dtype,
   check_reducible(dtype, o.segment_bytes);
   const uint32_t seq = comm.next_seq();
   const size_t bytes = count * dtype_size(dtype);
+  count_traffic(TrafficKind::allreduce, allreduce_bus_bytes(comm.size(), bytes));
   AllreduceAlgorithm algorithm = o.reducer ? AllreduceAlgorithm::ring : o.algorithm;
   ShmChannel* shm = nullptr;
   uint64_t ticket = 0;
@@ -142,6 +144,9 @@ Task reduce_scatter_task(Communicator& comm, const void* input, void* output, si
                          DType dtype, const CollectiveOptions& o) {
   check_reducible(dtype, o.segment_bytes);
   const uint32_t seq = comm.next_seq();
+  count_traffic(
+      TrafficKind::reduce_scatter,
+      scatter_gather_bus_bytes(comm.size(), uint64_t(comm.size()) * count * dtype_size(dtype)));
   const auto [shm, ticket] = shared_region_channel(comm, o);
   COMM_LOG(LogLevel::debug, "reduce_scatter #", seq, " on communicator ", comm.id(), ": ", count,
            " x ", dtype, " per rank, ", reduce_op_name(o.op), shm ? ", shm in place" : ", ring");
@@ -165,6 +170,8 @@ Task allgather_task(Communicator& comm, const void* input, void* output, size_t 
                     const CollectiveOptions& o) {
   CHECK(o.segment_bytes > 0) << "segment_bytes must be positive";
   const uint32_t seq = comm.next_seq();
+  count_traffic(TrafficKind::allgather,
+                scatter_gather_bus_bytes(comm.size(), uint64_t(comm.size()) * bytes));
   const auto [shm, ticket] = shared_region_channel(comm, o);
   COMM_LOG(LogLevel::debug, "allgather #", seq, " on communicator ", comm.id(), ": ", bytes,
            " bytes per rank", shm ? ", shm in place" : ", ring");
@@ -185,6 +192,7 @@ Task broadcast_task(Communicator& comm, void* data, size_t bytes, int root,
   CHECK(root >= 0 && root < comm.size()) << "broadcast root " << root << " of " << comm.size();
   CHECK(o.segment_bytes > 0) << "segment_bytes must be positive";
   const uint32_t seq = comm.next_seq();
+  count_traffic(TrafficKind::broadcast, comm.size() > 1 ? bytes : 0);
   COMM_LOG(LogLevel::debug, "broadcast #", seq, " on communicator ", comm.id(), ": ", bytes,
            " bytes from ", root, ", binomial tree");
   Millis timeout = timeout_of(comm, o.timeout);

@@ -4,7 +4,8 @@
 // communicator calls the same collectives in the same order with the same
 // counts. The public calls validate, pack the options and pick the algorithm
 // (logged at debug level); the algorithms live in comm/allreduce_ring.cpp and
-// its siblings (see comm/algorithms.h).
+// its siblings (see comm/algorithms.h). Each call adds its bytes to this
+// process's traffic counters when issued (comm/traffic.h).
 //
 // The *_async variants return a Work handle and run on the communicator's
 // progress thread, so the caller can compute meanwhile; buffers (tensors are

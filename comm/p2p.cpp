@@ -6,6 +6,7 @@
 
 #include "comm/communicator.h"
 #include "comm/log.h"
+#include "comm/traffic.h"
 
 namespace trainer::comm {
 
@@ -143,6 +144,7 @@ Work post(Communicator& comm, bool is_send, const Tensor& tensor, int peer, cons
   } catch (const Error& e) {
     throw Error(cat(what, ": ", e.what()));
   }
+  if (is_send) count_traffic(TrafficKind::p2p, tensor.nbytes());
   return Work(std::shared_ptr<Work::Operation>(
       std::make_shared<P2POperation>(is_send, std::move(request), tensor, what, timeout)));
 }

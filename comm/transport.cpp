@@ -18,6 +18,7 @@
 
 #include "comm/log.h"
 #include "comm/p2p.h"
+#include "comm/traffic.h"
 #include "comm/watchdog.h"
 #include "core/check.h"
 
@@ -279,6 +280,8 @@ Request Transport::isend(int peer, uint64_t tag, const void* data, size_t bytes,
     req = ucp_tag_send_nbx(peers_[peer]->ep, data, bytes, tag, &param);
   }
   if (UCS_PTR_IS_ERR(req)) r.fail(cat("send failed: ", ucs_status_string(UCS_PTR_STATUS(req))));
+  count_traffic(TrafficKind::transport, bytes);
+  if (!peers_[peer]->local) count_traffic(TrafficKind::network, bytes);
   r.ucx_ = req;  // null: completed immediately
   return r;
 }

@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "comm/traffic.h"
 #include "core/autograd.h"
 #include "core/ops.h"
 
@@ -567,6 +568,10 @@ void ZeroOptimizer::copy_parameters_from_region() {
         comm_->shm()->find_region(buf.master.data_ptr(), buf.master.nbytes());
     CHECK(region) << "ZeRO-2: segment " << s << "'s block lies in no shared region";
     const size_t at = region->offset_of(buf.master.data_ptr());
+    // What the all-gather this replaces would count (comm/traffic.h).
+    comm::count_traffic(
+        comm::TrafficKind::allgather,
+        comm::scatter_gather_bus_bytes(world_size(), uint64_t(world_size()) * buf.master.nbytes()));
     for (size_t i = 0; i < seg.params.size(); ++i) {
       if (!buf.has_grad[i]) continue;
       const int64_t lo = seg.offsets[i], hi = lo + seg.params[i].tensor.numel();

@@ -331,7 +331,7 @@ def checkpoint_section(text):
 # ---- bench_fsdp: memory and step time of each shard mode, ours and DDP / FSDP2's
 def fsdp_section(text):
     rows, model = [], "?"
-    row = re.compile(rf"^(\d+)\s+(\S+)\s+\|\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+\|"
+    row = re.compile(rf"^(\d+)\s+(\S+)\s+\|\s+{NUM}\s+{NUM}\s+{NUM}\s+(\S+)\s+\|"
                      rf"\s+(\S+)\s+(\S+)\s+(\S+)\s+\|\s+(\S+)\s+(\S+)$")
     for line in text.splitlines():
         m = re.match(r"^(gpt|resnet50): (.*?);", line)
@@ -343,10 +343,11 @@ def fsdp_section(text):
             rows.append([model, *m.groups()])
     lines = ["Rank 0's step time and memory under each parallel.shard (none, ZeRO-1, -2, -3),",
              "against PyTorch DDP and FSDP2 (fully_shard, gloo) on the same model in the same run;",
-             "*peak* is the tensors' peak (ours) and VmHWM (resident, both); *sent* is computed",
-             "from the parameter bytes.", ""]
+             "*peak* is the tensors' peak (ours) and VmHWM (resident, both); *comm* is the",
+             "median comm_mib of rank 0's steps: the bus bytes its collectives moved per step,",
+             "counted by the trainer.", ""]
     return lines + table(["model", "ranks", "shard", "ms", "peak MiB", "resident MiB",
-                          "sent MiB", "torch ms", "torch peak MiB", "torch steady MiB",
+                          "comm MiB", "torch ms", "torch peak MiB", "torch steady MiB",
                           "torch/ours ms", "torch/ours resident"], rows), rows
 
 

@@ -18,6 +18,8 @@
 //   comm_worker p2p [no-shm] | p2p-kill VICTIM
 //                                      point-to-point messages (tests/comm_worker_p2p.cpp);
 //                                      no-shm: CommOptions::shared_memory = false
+//   comm_worker traffic [no-shm]       the traffic counters of every collective
+//                                      (tests/comm_worker_traffic.cpp)
 #include <signal.h>
 #include <unistd.h>
 
@@ -360,6 +362,7 @@ int main(int argc, char** argv) {
     auto world = init_world(boot, options);
     if (scenario == "collectives") return run_collectives(*world);
     if (scenario == "p2p") return run_p2p(*world);
+    if (scenario == "traffic") return run_traffic(*world, options.shared_memory);
     if (scenario == "algorithms")
       return run_algorithms(*world, argc > 2 && std::string(argv[2]) == "full");
     if (scenario == "p2p-kill" && argc == 3) return run_p2p_victim(*world, std::atoi(argv[2]));
@@ -371,7 +374,8 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "usage: comm_worker collectives | kill|hang VICTIM TIMEOUT_MS [ALGORITHM] | fail RANK "
-        "CODE | algorithms [full] [no-shm] | p2p [no-shm] | p2p-kill VICTIM\n");
+        "CODE | algorithms [full] [no-shm] | p2p [no-shm] | p2p-kill VICTIM | traffic "
+        "[no-shm]\n");
     return 2;
   } catch (const Error& e) {
     std::printf("rank %d: error: %s\n", g_rank, e.what());

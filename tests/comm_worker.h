@@ -107,4 +107,8 @@ int run_p2p_victim(comm::Communicator& world, int victim);
 // every dtype and op, else f32 with every op and bf16 sum.
 int run_algorithms(comm::Communicator& world, bool full);
 
+// The traffic counters' deltas per collective (tests/comm_worker_traffic.cpp);
+// shared_memory: as CommOptions::shared_memory.
+int run_traffic(comm::Communicator& world, bool shared_memory);
+
 }  // namespace trainer::comm_test

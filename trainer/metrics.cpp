@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/shm_region.h"
+#include "comm/traffic.h"
 #include "core/check.h"
 #include "core/tensor.h"
 #include "data/files.h"
@@ -92,6 +93,17 @@ MemoryPeaks memory_peaks() {
   for (std::string line; std::getline(status, line);)
     if (line.rfind("VmHWM:", 0) == 0) m.resident_mib = std::atof(line.c_str() + 6) / 1024;
   return m;
+}
+
+CommPerStep::CommPerStep(int64_t step) : bytes_(comm::traffic().total()), step_(step) {}
+
+double CommPerStep::mib(int64_t step) {
+  if (step <= step_) return 0;  // the bytes so far go to the next reading
+  const uint64_t bytes = comm::traffic().total();
+  const double per_step = double(bytes - bytes_) / double(step - step_) / double(1 << 20);
+  bytes_ = bytes;
+  step_ = step;
+  return per_step;
 }
 
 }  // namespace trainer

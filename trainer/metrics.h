@@ -64,4 +64,19 @@ struct MemoryPeaks {
 };
 MemoryPeaks memory_peaks();
 
+// The MiB per step this process's collectives and point-to-point sends moved
+// (comm::traffic().total(): bus bytes, comm/traffic.h), from one reading to
+// the next.
+class CommPerStep {
+ public:
+  explicit CommPerStep(int64_t step);
+  // Since the previous reading (or construction), divided by the steps since
+  // then; 0 when no step passed (those bytes then count in the next reading).
+  double mib(int64_t step);
+
+ private:
+  uint64_t bytes_;
+  int64_t step_;
+};
+
 }  // namespace trainer

@@ -209,6 +209,9 @@ class TrainLoop {
     const MemoryPeaks memory = memory_peaks();  // this rank's, so far
     sc.insert(sc.end(), {{"memory_peak_mib", memory.tensors_mib},
                          {"resident_peak_mib", memory.resident_mib}});
+    const double comm_mib = comm_per_step_.mib(state_.step);  // this rank's, per step
+    if (run_.dist().world_size() > 1 || run_.dist().servers > 0)
+      sc.push_back({"comm_mib", comm_mib});
     write_log("train", sc);
   }
 
@@ -316,6 +319,7 @@ class TrainLoop {
   double save_seconds_ = 0;
   bool stop_ = false;  // the ranks agreed to checkpoint and exit
   EvalMetrics last_eval_;
+  CommPerStep comm_per_step_{state_.step};  // since the last logged step (made last)
 };
 
 // Rank 0's account of the job: parameter servers, the layout, the steps and
