@@ -85,12 +85,17 @@ std::vector<std::vector<size_t>> merge_units(const BlockList& blocks,
   std::vector<std::vector<size_t>> out;
   int64_t held = 0;  // elements of out.back()
   for (size_t u = 0; u < units.size(); ++u) {
-    if (out.empty() || held >= min_numel || apart(units[u]) || apart(out.back())) {
+    int64_t numel = 0;
+    for (const Tensor& p : params[u]) numel += p.numel();
+    // A unit as large as min_numel stays alone: merging it would only make
+    // the largest gathered unit (and ZeRO-2's slots) larger.
+    if (out.empty() || held >= min_numel || numel >= min_numel || apart(units[u]) ||
+        apart(out.back())) {
       out.emplace_back();
       held = 0;
     }
     out.back().insert(out.back().end(), units[u].begin(), units[u].end());
-    for (const Tensor& p : params[u]) held += p.numel();
+    held += numel;
   }
   for (std::vector<size_t>& unit : out) std::sort(unit.begin(), unit.end());
   return out;

@@ -72,8 +72,9 @@ struct ShardingOptions {
 // them). `only`: these blocks (a pipeline stage's), empty: all.
 std::vector<std::vector<size_t>> sharding_units(const BlockList& blocks,
                                                 const std::vector<size_t>& only = {});
-// units merged in order (by first block) until each holds at least
-// min_numel elements of trainable parameters (the last may hold fewer; a
+// units smaller than min_numel elements of trainable parameters merged
+// with their neighbours in order (by first block) until each holds at
+// least that many (a unit as large stays alone; the last may hold fewer; a
 // unit of blocks apart, as a tied embedding and head, stays alone):
 // fewer, larger gathers and reduce-scatters for a model of many small
 // blocks (ResNet-50's first stages). min_numel 0: as given.

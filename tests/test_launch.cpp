@@ -231,6 +231,13 @@ TEST_CASE("launch: --max-restarts resumes a killed dp=2 job, bit for bit", "[lau
   for (int i = 0; i < 2; ++i) killed_run_matches(ref, {}, 2, std::random_device()());
 }
 
+TEST_CASE("launch: --max-restarts resumes a killed ZeRO-3 dp=2 job, bit for bit", "[launch][mp]") {
+  // Each rank's checkpoint holds its slices of the parameters and their state.
+  const std::vector<std::string> layout{"parallel.shard=parameters"};
+  const fs::path ref = reference_run(layout, 2);
+  for (int i = 0; i < 2; ++i) killed_run_matches(ref, layout, 2, std::random_device()());
+}
+
 TEST_CASE("launch: 10 random kills of dp=2 and pp=2 jobs, each resumed bit for bit",
           "[launch][mp][slow]") {
   for (const std::vector<std::string>& layout :

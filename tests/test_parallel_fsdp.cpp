@@ -607,41 +607,31 @@ TEST_CASE("fsdp: a GPT over a rank's memory limit trains under ZeRO-3 on 4 ranks
 }
 
 TEST_CASE("fsdp: what the shard modes refuse, by key", "[parallel][fsdp]") {
-  ProcessResult unsharded = run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.dp=4",
-                                          "parallel.dp_replicate=2", "--dry-run"});
-  INFO(unsharded.output);
-  CHECK(unsharded.code != 0);
-  CHECK(contains(unsharded.output,
-                 "parallel.dp_replicate = 2 with parallel.shard = none: replica groups"));
-  ProcessResult uneven =
-      run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.dp=4", "parallel.dp_replicate=3",
-                    "parallel.shard=parameters", "--dry-run"});
-  INFO(uneven.output);
-  CHECK(uneven.code != 0);
-  CHECK(contains(uneven.output,
-                 "parallel.dp_replicate = 3 with dp = 4: hybrid sharding needs "
-                 "groups of at least 2 ranks that divide the dp ranks"));
-  ProcessResult fp32_gather =
-      run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.dp=2",
-                    "parallel.shard=parameters", "parallel.param_dtype=bf16", "--dry-run"});
-  INFO(fp32_gather.output);
-  CHECK(fp32_gather.code != 0);
-  CHECK(
-      contains(fp32_gather.output,
-               "parallel.param_dtype = bf16 with parallel.shard = parameters and precision fp32"));
-  ProcessResult zero1_reduce =
-      run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.dp=2", "parallel.shard=optimizer",
-                    "parallel.reduce_dtype=bf16", "--dry-run"});
-  INFO(zero1_reduce.output);
-  CHECK(zero1_reduce.code != 0);
-  CHECK(contains(zero1_reduce.output,
-                 "parallel.reduce_dtype = bf16 with parallel.shard = optimizer: gradients are "
-                 "reduced in bf16 when they are sharded"));
-  ProcessResult bad =
-      run_ranks(1, {"train", kRecipes + "gpt_kjv.yaml", "parallel.shard=all", "--dry-run"});
-  INFO(bad.output);
-  CHECK(bad.code != 0);
-  CHECK(contains(bad.output,
-                 "'parallel.shard' = 'all' is not one of: none, optimizer, gradients, "
-                 "parameters"));
+  struct Refusal {
+    std::vector<std::string> keys;
+    const char* says;
+  };
+  for (const Refusal& r :
+       {Refusal{{"parallel.dp=4", "parallel.dp_replicate=2"},
+                "parallel.dp_replicate = 2 with parallel.shard = none: replica groups"},
+        Refusal{{"parallel.dp=4", "parallel.dp_replicate=3", "parallel.shard=parameters"},
+                "parallel.dp_replicate = 3 with dp = 4: hybrid sharding needs groups of at "
+                "least 2 ranks that divide the dp ranks"},
+        Refusal{{"parallel.dp=2", "parallel.shard=parameters", "parallel.param_dtype=bf16"},
+                "parallel.param_dtype = bf16 with parallel.shard = parameters and precision "
+                "fp32"},
+        Refusal{{"parallel.dp=2", "parallel.shard=optimizer", "parallel.reduce_dtype=bf16"},
+                "parallel.reduce_dtype = bf16 with parallel.shard = optimizer: gradients are "
+                "reduced in bf16 when they are sharded"},
+        Refusal{{"parallel.shard=all"},
+                "'parallel.shard' = 'all' is not one of: none, optimizer, gradients, "
+                "parameters"}}) {
+    std::vector<std::string> args{"train", kRecipes + "gpt_kjv.yaml"};
+    args.insert(args.end(), r.keys.begin(), r.keys.end());
+    args.push_back("--dry-run");
+    ProcessResult p = run_ranks(1, args);
+    INFO(p.output);
+    CHECK(p.code != 0);
+    CHECK(contains(p.output, r.says));
+  }
 }
