@@ -18,11 +18,10 @@ struct ShardedParameters::Unit {
   // Empty: nothing sharded.
   std::vector<int> segments;
   std::vector<Tensor> flats;        // gathered: one per segment; empty when freed
-  std::vector<comm::Work> pending;  // gathers in flight into flats
-  bool in_flight = false;
+  std::vector<comm::Work> pending;  // gathers in flight into flats; empty once waited for
   bool keep_after_forward = false;
   size_t started = 0;  // its buckets whose reduction started in this backward
-  bool gathered() const { return !flats.empty() && !in_flight; }
+  bool gathered() const { return !flats.empty() && pending.empty(); }
 };
 
 namespace {
@@ -256,13 +255,12 @@ void ShardedParameters::start_gather(size_t u) {
     unit.flats.push_back(empty({seg.shard_numel * zero.world_size()}, zero.gather_dtype()));
     unit.pending.push_back(zero.gather_segment_async(segment, unit.flats.back()));
   }
-  unit.in_flight = true;
 }
 
 void ShardedParameters::gather(size_t u) {
   Unit& unit = units_[u];
   if (unit.segments.empty() || unit.gathered()) return;
-  if (!unit.in_flight) {
+  if (unit.pending.empty()) {
     check_order(u);
     TraceScope span(options_.timeline, "zero3 gather", Track::comm);
     start_gather(u);
@@ -270,7 +268,6 @@ void ShardedParameters::gather(size_t u) {
   }
   for (comm::Work& w : unit.pending) w.wait();
   unit.pending.clear();
-  unit.in_flight = false;
   // The parameters point into the gathered buffers, in their dtype until freed.
   for (size_t k = 0; k < unit.segments.size(); ++k) {
     const ZeroSegment& seg = (*zero_)->segments()[size_t(unit.segments[k])];
@@ -305,7 +302,6 @@ void ShardedParameters::release(size_t u) {
   if (unit.segments.empty()) return;
   for (comm::Work& w : unit.pending) w.wait();
   unit.pending.clear();
-  unit.in_flight = false;
   for (int segment : unit.segments)
     for (const NamedTensor& p : (*zero_)->segments()[size_t(segment)].params) {
       release_storage(p.tensor);

@@ -163,7 +163,6 @@ void ZeroOptimizer::allocate_buffers() {
   // Stage 1 shares the flat buffers (reduce-scattered and all-gathered in
   // place); stages 2 and 3 the blocks of parameters, which the gathers read
   // where they lie.
-  // Stages 2 and 3 add the transient buckets' two slots after them.
   // Shared, in order: the segments' buffers, the two slots of transient
   // buckets, and the gather slots (stage 3 gathering in a narrower dtype).
   std::vector<Tensor> shared;
