@@ -8,11 +8,12 @@
 //              and f16 inputs (the f32 master weights included) are cast to
 //              the autocast dtype and the op computes there (oneDNN
 //              accumulates in f32); the output is in the autocast dtype.
-//   fp32       softmax, log_softmax, cross_entropy, layer_norm, batch_norm,
-//              sum, mean, exp, log: bf16/f16 inputs are cast up to f32.
+//   fp32       softmax, log_softmax, cross_entropy, layer_norm, rms_norm,
+//              batch_norm, sum, mean, exp, log: bf16/f16 inputs are cast up to f32.
 //   promote    binary ops and where: operands of mixed floating dtypes are
 //              cast to the wider (f64 > f32 > bf16, f16; bf16 with f16 -> f32).
-//   (others)   run in their input's dtype (relu, gelu, dropout, views, ...).
+//   (others)   run in their input's dtype (relu, gelu, dropout, rotary
+//              embedding, views, ...).
 // f64 tensors are never cast down (gradient checks keep working). Casts are
 // the recorded Tensor::to(), whose backward casts the gradient back, so an
 // f32 parameter gets an f32 gradient. The backward pass runs with autocast

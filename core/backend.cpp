@@ -146,6 +146,19 @@ void Backend::layer_norm_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   unsupported("layer_norm_backward");
 }
+void Backend::rms_norm_forward(const Tensor&, const Tensor&, double, const Tensor&, const Tensor&) {
+  unsupported("rms_norm_forward");
+}
+void Backend::rms_norm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&) {
+  unsupported("rms_norm_backward");
+}
+void Backend::rope_forward(const Tensor&, const Tensor&, const RopeAttrs&, const Tensor&) {
+  unsupported("rope_forward");
+}
+void Backend::rope_backward(const Tensor&, const Tensor&, const RopeAttrs&, const Tensor&) {
+  unsupported("rope_backward");
+}
 void Backend::attention_forward(const Tensor&, const Tensor&, const Tensor&, const AttentionAttrs&,
                                 const Tensor&, const Tensor&) {
   unsupported("attention_forward");

@@ -34,9 +34,21 @@ namespace trainer {
 // What the attention kernels need beyond their tensors (section "attention").
 struct AttentionAttrs {
   int64_t num_heads = 1;
-  double scale = 1.0;       // of the scores, usually 1 / sqrt(HD)
-  double dropout_p = 0.0;   // of the attention weights; 0: no dropout
-  PhiloxKey dropout_key{};  // the mask's draw (used when dropout_p > 0)
+  int64_t num_kv_heads = 0;  // 0: num_heads
+  double scale = 1.0;        // of the scores, usually 1 / sqrt(HD)
+  double dropout_p = 0.0;    // of the attention weights; 0: no dropout
+  PhiloxKey dropout_key{};   // the mask's draw (used when dropout_p > 0)
+  // The key/value heads KV (dividing num_heads): query head h reads kv head h / (NH / KV).
+  int64_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+};
+
+// What the rotary embedding kernels need beyond their tensors (section
+// "rotary embedding"): the heads side by side in the last dim and the
+// frequency of each of a head's HD / 2 pairs, in f32 (core/ops_transformer.h
+// computes them from RopeOptions).
+struct RopeAttrs {
+  int64_t num_heads = 1;
+  std::vector<float> inv_freq;  // [HD / 2]
 };
 
 // The operands of the fused optimizer updates (section "optimizer"): entry k
@@ -216,14 +228,43 @@ class Backend {
                                    const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                                    const Tensor& grad_weight, const Tensor& grad_bias);
 
+  // ---- RMS norm (core/ops_transformer.h) ----
+  // x [R, D] contiguous, normalised over D: out = x * rstd * weight with
+  // rstd = 1 / sqrt(mean_D(x^2) + eps); weight [D] contiguous. rstd [R]
+  // receives the statistic for the backward.
+  virtual void rms_norm_forward(const Tensor& x, const Tensor& weight, double eps,
+                                const Tensor& out, const Tensor& rstd);
+  // With xhat = x rstd and gw = grad_out * weight:
+  // grad_x = rstd (gw - xhat mean_D(gw xhat)), grad_weight = sum_R(grad_out xhat);
+  // grad_out [R, D] contiguous.
+  virtual void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                 const Tensor& rstd, const Tensor& grad_x,
+                                 const Tensor& grad_weight);
+
+  // ---- rotary embedding (core/ops_transformer.h) ----
+  // x [B, T, NH HD] in any strides with a unit last stride, heads side by
+  // side; positions i64 [T] in any stride. Each head's element i < HD / 2
+  // pairs with i + HD / 2 and turns by the angle
+  //   a[t, i] = f32(f32(positions[t]) * inv_freq[i])
+  // (rounded to f32 as Hugging Face computes it, whatever x's dtype):
+  //   out[i] = x[i] cos a - x[i + HD/2] sin a,  out[i + HD/2] = x[i + HD/2] cos a + x[i] sin a.
+  // out [B, T, NH HD] contiguous.
+  virtual void rope_forward(const Tensor& x, const Tensor& positions, const RopeAttrs& attrs,
+                            const Tensor& out);
+  // The transpose: grad_out turned by -a into grad_x; both contiguous [B, T, NH HD].
+  virtual void rope_backward(const Tensor& grad_out, const Tensor& positions,
+                             const RopeAttrs& attrs, const Tensor& grad_x);
+
   // ---- attention (core/ops_transformer.h) ----
-  // Causal multi-head attention, flash-attention style: q, k, v [B, T, D]
-  // in any strides (views into one fused QKV projection), head h the columns
-  // [h HD, (h + 1) HD) with HD = D / NH. For s <= t:
+  // Causal multi-head attention, flash-attention style: q [B, T, D], k, v
+  // [B, T, KV HD] in any strides (views into one fused QKV projection), head
+  // h the columns [h HD, (h + 1) HD) with HD = D / NH; with grouped-query
+  // attention (KV = attrs.kv_heads() < NH) query head h reads kv head
+  // h / (NH / KV), as Hugging Face's repeat_kv. For s <= t:
   //   lse[b, h, t] = log sum_{s <= t} exp(scale q_t . k_s)
   //   p[t, s] = exp(scale q_t . k_s - lse[t]),  m[t, s] = keep / (1 - dropout_p)
   //   out[b, t, head h] = sum_{s <= t} p[t, s] m[t, s] v_s
-  // keep[b, h, t, s] is element ((b NH + h) T + t) T + s of a Philox
+  // keep[b, h, t, s] (h the query head) is element ((b NH + h) T + t) T + s of a Philox
   // bernoulli(1 - dropout_p) draw from dropout_key (core/rng.h), so the
   // backward redraws the forward's mask instead of storing it. out [B, T, D]
   // and lse [B, NH, T] (f32, f64 for f64) contiguous. The kernels keep no
@@ -233,9 +274,11 @@ class Backend {
   // Backward of the above, p recomputed from q, k and lse; with
   // dp = m (grad_out . v_s) and delta_t = grad_out_t . out_t:
   //   grad_v_s = sum_t p m grad_out_t,  ds = p (dp - delta_t),
-  //   grad_q_t = scale sum_s ds k_s,   grad_k_s = scale sum_t ds q_t.
-  // grad_out, out contiguous [B, T, D]; grad_q, grad_k, grad_v [B, T, D] in
-  // any strides with a unit last stride (views into one fused gradient).
+  //   grad_q_t = scale sum_s ds k_s,   grad_k_s = scale sum_t ds q_t,
+  // grad_k and grad_v of a kv head summing over the query heads that read it.
+  // grad_out, out contiguous [B, T, D]; grad_q [B, T, D], grad_k, grad_v
+  // [B, T, KV HD] in any strides with a unit last stride (views into one
+  // fused gradient).
   virtual void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   const AttentionAttrs& attrs, const Tensor& grad_q,

@@ -42,6 +42,26 @@ TRAINER_HD T layer_norm_grad_x(T rstd, T gw, T mean_gw, T xhat, T mean_gw_xhat) 
   return rstd * (gw - mean_gw - xhat * mean_gw_xhat);
 }
 
+// RMS norm backward, one element: with gw = g w and xhat = x rstd,
+// gx = rstd (gw - xhat mean_D(gw xhat)).
+template <class T>
+TRAINER_HD T rms_norm_grad_x(T rstd, T gw, T xhat, T mean_gw_xhat) {
+  return rstd * (gw - xhat * mean_gw_xhat);
+}
+
+// The rotary embedding's angle at position pos for a pair of frequency
+// inv_freq: the product rounded to f32, as Hugging Face computes it.
+TRAINER_HD float rope_angle(int64_t pos, float inv_freq) { return float(pos) * inv_freq; }
+
+// One pair (x0, x1) = (x[i], x[i + HD/2]) of a head turned by the angle
+// whose cosine and sine are c and s (s negated: the backward's turn back):
+// (x0 c - x1 s, x1 c + x0 s).
+template <class T>
+TRAINER_HD void rope_rotate(T x0, T x1, T c, T s, T& y0, T& y1) {
+  y0 = x0 * c - x1 * s;
+  y1 = x1 * c + x0 * s;
+}
+
 // Batch norm backward, one element, over the m = N H W values of a channel:
 // gx = gamma invstd / m (m g - sum(g) - xhat sum(g xhat)).
 template <class T>

@@ -1,13 +1,21 @@
-// Transformer ops: layer norm and causal scaled dot-product attention, each
-// a fused kernel in the backend interface (sections "layer norm" and
-// "attention").
+// Transformer ops: layer norm, RMS norm, the rotary position embedding and
+// causal scaled dot-product attention (grouped-query too), each a fused
+// kernel in the backend interface (sections "layer norm", "RMS norm",
+// "rotary embedding" and "attention").
 //
 //   Tensor y = layer_norm(x, weight, bias);                        // [..., D]
+//   Tensor y = rms_norm(x, weight, 1e-6);                          // [..., D]
+//   Tensor r = rotary_embedding(q, /*num_heads=*/6, positions, {.theta = 500000.0});
 //   Tensor a = causal_attention(q, k, v, /*num_heads=*/6, 0.1, training, gen);
+//   Tensor a = causal_attention(q, k, v, 6, 0.0, training, gen, /*num_kv_heads=*/2);
 //   Tensor a = causal_attention_qkv(qkv, /*num_heads=*/6, 0.1, training, gen);  // qkv [B, T, 3D]
 //
-// Glossary: B batch, T time, D model width, NH heads, HD = D / NH head width.
+// Glossary: B batch, T time, D model width, NH heads, HD = D / NH head width,
+// KV key/value heads (grouped-query attention).
 #pragma once
+
+#include <string>
+#include <vector>
 
 #include "core/ops.h"
 
@@ -18,6 +26,45 @@ namespace trainer {
 // bias [D]. Any layout (x is made contiguous).
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 
+// Normalises x [..., D] by the root mean square of its last dim and scales
+// it: x / sqrt(mean(x^2) + eps) * weight, weight [D] (Hugging Face's
+// LlamaRMSNorm). Computed in f32 (f64 for f64 input); under autocast in f32,
+// as layer_norm. Any layout (x is made contiguous).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+
+// The rotary position embedding's frequencies (Hugging Face's rope_type and
+// rope_scaling fields).
+struct RopeOptions {
+  double theta = 10000.0;                // rope_theta
+  std::string scaling = "none";          // none | linear | llama3 (HF rope_scaling.rope_type)
+  double factor = 1.0;                   // linear and llama3
+  double low_freq_factor = 1.0;          // llama3
+  double high_freq_factor = 4.0;         // llama3
+  int64_t original_max_position = 8192;  // llama3: original_max_position_embeddings
+};
+
+// The frequency of each of a head's HD / 2 pairs, in f32 and rounded step
+// by step as transformers computes it: 1 / theta^(2j / HD) (its
+// _compute_default_rope_parameters), divided by factor ("linear"), or
+// divided by factor below the low-frequency wavelength, kept above the
+// high-frequency one and interpolated between ("llama3",
+// _compute_llama3_parameters). HD even.
+std::vector<float> rope_inv_freq(int64_t head_dim, const RopeOptions& options);
+
+// Rotary position embedding, Hugging Face Llama's convention (rotate_half):
+// x [B, T, NH * HD] (heads side by side, any strides with a unit last
+// stride, e.g. a view of a fused projection), positions i64 [T] (the global
+// position of each row; need not be contiguous or increasing, context
+// parallelism passes chunks). Within each head, element i < HD / 2 pairs
+// with i + HD / 2 and turns by a = f32(positions[t] * inv_freq[i])
+// (rope_inv_freq, the product rounded to f32 as Hugging Face's):
+//   out[i] = x[i] cos a - x[i + HD/2] sin a,  out[i + HD/2] = x[i + HD/2] cos a + x[i] sin a.
+// Returns a new contiguous [B, T, NH * HD] in x's dtype, computed in f32
+// (f64 for f64); autocast leaves it alone. The backward turns the gradient
+// back; positions get none. HD must be even.
+Tensor rotary_embedding(const Tensor& x, int64_t num_heads, const Tensor& positions,
+                        const RopeOptions& options);
+
 // Multi-head causal self-attention on q, k, v [B, T, D] (any strides, e.g.
 // views into one fused QKV projection), head h being the columns
 // [h * HD, (h + 1) * HD): out[b, t, head h] = sum_{s <= t} a[b, h, t, s] v[b, s, head h]
@@ -27,8 +74,12 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 // dropout mask (training, 0 <= dropout_p < 1) is element
 // ((b NH + h) T + t) T + s of one bernoulli(1 - dropout_p) draw from gen,
 // redrawn in the backward from its counter.
+// Grouped-query attention: with num_kv_heads = KV > 0 (dividing NH), k and
+// v are [B, T, KV * HD] and query head h reads key/value head h / (NH / KV)
+// (Hugging Face's repeat_kv); their gradients sum over the query heads of
+// each group. 0: KV = NH.
 Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t num_heads,
-                        double dropout_p, bool training, Generator& gen);
+                        double dropout_p, bool training, Generator& gen, int64_t num_kv_heads = 0);
 
 // causal_attention on the thirds of one fused projection qkv [B, T, 3D]
 // (q, k, v side by side), the backward writing one [B, T, 3D] gradient.

@@ -103,6 +103,8 @@ std::vector<OpCase> build_table() {
   add(layer_norm_case({2, 3, 65}));
   add(layer_norm_case(strided({7, 33})));
   add(layer_norm_case({64, 129}));
+  add(rms_norm_case({7, 33}));
+  add(rms_norm_case(strided({2, 3, 65})));
   add(batch_norm_case(image({3, 5, 7, 3}), false));
   add(batch_norm_case(image({3, 5, 7, 3}), true));
   add(batch_norm_case(image({1, 7, 9, 11}), false));
@@ -143,6 +145,12 @@ std::vector<OpCase> build_table() {
   add(attention_case(1, 70, 8, 2, 0.0));  // three query tiles, the last ragged
   add(attention_case(2, 5, 12, 3, 0.25));
   add(attention_case(2, 33, 12, 3, 0.2, /*fused_qkv=*/true));
+  add(attention_case(2, 37, 24, 6, 0.0, false, /*kv_heads=*/2));  // grouped-query
+  add(attention_case(1, 33, 16, 4, 0.25, false, /*kv_heads=*/1));
+
+  // ---- rotary embedding ----
+  add(rope_case({2, 7, 24}, 3, false));
+  add(rope_case(strided({1, 5, 128}), 1, true));
 
   // ---- fused recurrent layers ----
   add(recurrent_case(true, 3, 7, 5, 9));
@@ -172,6 +180,7 @@ std::vector<OpCase> build_table() {
   add(softmax_case(true, {64, 1031}, 0));
   add(cross_entropy_case({300, 129}, 0.1, R::none));
   add(layer_norm_case({300, 129}));
+  add(rms_norm_case({300, 129}));
   add(batch_norm_case(image({8, 16, 12, 12}), true));
   add(conv2d_case(image({2, 32, 8, 7}), {48, 32, 3, 3}, {.padding = {1, 1}}, true));
   add(conv2d_case(image({4, 24, 10, 9}), {32, 24, 1, 1}, {.stride = {2, 2}}, false));
@@ -181,6 +190,7 @@ std::vector<OpCase> build_table() {
   add(embedding_case({37, 515}, indices({9, 41}, 37)));  // index_add split over columns
   add(gather_case({4001, 7}, 1, indices({4001, 1}, 7)));
   add(attention_case(1, 97, 32, 2, 0.1));
+  add(rope_case({4, 65, 384}, 6, true));
   add(recurrent_case(true, 8, 5, 16, 40));
   add(sgd_case(70001));
   add(adamw_case(70001, true));

@@ -271,6 +271,18 @@ OpCase layer_norm_case(Input x) {
           .lowp_roundings = 2};
 }
 
+OpCase rms_norm_case(Input x) {
+  x = range(std::move(x), -2, 2);
+  const int64_t D = x.shape.back(), n = std::max(D, shape_numel(x.shape) / D);
+  std::vector<Input> inputs = {x, range({D}, 0.5, 1.5)};
+  return {.op = "rms_norm",
+          .variant = describe({x}),
+          .inputs = inputs,
+          .f = [](const TensorList& t) { return rms_norm(t[0], t[1]); },
+          .reduction = {.length = n, .scale = 4 * std::sqrt(double(n))},
+          .lowp_roundings = 2};
+}
+
 OpCase batch_norm_case(Input x, bool relu) {
   x = range(std::move(x), -2.5, 3.5);
   const int64_t C = x.shape[1], n = x.shape[0] * x.shape[2] * x.shape[3];
@@ -332,23 +344,39 @@ OpCase concat_case(Input a, Input b, int dim) {
       cat("dim ", dim, ", the first twice"));
 }
 
-OpCase attention_case(int64_t B, int64_t T, int64_t D, int64_t NH, double dropout_p,
-                      bool fused_qkv) {
-  const int64_t n = std::max(T, D / NH);
-  std::vector<Input> inputs = {range({B, T, 3 * D}, -2, 2)};
+OpCase attention_case(int64_t B, int64_t T, int64_t D, int64_t NH, double dropout_p, bool fused_qkv,
+                      int64_t kv_heads) {
+  const int64_t KV = kv_heads > 0 ? kv_heads : NH, Dkv = KV * (D / NH);
+  const int64_t n = std::max(T, D / NH) * (NH / KV);
+  std::vector<Input> inputs = {range({B, T, D + 2 * Dkv}, -2, 2)};
   return {.op = "attention",
-          .variant = with_attrs(inputs, cat("heads ", NH, " dropout ", dropout_p,
-                                            fused_qkv ? " fused qkv" : " views")),
+          .variant =
+              with_attrs(inputs, cat("heads ", NH, kv_heads > 0 ? cat(" kv heads ", KV) : "",
+                                     " dropout ", dropout_p, fused_qkv ? " fused qkv" : " views")),
           .inputs = inputs,
           .f =
               [=](const TensorList& t) {
                 Generator gen(3, kStreamDropout);
                 if (fused_qkv) return causal_attention_qkv(t[0], NH, dropout_p, true, gen);
-                return causal_attention(t[0].narrow(2, 0, D), t[0].narrow(2, D, D),
-                                        t[0].narrow(2, 2 * D, D), NH, dropout_p, true, gen);
+                return causal_attention(t[0].narrow(2, 0, D), t[0].narrow(2, D, Dkv),
+                                        t[0].narrow(2, D + Dkv, Dkv), NH, dropout_p, true, gen,
+                                        kv_heads);
               },
           .reduction = {.length = n, .scale = 8 * std::sqrt(double(n))},
           .lowp_roundings = 2};
+}
+
+OpCase rope_case(Input x, int64_t NH, bool llama3) {
+  x = range(std::move(x), -2, 2);
+  const int64_t T = x.shape[1];
+  std::vector<Input> inputs = {x, indices({T}, 9001)};
+  RopeOptions options{.theta = 500000.0};
+  if (llama3) options = {.theta = 500000.0, .scaling = "llama3", .factor = 8.0};
+  return {.op = "rotary_embedding",
+          .variant = with_attrs(inputs, cat("heads ", NH, llama3 ? " llama3" : "")),
+          .inputs = inputs,
+          .f = [=](const TensorList& t) { return rotary_embedding(t[0], NH, t[1], options); },
+          .reduction = {.scale = 2}};
 }
 
 OpCase recurrent_case(bool lstm, int64_t B, int64_t T, int64_t I, int64_t H) {

@@ -96,6 +96,9 @@ OpCase cross_entropy_case(Input logits, double label_smoothing,
 // Over D (x in [-2, 2]): the mean, the variance and the backward's two dot
 // products sum D terms, the weight and bias gradients the rows.
 OpCase layer_norm_case(Input x);
+// RMS norm over D (x in [-2, 2], weight in [0.5, 1.5]): the mean square and
+// the backward's dot product sum D terms, the weight gradient the rows.
+OpCase rms_norm_case(Input x);
 // Training mode over x [N, C, H, W] (values in [-2.5, 3.5], the mean off 0):
 // sums of N H W values per channel; gamma in [0.5, 1.5].
 OpCase batch_norm_case(Input x, bool relu);
@@ -120,9 +123,15 @@ OpCase concat_case(Input a, Input b, int dim);
 // Causal attention on the thirds of one projection qkv [B, T, 3D] (in
 // [-2, 2], scores up to ~8), dropout mask from a fixed key: sums over T keys
 // and D / NH head dims. fused_qkv: causal_attention_qkv, else
-// causal_attention on the three views.
+// causal_attention on the three views. kv_heads > 0: grouped-query attention
+// on views of one [B, T, D + 2 KV HD] projection, k's and v's gradients
+// summing over NH / KV heads too.
 OpCase attention_case(int64_t B, int64_t T, int64_t D, int64_t NH, double dropout_p,
-                      bool fused_qkv = false);
+                      bool fused_qkv = false, int64_t kv_heads = 0);
+// The rotary embedding of x [B, T, NH HD] (in [-2, 2]) at unsorted
+// positions up to 9000 (llama3 scaling when llama3): elementwise, pairs
+// turned by angles in f32.
+OpCase rope_case(Input x, int64_t NH, bool llama3);
 // An LSTM (or GRU) layer over x [B, T, I] with H units: the gate GEMMs sum I
 // or H terms, the weight gradients B T rows, and the recurrence carries
 // rounding through T steps (counted as roundings). Inputs strided; the

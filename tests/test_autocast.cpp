@@ -72,6 +72,7 @@ TEST_CASE("autocast: output dtypes per op", "[autocast]") {
     REQUIRE(log_softmax(xl, 1).dtype() == DType::f32);
     REQUIRE(cross_entropy(linear(x, w, b), target).dtype() == DType::f32);
     REQUIRE(layer_norm(xl, ones({5}), zeros({5})).dtype() == DType::f32);
+    REQUIRE(rms_norm(xl, ones({5})).dtype() == DType::f32);
     REQUIRE(batch_norm_train(img.to(low), gamma, beta, 1e-5).out.dtype() == DType::f32);
     REQUIRE(sum(xl).dtype() == DType::f32);
     REQUIRE(mean(xl, {1}).dtype() == DType::f32);
@@ -79,6 +80,7 @@ TEST_CASE("autocast: output dtypes per op", "[autocast]") {
     REQUIRE(log(xl).dtype() == DType::f32);
     // Follow the input; promote mixed operands to the wider.
     REQUIRE(relu(xl).dtype() == low);
+    REQUIRE(rotary_embedding(seq.to(low), 3, arange(4, DType::i64), {}).dtype() == low);
     REQUIRE(gelu(xl).dtype() == low);
     REQUIRE((xl * 2.0).dtype() == low);
     REQUIRE((xl + x).dtype() == DType::f32);

@@ -2,8 +2,9 @@
 // core/cuda/rnn.cpp) against the CPU on the same inputs, forward and
 // backward, within each dtype's tolerance: causal attention with and
 // without dropout (the GPU must draw the CPU's mask), odd T and head dims,
-// strided q, k, v and the fused qkv form; two-layer LSTM and GRU stacks
-// from random initial states, odd sizes, training and inference.
+// strided q, k, v, grouped-query heads and the fused qkv form; two-layer
+// LSTM and GRU stacks from random initial states, odd sizes, training and
+// inference.
 // The [cuda-host] cases check on the CPU the shared per-element math the
 // attention kernels run (core/attention_math.h).
 #include <array>
@@ -183,6 +184,32 @@ TEST_CASE("cuda causal attention and its gradients match the CPU", "[cuda]") {
         };
         check_cuda_vs_cpu(f, in, tol.rtol, tol.atol, /*strided=*/T % 2 == 1, /*backward=*/true,
                           "causal_attention");
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda grouped-query attention and its gradients match the CPU", "[cuda]") {
+  require_gpu_or_skip();
+  Generator gen(24);
+  // (B, T, NH, KV, HD): a key/value head shared by 3, 4 and 4 query heads.
+  const std::array<int64_t, 5> shapes[] = {{2, 37, 6, 2, 5}, {1, 70, 4, 1, 72}, {1, 33, 8, 2, 64}};
+  for (DType dt : kFloating) {
+    for (const auto& [B, T, NH, KV, HD] : shapes) {
+      for (double p : {0.0, 0.3}) {
+        INFO(dt << " B " << B << " T " << T << " NH " << NH << " KV " << KV << " HD " << HD << " p "
+                << p);
+        TensorList in = {rand_tensor({B, T, NH * HD}, gen, -1, 1, dt),
+                         rand_tensor({B, T, KV * HD}, gen, -1, 1, dt),
+                         rand_tensor({B, T, KV * HD}, gen, -1, 1, dt)};
+        const Tolerance tol = attention_tolerance(dt);
+        const int64_t heads = NH, kv_heads = KV;
+        auto f = [heads, kv_heads, p](const TensorList& x) {
+          Generator drop(9, kStreamDropout);
+          return causal_attention(x[0], x[1], x[2], heads, p, /*training=*/true, drop, kv_heads);
+        };
+        check_cuda_vs_cpu(f, in, tol.rtol, tol.atol, /*strided=*/T % 2 == 1, /*backward=*/true,
+                          "grouped-query causal_attention");
       }
     }
   }

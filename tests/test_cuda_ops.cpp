@@ -1,10 +1,11 @@
 // The CUDA kernels beyond the elementwise ones: matmul (cuBLASLt / cuBLAS),
-// reductions, softmax and cross-entropy, indexing, layer norm, convolution
-// (cuDNN), batch norm and pooling. Each op runs forward and backward on CUDA
-// copies of CPU inputs and must match the CPU result within the dtype's
-// tolerance (tests/cuda_testing.h), on odd shapes and strided inputs.
-// f32 matmul and convolution may use TF32 tensor cores (10-bit mantissa), so
-// their f32 tolerance is that of a few TF32 roundings over the sum.
+// reductions, softmax and cross-entropy, indexing, layer norm, RMS norm, the
+// rotary embedding, convolution (cuDNN), batch norm and pooling. Each op runs
+// forward and backward on CUDA copies of CPU inputs and must match the CPU
+// result within the dtype's tolerance (tests/cuda_testing.h), on odd shapes
+// and strided inputs. f32 matmul and convolution may use TF32 tensor cores
+// (10-bit mantissa), so their f32 tolerance is that of a few TF32 roundings
+// over the sum.
 #include "core/cuda/host_rows.h"
 #include "core/ops_conv.h"
 #include "core/ops_transformer.h"
@@ -294,6 +295,48 @@ TEST_CASE("cuda layer norm and its gradients match the CPU", "[cuda]") {
                         cat("layer_norm ", t, " ", shape_str(s)));
     }
   }
+}
+
+TEST_CASE("cuda RMS norm and its gradients match the CPU", "[cuda]") {
+  require_gpu_or_skip();
+  Generator gen(38);
+  for (DType t : kFloating) {
+    Tolerance tol = sum_tolerance(t);
+    auto f = [](const TensorList& in) { return rms_norm(in[0], in[1], 1e-6); };
+    for (const Shape& s : {Shape{9, 70}, Shape{3, 4, 33}, Shape{300, 20}, Shape{2, 4099}}) {
+      Tensor x = rand_tensor(s, gen, -2.0, 2.0, t);
+      Tensor w = rand_tensor({s.back()}, gen, 0.5, 1.5, t);
+      check_cuda_vs_cpu(f, {x, w}, tol.rtol, tol.atol, true, true,
+                        cat("rms_norm ", t, " ", shape_str(s)));
+    }
+  }
+}
+
+// ---- rotary embedding ----
+
+TEST_CASE("cuda rotary embedding and its gradient match the CPU", "[cuda]") {
+  require_gpu_or_skip();
+  Generator gen(39);
+  // Positions unsorted and not from 0; x a view of a fused [B, T, 3W] projection.
+  const RopeOptions llama3{.theta = 500000.0, .scaling = "llama3", .factor = 8.0};
+  struct Case {
+    int64_t B, T, NH, HD;
+  };
+  for (DType t : kFloating)
+    for (const Case& c : {Case{2, 5, 3, 2}, Case{1, 9, 2, 64}, Case{2, 7, 2, 128}})
+      for (const RopeOptions& o : {RopeOptions{}, llama3}) {
+        std::vector<int64_t> p;
+        for (int64_t i = 0; i < c.T; ++i) p.push_back((i * 7919 + 13) % 9001);
+        const Tensor pos = from_vector(p);
+        const int64_t W = c.NH * c.HD;
+        auto f = [&](const TensorList& in) {
+          return rotary_embedding(in[0].narrow(2, W, W), c.NH, pos.to(in[0].device()), o);
+        };
+        Tolerance tol = tolerance(t);
+        check_cuda_vs_cpu(f, {rand_tensor({c.B, c.T, 3 * W}, gen, -2.0, 2.0, t)}, tol.rtol,
+                          tol.atol, false, true,
+                          cat("rotary_embedding ", t, " HD ", c.HD, " ", o.scaling));
+      }
 }
 
 // ---- convolution, batch norm, pooling ----

@@ -7,6 +7,12 @@
 // causal mask and dropout are vectorised row loops. The backward recomputes
 // each tile's probabilities from q, k and the saved lse.
 //
+// Grouped-query attention: a query head reads its kv head's views of k and
+// v; the backward runs OpenMP over (batch, kv head), the query heads of a
+// group one after the other on one thread, adding into the kv head's
+// gradients (so no two threads write one row, and the sums run in a fixed
+// order). With KV = NH that is the plain loop over (batch, head).
+//
 // Other dtypes, and views whose last stride is not 1, run the reference.
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
@@ -115,6 +121,7 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
       out.dtype() != DType::f32 || lse.dtype() != DType::f32)
     return RefBackend::attention_forward(q, k, v, attrs, out, lse);
   const int64_t B = q.size(0), T = q.size(1), D = q.size(2), NH = attrs.num_heads, HD = D / NH;
+  const int64_t group = NH / attrs.kv_heads();
   if (B * T * D == 0) return;
   const float scale = float(attrs.scale);
   const bool drop = attrs.dropout_p > 0.0;
@@ -124,8 +131,8 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
   float* lse_all = lse.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * NH; ++bh) {
-    const int64_t b = bh / NH, h = bh % NH;
-    Head qh(q, b, h * HD), kh(k, b, h * HD), vh(v, b, h * HD), oh(out, b, h * HD);
+    const int64_t b = bh / NH, h = bh % NH, c_kv = h / group * HD;
+    Head qh(q, b, h * HD), kh(k, b, c_kv), vh(v, b, c_kv), oh(out, b, h * HD);
     float* S = scratch.plane(0);
     float* M = drop ? scratch.plane(1) : nullptr;
     for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
@@ -148,10 +155,75 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
   }
 }
 
-// Forward: O_t = sum_{s <= t} P[t, s] m[t, s] v_s, P = softmax(scale q k^T).
+namespace {
+
+// The backward's operands of one call.
+struct BackwardArgs {
+  const Tensor &grad_out, &q, &k, &v, &out, &grad_q;
+  const AttentionAttrs& attrs;
+  const float* lse_all;
+  int64_t T, HD;
+};
+
+// Query head h of batch b (bh = b NH + h): writes its grad_q and adds its
+// terms of grad_v and grad_k into kv head c_kv's rows (gkh, gvh).
 // Per tile, with P = exp(scale Q K^T - lse) recomputed:
 // dP_drop = dO V^T, dP = m dP_drop, delta_t = dO_t . O_t,
 // dS = P (dP - delta), dV += (P m)^T dO, dQ = scale dS K, dK += scale dS^T Q.
+void backward_head(const BackwardArgs& a, int64_t b, int64_t h, int64_t c_kv,
+                   const Scratch& scratch, const Head& gkh, const Head& gvh) {
+  const int64_t T = a.T, HD = a.HD, bh = b * a.attrs.num_heads + h;
+  const float scale = float(a.attrs.scale);
+  const bool drop = a.attrs.dropout_p > 0.0;
+  const double keep = 1.0 - a.attrs.dropout_p;
+  const float drop_scale = drop ? float(1.0 / keep) : 1.0f;
+  Head qh(a.q, b, h * HD), kh(a.k, b, c_kv), vh(a.v, b, c_kv);
+  Head oh(a.out, b, h * HD), goh(a.grad_out, b, h * HD), gqh(a.grad_q, b, h * HD);
+  float* P = scratch.plane(0);
+  float* dP = scratch.plane(1);
+  float* Pm = drop ? scratch.plane(2) : P;
+  float* M = drop ? scratch.plane(3) : nullptr;
+  for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, T - t0), n = t0 + rows;
+    sgemm('N', 'T', rows, n, HD, scale, qh.row(t0), qh.ld, kh.ptr, kh.ld, 0.0f, P, n);
+    sgemm('N', 'T', rows, n, HD, 1.0f, goh.row(t0), goh.ld, vh.ptr, vh.ld, 0.0f, dP, n);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = t0 + i;
+      float* p = P + i * n;
+      float* dp = dP + i * n;
+      probabilities(p, t + 1, n, a.lse_all[bh * T + t]);
+      const float* o = oh.row(t);
+      const float* go = goh.row(t);
+      float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+      for (int64_t c = 0; c < HD; ++c) delta += go[c] * o[c];
+      if (drop) {
+        float* pm = Pm + i * n;
+        dropout_row(a.attrs.dropout_key, math::attention_dropout_index(bh, t, 0, T), t + 1, keep,
+                    drop_scale, M);
+#pragma omp simd
+        for (int64_t s = 0; s <= t; ++s) {
+          pm[s] = p[s] * M[s];
+          dp[s] *= M[s];
+        }
+        std::fill(pm + t + 1, pm + n, 0.0f);
+      }
+#pragma omp simd
+      for (int64_t s = 0; s <= t; ++s) dp[s] = math::attention_grad_score(p[s], dp[s], delta);
+      std::fill(dp + t + 1, dp + n, 0.0f);
+    }
+    // dV[0:n] += (P m)^T dO_tile; dQ_tile = scale dS K; dK[0:n] += scale dS^T Q_tile.
+    sgemm('T', 'N', n, HD, rows, 1.0f, Pm, n, goh.row(t0), goh.ld, 1.0f, gvh.ptr, gvh.ld);
+    sgemm('N', 'N', rows, HD, n, scale, dP, n, kh.ptr, kh.ld, 0.0f, gqh.row(t0), gqh.ld);
+    sgemm('T', 'N', n, HD, rows, scale, dP, n, qh.row(t0), qh.ld, 1.0f, gkh.ptr, gkh.ld);
+  }
+}
+
+}  // namespace
+
+// Forward: O_t = sum_{s <= t} P[t, s] m[t, s] v_s, P = softmax(scale q k^T);
+// the gradients per query head (backward_head), a kv head's grad_k and
+// grad_v summed over its group's query heads in order.
 void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const Tensor& out, const Tensor& lse,
                                     const AttentionAttrs& attrs, const Tensor& grad_q,
@@ -170,62 +242,21 @@ void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, con
     return RefBackend::attention_backward(grad_out, q, k, v, out, lse, attrs, grad_q, grad_k,
                                           grad_v);
   const int64_t B = q.size(0), T = q.size(1), D = q.size(2), NH = attrs.num_heads, HD = D / NH;
+  const int64_t KV = attrs.kv_heads(), group = NH / KV;
   if (B * T * D == 0) return;
-  const float scale = float(attrs.scale);
-  const bool drop = attrs.dropout_p > 0.0;
-  const double keep = 1.0 - attrs.dropout_p;
-  const float drop_scale = drop ? float(1.0 / keep) : 1.0f;
+  const BackwardArgs args{grad_out, q, k, v, out, grad_q, attrs, lse.data<float>(), T, HD};
   // Planes: P, dP (becomes dS), and with dropout P m and one mask row.
-  Scratch scratch(drop ? 4 : 2, T);
-  const float* lse_all = lse.data<float>();
+  Scratch scratch(attrs.dropout_p > 0.0 ? 4 : 2, T);
 #pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < B * NH; ++bh) {
-    const int64_t b = bh / NH, h = bh % NH;
-    Head qh(q, b, h * HD), kh(k, b, h * HD), vh(v, b, h * HD);
-    Head oh(out, b, h * HD), goh(grad_out, b, h * HD);
-    Head gqh(grad_q, b, h * HD), gkh(grad_k, b, h * HD), gvh(grad_v, b, h * HD);
-    float* P = scratch.plane(0);
-    float* dP = scratch.plane(1);
-    float* Pm = drop ? scratch.plane(2) : P;
-    float* M = drop ? scratch.plane(3) : nullptr;
+  for (int64_t bk = 0; bk < B * KV; ++bk) {
+    const int64_t b = bk / KV, kvh = bk % KV;
+    Head gkh(grad_k, b, kvh * HD), gvh(grad_v, b, kvh * HD);
     for (int64_t t = 0; t < T; ++t) {
       std::memset(gkh.row(t), 0, size_t(HD) * sizeof(float));
       std::memset(gvh.row(t), 0, size_t(HD) * sizeof(float));
     }
-    for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
-      const int64_t rows = std::min(kTileRows, T - t0), n = t0 + rows;
-      sgemm('N', 'T', rows, n, HD, scale, qh.row(t0), qh.ld, kh.ptr, kh.ld, 0.0f, P, n);
-      sgemm('N', 'T', rows, n, HD, 1.0f, goh.row(t0), goh.ld, vh.ptr, vh.ld, 0.0f, dP, n);
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        float* p = P + i * n;
-        float* dp = dP + i * n;
-        probabilities(p, t + 1, n, lse_all[bh * T + t]);
-        const float* o = oh.row(t);
-        const float* go = goh.row(t);
-        float delta = 0.0f;
-#pragma omp simd reduction(+ : delta)
-        for (int64_t c = 0; c < HD; ++c) delta += go[c] * o[c];
-        if (drop) {
-          float* pm = Pm + i * n;
-          dropout_row(attrs.dropout_key, math::attention_dropout_index(bh, t, 0, T), t + 1, keep,
-                      drop_scale, M);
-#pragma omp simd
-          for (int64_t s = 0; s <= t; ++s) {
-            pm[s] = p[s] * M[s];
-            dp[s] *= M[s];
-          }
-          std::fill(pm + t + 1, pm + n, 0.0f);
-        }
-#pragma omp simd
-        for (int64_t s = 0; s <= t; ++s) dp[s] = math::attention_grad_score(p[s], dp[s], delta);
-        std::fill(dp + t + 1, dp + n, 0.0f);
-      }
-      // dV[0:n] += (P m)^T dO_tile; dQ_tile = scale dS K; dK[0:n] += scale dS^T Q_tile.
-      sgemm('T', 'N', n, HD, rows, 1.0f, Pm, n, goh.row(t0), goh.ld, 1.0f, gvh.ptr, gvh.ld);
-      sgemm('N', 'N', rows, HD, n, scale, dP, n, kh.ptr, kh.ld, 0.0f, gqh.row(t0), gqh.ld);
-      sgemm('T', 'N', n, HD, rows, scale, dP, n, qh.row(t0), qh.ld, 1.0f, gkh.ptr, gkh.ld);
-    }
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
+      backward_head(args, b, h, kvh * HD, scratch, gkh, gvh);
   }
 }
 

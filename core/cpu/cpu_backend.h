@@ -11,8 +11,10 @@
 //   cpu_conv.cpp         oneDNN convolution, primitives cached per shape (onednn.h helpers)
 //   cpu_pool.cpp         oneDNN max / average pooling
 //   cpu_batch_norm.cpp   oneDNN batch norm, fused relu
-//   cpu_layernorm.cpp    layer norm, vectorised rows with OpenMP over rows
-//   cpu_attention.cpp    fused causal attention, OpenMP over (batch, head), sgemm tiles
+//   cpu_layernorm.cpp    layer norm and RMS norm, vectorised rows with OpenMP over rows
+//   cpu_rope.cpp         rotary embedding, vectorised rows with OpenMP over rows
+//   cpu_attention.cpp    fused causal attention (grouped-query too), OpenMP over
+//                        (batch, kv head), sgemm tiles
 //   cpu_rnn.cpp          LSTM / GRU layers
 //   cpu_optim.cpp        fused SGD / AdamW updates, OpenMP over elements (core/optim_math.h)
 #pragma once
@@ -104,6 +106,17 @@ class CpuBackend : public RefBackend {
   void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                            const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                            const Tensor& grad_weight, const Tensor& grad_bias) override;
+  void rms_norm_forward(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                        const Tensor& rstd) override;
+  void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                         const Tensor& rstd, const Tensor& grad_x,
+                         const Tensor& grad_weight) override;
+
+  // ---- cpu_rope.cpp ----
+  void rope_forward(const Tensor& x, const Tensor& positions, const RopeAttrs& attrs,
+                    const Tensor& out) override;
+  void rope_backward(const Tensor& grad_out, const Tensor& positions, const RopeAttrs& attrs,
+                     const Tensor& grad_x) override;
 
   // ---- cpu_attention.cpp ----
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -19,8 +19,14 @@
 // row is written by one block summing in a fixed order: the result is
 // deterministic (no atomics).
 //
-// The dropout multiplier m of (b, h, t, s) is drawn as the CPU draws it
-// (core/attention_math.h), so one key gives one mask on every device.
+// Grouped-query attention: query head h reads kv head h / (NH / KV); the
+// key-side pass runs a block per (batch, kv head, key block) over the query
+// heads of the group one after the other, so grad_k and grad_v stay one
+// block's fixed-order sums.
+//
+// The dropout multiplier m of (b, h, t, s) (h the query head) is drawn as
+// the CPU draws it (core/attention_math.h), so one key gives one mask on
+// every device.
 // Computation in acc_t<T>: float for f32, bf16 and f16, double for f64.
 #include <math.h>
 
@@ -118,7 +124,7 @@ __global__ void __launch_bounds__(kBlockThreads) attention_forward_kernel(Attent
   extern __shared__ __align__(16) unsigned char raw[];
   const int64_t HD = a.HD, T_ = a.T;
   const Shared<A> sh(raw, HD);
-  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
+  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH, kvh = h / (a.NH / a.KV);
   const int64_t t0 = int64_t(blockIdx.y) * kBlockRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const A scale = A(a.scale);
@@ -134,8 +140,8 @@ __global__ void __launch_bounds__(kBlockThreads) attention_forward_kernel(Attent
   const int64_t t_end = t0 + kBlockRows < T_ ? t0 + kBlockRows : T_;
   for (int64_t s0 = 0; s0 < t_end; s0 += kTile) {
     __syncthreads();  // the previous tile's readers are done
-    load_rows(sh.tile0, sh.ld, head_of<const T>(a.k, b, h, HD), a.k, s0, kTile, T_, HD);
-    load_rows(sh.tile1, sh.ld, head_of<const T>(a.v, b, h, HD), a.v, s0, kTile, T_, HD);
+    load_rows(sh.tile0, sh.ld, head_of<const T>(a.k, b, kvh, HD), a.k, s0, kTile, T_, HD);
+    load_rows(sh.tile1, sh.ld, head_of<const T>(a.v, b, kvh, HD), a.v, s0, kTile, T_, HD);
     __syncthreads();
     const int64_t s = s0 + lane;
 #pragma unroll
@@ -208,7 +214,7 @@ __global__ void __launch_bounds__(kBlockThreads) attention_grad_q_kernel(Attenti
   extern __shared__ __align__(16) unsigned char raw[];
   const int64_t HD = a.HD, T_ = a.T;
   const Shared<A> sh(raw, HD);
-  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
+  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH, kvh = h / (a.NH / a.KV);
   const int64_t t0 = int64_t(blockIdx.y) * kBlockRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const A scale = A(a.scale);
@@ -225,8 +231,8 @@ __global__ void __launch_bounds__(kBlockThreads) attention_grad_q_kernel(Attenti
   const int64_t t_end = t0 + kBlockRows < T_ ? t0 + kBlockRows : T_;
   for (int64_t s0 = 0; s0 < t_end; s0 += kTile) {
     __syncthreads();
-    load_rows(sh.tile0, sh.ld, head_of<const T>(a.k, b, h, HD), a.k, s0, kTile, T_, HD);
-    load_rows(sh.tile1, sh.ld, head_of<const T>(a.v, b, h, HD), a.v, s0, kTile, T_, HD);
+    load_rows(sh.tile0, sh.ld, head_of<const T>(a.k, b, kvh, HD), a.k, s0, kTile, T_, HD);
+    load_rows(sh.tile1, sh.ld, head_of<const T>(a.v, b, kvh, HD), a.v, s0, kTile, T_, HD);
     __syncthreads();
     const int64_t s = s0 + lane;
 #pragma unroll
@@ -267,27 +273,20 @@ __global__ void __launch_bounds__(kBlockThreads) attention_grad_q_kernel(Attenti
   }
 }
 
-// grad_v_s = sum_{t >= s} p m grad_out_t, grad_k_s = scale sum_{t >= s} ds q_t.
-// K and V owned (own0, own1), Q and grad_out streamed (tile0, tile1).
-template <class T, int LC>
-__global__ void __launch_bounds__(kBlockThreads) attention_grad_kv_kernel(AttentionArgs a) {
-  using A = acc_t<T>;
-  extern __shared__ __align__(16) unsigned char raw[];
-  const int64_t HD = a.HD, T_ = a.T;
-  const Shared<A> sh(raw, HD);
-  const int64_t bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
-  const int64_t s_begin = int64_t(blockIdx.y) * kBlockRows;
+// Adds query head h's terms (bh = b NH + h) of grad_v_s = sum_{t >= s} p m
+// grad_out_t and grad_k_s / scale = sum_{t >= s} ds q_t to the rows s of the
+// block's keys (gk, gv). K and V owned (own0, own1), Q and grad_out of head
+// h streamed (tile0, tile1).
+template <class T, int LC, class A>
+__device__ __forceinline__ void grad_kv_of_head(const AttentionArgs& a, const Shared<A>& sh,
+                                                int64_t b, int64_t h, int64_t s_begin,
+                                                A (&gk)[kRowsPerWarp][LC],
+                                                A (&gv)[kRowsPerWarp][LC]) {
+  const int64_t HD = a.HD, T_ = a.T, bh = b * a.NH + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const A scale = A(a.scale);
   const A* lse = static_cast<const A*>(a.lse) + bh * T_;
   const A* delta = static_cast<const A*>(a.delta) + bh * T_;
-  load_rows(sh.own0, HD, head_of<const T>(a.k, b, h, HD), a.k, s_begin, kBlockRows, T_, HD);
-  load_rows(sh.own1, HD, head_of<const T>(a.v, b, h, HD), a.v, s_begin, kBlockRows, T_, HD);
-  A gk[kRowsPerWarp][LC], gv[kRowsPerWarp][LC];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int i = 0; i < LC; ++i) gk[r][i] = gv[r][i] = A(0);
   for (int64_t t0 = s_begin; t0 < T_; t0 += kTile) {
     __syncthreads();
     load_rows(sh.tile0, sh.ld, head_of<const T>(a.q, b, h, HD), a.q, t0, kTile, T_, HD);
@@ -326,8 +325,32 @@ __global__ void __launch_bounds__(kBlockThreads) attention_grad_kv_kernel(Attent
       }
     }
   }
-  T* grad_k = head_of<T>(a.grad_k, b, h, HD);
-  T* grad_v = head_of<T>(a.grad_v, b, h, HD);
+}
+
+// grad_v_s = sum_h sum_{t >= s} p m grad_out_t, grad_k_s = scale sum_h sum_{t >= s} ds q_t
+// over the query heads h of kv head kvh, in order. A block per (b KV + kvh,
+// block of kBlockRows keys).
+template <class T, int LC>
+__global__ void __launch_bounds__(kBlockThreads) attention_grad_kv_kernel(AttentionArgs a) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char raw[];
+  const int64_t HD = a.HD, T_ = a.T, group = a.NH / a.KV;
+  const Shared<A> sh(raw, HD);
+  const int64_t bk = blockIdx.x, b = bk / a.KV, kvh = bk % a.KV;
+  const int64_t s_begin = int64_t(blockIdx.y) * kBlockRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  load_rows(sh.own0, HD, head_of<const T>(a.k, b, kvh, HD), a.k, s_begin, kBlockRows, T_, HD);
+  load_rows(sh.own1, HD, head_of<const T>(a.v, b, kvh, HD), a.v, s_begin, kBlockRows, T_, HD);
+  A gk[kRowsPerWarp][LC], gv[kRowsPerWarp][LC];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int i = 0; i < LC; ++i) gk[r][i] = gv[r][i] = A(0);
+  for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
+    grad_kv_of_head<T, LC>(a, sh, b, h, s_begin, gk, gv);
+  const A scale = A(a.scale);
+  T* grad_k = head_of<T>(a.grad_k, b, kvh, HD);
+  T* grad_v = head_of<T>(a.grad_v, b, kvh, HD);
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int64_t s = s_begin + warp * kRowsPerWarp + r;
@@ -354,11 +377,11 @@ void with_lane_columns(int64_t HD, Fn&& fn) {
     fn(std::integral_constant<int, int(kMaxAttentionHeadDim / 32)>{});
 }
 
-// Launches kernel over (batch x head, blocks of kBlockRows rows) with the
+// Launches kernel over (batch x heads, blocks of kBlockRows rows) with the
 // shared memory of the head dim, opting in beyond 48 KiB where the GPU allows.
 template <class Kernel>
-void launch_tiled(Kernel kernel, const AttentionArgs& a, size_t acc_size, const char* op,
-                  cudaStream_t stream) {
+void launch_tiled(Kernel kernel, const AttentionArgs& a, int64_t heads, size_t acc_size,
+                  const char* op, cudaStream_t stream) {
   const size_t bytes = shared_bytes(a.HD, acc_size);
   if (bytes > kDefaultSharedBytes) {
     int device = 0, optin = 0;
@@ -370,7 +393,7 @@ void launch_tiled(Kernel kernel, const AttentionArgs& a, size_t acc_size, const 
     CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   }
-  const dim3 grid(unsigned(a.B * a.NH), unsigned((a.T + kBlockRows - 1) / kBlockRows));
+  const dim3 grid(unsigned(a.B * heads), unsigned((a.T + kBlockRows - 1) / kBlockRows));
   kernel<<<grid, kBlockThreads, bytes, stream>>>(a);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -380,6 +403,8 @@ void check_args(const AttentionArgs& a, const char* op) {
       << op << ": head dim " << a.HD << " outside [1, " << kMaxAttentionHeadDim << "]";
   CHECK(a.B * a.NH <= INT32_MAX && (a.T + kBlockRows - 1) / kBlockRows <= 65535)
       << op << ": " << a.B << " x " << a.NH << " heads of " << a.T << " steps exceed the grid";
+  CHECK(a.KV >= 1 && a.NH % a.KV == 0)
+      << op << ": " << a.KV << " key/value heads do not divide " << a.NH << " heads";
 }
 
 }  // namespace
@@ -390,7 +415,7 @@ void launch_attention_forward(const AttentionArgs& a, DType t, cudaStream_t stre
   dispatch_floating(t, "causal_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
     with_lane_columns(a.HD, [&](auto lc) {
-      launch_tiled(attention_forward_kernel<T, decltype(lc)::value>, a, sizeof(acc_t<T>),
+      launch_tiled(attention_forward_kernel<T, decltype(lc)::value>, a, a.NH, sizeof(acc_t<T>),
                    "causal_attention", stream);
     });
   });
@@ -407,10 +432,10 @@ void launch_attention_backward(const AttentionArgs& a, DType t, cudaStream_t str
     CUDA_CHECK(cudaGetLastError());
     with_lane_columns(a.HD, [&](auto lc) {
       constexpr int LC = decltype(lc)::value;
-      launch_tiled(attention_grad_kv_kernel<T, LC>, a, sizeof(acc_t<T>),
+      launch_tiled(attention_grad_kv_kernel<T, LC>, a, a.KV, sizeof(acc_t<T>),
                    "causal_attention_backward", stream);
-      launch_tiled(attention_grad_q_kernel<T, LC>, a, sizeof(acc_t<T>), "causal_attention_backward",
-                   stream);
+      launch_tiled(attention_grad_q_kernel<T, LC>, a, a.NH, sizeof(acc_t<T>),
+                   "causal_attention_backward", stream);
     });
   });
 }

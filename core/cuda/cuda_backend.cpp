@@ -1,9 +1,11 @@
-// CudaBackend's elementwise, random and attention kernels: validate the
-// operands, make their device current, describe them as Launch<N> (or
-// AttentionArgs, kernels.h) and enqueue the kernel of copy.cu,
-// elementwise.cu, random.cu or attention.cu on the current stream.
+// CudaBackend's elementwise, random, rotary embedding and attention kernels:
+// validate the operands, make their device current, describe them as
+// Launch<N> (or RopeArgs, AttentionArgs, kernels.h) and enqueue the kernel of
+// copy.cu, elementwise.cu, random.cu, rope.cu or attention.cu on the current
+// stream.
 #include "core/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/cuda/cuda_check.h"
@@ -146,6 +148,41 @@ void CudaBackend::bernoulli(const Tensor& out, double p, PhiloxKey key) {
   });
 }
 
+// ---- rotary embedding (kernels: rope.cu) ----
+
+namespace {
+
+// x (unit last stride) turned by sign times the angles into out (contiguous).
+void rope(const char* op, const Tensor& x, const Tensor& positions, const RopeAttrs& attrs,
+          float sign, const Tensor& out) {
+  KernelScope scope(op, {&out, &x, &positions});
+  check_dtypes(op, x.dtype(), {&out});
+  CHECK(x.stride(2) == 1 && out.is_contiguous() && positions.dtype() == DType::i64)
+      << op << ": x needs a unit last stride, out contiguous, positions i64";
+  RopeArgs a;
+  a.x = x.data_ptr(), a.out = out.data_ptr(), a.positions = positions.data<int64_t>();
+  a.sb = x.stride(0), a.st = x.stride(1), a.pos_stride = positions.stride(0);
+  a.B = x.size(0), a.T = x.size(1), a.NH = attrs.num_heads, a.HD = x.size(2) / attrs.num_heads;
+  a.sign = sign;
+  CHECK(int64_t(attrs.inv_freq.size()) == a.HD / 2 && a.HD / 2 <= kMaxRopePairs)
+      << op << ": " << attrs.inv_freq.size() << " frequencies for heads of " << a.HD << " (at most "
+      << 2 * kMaxRopePairs << ")";
+  std::copy(attrs.inv_freq.begin(), attrs.inv_freq.end(), a.inv_freq);
+  launch_rope(a, x.dtype(), scope.stream());
+}
+
+}  // namespace
+
+void CudaBackend::rope_forward(const Tensor& x, const Tensor& positions, const RopeAttrs& attrs,
+                               const Tensor& out) {
+  rope("rotary_embedding", x, positions, attrs, 1.0f, out);
+}
+
+void CudaBackend::rope_backward(const Tensor& grad_out, const Tensor& positions,
+                                const RopeAttrs& attrs, const Tensor& grad_x) {
+  rope("rotary_embedding_backward", grad_out, positions, attrs, -1.0f, grad_x);
+}
+
 // ---- attention (kernels: attention.cu) ----
 
 namespace {
@@ -165,6 +202,7 @@ AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, c
   a.q = attention_operand(q), a.k = attention_operand(k), a.v = attention_operand(v);
   a.lse = lse.data_ptr();
   a.B = q.size(0), a.T = q.size(1), a.NH = attrs.num_heads, a.HD = q.size(2) / attrs.num_heads;
+  a.KV = attrs.kv_heads();
   a.scale = attrs.scale, a.dropout_p = attrs.dropout_p, a.dropout_key = attrs.dropout_key;
   return a;
 }

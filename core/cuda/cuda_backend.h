@@ -11,12 +11,13 @@
 //   elementwise.cu    the math kernels, on the functors of core/elementwise_math.h
 //   random.cu         Philox draws, identical to the CPU's
 //   matmul.cpp        matmul: cuBLASLt (f32 as TF32, bf16, f16), cuBLAS Dgemm (f64)
-//   cuda_rows.cpp     reductions, softmax, cross-entropy, indexing, layer norm:
+//   cuda_rows.cpp     reductions, softmax, cross-entropy, indexing, layer norm, RMS norm:
 //                     Tensor -> Rows<N> / Launch<N> (host_rows.h, kernels.h)
 //   cuda_image.cpp    batch norm and pooling
 //   conv.cpp          convolution on cuDNN (algorithm search cached per shape)
 //   reduce.cu, nn.cu, index.cu, norm.cu, pool.cu   their kernels
-//   attention.cu      fused causal attention (host side in cuda_backend.cpp)
+//   attention.cu      fused causal attention, grouped-query too (host side in cuda_backend.cpp)
+//   rope.cu           rotary embedding (host side in cuda_backend.cpp)
 //   rnn.cpp           LSTM and GRU layers on cuDNN's RNN API
 //   cuda_optim.cpp    fused multi-tensor optimizer updates, unscaling, gradient norms (optim.cu)
 //
@@ -85,6 +86,11 @@ class CudaBackend final : public Backend {
   void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                            const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                            const Tensor& grad_weight, const Tensor& grad_bias) override;
+  void rms_norm_forward(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                        const Tensor& rstd) override;
+  void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                         const Tensor& rstd, const Tensor& grad_x,
+                         const Tensor& grad_weight) override;
 
   // ---- cuda_image.cpp ----
   Tensor max_pool2d(const Tensor& x, const Pool2dAttrs& attrs, const Tensor& out) override;
@@ -105,7 +111,11 @@ class CudaBackend final : public Backend {
                            const Tensor& mean, const Tensor& var, double eps, const Tensor& grad_x,
                            const Tensor& grad_gamma, const Tensor& grad_beta) override;
 
-  // ---- cuda_backend.cpp (kernels: attention.cu) ----
+  // ---- cuda_backend.cpp (kernels: rope.cu, attention.cu) ----
+  void rope_forward(const Tensor& x, const Tensor& positions, const RopeAttrs& attrs,
+                    const Tensor& out) override;
+  void rope_backward(const Tensor& grad_out, const Tensor& positions, const RopeAttrs& attrs,
+                     const Tensor& grad_x) override;
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                          const AttentionAttrs& attrs, const Tensor& out,
                          const Tensor& lse) override;

@@ -1,4 +1,5 @@
-// CudaBackend's reductions, softmax, cross-entropy, indexing and layer norm:
+// CudaBackend's reductions, softmax, cross-entropy, indexing, layer norm and
+// RMS norm:
 // validate, describe the operands as row or elementwise launches
 // (host_rows.h) and enqueue the kernels of reduce.cu, nn.cu, index.cu and
 // norm.cu on the current stream.
@@ -266,6 +267,42 @@ void CudaBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, c
               1.0, scope.stream());
   reduce_rows(ReduceOp::sum, RowMode::value, pb, Tensor(), Tensor(), 1, grad_bias.view({1, D}), 1.0,
               scope.stream());
+}
+
+// ---- RMS norm ----
+
+void CudaBackend::rms_norm_forward(const Tensor& x, const Tensor& weight, double eps,
+                                   const Tensor& out, const Tensor& rstd) {
+  KernelScope scope("rms_norm", {&out, &x, &weight, &rstd});
+  for (const Tensor* t : {&x, &weight, &out, &rstd})
+    CHECK(t->is_contiguous()) << "rms_norm: operands must be contiguous";
+  check_same_dtype("rms_norm", x, weight);
+  CHECK(rstd.dtype() == acc_dtype(x.dtype())) << "rms_norm: statistic of dtype " << rstd.dtype();
+  RmsNormPtrs p{};
+  p.x = x.data_ptr(), p.weight = weight.data_ptr();
+  p.out = out.data_ptr(), p.rstd_out = rstd.data_ptr();
+  launch_rms_norm_forward(p, x.size(0), x.size(1), eps, x.dtype(), scope.stream());
+}
+
+// grad_x per row; grad_weight = sum_R g xhat as per-part column sums
+// (norm.cu), then a reduction over the parts.
+void CudaBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                    const Tensor& rstd, const Tensor& grad_x,
+                                    const Tensor& grad_weight) {
+  KernelScope scope("rms_norm_backward", {&grad_x, &grad_weight, &grad_out, &x, &weight, &rstd});
+  for (const Tensor* t : {&grad_out, &x, &weight, &rstd, &grad_x, &grad_weight})
+    CHECK(t->is_contiguous()) << "rms_norm_backward: operands must be contiguous";
+  check_same_dtype("rms_norm_backward", x, grad_out);
+  check_same_dtype("rms_norm_backward", x, weight);
+  const int64_t R = x.size(0), D = x.size(1);
+  const int64_t splits = std::clamp<int64_t>((R + 127) / 128, 1, kMaxSplits);
+  Tensor pw = empty({splits, D}, acc_dtype(x.dtype()), x.device());
+  RmsNormPtrs p{};
+  p.x = x.data_ptr(), p.weight = weight.data_ptr(), p.grad_out = grad_out.data_ptr();
+  p.rstd = rstd.data_ptr(), p.grad_x = grad_x.data_ptr(), p.partial_weight = pw.data_ptr();
+  launch_rms_norm_backward(p, R, D, splits, x.dtype(), scope.stream());
+  reduce_rows(ReduceOp::sum, RowMode::value, pw, Tensor(), Tensor(), 1, grad_weight.view({1, D}),
+              1.0, scope.stream());
 }
 
 }  // namespace trainer::cuda

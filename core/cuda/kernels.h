@@ -1,8 +1,8 @@
-// The boundary between CudaBackend's row, index, normalisation, pooling and
-// attention kernels (reduce.cu, nn.cu, index.cu, norm.cu, pool.cu,
-// attention.cu; nvcc, C++17), the multi-tensor optimizer kernels (optim.cu) and
-// their host side (cuda_ops.cpp, conv.cpp): plain structs and launchers, as
-// launch.h is for the elementwise kernels.
+// The boundary between CudaBackend's row, index, normalisation, pooling,
+// rotary embedding and attention kernels (reduce.cu, nn.cu, index.cu,
+// norm.cu, pool.cu, rope.cu, attention.cu; nvcc, C++17), the multi-tensor
+// optimizer kernels (optim.cu) and their host side (cuda_ops.cpp, conv.cpp):
+// plain structs and launchers, as launch.h is for the elementwise kernels.
 //
 // A row launch reduces or normalises groups of elements ("rows"): Rows<N>
 // walks the rows with `outer` (one index per row, element 0 of each operand
@@ -97,6 +97,17 @@ void launch_layer_norm_forward(const LayerNormPtrs& p, int64_t R, int64_t D, dou
 // grad_x, and the per-part column sums of g xhat and g over `splits` parts of the rows.
 void launch_layer_norm_backward(const LayerNormPtrs& p, int64_t R, int64_t D, int64_t splits,
                                 DType t, cudaStream_t stream);
+// RMS norm over contiguous rows of x [R, D]; weight [D]; rstd [R] in acc_t<T>.
+struct RmsNormPtrs {
+  const void *x, *weight, *grad_out, *rstd;
+  void *out, *grad_x, *rstd_out;
+  void* partial_weight;  // [splits, D] in acc_t<T>
+};
+void launch_rms_norm_forward(const RmsNormPtrs& p, int64_t R, int64_t D, double eps, DType t,
+                             cudaStream_t stream);
+// grad_x, and the per-part column sums of g xhat over `splits` parts of the rows.
+void launch_rms_norm_backward(const RmsNormPtrs& p, int64_t R, int64_t D, int64_t splits, DType t,
+                              cudaStream_t stream);
 // Batch norm, elementwise with per-channel operands broadcast (acc_t<T>):
 // operands (out, x, mean, var, gamma, beta); out = (x - mean) / sqrt(var +
 // eps) * gamma + beta, then relu when relu.
@@ -131,6 +142,23 @@ void launch_adaptive_avg_pool(const Image& out, const Image& x, DType t, cudaStr
 void launch_adaptive_avg_pool_backward(const Image& grad_x, const Image& grad_out, DType t,
                                        cudaStream_t stream);
 
+// ---- rope.cu ----
+// The rotary embedding of Backend::rope_forward/_backward (core/backend.h,
+// section "rotary embedding"): element (b, t, c) of x at x + b sb + t st + c,
+// out contiguous [B, T, NH HD]; positions i64 with stride pos_stride; sign 1
+// turns by the angles, -1 back. Floating dtypes, HD / 2 <= kMaxRopePairs.
+inline constexpr int64_t kMaxRopePairs = 256;
+struct RopeArgs {
+  const void* x = nullptr;
+  void* out = nullptr;
+  const int64_t* positions = nullptr;
+  int64_t sb = 0, st = 0, pos_stride = 1;
+  int64_t B = 0, T = 0, NH = 1, HD = 0;
+  float sign = 1.0f;
+  float inv_freq[kMaxRopePairs] = {};
+};
+void launch_rope(const RopeArgs& a, DType t, cudaStream_t stream);
+
 // ---- attention.cu ----
 // One [B, T, D] operand of causal attention in element strides: element
 // (t, c) of head h of batch b is at data + b sb + t st + (h HD + c) sc.
@@ -141,12 +169,13 @@ struct AttentionOperand {
 // The operands and attributes of Backend::attention_forward/_backward
 // (core/backend.h, section "attention"). lse and delta are [B, NH, T]
 // contiguous in acc_t<T>; delta is the backward's scratch for
-// delta_t = grad_out_t . out_t per head.
+// delta_t = grad_out_t . out_t per head. k, v and their gradients have KV
+// heads (dividing NH): query head h reads kv head h / (NH / KV).
 struct AttentionArgs {
   AttentionOperand q, k, v, out, grad_out, grad_q, grad_k, grad_v;
   void* lse = nullptr;
   void* delta = nullptr;
-  int64_t B = 0, T = 0, NH = 1, HD = 0;
+  int64_t B = 0, T = 0, NH = 1, KV = 1, HD = 0;
   double scale = 1.0, dropout_p = 0.0;
   PhiloxKey dropout_key{};
 };

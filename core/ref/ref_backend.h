@@ -4,8 +4,9 @@
 // dispatch (CpuBackend derives from it). Obviously right beats fast here.
 //
 // Files: ref_elementwise.cpp, ref_reduce.cpp, ref_linalg.cpp, ref_nn.cpp,
-// ref_index.cpp, ref_random.cpp, ref_conv.cpp, ref_layernorm.cpp,
-// ref_attention.cpp, ref_rnn.cpp, ref_optim.cpp; helpers in ref_util.h.
+// ref_index.cpp, ref_random.cpp, ref_conv.cpp, ref_layernorm.cpp (layer
+// norm, RMS norm), ref_rope.cpp, ref_attention.cpp, ref_rnn.cpp,
+// ref_optim.cpp; helpers in ref_util.h.
 #pragma once
 
 #include "core/backend.h"
@@ -84,6 +85,17 @@ class RefBackend : public Backend {
   void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                            const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                            const Tensor& grad_weight, const Tensor& grad_bias) override;
+  void rms_norm_forward(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                        const Tensor& rstd) override;
+  void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                         const Tensor& rstd, const Tensor& grad_x,
+                         const Tensor& grad_weight) override;
+
+  // ---- ref_rope.cpp ----
+  void rope_forward(const Tensor& x, const Tensor& positions, const RopeAttrs& attrs,
+                    const Tensor& out) override;
+  void rope_backward(const Tensor& grad_out, const Tensor& positions, const RopeAttrs& attrs,
+                     const Tensor& grad_x) override;
 
   // ---- ref_attention.cpp ----
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,

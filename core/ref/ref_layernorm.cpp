@@ -1,4 +1,5 @@
-// Reference layer norm, in double, one row of the [R, D] input at a time.
+// Reference layer norm and RMS norm, in double, one row of the [R, D] input
+// at a time.
 #include <cmath>
 #include <vector>
 
@@ -63,6 +64,49 @@ void RefBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
     ref::set(grad_weight, d, gw_sum[size_t(d)]);
     ref::set(grad_bias, d, gb_sum[size_t(d)]);
   }
+}
+
+// out = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps)
+void RefBackend::rms_norm_forward(const Tensor& x, const Tensor& weight, double eps,
+                                  const Tensor& out, const Tensor& rstd) {
+  int64_t R = x.shape()[0], D = x.shape()[1];
+  for (int64_t r = 0; r < R; ++r) {
+    double ms = 0.0;
+    for (int64_t d = 0; d < D; ++d) {
+      double v = ref::get(x, r * D + d);
+      ms += v * v;
+    }
+    double rs = 1.0 / std::sqrt(ms / double(D) + eps);
+    for (int64_t d = 0; d < D; ++d)
+      ref::set(out, r * D + d, ref::get(x, r * D + d) * rs * ref::get(weight, d));
+    ref::set(rstd, r, rs);
+  }
+}
+
+// gx = rstd (gw - xhat mean(gw xhat)) with gw = g w, xhat = x rstd;
+// gweight = sum_r g xhat
+void RefBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                   const Tensor& rstd, const Tensor& grad_x,
+                                   const Tensor& grad_weight) {
+  int64_t R = x.shape()[0], D = x.shape()[1];
+  std::vector<double> gw_sum(size_t(D), 0.0);
+  for (int64_t r = 0; r < R; ++r) {
+    double rs = ref::get(rstd, r);
+    double mean_gw_xhat = 0.0;
+    for (int64_t d = 0; d < D; ++d) {
+      double g = ref::get(grad_out, r * D + d);
+      double xhat = ref::get(x, r * D + d) * rs;
+      mean_gw_xhat += g * ref::get(weight, d) * xhat;
+      gw_sum[size_t(d)] += g * xhat;
+    }
+    mean_gw_xhat /= double(D);
+    for (int64_t d = 0; d < D; ++d) {
+      double xhat = ref::get(x, r * D + d) * rs;
+      double gw = ref::get(grad_out, r * D + d) * ref::get(weight, d);
+      ref::set(grad_x, r * D + d, math::rms_norm_grad_x(rs, gw, xhat, mean_gw_xhat));
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) ref::set(grad_weight, d, gw_sum[size_t(d)]);
 }
 
 }  // namespace trainer
