@@ -3,8 +3,10 @@
 // ResNet-18 at 64x64 and 224x224 (and with the 3x3 stem at 28x28, batch 8:
 // bench_pipeline's), and ResNet-50 at 224x224, and in tokens/s
 // for the LSTM language model (2 x 512, sequence 128, batch 32, byte
-// vocabulary) and GPT (6 layers, 384 wide, 6 heads, context 256, batch 8,
-// byte vocabulary). Each case runs in its own child process so its peak resident
+// vocabulary), GPT (6 layers, 384 wide, 6 heads, context 256, batch 8,
+// byte vocabulary) and Llama (6 layers, 384 wide, 6 heads sharing 2
+// key/value heads, SwiGLU 1024, context 256, batch 8, a 2048-token subword
+// vocabulary; PyTorch's side is transformers' LlamaForCausalLM). Each case runs in its own child process so its peak resident
 // memory is its own.
 //
 // When python3 can import torch, bench/bench_train_torch.py measures the
@@ -74,24 +76,31 @@ double run_case(const ImageCase& c, int steps) {
 struct LMCase {
   const char* name;
   int64_t batch, seq, vocab, width, layers;
-  int64_t heads;  // GPT only (0 for the LSTM)
+  int64_t heads;         // GPT and Llama (0 for the LSTM)
+  int64_t kv_heads = 0;  // Llama
+  int64_t intermediate = 0;
 };
 
 const LMCase kLMCases[] = {
     {"lstm_lm", 32, 128, 256, 512, 2, 0},
     {"gpt", 8, 256, 256, 384, 6, 6},
+    {"llama", 8, 256, 2048, 384, 6, 6, 2, 1024},
 };
 
 std::shared_ptr<Module> make_lm(const LMCase& c) {
-  const bool gpt = std::strcmp(c.name, "gpt") == 0;
+  const bool lstm = std::strcmp(c.name, "lstm_lm") == 0;
+  const bool llama = std::strcmp(c.name, "llama") == 0;
   return make_model(c.name, {.dropout = 0.0,
                              .vocab_size = c.vocab,
                              .context = c.seq,
                              .n_layer = c.layers,
-                             .n_head = gpt ? c.heads : 1,
+                             .n_head = lstm ? 1 : c.heads,
                              .d_model = c.width,
                              .hidden = c.width,
-                             .tie_weights = gpt});  // the LSTM LM's decoder is its own
+                             // The LSTM LM's decoder is its own, as Llama's LM head.
+                             .tie_weights = !lstm && !llama,
+                             .intermediate_size = c.intermediate,
+                             .n_kv_head = c.kv_heads});
 }
 
 // Median seconds per training step of a language model (the LSTM from a zero state).
@@ -250,7 +259,10 @@ int main(int argc, char** argv) {
                                   std::to_string(c.batch) + " --seq " + std::to_string(c.seq) +
                                   " --classes " + std::to_string(c.vocab) + " --size " +
                                   std::to_string(c.width) + " --layers " +
-                                  std::to_string(c.layers) + " --heads " + std::to_string(c.heads),
+                                  std::to_string(c.layers) + " --heads " +
+                                  std::to_string(c.heads) + " --kv-heads " +
+                                  std::to_string(c.kv_heads) + " --intermediate " +
+                                  std::to_string(c.intermediate),
                               t, steps);
       print_row(c.name, c.batch, t, ours, torch);
     }

@@ -1,7 +1,7 @@
 """PyTorch side of bench_train: the same training step (forward, backward,
 SGD momentum 0.9, weight decay 1e-4) on the same model, batch, input size and
 thread count, channels-last, synthetic data. Prints "samples_per_second
-peak_rss_mib" (for --model lstm_lm and gpt: "tokens_per_second peak_rss_mib"). With
+peak_rss_mib" (for --model lstm_lm, gpt and llama: "tokens_per_second peak_rss_mib"). With
 --precision bf16, forward and loss run under torch.autocast("cpu", torch.bfloat16), as
 ours run under AutocastGuard(bf16). Not a project dependency: bench_train calls it when
 torch is importable.
@@ -94,6 +94,23 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
+class Llama(nn.Module):
+    """models/llama.h's Llama: transformers' LlamaForCausalLM (SDPA attention), untied."""
+
+    def __init__(self, a):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(vocab_size=a.classes, hidden_size=a.size,
+                             intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                             num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                             max_position_embeddings=a.seq, tie_word_embeddings=False,
+                             attn_implementation="sdpa")
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
 def case_arguments(steps):
     """The arguments naming a case, shared with bench_dp_torch.py: --model (small_cnn or a
     torchvision model), --batch, --size (input side), --channels, --classes, --steps."""
@@ -148,6 +165,8 @@ def lm_tokens_per_second(a):
     batch --batch (GPT: --heads heads, context --seq)."""
     if a.model == "gpt":
         model = GPT(a.classes, a.seq, a.size, a.layers, a.heads)
+    elif a.model == "llama":
+        model = Llama(a)
     else:
         model = LSTMLM(a.classes, a.size, a.layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
@@ -167,11 +186,13 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=0)
+    p.add_argument("--intermediate", type=int, default=0)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    if a.model in ("lstm_lm", "gpt"):
+    if a.model in ("lstm_lm", "gpt", "llama"):
         tps = lm_tokens_per_second(a)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         print(f"{tps:.3f} {peak:.1f}")

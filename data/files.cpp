@@ -99,6 +99,94 @@ std::vector<uint8_t> read_regular_file_bytes(const std::string& path, const std:
   return read_whole<std::vector<uint8_t>>(path, what, max_bytes);
 }
 
+LineChunks::LineChunks(const std::string& path, const std::string& what, size_t chunk_bytes)
+    : file_(path, what), path_(path), chunk_bytes_(chunk_bytes) {}
+
+bool LineChunks::next(std::string& chunk) {
+  chunk = std::move(carry_);
+  carry_.clear();
+  size_t searched = 0;  // chunk[0, searched) holds no line break
+  while (true) {
+    if (chunk.size() >= chunk_bytes_) {
+      const size_t found = std::string_view(chunk).substr(searched).rfind('\n');
+      if (found != std::string_view::npos) {
+        carry_.assign(chunk, searched + found + 1);
+        chunk.resize(searched + found + 1);
+        return true;
+      }
+      searched = chunk.size();  // one long line so far: read on
+    }
+    if (eof_) return !chunk.empty();
+    const size_t old = chunk.size();
+    chunk.resize(old + chunk_bytes_);
+    ssize_t got;
+    do got = ::read(file_.fd(), chunk.data() + old, chunk_bytes_);
+    while (got < 0 && errno == EINTR);
+    if (got < 0) throw Error(cat("cannot read ", path_, ": ", std::strerror(errno)));
+    chunk.resize(old + size_t(got));
+    eof_ = got == 0;
+  }
+}
+
+namespace {
+
+[[noreturn]] void cannot_write(const std::string& path, const char* what) {
+  throw Error(cat("cannot ", what, " ", path, ": ", std::strerror(errno),
+                  "; check that its directory exists and is writable and the disk has room"));
+}
+
+}  // namespace
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), temp_(path_ + ".tmp") {
+  fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) cannot_write(temp_, "create");
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  ::unlink(temp_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t put = ::write(fd_, p, n);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) cannot_write(temp_, "write");
+    p += put, n -= size_t(put);
+  }
+}
+
+void AtomicFile::write_at(uint64_t offset, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t put = ::pwrite(fd_, p, n, off_t(offset));
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) cannot_write(temp_, "write");
+    p += put, n -= size_t(put), offset += uint64_t(put);
+  }
+}
+
+void AtomicFile::commit() {
+  CHECK(fd_ >= 0) << path_ << " committed twice";
+  if (::fsync(fd_) != 0) cannot_write(temp_, "sync");
+  ::close(fd_);
+  fd_ = -1;
+  if (::rename(temp_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temp_.c_str());
+    errno = err;
+    cannot_write(path_, "rename the finished file to");
+  }
+}
+
+void write_file_atomically(const std::string& path, std::string_view bytes) {
+  AtomicFile file(path);
+  file.write(bytes.data(), bytes.size());
+  file.commit();
+}
+
 std::string not_a_regular_file(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return std::strerror(errno);

@@ -15,10 +15,12 @@
 //   std::string text = read_regular_file("recipes/x.yaml", "the recipe");
 //   RegularFile file("data.idx.gz", "the IDX file");   // an open fd to hand to zlib
 //   make_directories("runs/x", "output_dir");
+//   write_file_atomically("out/tokenizer.model", bytes);   // temp file, fsync, rename
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/check.h"
@@ -59,6 +61,47 @@ std::string read_regular_file(const std::string& path, const std::string& what,
                               uint64_t max_bytes = kMaxFileBytes);
 std::vector<uint8_t> read_regular_file_bytes(const std::string& path, const std::string& what,
                                              uint64_t max_bytes = kMaxFileBytes);
+
+// A text file read in chunks of whole lines: each chunk about chunk_bytes
+// long, ending with a line break (the file's last chunk may end without
+// one; a longer line is one chunk of its own).
+class LineChunks {
+ public:
+  LineChunks(const std::string& path, const std::string& what, size_t chunk_bytes = 1 << 20);
+  uint64_t size() const { return file_.size(); }
+  // The next chunk into `chunk`; false at the end of the file.
+  bool next(std::string& chunk);
+
+ private:
+  RegularFile file_;
+  std::string path_;
+  size_t chunk_bytes_;
+  std::string carry_;  // read after the last line break so far
+  bool eof_ = false;
+};
+
+// A file written whole or not at all: the bytes go to `path`.tmp, which
+// commit() fsyncs and renames over `path`; destroyed uncommitted, the
+// temporary file is removed. Errors name the path and say what failed.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* data, size_t n);
+  // Overwrites bytes already written, at `offset` from the start.
+  void write_at(uint64_t offset, const void* data, size_t n);
+  void commit();
+
+ private:
+  std::string path_, temp_;
+  int fd_ = -1;
+};
+
+// AtomicFile with these bytes.
+void write_file_atomically(const std::string& path, std::string_view bytes);
 
 // The reason path is not a regular file one can read ("is a FIFO",
 // "does not exist", "Too many levels of symbolic links"), "" when it is.

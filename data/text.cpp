@@ -29,20 +29,24 @@ Vocab corpus_vocab(std::string_view text, VocabKind kind, const std::string& nam
 }
 
 // Rows [N, T] of inputs and targets from the windows starting at `starts`.
-TextBatch gather_windows(const std::vector<uint8_t>& tokens, const std::vector<int64_t>& starts,
-                         int64_t T) {
+TextBatch gather_windows(const TokenSource& tokens, const std::vector<int64_t>& starts, int64_t T) {
   const int64_t N = int64_t(starts.size());
   TextBatch b{empty({N, T}, DType::i64), empty({N, T}, DType::i64)};
   int64_t* in = b.inputs.data<int64_t>();
   int64_t* out = b.targets.data<int64_t>();
+  std::vector<int64_t> w(size_t(T + 1));
   for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* w = tokens.data() + starts[size_t(n)];
-    for (int64_t t = 0; t < T; ++t) {
-      in[n * T + t] = w[t];
-      out[n * T + t] = w[t + 1];
-    }
+    tokens.read(starts[size_t(n)], T + 1, w.data());
+    std::copy(w.begin(), w.end() - 1, in + n * T);
+    std::copy(w.begin() + 1, w.end(), out + n * T);
   }
   return b;
+}
+
+int64_t train_part(int64_t tokens, double val_fraction, const std::string& name) {
+  if (!(val_fraction >= 0.0 && val_fraction < 1.0))
+    throw Error(cat("text corpus ", name, ": val_fraction ", val_fraction, " is outside [0, 1)"));
+  return tokens - int64_t(std::llround(double(tokens) * val_fraction));
 }
 
 }  // namespace
@@ -93,6 +97,10 @@ std::vector<int64_t> Vocab::encode(std::string_view text) const {
   return ids;
 }
 
+std::string Vocab::description() const {
+  return cat(kind_ == VocabKind::bytes ? "byte" : "char", " vocabulary of ", size());
+}
+
 std::string Vocab::decode(const std::vector<int64_t>& ids) const {
   std::string text(ids.size(), '\0');
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -113,14 +121,26 @@ TextCorpus TextCorpus::load(const std::string& path, const TextOptions& options)
 }
 
 TextCorpus::TextCorpus(std::string_view text, const TextOptions& options, std::string name)
-    : name_(std::move(name)), vocab_(corpus_vocab(text, options.vocab, name_)) {
-  if (!(options.val_fraction >= 0.0 && options.val_fraction < 1.0))
-    throw Error(
-        cat("text corpus ", name_, ": val_fraction ", options.val_fraction, " is outside [0, 1)"));
-  std::vector<int64_t> ids = vocab_.encode(text);
-  tokens_.assign(ids.begin(), ids.end());
-  const int64_t n = size();
-  train_tokens_ = n - int64_t(std::llround(double(n) * options.val_fraction));
+    : name_(std::move(name)) {
+  auto vocab = std::make_shared<Vocab>(corpus_vocab(text, options.vocab, name_));
+  train_tokens_ = train_part(int64_t(text.size()), options.val_fraction, name_);
+  std::vector<int64_t> ids = vocab->encode(text);
+  tokens_ = TokenSource::bytes(std::vector<uint8_t>(ids.begin(), ids.end()));
+  tokenizer_ = std::move(vocab);
+}
+
+TextCorpus::TextCorpus(TokenSource tokens, std::shared_ptr<const Tokenizer> tokenizer,
+                       double val_fraction, std::string name)
+    : name_(std::move(name)), tokenizer_(std::move(tokenizer)), tokens_(std::move(tokens)) {
+  CHECK(tokenizer_ != nullptr) << name_ << ": no tokenizer";
+  if (tokens_.size() == 0) throw Error(cat("the token corpus ", name_, " holds no tokens"));
+  train_tokens_ = train_part(tokens_.size(), val_fraction, name_);
+}
+
+const Vocab& TextCorpus::vocab() const {
+  const Vocab* v = dynamic_cast<const Vocab*>(tokenizer_.get());
+  CHECK(v != nullptr) << name_ << " is not a text corpus with a byte or character vocabulary";
+  return *v;
 }
 
 TextWindows::TextWindows(const TextCorpus& corpus, const WindowOptions& options)

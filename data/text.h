@@ -1,6 +1,9 @@
 // Text for language models: a corpus file read whole and encoded as token
 // ids, its vocabulary, a train/val split by position, and the windows that
-// training steps and evaluations read.
+// training steps and evaluations read. A corpus may also be tokens encoded
+// beforehand with a SentencePiece tokenizer (data/token_shards.h: shards
+// mapped from disk, never read whole); its windows are the same functions
+// of the token positions as a text corpus's.
 //
 // Glossary: T = sequence length (the tokens a model sees per row); a window
 // is T + 1 consecutive tokens whose first T are the inputs and last T the
@@ -8,7 +11,9 @@
 //
 // Vocabulary: bytes (256 ids, id = byte value, any file) or the corpus's
 // characters (its distinct bytes in increasing order, so the same corpus
-// always gives the same ids; the list is also saved with checkpoints).
+// always gives the same ids; the list is also saved with checkpoints); a
+// token corpus has its SentencePiece tokenizer. All are Tokenizers
+// (data/tokenizer.h).
 //
 // Split: the first (1 - val_fraction) of the tokens train, the rest
 // validate; no window crosses the boundary.
@@ -38,6 +43,7 @@
 // first ceil(max_windows / S) chunks.
 //
 //   TextCorpus corpus = TextCorpus::load("datasets/kjv.txt", {.vocab = VocabKind::chars});
+//   // or: TextCorpus corpus = load_token_corpus("datasets/kjv_tokens", 0.1);
 //   TextWindows train(corpus, {.seq_len = 256, .seed = 0});
 //   TextBatch b = train.batch(/*epoch=*/0, /*position=*/0, /*n=*/32);   // i64 [32, 256] x 2
 //   EvalWindows val(corpus, {.seq_len = 256});
@@ -46,18 +52,21 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "core/tensor.h"
+#include "data/token_source.h"
+#include "data/tokenizer.h"
 
 namespace trainer::data {
 
 enum class VocabKind { bytes, chars };
 
 // Token id <-> byte. Every id is below 256, so the corpus is one byte per token.
-class Vocab {
+class Vocab final : public Tokenizer {
  public:
   static Vocab bytes();
   // The distinct bytes of text in increasing order (Error when text is empty).
@@ -65,15 +74,17 @@ class Vocab {
   // A vocabulary saved earlier (e.g. with a checkpoint): distinct bytes, increasing.
   static Vocab from_symbols(const std::vector<int64_t>& symbols);
 
-  int64_t size() const { return int64_t(symbols_.size()); }
+  int64_t size() const override { return int64_t(symbols_.size()); }
   VocabKind kind() const { return kind_; }
   // id -> byte, in id order.
   const std::vector<uint8_t>& symbols() const { return symbols_; }
   bool contains(uint8_t byte) const { return id_of_[byte] >= 0; }
   // Throws Error naming the first byte that is not in the vocabulary.
-  std::vector<int64_t> encode(std::string_view text) const;
+  std::vector<int64_t> encode(std::string_view text) const override;
   // Ids must be in [0, size()).
-  std::string decode(const std::vector<int64_t>& ids) const;
+  std::string decode(const std::vector<int64_t>& ids) const override;
+  // "char vocabulary of 73" or "byte vocabulary of 256".
+  std::string description() const override;
   bool operator==(const Vocab& o) const { return symbols_ == o.symbols_; }
 
  private:
@@ -95,19 +106,27 @@ class TextCorpus {
   static TextCorpus load(const std::string& path, const TextOptions& options = {});
   // A corpus from memory; name is used in messages.
   TextCorpus(std::string_view text, const TextOptions& options, std::string name);
+  // Tokens encoded beforehand (a token directory's shards,
+  // data/token_shards.h) with the tokenizer that wrote them; Error when
+  // there are none or val_fraction is outside [0, 1).
+  TextCorpus(TokenSource tokens, std::shared_ptr<const Tokenizer> tokenizer, double val_fraction,
+             std::string name);
 
   const std::string& name() const { return name_; }
-  const Vocab& vocab() const { return vocab_; }
-  int64_t size() const { return int64_t(tokens_.size()); }
+  // What the ids mean (a Vocab, or a SentencePiece model).
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  // The byte or character vocabulary of a text corpus (CHECKed to be one).
+  const Vocab& vocab() const;
+  int64_t size() const { return tokens_.size(); }
   // Tokens [0, train_tokens()) train, [train_tokens(), size()) validate.
   int64_t train_tokens() const { return train_tokens_; }
   int64_t val_tokens() const { return size() - train_tokens_; }
-  const std::vector<uint8_t>& tokens() const { return tokens_; }
+  const TokenSource& tokens() const { return tokens_; }
 
  private:
   std::string name_;
-  Vocab vocab_;
-  std::vector<uint8_t> tokens_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  TokenSource tokens_;
   int64_t train_tokens_ = 0;
 };
 

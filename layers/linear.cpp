@@ -145,6 +145,14 @@ void Linear::shard(std::shared_ptr<TensorParallelGroup> g, LinearSplit split, in
   split_ = split;
 }
 
+void Linear::mark_partial_gradient(const TensorParallelGroup& g) {
+  CHECK(split_ == LinearSplit::none) << "Linear::mark_partial_gradient after shard";
+  const ParameterSplit s{
+      .kind = ParameterSplit::Kind::partial_gradient, .rank = g.rank(), .size = g.size()};
+  weight = replace_parameter("weight", weight, s);
+  if (bias.defined()) bias = replace_parameter("bias", bias, s);
+}
+
 void Linear::pad_outputs(int64_t features) {
   CHECK(split_ == LinearSplit::none) << "Linear::pad_outputs after shard";
   if (features == weight.size(0)) return;

@@ -48,6 +48,10 @@ class Linear : public Module {
   // bias; before shard, so they divide by the group): an LM head over a
   // padded vocabulary.
   void pad_outputs(int64_t features);
+  // A layer every rank of g keeps whole but uses only part of (a key/value
+  // head replicated over tensor-parallel ranks): its gradients are shares
+  // the group adds up.
+  void mark_partial_gradient(const TensorParallelGroup& g);
   LinearSplit split() const { return split_; }
 
   Tensor weight, bias;  // [out, in], [out] (undefined without bias)

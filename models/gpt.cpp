@@ -7,6 +7,7 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "layers/init.h"
+#include "models/lm_vocab.h"
 #include "models/tied.h"
 
 namespace trainer {
@@ -16,26 +17,6 @@ namespace {
 void init_linear(Linear& l, double std, Generator& gen) {
   normal_(l.weight, 0.0, std, gen);
   if (l.bias.defined()) l.bias.detach().fill_(0.0);
-}
-
-// A vocabulary of `vocab` rows as a split over tp ranks holds it.
-int64_t padded_vocab(int64_t vocab, int64_t tp) { return (vocab + tp - 1) / tp * tp; }
-
-// Fits tensor `name` of a loaded checkpoint, and its optimizer state
-// ("<name>.<slot>", whole tensors), to `rows` rows of which the first
-// `vocab` are the vocabulary: the rows past it that the writer padded
-// (zero) are dropped and zero rows added up to `rows`. Anything else is
-// left for the loader to report.
-void fit_vocab_rows(std::map<std::string, Tensor>& tensors, const std::string& name, int64_t vocab,
-                    int64_t rows) {
-  for (auto& [key, t] : tensors) {
-    const bool entry = key == name || (key.starts_with(name + ".") &&
-                                       key.find('[') == std::string::npos);  // not a ZeRO-1 shard
-    if (!entry || t.dim() != 2 || t.size(0) == rows || t.size(0) < vocab) continue;
-    const Tensor padding = t.narrow(0, vocab, t.size(0) - vocab);
-    if (padding.numel() > 0 && max(abs(padding.to(DType::f64))).item<double>() != 0) continue;
-    t = zero_padded_rows(t.narrow(0, 0, vocab).contiguous(), rows);
-  }
 }
 
 }  // namespace
@@ -133,10 +114,7 @@ void GPT::upgrade_loaded_state(std::map<std::string, Tensor>& tensors,
 }
 
 std::string GPT::tensor_parallel_note() const {
-  if (!tp_ || vocab_rows_ == options_.vocab_size) return "";
-  return cat("model: vocabulary ", options_.vocab_size, " padded to ", vocab_rows_,
-             " rows for parallel.tp=", tp_->size(),
-             "; the padded rows are never sampled or predicted (zero, and left out of the loss)");
+  return tp_ ? vocab_padding_note(options_.vocab_size, vocab_rows_, tp_->size()) : "";
 }
 
 std::map<std::string, Shape> GPT::shapes_at_tensor_parallel(int tp) const {
@@ -154,16 +132,7 @@ void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
                     ": attention is split by heads; use parallel.tp of ",
                     divisors_of(options_.n_head)));
   if (n == 1) return;
-  vocab_rows_ = padded_vocab(options_.vocab_size, n);
-  wte->pad_rows(vocab_rows_);
-  if (!options_.tie_weights) lm_head->pad_outputs(vocab_rows_);
-  wte->shard_vocab(g);
-  const ParameterSplit by_vocab{.dim = 0, .rank = g->rank(), .size = n};
-  if (options_.tie_weights) {
-    lm_head->share_sharded_weight(g, wte->weight, by_vocab);
-  } else {
-    lm_head->shard(g, LinearSplit::column);
-  }
+  vocab_rows_ = shard_vocabulary(g, *wte, *lm_head, options_.tie_weights, options_.vocab_size);
   for (const std::shared_ptr<Block>& b : h) b->shard(g);
   if (g->sequence_parallel()) {
     // wpe, the embedding dropout and ln_f work on this rank's part of the sequence.

@@ -2,8 +2,8 @@
 //
 // Names: resnet18, resnet34, resnet50, resnet101, resnet152 (models/resnet.h)
 // and their small-image variants resnet18_small ... resnet152_small,
-// small_cnn, mlp (models/small.h), gpt (models/gpt.h), lstm_lm
-// (models/lstm_lm.h). Every model is a Model: its forward is a block list
+// small_cnn, mlp (models/small.h), gpt (models/gpt.h), llama
+// (models/llama.h), lstm_lm (models/lstm_lm.h). Every model is a Model: its forward is a block list
 // (layers/block_list.h).
 //
 // Bad options (an unknown name, a width that heads do not divide, tied
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/ops.h"
+#include "core/ops_transformer.h"
 #include "layers/block_list.h"
 
 namespace trainer {
@@ -30,19 +31,24 @@ struct ModelOptions {
   double dropout = 0.25;  // small_cnn; the language models' everywhere
   // Language models (recipe keys model.<name>).
   int64_t vocab_size = 256;
-  int64_t context = 256;  // gpt: block size (longest sequence)
-  int64_t n_layer = 6;    // gpt blocks, or lstm_lm layers
-  int64_t n_head = 6;     // gpt
-  int64_t d_model = 384;  // gpt width, or lstm_lm's embedding width
+  int64_t context = 256;  // gpt: block size; llama: max_position_embeddings
+  int64_t n_layer = 6;    // gpt and llama layers, or lstm_lm layers
+  int64_t n_head = 6;     // gpt and llama
+  int64_t d_model = 384;  // gpt and llama width, or lstm_lm's embedding width
   int64_t hidden = 512;   // lstm_lm hidden size
   bool tie_weights = true;
   GeluApprox gelu = GeluApprox::none;  // gpt: exact (nanoGPT's nn.GELU()) or tanh
+  // llama
+  int64_t intermediate_size = 0;  // 0: llama_intermediate_size(d_model)
+  int64_t n_kv_head = 0;          // 0: n_head
+  double rms_norm_eps = 1e-6;
+  RopeOptions rope;
   uint64_t seed = 0;
 };
 
 std::shared_ptr<Model> make_model(const std::string& name, const ModelOptions& options = {});
 std::vector<std::string> model_names();
-// gpt and lstm_lm: models of token sequences (i64 [B, T] -> logits [B, T, V]).
+// gpt, llama and lstm_lm: models of token sequences (i64 [B, T] -> logits [B, T, V]).
 bool is_language_model(const std::string& name);
 // What the trainer asks of a model by name, before it is built (recipe
 // checks, the planner): capabilities, not names, at the call sites.
@@ -51,8 +57,8 @@ struct ModelTraits {
   // Carries its state from window to window and through time chunks
   // (lstm_lm): split over ranks by layers (a wavefront), not within them.
   bool recurrent = false;
-  bool sequence_parallel = false;  // tensor parallelism may split its sequence too (gpt)
-  bool bounded_context = false;    // windows no longer than model.context (gpt's positions)
+  bool sequence_parallel = false;  // tensor parallelism may split its sequence too (gpt, llama)
+  bool bounded_context = false;    // windows no longer than model.context (gpt, llama)
 };
 ModelTraits model_traits(const std::string& name);
 

@@ -1,4 +1,4 @@
-// Autoregressive sampling from GPT and the LSTM LM.
+// Autoregressive sampling from GPT, Llama and the LSTM LM.
 #include "models/sample.h"
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "models/gpt.h"
+#include "models/llama.h"
 #include "models/lstm_lm.h"
 
 namespace trainer {
@@ -105,9 +106,10 @@ std::vector<int64_t> generate(Model& model, const std::vector<int64_t>& prompt,
 
 }  // namespace
 
-std::vector<int64_t> sample(GPT& model, const std::vector<int64_t>& prompt,
-                            const SampleOptions& o) {
-  const int64_t block = model.options().block_size;
+// A Transformer over at most `block` positions: the last `block` tokens each step.
+template <class Transformer>
+std::vector<int64_t> sample_windowed(Transformer& model, int64_t block,
+                                     const std::vector<int64_t>& prompt, const SampleOptions& o) {
   return generate(model, prompt, o, [&](const std::vector<int64_t>& ids) {
     const int64_t T = std::min<int64_t>(int64_t(ids.size()), block);
     std::vector<int64_t> context(ids.end() - T, ids.end());
@@ -131,9 +133,12 @@ std::vector<int64_t> sample(LSTMLM& model, const std::vector<int64_t>& prompt,
 
 std::vector<int64_t> sample(Module& model, const std::vector<int64_t>& prompt,
                             const SampleOptions& o) {
-  if (auto* gpt = dynamic_cast<GPT*>(&model)) return sample(*gpt, prompt, o);
+  if (auto* gpt = dynamic_cast<GPT*>(&model))
+    return sample_windowed(*gpt, gpt->options().block_size, prompt, o);
+  if (auto* llama = dynamic_cast<Llama*>(&model))
+    return sample_windowed(*llama, llama->options().max_position_embeddings, prompt, o);
   if (auto* lstm = dynamic_cast<LSTMLM*>(&model)) return sample(*lstm, prompt, o);
-  throw Error("sampling needs a language model (gpt or lstm_lm)");
+  throw Error("sampling needs a language model (gpt, llama or lstm_lm)");
 }
 
 }  // namespace trainer

@@ -1,5 +1,5 @@
-// Autoregressive sampling from a trained language model (GPT or the LSTM
-// LM): feed the prompt, pick the next token from the last position's
+// Autoregressive sampling from a trained language model (GPT, Llama or the
+// LSTM LM): feed the prompt, pick the next token from the last position's
 // logits, append it, repeat.
 //
 // The pick: temperature 0 is greedy (the first argmax); otherwise a draw
@@ -8,8 +8,8 @@
 // number from Generator(seed, kStreamSampling), so a seed gives the same
 // text on any machine whose model computes the same logits.
 //
-// GPT reruns the last block_size tokens for every new token (its context
-// is cropped to the block size). The LSTM LM runs the prompt once and then
+// GPT and Llama rerun the last block_size (max_position_embeddings) tokens
+// for every new token (the context is cropped to it). The LSTM LM runs the prompt once and then
 // one token at a time, carrying its state, so its context is unbounded.
 //
 //   std::vector<int64_t> ids = sample(*gpt, vocab.encode("In the beginning"),
@@ -25,7 +25,6 @@
 
 namespace trainer {
 
-class GPT;
 class LSTMLM;
 
 struct SampleOptions {
@@ -45,11 +44,9 @@ int64_t pick_token(const std::vector<float>& logits, const SampleOptions& option
 
 // The prompt (at least one token) followed by max_new_tokens sampled tokens.
 // The model runs in eval mode without gradients; its mode is restored.
-std::vector<int64_t> sample(GPT& model, const std::vector<int64_t>& prompt,
-                            const SampleOptions& options);
 std::vector<int64_t> sample(LSTMLM& model, const std::vector<int64_t>& prompt,
                             const SampleOptions& options);
-// Either of the above by the model's type; Error for any other model.
+// GPT, Llama or the above by the model's type; Error for any other model.
 std::vector<int64_t> sample(Module& model, const std::vector<int64_t>& prompt,
                             const SampleOptions& options);
 

@@ -147,6 +147,20 @@ struct GptShape {
 // tp rank without sequence parallelism, 24 T d + 5 a T^2 split by tp.
 ModelDesc gpt_model(const GptShape& shape);
 
+struct LlamaShape {
+  int64_t n_layer = 16, n_head = 32, n_kv_head = 8, d_model = 2048, intermediate = 8192;
+  int64_t context = 2048, vocab = 128256;
+  bool tie_weights = false;
+};
+// Llama blocks: "embed", "model.layers.0" .. "model.layers.<L-1>", "head".
+// Per layer: q and o d^2 each, k and v d kv (kv = n_kv_head d / n_head
+// columns), the SwiGLU MLP 3 d I; forward FLOPs per token twice that plus
+// 4 T d for attention. Attention is fused (no T^2 activation): saved per
+// layer and sample 8 T d bytes whole on every tp rank (the norms' inputs
+// and outputs) and 2 T (2 d + 2 kv) + 8 T I split by tp (q, k, v, the
+// attention output, the MLP's gate, up and product).
+ModelDesc llama_model(const LlamaShape& shape);
+
 // Coarse descriptions of the other model families (tp = 1: dp and pp only).
 struct ResNetShape {
   int depth = 50;  // 18, 34, 50, 101, 152

@@ -80,6 +80,59 @@ ModelDesc gpt_model(const GptShape& shape) {
   return model;
 }
 
+ModelDesc llama_model(const LlamaShape& shape) {
+  const double T = double(shape.context), d = double(shape.d_model), V = double(shape.vocab);
+  const double kv = d * double(shape.n_kv_head) / double(shape.n_head);
+  const double I = double(shape.intermediate);
+  ModelDesc model;
+  model.name = cat("llama L=", shape.n_layer, " d=", shape.d_model, " a=", shape.n_head,
+                   " kv=", shape.n_kv_head, " I=", shape.intermediate, " T=", shape.context,
+                   " V=", shape.vocab);
+  model.tokens_per_sample = T;
+  model.language_model = true;
+  model.n_head = shape.n_head;
+  model.d_model = shape.d_model;
+  model.vocab = shape.vocab;
+  model.n_layer = shape.n_layer;
+  model.blocks.push_back({.name = "embed",
+                          .params = V * d,
+                          .output_bytes = 2 * T * d,
+                          .tp_allreduces = 1,
+                          .tp_allreduces_fwd = 1,
+                          .gemm_rows = T,
+                          .gemm_width = d,
+                          .tp_split = true});
+  const double matrices = 2 * d * d + 2 * d * kv + 3 * d * I;
+  for (int64_t layer = 0; layer < shape.n_layer; ++layer)
+    model.blocks.push_back({
+        .name = cat("model.layers.", layer),
+        .params = matrices + 2 * d,
+        .forward_flops = T * (2 * matrices + 4 * T * d),
+        .act_replicated = 8 * T * d,
+        .act_sharded = 2 * T * (2 * d + 2 * kv) + 8 * T * I,
+        .input_bytes = 2 * T * d,
+        .output_bytes = 2 * T * d,
+        .tp_allreduces = 4,
+        .tp_allreduces_fwd = 2,
+        .gemm_rows = T,
+        .gemm_width = d,
+        .tp_split = true,
+        .is_layer = true,
+    });
+  model.blocks.push_back({.name = "head",
+                          .params = shape.tie_weights ? d : V * d + d,
+                          .forward_flops = 2 * T * d * V,
+                          .act_replicated = 4 * T * d,
+                          .act_sharded = 4 * T * V,
+                          .input_bytes = 2 * T * d,
+                          .output_bytes = 4 * T,
+                          .gemm_rows = T,
+                          .gemm_width = V,
+                          .tp_split = true});
+  if (shape.tie_weights) model.tied_params = V * d;
+  return model;
+}
+
 namespace {
 
 // A convolution's parameters (no bias: a batch norm follows) and its output elements.

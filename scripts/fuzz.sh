@@ -68,7 +68,7 @@ if [ -f "$BUILD/cuda_libraries.txt" ]; then
   done
 fi
 SYSTEM_LIBS=(-lyaml-cpp -lz -lopencv_imgcodecs -lopencv_imgproc -lopencv_core -lucp -lucs
-             -ldnnl -lgomp -lpthread -ldl)
+             -ldnnl -lsentencepiece_train -lsentencepiece -lgomp -lpthread -ldl)
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
        -fno-sanitize-recover=undefined -I"$ROOT" -I/usr/include/opencv4)
 

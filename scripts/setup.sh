@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   libdnnl-dev ocl-icd-opencl-dev libucx-dev libyaml-cpp-dev libopencv-dev catch2
-  nlohmann-json3-dev libcli11-dev zlib1g-dev
+  nlohmann-json3-dev libcli11-dev zlib1g-dev libsentencepiece-dev
   openmpi-bin libopenmpi-dev
   iproute2 slurmctld slurmd slurm-client munge
   clang libclang-rt-14-dev

@@ -193,10 +193,11 @@ TEST_CASE("registry: each model's traits, asked by the trainer before building i
     INFO(name);
     const ModelTraits t = model_traits(name);
     CHECK(t.language_model == is_language_model(name));
-    CHECK(t.language_model == (name == "gpt" || name == "lstm_lm"));
+    const bool transformer = name == "gpt" || name == "llama";
+    CHECK(t.language_model == (transformer || name == "lstm_lm"));
     CHECK(t.recurrent == (name == "lstm_lm"));
-    CHECK(t.sequence_parallel == (name == "gpt"));
-    CHECK(t.bounded_context == (name == "gpt"));
+    CHECK(t.sequence_parallel == transformer);
+    CHECK(t.bounded_context == transformer);
   }
   CHECK(!model_traits("no_such_model").language_model);
 }

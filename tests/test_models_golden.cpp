@@ -2,8 +2,11 @@
 // mode), GPT (nanoGPT, tied head, exact and tanh GELU) and the LSTM LM
 // (word_language_model, carried state) with fixed weights and inputs give
 // the logits, loss, states, batch-norm statistics and parameter gradients
-// that scripts/golden_models.py computed with PyTorch (tests/golden_models.h).
-// The weight and input formulas below are the script's.
+// that scripts/golden_models.py computed with PyTorch (tests/golden_models.h);
+// Llama (grouped- and multi-query attention, RoPE unscaled, linear and Llama
+// 3 scaled, tied and untied heads) gives Hugging Face LlamaForCausalLM's
+// (scripts/golden_llama.py, tests/golden_llama.h). The weight and input
+// formulas below are the scripts'.
 //
 // Tolerances: f32 rounds at 2^-24 = 6e-8, and a sum of K products carries
 // an error of about sqrt(K) of those relative to its terms' magnitude (K up
@@ -20,6 +23,7 @@
 #include "models/gpt.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
+#include "tests/golden_llama.h"
 #include "tests/golden_models.h"
 
 using namespace trainer;
@@ -129,7 +133,54 @@ void check_gpt(GeluApprox gelu, const std::vector<GoldenEntry>& golden) {
   compare(golden, {{"logits", logits}, {"loss", loss}}, *gpt);
 }
 
+struct LlamaCase {
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads;
+  bool tied;
+  RopeOptions rope;
+};
+
+void check_llama(const LlamaCase& c, const std::vector<GoldenEntry>& golden) {
+  const int64_t T = 9;
+  auto llama = make_model("llama", {.dropout = 0.0,
+                                    .vocab_size = c.vocab,
+                                    .context = 64,
+                                    .n_layer = c.layers,
+                                    .n_head = c.heads,
+                                    .d_model = c.hidden,
+                                    .tie_weights = c.tied,
+                                    .intermediate_size = c.intermediate,
+                                    .n_kv_head = c.kv_heads,
+                                    .rms_norm_eps = 1e-5,
+                                    .rope = c.rope});
+  set_golden_weights(*llama);
+  Tensor logits = (*llama)(tokens(2, T, c.vocab, 7, 3));
+  Tensor loss =
+      cross_entropy(logits.reshape({-1, c.vocab}), tokens(2, T, c.vocab, 5, 1).reshape({-1}));
+  loss.backward();
+  compare(golden, {{"logits", logits}, {"loss", loss}}, *llama);
+}
+
 }  // namespace
+
+TEST_CASE("golden: Llama matches Hugging Face's LlamaForCausalLM", "[models][golden][llama]") {
+  SECTION("grouped-query attention, untied") {
+    check_llama({37, 32, 48, 2, 4, 2, false, {}}, golden::kLlamaGQA);
+  }
+  SECTION("multi-query attention, linear RoPE scaling") {
+    check_llama({29, 32, 40, 2, 4, 1, false, {.scaling = "linear", .factor = 2.0}},
+                golden::kLlamaMQALinear);
+  }
+  SECTION("tied head, Llama 3 RoPE scaling") {
+    check_llama({31, 64, 48, 2, 4, 2, true,
+                 {.theta = 500000.0,
+                  .scaling = "llama3",
+                  .factor = 8.0,
+                  .low_freq_factor = 1.0,
+                  .high_freq_factor = 4.0,
+                  .original_max_position = 48}},
+                golden::kLlamaTiedLlama3);
+  }
+}
 
 TEST_CASE("golden: ResNet-18 matches torchvision (batch norm in training mode)",
           "[models][golden]") {

@@ -131,6 +131,13 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "tensor parallel: a Llama split by heads, its key/value heads split or replicated, gives "
+    "the unsplit model's logits, loss and gradients",
+    "[parallel][threads][llama]") {
+  require_passed("llama", 6 * 40, {"llama"}, true);
+}
+
+TEST_CASE(
     "tensor parallel on CUDA tensors: the region ops and the vocabulary-parallel loss give the "
     "CPU's values and gradients",
     "[parallel][mp][cuda]") {

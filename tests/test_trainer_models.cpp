@@ -2,13 +2,19 @@
 // names (the tied head under both), checkpoints with the older names (no
 // "transformer." prefix, no lm_head.weight when tied) still load by
 // init_from and resume by load (model and optimizer), a tied pair that
-// disagrees is refused, and model.gelu picks the MLP's GELU.
+// disagrees is refused, and model.gelu picks the MLP's GELU. Llama: Hugging
+// Face's config names as recipe keys, a Hugging Face checkpoint (bf16, the
+// tied head omitted) starts a run, and `trainer export` writes Hugging
+// Face's names and config.json.
 #include "tests/testing.h"
 
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "models/registry.h"
+#include "tests/process.h"
 #include "trainer/recipe.h"
 #include "trainer/safetensors.h"
 #include "trainer/session.h"
@@ -33,6 +39,17 @@ fs::path tiny_gpt_recipe() {
                         << "\n";
   return recipe;
 }
+
+// Hugging Face's names for a Llama's keys (the schema's aliases).
+const std::vector<std::string> kLlamaKeys = {"model.name=llama",
+                                             "model.num_hidden_layers=2",
+                                             "model.num_attention_heads=2",
+                                             "model.hidden_size=16",
+                                             "model.num_key_value_heads=1",
+                                             "model.intermediate_size=24",
+                                             "model.max_position_embeddings=8",
+                                             "model.tie_word_embeddings=true",
+                                             "model.rope_theta=500000"};
 
 // tensors under names with the "transformer." prefix dropped and without
 // lm_head.weight when drop_head: what this trainer wrote before.
@@ -133,4 +150,93 @@ TEST_CASE("model.gelu: exact by default (nanoGPT), tanh on request", "[train][mo
   CHECK(error_of([&] {
           load_recipe(recipe, {"model.gelu=erf"});
         }).find("key 'model.gelu' = 'erf' is not one of: exact, tanh") != std::string::npos);
+}
+
+TEST_CASE("Llama: Hugging Face's key names, a bf16 checkpoint without the tied head starts a run",
+          "[train][models][llama]") {
+  const std::string recipe = tiny_gpt_recipe().string();
+  const Recipe r = load_recipe(recipe, kLlamaKeys);
+  CHECK(r.model.d_model == 16);
+  CHECK(r.model.n_head == 2);
+  CHECK(r.model.context == 8);
+  CHECK(r.model.rope_theta == 500000.0);
+  const std::string yaml = recipe_to_yaml(r);
+  CHECK(yaml.find("d_model: 16") != std::string::npos);
+  CHECK(yaml.find("hidden_size") == std::string::npos);  // printed once, under the schema's name
+
+  Session donor(load_recipe(recipe, [] {
+    std::vector<std::string> k = kLlamaKeys;
+    k.push_back("seed=7");
+    return k;
+  }()));
+  // As Hugging Face's save_pretrained writes a tied Llama: bf16, no lm_head.weight.
+  std::vector<NamedTensor> hf;
+  for (const NamedTensor& t : donor.model().state())
+    if (t.name != "lm_head.weight") hf.push_back({t.name, t.tensor.to(DType::bf16)});
+  REQUIRE(hf.front().name == "model.embed_tokens.weight");
+  const fs::path file = fresh_temp_dir("llama_hf") / "model.safetensors";
+  write_safetensors(file.string(), hf);
+  Session target(r);
+  target.init_from(file.string(), /*strict=*/true);
+  for (const NamedTensor& t : target.model().state()) {
+    const std::string source = t.name == "lm_head.weight" ? "model.embed_tokens.weight" : t.name;
+    const Tensor expected = [&] {
+      for (const NamedTensor& h : hf)
+        if (h.name == source) return h.tensor.to(DType::f32);
+      return Tensor();
+    }();
+    REQUIRE(expected.defined());
+    require_close(t.tensor, expected, 0, 0, t.name);
+  }
+  CHECK(error_of([&] {
+          Session bad(load_recipe(recipe, {"model.name=llama", "model.n_head=4", "model.d_model=16",
+                                           "model.num_key_value_heads=3"}));
+        }).find("model.num_key_value_heads 3 does not divide model.num_attention_heads 4") !=
+        std::string::npos);
+}
+
+TEST_CASE("Llama: trainer export writes Hugging Face's names and config.json",
+          "[train][models][llama]") {
+  const std::string recipe = tiny_gpt_recipe().string();
+  const fs::path run = fresh_temp_dir("llama_export");
+  std::vector<std::string> args = {"train",
+                                   recipe,
+                                   "output_dir=" + (run / "run").string(),
+                                   "training.checkpoint_every=2",
+                                   "training.eval_every=0",
+                                   "model.rope_scaling=llama3",
+                                   "model.rope_factor=8"};
+  args.insert(args.end(), kLlamaKeys.begin(), kLlamaKeys.end());
+  const ProcessResult trained = run_trainer(args);
+  INFO(trained.output);
+  REQUIRE(trained.code == 0);
+  const fs::path out = run / "hf" / "model.safetensors";
+  const ProcessResult exported =
+      run_trainer({"export", (run / "run").string(), "--out", out.string(), "--dtype", "bf16"});
+  INFO(exported.output);
+  REQUIRE(exported.code == 0);
+  const SafetensorsFile file = read_safetensors(out.string());
+  for (const char* name :
+       {"model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.1.post_attention_layernorm.weight",
+        "model.norm.weight", "lm_head.weight"}) {
+    INFO(name);
+    REQUIRE(file.tensors.count(name) == 1);
+    CHECK(file.tensors.at(name).dtype() == DType::bf16);
+  }
+  CHECK(file.tensors.at("model.layers.1.self_attn.k_proj.weight").shape() == Shape{8, 16});
+  std::ifstream config_file(run / "hf" / "config.json");
+  REQUIRE(config_file);
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  CHECK(config["architectures"][0] == "LlamaForCausalLM");
+  CHECK(config["hidden_size"] == 16);
+  CHECK(config["num_key_value_heads"] == 1);
+  CHECK(config["intermediate_size"] == 24);
+  CHECK(config["tie_word_embeddings"] == true);
+  CHECK(config["rope_theta"] == 500000.0);
+  CHECK(config["rope_scaling"]["rope_type"] == "llama3");
+  CHECK(config["rope_scaling"]["factor"] == 8.0);
+  CHECK(config["torch_dtype"] == "bfloat16");
+  // The corpus's characters.
+  CHECK(config["vocab_size"] == file.tensors.at("model.embed_tokens.weight").size(0));
 }

@@ -29,6 +29,11 @@
 //       a small GPT split with shard_tensor_parallel: its vocabulary-parallel
 //       loss and gradients against the unsplit model's, and its checkpoint
 //       state through gather_whole and take_shards.
+//   llama
+//       a small Llama split with shard_tensor_parallel, key/value heads split
+//       (4 and 2 over 2 ranks) and replicated (2 and 1 over 4, 1 over 2),
+//       tied and untied: its logits, loss and gradients against the unsplit
+//       model's.
 //   cuda
 //       (a GPU) the region ops and the vocabulary-parallel loss on CUDA
 //       tensors against the same on the CPU, in f32.
@@ -54,6 +59,7 @@
 #include "layers/tensor_parallel.h"
 #include "layers/transformer.h"
 #include "models/gpt.h"
+#include "models/llama.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/comparison.h"
@@ -611,7 +617,46 @@ void check_gpt(const Group& g) {
   report_compared(cat("gpt, ", group_name(*g)));
 }
 
-// ---- 6. CUDA tensors ----
+// ---- 6. Llama ----
+
+void check_llama(const Group& g, int64_t kv_heads, bool tied) {
+  const int n = g->size(), r = g->rank();
+  const std::string what = cat("Llama, ", kv_heads, " key/value heads, ", tied ? "tied, " : "",
+                               group_name(*g));
+  const LlamaOptions o{.vocab_size = kVocab,
+                       .hidden_size = 16,
+                       .intermediate_size = 24,
+                       .num_hidden_layers = 2,
+                       .num_attention_heads = 4,
+                       .num_key_value_heads = kv_heads,
+                       .max_position_embeddings = 16,
+                       .tie_word_embeddings = tied,
+                       .seed = kSeed};
+  std::shared_ptr<Llama> whole = make_llama(o), split = make_llama(o);
+  to_f64(*whole);
+  to_f64(*split);
+  split->shard_tensor_parallel(g);
+  const LlamaAttention& attn = *split->layers[0]->self_attn;
+  expect(attn.local_heads() == 4 / n, cat(what, ": ", attn.local_heads(), " local heads"));
+  expect(attn.local_kv_heads() == std::max<int64_t>(kv_heads / n, 1),
+         cat(what, ": ", attn.local_kv_heads(), " local key/value heads"));
+  const Tensor tokens = random_indices({kBatch, kSeq}, kVocab, 52);
+  const Tensor targets = random_indices({kBatch, kSeq}, kVocab, 53);
+  Tensor logits_w = (*whole)(tokens);
+  Tensor loss_w = cross_entropy(logits_w.flatten(0, 1), targets.flatten());
+  loss_w.backward();
+  Tensor logits_s = (*split)(tokens);
+  const int64_t width = kVocab / n;
+  expect_close(what + ": logits", logits_s,
+               logits_w.detach().narrow(2, width * r, width).contiguous(), kTol);
+  Tensor loss_s = split->output_loss(logits_s.flatten(0, 1), targets.flatten());
+  expect_close(what + ": loss", loss_s, loss_w.detach(), kTol);
+  loss_s.backward();
+  compare_parameters(what, *split, *whole, *g);
+  report_compared(cat("llama, ", group_name(*g)));
+}
+
+// ---- 7. CUDA tensors ----
 
 // The group moves device tensors through host memory: the region ops and
 // the vocabulary-parallel loss on CUDA copies of f32 inputs give the CPU's
@@ -686,10 +731,13 @@ int trainer::testing::run_tp_checks(const std::shared_ptr<comm::Communicator>& w
     for (const Group& g : {plain, sp}) check_block(g);
   } else if (mode == "gpt") {
     for (const Group& g : {plain, sp}) check_gpt(g);
+  } else if (mode == "llama") {
+    for (const Group& g : {plain, sp})
+      for (int64_t kv : {4, 2, 1}) check_llama(g, kv, /*tied=*/kv == 2);
   } else if (mode == "cuda") {
     check_cuda(*plain);
   } else {
-    std::fprintf(stderr, "tp checks: modes are regions | loss | linear | block | gpt | cuda\n");
+    std::fprintf(stderr, "tp checks: modes are regions | loss | linear | block | gpt | llama | cuda\n");
     return 64;
   }
   return report_checks();

@@ -1,5 +1,5 @@
 // The tensor-parallel op checks of one rank (modes regions, loss, linear,
-// block, gpt, cuda; tests/tp_checks.cpp says what each compares), written
+// block, gpt, llama, cuda; tests/tp_checks.cpp says what each compares), written
 // once for ranks as processes (tests/tp_worker.cpp) and as threads of one
 // process (tests/thread_world.h). Returns 0 when every check passed; the
 // checks and compared parts are in tests/worker_checks.h's per-thread record.

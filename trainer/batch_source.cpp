@@ -85,20 +85,23 @@ void BatchSource::load_stream_state(const std::string& dir, int64_t position) {
   restore_stream_state(dir, position);
 }
 
-const data::Vocab& BatchSource::vocab() const {
+const data::Tokenizer& BatchSource::vocab() const {
   CHECK(false) << "vocab() of a model that is not a language model";
   std::abort();
 }
 
 std::unique_ptr<BatchSource> make_batch_source(const Recipe& r, const RankLayout& layout,
                                                int64_t micro_batch, DataAccess access) {
-  if (is_language_model(r.model.name) != (r.data.name == "text"))
+  const bool text = r.data.name == "text" || r.data.name == "tokens";
+  if (is_language_model(r.model.name) != text)
     throw Error(cat(r.source, ": model.name '", r.model.name, "' cannot read data.name '",
-                    r.data.name, "': language models (gpt, lstm_lm) read text, the others images"));
-  if (r.data.sampling != "random" && r.data.name != "text")
+                    r.data.name,
+                    "': language models (gpt, llama, lstm_lm) read text or tokens, the others "
+                    "images"));
+  if (r.data.sampling != "random" && !text)
     throw Error(cat(r.source, ": data.sampling '", r.data.sampling,
                     "' is for text; images are read by the shuffling sampler"));
-  if (r.data.name == "text") return make_text_batches(r, layout, micro_batch);
+  if (text) return make_text_batches(r, layout, micro_batch);
   return make_image_batches(r, layout, micro_batch, access);
 }
 

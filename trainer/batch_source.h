@@ -6,9 +6,13 @@
 //     data::Loader (Fashion-MNIST IDX files or an ImageFolder); the loss is
 //     the mean cross-entropy of the labels; evaluation reports top-1/top-5.
 //   TextBatches (text_batches.cpp): language models (gpt, lstm_lm) reading
-//     token windows of a corpus (data/text.h); the loss is the mean
-//     cross-entropy over every token; evaluation reports it and bits per
-//     character (loss / ln 2) over sequential validation windows. Under
+//     token windows of a corpus (data/text.h): a text file (data.name: text,
+//     a byte or character vocabulary) or a directory of token shards written
+//     by `trainer tokenize` (data.name: tokens, its SentencePiece tokenizer;
+//     data/token_shards.h); the loss is the mean cross-entropy over every
+//     token; evaluation reports it and bits per token (loss / ln 2, "bits
+//     per character" for byte and character vocabularies) over sequential
+//     validation windows. Under
 //     data.sampling: contiguous the LSTM LM carries its recurrent state from
 //     one micro-batch to the next (the stream state, saved per rank with
 //     each checkpoint).
@@ -34,6 +38,8 @@
 #include "trainer/recipe.h"
 
 namespace trainer {
+
+struct TrainerStateFile;
 
 // One micro-batch of training data: images [N, H, W, C] and labels [N] for
 // a classifier; token windows i64 [N, T] and their next tokens [N, T] for
@@ -95,8 +101,9 @@ class BatchSource {
   virtual const char* item_name() const = 0;
   // The corpus's vocabulary size (language models), else 0.
   virtual int64_t vocab_size() const { return 0; }
-  // The vocabulary (language models only).
-  virtual const data::Vocab& vocab() const;
+  // The vocabulary: a byte or character Vocab, or a SentencePiece tokenizer
+  // (language models only).
+  virtual const data::Tokenizer& vocab() const;
   // This rank's micro-batches in one epoch, its samples (images, or text
   // windows: what a data position counts), and what an epoch holds in
   // words ("60000 training samples") for messages.
@@ -165,10 +172,14 @@ class BatchSource {
   // (an Error naming trainer_state.json otherwise: an edited file, or a
   // checkpoint of a larger dataset), then restores the carried state.
   void load_stream_state(const std::string& dir, int64_t position);
+  // Records the vocabulary in a checkpoint's trainer state (language
+  // models): the symbols of a byte or character vocabulary, the checksum,
+  // size and path of a SentencePiece model.
+  virtual void save_vocab(TrainerStateFile& /*file*/) const {}
   // Checks a checkpoint's vocabulary against the data's (language models);
   // Error naming the file when they differ.
   virtual void check_vocab(const std::string& /*state_path*/,
-                           const std::vector<int64_t>& /*symbols*/) const {}
+                           const TrainerStateFile& /*file*/) const {}
 
  protected:
   // load_stream_state's restoring part (nothing when the source carries no

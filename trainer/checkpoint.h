@@ -107,7 +107,13 @@ struct TrainerStateFile {
   double lr = 0;               // of the last step
   int64_t seed = 0;            // the recipe's (the RNG keys)
   std::vector<int64_t> vocab;  // a language model's vocabulary symbols; empty: none
-  std::string recipe_yaml;     // the resolved recipe
+  // A language model's SentencePiece tokenizer (data.name: tokens): the
+  // checksum of its model file (16 hex digits; empty: none), its vocabulary
+  // size and the path it was read from.
+  std::string tokenizer_checksum;
+  int64_t tokenizer_size = 0;
+  std::string tokenizer_model;
+  std::string recipe_yaml;  // the resolved recipe
 };
 // Written atomically (the main rank's part, last of the files).
 void write_trainer_state(const std::string& dir, const TrainerStateFile& file);

@@ -62,7 +62,23 @@ struct StateFields {
     if (!v.is_object()) wrong_type(prefix + key, v, "an object");
     return v;
   }
+  std::string text(const json& object, const char* key, const std::string& prefix) const {
+    const json& v = *find(object, key, prefix, false);
+    if (!v.is_string()) wrong_type(prefix + key, v, "a string");
+    return v.get<std::string>();
+  }
 };
+
+// "tokenizer": {"type": "sentencepiece", "checksum", "vocab_size", "model"}.
+void read_tokenizer(const StateFields& fields, const json& t, TrainerStateFile& file) {
+  if (fields.text(t, "type", "tokenizer.") != "sentencepiece")
+    throw Error(cat(fields.path,
+                    ": tokenizer.type is not \"sentencepiece\", the only kind this "
+                    "trainer reads; use an earlier checkpoint"));
+  file.tokenizer_checksum = fields.text(t, "checksum", "tokenizer.");
+  file.tokenizer_size = fields.integer(t, "vocab_size", {}, "tokenizer.", int64_t(1) << 32);
+  file.tokenizer_model = fields.text(t, "model", "tokenizer.");
+}
 
 }  // namespace
 
@@ -99,6 +115,11 @@ void write_trainer_state(const std::string& dir, const TrainerStateFile& file) {
                                 {"beta_s_per_byte", model.beta},
                                 {"gamma_s_per_byte", model.gamma}});
   if (!file.vocab.empty()) j["vocab"] = file.vocab;
+  if (!file.tokenizer_checksum.empty())
+    j["tokenizer"] = {{"type", "sentencepiece"},
+                      {"checksum", file.tokenizer_checksum},
+                      {"vocab_size", file.tokenizer_size},
+                      {"model", file.tokenizer_model}};
   j["recipe"] = file.recipe_yaml;
   write_file_atomic(trainer_state_file(dir), j.dump(2) + "\n");
 }
@@ -219,6 +240,7 @@ TrainerStateFile parse_trainer_state(const std::string& text, const std::string&
       file.vocab.push_back(symbol.get<int64_t>());
     }
   }
+  if (j.contains("tokenizer")) read_tokenizer(fields, fields.object(j, "tokenizer"), file);
   if (j.contains("recipe")) {
     if (!j["recipe"].is_string()) fields.wrong_type("recipe", j["recipe"], "a string");
     file.recipe_yaml = j["recipe"].get<std::string>();

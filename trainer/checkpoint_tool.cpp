@@ -12,6 +12,7 @@
 #include "core/check.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_parts.h"
+#include "trainer/hf_config.h"
 #include "trainer/metrics.h"
 #include "trainer/model_setup.h"
 #include "trainer/safetensors.h"
@@ -133,7 +134,9 @@ std::string export_checkpoint(const std::string& dir, const std::string& out, DT
   const TrainerStateFile file = read_trainer_state(dir);
   const Recipe recipe = parse_recipe(file.recipe_yaml, trainer_state_file(dir));
   // The model the recipe builds (shapes only), at the data's vocabulary.
-  const int64_t vocab = file.vocab.empty() ? recipe.model.vocab_size : int64_t(file.vocab.size());
+  const int64_t vocab = !file.vocab.empty()       ? int64_t(file.vocab.size())
+                        : file.tokenizer_size > 0 ? file.tokenizer_size
+                                                  : recipe.model.vocab_size;
   std::shared_ptr<Model> model;
   {
     DeferredInit deferred;
@@ -155,9 +158,17 @@ std::string export_checkpoint(const std::string& dir, const std::string& out, DT
     bytes += int64_t(v.nbytes());
     whole.push_back({t.name, v});
   }
+  if (fs::path(out).has_parent_path()) fs::create_directories(fs::path(out).parent_path());
   write_safetensors(out, whole, {{"format", "pt"}});
+  std::string config_note;
+  const std::string config = hf_config_json(recipe, vocab, dtype);
+  if (!config.empty()) {
+    const fs::path config_path = fs::path(out).parent_path() / "config.json";
+    write_file_atomic(config_path.string(), config);
+    config_note = cat(", and its Hugging Face config ", config_path.string());
+  }
   return cat("exported ", dir, " (step ", file.state.step, ") to ", out, ": ", whole.size(),
-             " tensors, ", dtype, ", ", size_text(double(bytes)));
+             " tensors, ", dtype, ", ", size_text(double(bytes)), config_note);
 }
 
 void add_checkpoint_commands(CLI::App& app, CheckpointArgs& args) {

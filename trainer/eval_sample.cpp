@@ -1,5 +1,8 @@
 // `trainer eval` and `trainer sample` (trainer/train.h): a checkpoint's
-// model evaluated on the validation data, or continuing a prompt.
+// model evaluated on the validation data, or continuing a prompt. The
+// prompt is encoded and the text decoded by the data's vocabulary: the
+// corpus's characters or bytes, or the SentencePiece tokenizer of a token
+// directory (checked against the one the checkpoint records).
 #include <cstdio>
 #include <filesystem>
 
@@ -27,8 +30,10 @@ int eval_command(const EvalArgs& args) {
     m = s.evaluate();
   }
   if (s.is_language_model())
-    std::printf("eval %s (step %lld): loss %.4f | %.4f bits/char | %lld tokens\n", dir.c_str(),
-                (long long)state.step, m.loss, m.bits_per_char, (long long)m.samples);
+    std::printf("eval %s (step %lld): loss %.4f | %.4f bits/%s | %lld tokens\n", dir.c_str(),
+                (long long)state.step, m.loss, m.bits_per_char,
+                dynamic_cast<const data::Vocab*>(&s.vocab()) ? "char" : "token",
+                (long long)m.samples);
   else
     std::printf("eval %s (step %lld): loss %.4f | top1 %.2f%% | top5 %.2f%% | %lld samples\n",
                 dir.c_str(), (long long)state.step, m.loss, m.top1, m.top5, (long long)m.samples);
@@ -57,7 +62,7 @@ int sample_command(const SampleArgs& args) {
                "seed %llu\n",
                (long long)args.tokens, dir.c_str(), (long long)state.step, args.temperature,
                (long long)args.top_k, (unsigned long long)args.seed);
-  // Rows past the corpus's symbols (a larger model.vocab_size) are never picked.
+  // Rows past the vocabulary (a larger model.vocab_size) are never picked.
   ids = sample(s.model(), ids,
                {.max_new_tokens = args.tokens,
                 .temperature = args.temperature,

@@ -5,6 +5,8 @@
 //                  [--temperature T] [--top-k K] [--seed S]
 //   trainer launch --nproc-per-node N -- <trainer args>
 //   trainer plan RECIPE [key=value ...] [--pp P] [--micro-batches M] [--schedule S] ...
+//   trainer tokenize --train CORPUS... --vocab-size N --out tok.model   (trainer/tokenize.h)
+//   trainer tokenize --model tok.model CORPUS... --out DIR
 //   trainer info          the build, and a smoke test of the engine
 #include <CLI/CLI.hpp>
 
@@ -25,6 +27,7 @@
 #include "trainer/numbers.h"
 #include "trainer/plan.h"
 #include "trainer/recipe.h"
+#include "trainer/tokenize.h"
 #include "trainer/train.h"
 
 using namespace trainer;
@@ -76,6 +79,36 @@ int run_info() {
   return 0;
 }
 
+// `trainer sample`'s options (trainer/train.h).
+CLI::App* add_sample_command(CLI::App& app, SampleArgs& args) {
+  CLI::App* sample =
+      app.add_subcommand("sample", "generate text from a language model's checkpoint");
+  sample->add_option("recipe", args.recipe, "the recipe the model was trained with")->required();
+  sample->add_option("overrides", args.overrides, "key=value overrides of recipe keys");
+  sample
+      ->add_option("--checkpoint", args.checkpoint,
+                   "a checkpoint directory, a checkpoints/ folder or a run's output directory "
+                   "(their latest)")
+      ->required();
+  sample->add_option("--prompt", args.prompt,
+                     "text to continue (with a character vocabulary, its characters must be in "
+                     "it); default: start at a line break");
+  sample->add_option("--tokens", args.tokens, "tokens to generate")
+      ->capture_default_str()
+      ->check(integer_in(0, kMaxSampleTokens));
+  sample
+      ->add_option("--temperature", args.temperature,
+                   "divides the logits; 0: greedy (always the most likely token)")
+      ->capture_default_str()
+      ->check(number_in(0, 1e6));
+  sample->add_option("--top-k", args.top_k, "sample among the k most likely tokens only; 0: all")
+      ->capture_default_str()
+      ->check(integer_in(0, 10000000));
+  sample->add_option("--seed", args.seed, "the same seed gives the same text")
+      ->capture_default_str();
+  return sample;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -112,40 +145,15 @@ int main(int argc, char** argv) {
                    "a checkpoint directory, or a checkpoints/ folder (its latest)")
       ->required();
   SampleArgs sample_args;
-  CLI::App* sample =
-      app.add_subcommand("sample", "generate text from a language model's checkpoint");
-  sample->add_option("recipe", sample_args.recipe, "the recipe the model was trained with")
-      ->required();
-  sample->add_option("overrides", sample_args.overrides, "key=value overrides of recipe keys");
-  sample
-      ->add_option("--checkpoint", sample_args.checkpoint,
-                   "a checkpoint directory, a checkpoints/ folder or a run's output directory "
-                   "(their latest)")
-      ->required();
-  sample->add_option("--prompt", sample_args.prompt,
-                     "text to continue (its characters must be in the vocabulary); default: "
-                     "start at a line break");
-  sample->add_option("--tokens", sample_args.tokens, "tokens to generate")
-      ->capture_default_str()
-      ->check(integer_in(0, kMaxSampleTokens));
-  sample
-      ->add_option("--temperature", sample_args.temperature,
-                   "divides the logits; 0: greedy (always the most likely token)")
-      ->capture_default_str()
-      ->check(number_in(0, 1e6));
-  sample
-      ->add_option("--top-k", sample_args.top_k,
-                   "sample among the k most likely tokens only; 0: all")
-      ->capture_default_str()
-      ->check(integer_in(0, 10000000));
-  sample->add_option("--seed", sample_args.seed, "the same seed gives the same text")
-      ->capture_default_str();
+  CLI::App* sample = add_sample_command(app, sample_args);
   LaunchOptions launch_options;
   CLI::App* launch = add_launch_command(app, launch_options);
   PlanArgs plan_args;
   CLI::App* plan = add_plan_command(app, plan_args);
   CheckpointArgs checkpoint_args;
   add_checkpoint_commands(app, checkpoint_args);
+  TokenizeArgs tokenize_args;
+  CLI::App* tokenize = add_tokenize_command(app, tokenize_args);
   if (const std::optional<int> code = parse_command_line(app, argc, argv)) return *code;
   return run_with_last_net([&] {
     if (*info) return run_info();
@@ -154,6 +162,7 @@ int main(int argc, char** argv) {
     if (*sample) return sample_command(sample_args);
     if (*launch) return run_launch(launch_options);
     if (*plan) return plan_command(plan_args);
+    if (*tokenize) return tokenize_command(tokenize_args);
     return std::max(0, run_checkpoint_commands(app, checkpoint_args));
   });
 }

@@ -12,6 +12,15 @@ int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
   return int64_t(std::llround(epochs * double(steps_per_epoch)));
 }
 
+RopeOptions rope_options(const ModelRecipe& m) {
+  return {.theta = m.rope_theta,
+          .scaling = m.rope_scaling,
+          .factor = m.rope_factor,
+          .low_freq_factor = m.rope_low_freq_factor,
+          .high_freq_factor = m.rope_high_freq_factor,
+          .original_max_position = m.rope_original_max_position_embeddings};
+}
+
 }  // namespace
 
 // vocab: the data's vocabulary size (language models).
@@ -34,6 +43,10 @@ std::shared_ptr<Model> build_model(const Recipe& r, int64_t vocab) {
                                .hidden = m.hidden,
                                .tie_weights = m.tie_weights,
                                .gelu = m.gelu == "tanh" ? GeluApprox::tanh : GeluApprox::none,
+                               .intermediate_size = m.intermediate_size,
+                               .n_kv_head = m.num_key_value_heads,
+                               .rms_norm_eps = m.rms_norm_eps,
+                               .rope = rope_options(m),
                                .seed = uint64_t(r.seed)});
   } catch (const Error& e) {
     throw Error(cat(r.source, ": ", e.what()));  // the message names the model.<key>

@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "data/files.h"
+#include "models/llama.h"
 #include "parallel/pipeline_sim.h"
 #include "parallel/schedule.h"
 #include "trainer/cluster_file.h"
@@ -232,7 +233,9 @@ int64_t planning_vocab(const Recipe& recipe, std::vector<std::string>* notes) {
   if (recipe.model.vocab_size > 0) return recipe.model.vocab_size;
   int64_t vocab = kDefaultPlanningVocab;
   std::string why = "the data's tokenizer";
-  if (recipe.data.vocab == "byte" || recipe.data.vocab == "char") {
+  // data.vocab is text's; a token directory's tokenizer gives its own size.
+  const bool text = recipe.data.name != "tokens";
+  if (text && (recipe.data.vocab == "byte" || recipe.data.vocab == "char")) {
     vocab = 256;
     why = recipe.data.vocab == "byte" ? "one id per byte" : "at most one id per distinct byte";
   }
@@ -255,6 +258,19 @@ parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::st
                                 .vocab = planning_vocab(recipe, notes),
                                 .pad_vocab_to = 1,
                                 .tie_weights = model.tie_weights});
+  if (name == "llama") {
+    const int64_t kv = model.num_key_value_heads > 0 ? model.num_key_value_heads : model.n_head;
+    return parallel::llama_model({.n_layer = model.n_layer,
+                                  .n_head = model.n_head,
+                                  .n_kv_head = kv,
+                                  .d_model = model.d_model,
+                                  .intermediate = model.intermediate_size > 0
+                                                      ? model.intermediate_size
+                                                      : llama_intermediate_size(model.d_model),
+                                  .context = sequence,
+                                  .vocab = planning_vocab(recipe, notes),
+                                  .tie_weights = model.tie_weights});
+  }
   if (name == "lstm_lm")
     return parallel::lstm_lm_model(planning_vocab(recipe, notes), model.d_model, model.hidden,
                                    model.n_layer, sequence, model.tie_weights);

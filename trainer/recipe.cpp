@@ -35,11 +35,11 @@ std::vector<Field> schema(Recipe& r) {
   ScheduleRecipe& s = r.schedule;
   TrainingRecipe& t = r.training;
   ParallelRecipe& p = r.parallel;
-  return {
+  std::vector<Field> fields = {
       string_field(
           "model.name", &m.name,
           {"small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-           "resnet18_small", "resnet34_small", "resnet50_small", "gpt", "lstm_lm"}),
+           "resnet18_small", "resnet34_small", "resnet50_small", "gpt", "llama", "lstm_lm"}),
       int_field("model.num_classes", &m.num_classes, 1, 1000000),
       int_field("model.in_channels", &m.in_channels, 1, 4096),
       bool_field("model.zero_init_residual", &m.zero_init_residual),
@@ -52,8 +52,18 @@ std::vector<Field> schema(Recipe& r) {
       float_field("model.dropout", &m.dropout, 0.0, 0.99),
       bool_field("model.tie_weights", &m.tie_weights),
       string_field("model.gelu", &m.gelu, {"exact", "tanh"}),
+      int_field("model.intermediate_size", &m.intermediate_size, 0, 1 << 20),
+      int_field("model.num_key_value_heads", &m.num_key_value_heads, 0, 1024),
+      float_field("model.rope_theta", &m.rope_theta, 1.0, 1e9),
+      float_field("model.rms_norm_eps", &m.rms_norm_eps, 1e-12, 1.0),
+      string_field("model.rope_scaling", &m.rope_scaling, {"none", "linear", "llama3"}),
+      float_field("model.rope_factor", &m.rope_factor, 1.0, 1e6),
+      float_field("model.rope_low_freq_factor", &m.rope_low_freq_factor, 1e-3, 1e6),
+      float_field("model.rope_high_freq_factor", &m.rope_high_freq_factor, 1e-3, 1e6),
+      int_field("model.rope_original_max_position_embeddings",
+                &m.rope_original_max_position_embeddings, 1, 1 << 24),
 
-      string_field("data.name", &d.name, {"fashion_mnist", "image_folder", "text"}),
+      string_field("data.name", &d.name, {"fashion_mnist", "image_folder", "text", "tokens"}),
       string_field("data.root", &d.root),
       int_field("data.image_size", &d.image_size, 1, 4096),
       int_field("data.resize", &d.resize, 0, 8192),
@@ -148,6 +158,20 @@ std::vector<Field> schema(Recipe& r) {
       int_field("seed", &r.seed, 0, std::numeric_limits<int64_t>::max()),
       string_field("output_dir", &r.output_dir),
   };
+  // Hugging Face's LlamaConfig names for keys every Transformer has.
+  const std::pair<const char*, const char*> aliases[] = {
+      {"model.hidden_size", "model.d_model"},
+      {"model.num_attention_heads", "model.n_head"},
+      {"model.num_hidden_layers", "model.n_layer"},
+      {"model.max_position_embeddings", "model.context"},
+      {"model.tie_word_embeddings", "model.tie_weights"}};
+  for (const auto& [alias, target] : aliases)
+    for (size_t i = 0; i < fields.size(); ++i)
+      if (fields[i].path == target) fields.push_back(alias_field(alias, fields[i]));
+  // data.kind: another name of data.name (the kind of data a recipe reads).
+  for (size_t i = 0; i < fields.size(); ++i)
+    if (fields[i].path == "data.name") fields.push_back(alias_field("data.kind", fields[i]));
+  return fields;
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
@@ -283,6 +307,7 @@ std::string recipe_to_yaml(const Recipe& r) {
   Recipe copy = r;
   YAML::Node root(YAML::NodeType::Map);
   for (const Field& f : schema(copy)) {
+    if (!f.alias_of.empty()) continue;
     size_t dot = f.path.find('.');
     if (dot == std::string::npos)
       root[f.path] = f.emit();

@@ -19,7 +19,7 @@
 namespace trainer {
 
 struct ModelRecipe {
-  std::string name = "small_cnn";  // small_cnn, mlp, resnet18..152, resnet*_small, gpt, lstm_lm
+  std::string name = "small_cnn";  // small_cnn, mlp, resnet18..152, resnet*_small, gpt, llama, lstm_lm
   int64_t num_classes = 10;
   int64_t in_channels = 1;
   bool zero_init_residual = false;
@@ -33,10 +33,22 @@ struct ModelRecipe {
   double dropout = 0.0;
   bool tie_weights = true;     // LM head = token embedding (LSTM: needs d_model == hidden)
   std::string gelu = "exact";  // GPT's MLP: exact (erf, as nanoGPT) | tanh (GPT-2's approximation)
+  // Llama (Hugging Face's LlamaConfig names; hidden_size, num_attention_heads,
+  // num_hidden_layers, max_position_embeddings and tie_word_embeddings are
+  // other names of d_model, n_head, n_layer, context and tie_weights).
+  int64_t intermediate_size = 0;  // 0: 8/3 d_model rounded up to a multiple of 256
+  int64_t num_key_value_heads = 0;  // 0: n_head
+  double rope_theta = 10000.0;
+  double rms_norm_eps = 1e-6;
+  std::string rope_scaling = "none";  // none | linear | llama3
+  double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_position_embeddings = 8192;
 };
 
 struct DataRecipe {
-  std::string name = "fashion_mnist";  // fashion_mnist, image_folder, text
+  std::string name = "fashion_mnist";  // fashion_mnist, image_folder, text, tokens; data.kind
   std::string root;                    // empty: the dataset's default location
   int64_t image_size = 28;             // training crop / eval center crop
   int64_t resize = 0;                  // eval: shorter side before the crop (0: image_size * 8/7)
@@ -44,8 +56,8 @@ struct DataRecipe {
   int64_t workers = 2;
   int64_t prefetch = 4;
   std::string bad_files = "skip";   // skip | error
-  double val_fraction = 0.1;        // text: the last fraction of the corpus
-  std::string path;                 // text: the corpus file
+  double val_fraction = 0.1;        // text, tokens: the last fraction of the corpus
+  std::string path;                 // text: the corpus file; tokens: the token directory
   std::string vocab = "char";       // text: byte (256 ids) | char (the corpus's characters)
   int64_t seq_len = 0;              // text: tokens per window (T); 0: model.context
   int64_t val_windows = 0;          // text: windows per evaluation, spread evenly; 0: all

@@ -79,6 +79,13 @@ Field float_field(std::string path, double* p, double lo, double hi) {
                cat("[", format_number(lo), ", ", format_number(hi), "]")};
 }
 
+Field alias_field(std::string path, const Field& target) {
+  Field f = target;
+  f.path = std::move(path);
+  f.alias_of = target.path;
+  return f;
+}
+
 Field bool_field(std::string path, bool* p) {
   return Field{path,
                [=](const YAML::Node& v, const Origin& o) {

@@ -26,6 +26,9 @@ struct Field {
   std::function<YAML::Node()> emit;
   std::string type;
   std::string range;
+  // Another name for the key `alias_of` (Hugging Face's config names for the
+  // Llama family): parsed into the same field, not printed by recipe_to_yaml.
+  std::string alias_of;
 };
 
 // The kinds of key, each parsed with its type and range checked (an Error
@@ -37,6 +40,8 @@ Field bool_field(std::string path, bool* p);
 Field string_field(std::string path, std::string* p, std::vector<std::string> choices = {});
 // "even", "auto", or a list of block indices (parallel.stages).
 Field stages_field(std::string path, std::string* mode, std::vector<int64_t>* starts);
+// `path` as another name of `target`.
+Field alias_field(std::string path, const Field& target);
 Field float_list_field(std::string path, std::vector<double>* p, double lo, double hi);
 
 }  // namespace trainer

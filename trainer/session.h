@@ -58,8 +58,8 @@ class Session {
   const RankLayout& layout() const { return layout_; }
   BatchSource& data() { return *source_; }
   bool is_language_model() const { return source_->is_language_model(); }
-  // The corpus's vocabulary (language models only).
-  const data::Vocab& vocab() const { return source_->vocab(); }
+  // The corpus's vocabulary or tokenizer (language models only).
+  const data::Tokenizer& vocab() const { return source_->vocab(); }
   // The optimizer, built on the first call (see above); when sharded, only
   // once set_sharded_optimizer() has run.
   optim::Optimizer& optimizer() const;

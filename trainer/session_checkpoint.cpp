@@ -112,8 +112,7 @@ CheckpointPart Session::checkpoint_part(const TrainState& state) const {
   file.state.layout = layout_.job;
   file.lr = optimizer().lr();
   file.seed = recipe_.seed;
-  if (is_language_model())
-    for (uint8_t symbol : vocab().symbols()) file.vocab.push_back(symbol);
+  if (is_language_model()) source_->save_vocab(file);
   file.recipe_yaml = recipe_to_yaml(recipe_);
   part.trainer_state = std::move(file);
   return part;
@@ -283,7 +282,7 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
   if (!problems.empty())
     throw Error(cat(model_files, " does not match the recipe's model:", join_lines(problems)));
   TrainerStateFile file = read_trainer_state(dir);
-  if (!file.vocab.empty()) source_->check_vocab(trainer_state_file(dir), file.vocab);
+  source_->check_vocab(trainer_state_file(dir), file);
   TrainState state = file.state;
   resharded_.clear();
   if (with_optimizer) {
@@ -326,6 +325,14 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
 void Session::init_from(const std::string& path, bool strict) {
   SafetensorsFile f = read_safetensors(path);
   if (!recipe_.training.allow_non_finite) require_finite(f.tensors, path);
+  // Weights published in bf16 or f16 (most Hugging Face checkpoints) load
+  // into the model's f32 parameters.
+  for (const NamedTensor& t : model_->state()) {
+    auto it = f.tensors.find(t.name);
+    if (it != f.tensors.end() && is_floating(it->second.dtype()) &&
+        is_floating(t.tensor.dtype()) && it->second.dtype() != t.tensor.dtype())
+      it->second = it->second.to(t.tensor.dtype());
+  }
   model_->upgrade_loaded_state(f.tensors, path);
   if (tp_) parallel::take_shards(f.tensors, *model_);
   std::vector<std::string> problems = load_named(model_->state(), f.tensors);

@@ -1,4 +1,5 @@
-// The language models' batch source: the text corpus and its windows, the
+// The language models' batch source: the text corpus (a text file, or the
+// token shards of data.name: tokens) and its windows, the
 // training loss over every token, evaluation, and the recurrent state
 // carried between batches under data.sampling: contiguous (truncated
 // backpropagation through time, as PyTorch's word_language_model).
@@ -13,6 +14,7 @@
 #include <cmath>
 
 #include "core/ops.h"
+#include "data/token_shards.h"
 #include "layers/rnn.h"
 #include "models/lstm_lm.h"
 #include "models/registry.h"
@@ -46,8 +48,8 @@ class TextBatches final : public BatchSource {
   }
   bool is_language_model() const override { return true; }
   const char* item_name() const override { return "tokens"; }
-  int64_t vocab_size() const override { return corpus_->vocab().size(); }
-  const data::Vocab& vocab() const override { return corpus_->vocab(); }
+  int64_t vocab_size() const override { return corpus_->tokenizer().size(); }
+  const data::Tokenizer& vocab() const override { return corpus_->tokenizer(); }
   int64_t batches_per_epoch() const override {
     return train_windows_->windows_per_epoch() / micro_batch_;
   }
@@ -80,8 +82,8 @@ class TextBatches final : public BatchSource {
                      EvalSums& sums) const override;
 
   std::optional<std::vector<NamedTensor>> stream_state() const override;
-  void check_vocab(const std::string& state_path,
-                   const std::vector<int64_t>& symbols) const override;
+  void save_vocab(TrainerStateFile& file) const override;
+  void check_vocab(const std::string& state_path, const TrainerStateFile& file) const override;
 
  private:
   void restore_stream_state(const std::string& dir, int64_t position) override;
@@ -117,15 +119,21 @@ class TextBatches final : public BatchSource {
 TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micro_batch)
     : layout_(layout), micro_batch_(micro_batch) {
   const DataRecipe& d = r.data;
+  const bool tokens = d.name == "tokens";
   if (d.path.empty())
-    throw Error(cat(r.source, ": data.path must name the text corpus (e.g. datasets/kjv.txt)"));
+    throw Error(
+        cat(r.source, tokens ? ": data.path must name the token directory (written by `trainer "
+                               "tokenize --model M CORPUS --out DIR`)"
+                             : ": data.path must name the text corpus (e.g. datasets/kjv.txt)"));
   const int64_t T = window_tokens(r);
   if (model_traits(r.model.name).bounded_context && T > r.model.context)
     throw Error(cat(r.source, ": data.seq_len ", T, " is longer than model.context ",
                     r.model.context, " (GPT's block size)"));
-  corpus_ = std::make_unique<data::TextCorpus>(data::TextCorpus::load(
-      d.path, {.vocab = d.vocab == "byte" ? data::VocabKind::bytes : data::VocabKind::chars,
-               .val_fraction = d.val_fraction}));
+  corpus_ = std::make_unique<data::TextCorpus>(
+      tokens ? data::load_token_corpus(d.path, d.val_fraction)
+             : data::TextCorpus::load(d.path, {.vocab = d.vocab == "byte" ? data::VocabKind::bytes
+                                                                          : data::VocabKind::chars,
+                                               .val_fraction = d.val_fraction}));
   // Contiguous: one stream per row of a micro-batch on every rank, and as
   // many evaluation streams in all (the same for any split of the batch).
   const bool contiguous = d.sampling == "contiguous";
@@ -143,11 +151,14 @@ TextBatches::TextBatches(const Recipe& r, const RankLayout& layout, int64_t micr
 
 std::string TextBatches::summary() const {
   const data::TextCorpus& c = *corpus_;
-  return cat("data ", c.name(), ": ", with_commas(c.size()), " tokens (train ",
-             with_commas(c.train_tokens()), ", val ", with_commas(c.val_tokens()), "), ",
-             c.vocab().kind() == data::VocabKind::bytes ? "byte" : "char", " vocabulary of ",
-             c.vocab().size(), ", windows of ", train_windows_->seq_len(), " tokens (",
-             with_commas(train_windows_->windows_per_epoch()), " per epoch, ",
+  const size_t shards = c.tokens().segments().size();
+  return cat("data ", c.name(), ": ", with_commas(c.size()), " tokens",
+             dynamic_cast<const data::Vocab*>(&c.tokenizer())
+                 ? std::string()
+                 : cat(" in ", shards, shards == 1 ? " shard" : " shards"),
+             " (train ", with_commas(c.train_tokens()), ", val ", with_commas(c.val_tokens()),
+             "), ", c.tokenizer().description(), ", windows of ", train_windows_->seq_len(),
+             " tokens (", with_commas(train_windows_->windows_per_epoch()), " per epoch, ",
              with_commas(val_windows_->size()), " per evaluation",
              train_windows_->contiguous() ? cat("; contiguous streams, ", micro_batch_, " per rank",
                                                 carries_state() ? ", state carried" : "")
@@ -361,12 +372,42 @@ void TextBatches::restore_stream_state(const std::string& dir, int64_t position)
   }
 }
 
-void TextBatches::check_vocab(const std::string& state_path,
-                              const std::vector<int64_t>& symbols) const {
-  if (!(data::Vocab::from_symbols(symbols) == corpus_->vocab()))
-    throw Error(cat(state_path, ": the checkpoint's vocabulary of ", symbols.size(),
+void TextBatches::save_vocab(TrainerStateFile& file) const {
+  if (const auto* sp = dynamic_cast<const data::SentencePieceTokenizer*>(&corpus_->tokenizer())) {
+    file.tokenizer_checksum = data::checksum_hex(sp->checksum());
+    file.tokenizer_size = sp->size();
+    file.tokenizer_model = sp->name();
+    return;
+  }
+  for (uint8_t symbol : corpus_->vocab().symbols()) file.vocab.push_back(symbol);
+}
+
+void TextBatches::check_vocab(const std::string& state_path, const TrainerStateFile& file) const {
+  const auto* sp = dynamic_cast<const data::SentencePieceTokenizer*>(&corpus_->tokenizer());
+  if (!sp && !file.vocab.empty() && !(data::Vocab::from_symbols(file.vocab) == corpus_->vocab()))
+    throw Error(cat(state_path, ": the checkpoint's vocabulary of ", file.vocab.size(),
                     " symbols differs from the ", corpus_->vocab().size(), " of ", corpus_->name(),
                     "; the corpus or data.vocab changed since it was written"));
+  if (!sp && !file.tokenizer_checksum.empty())
+    throw Error(cat(state_path, ": the checkpoint was trained on SentencePiece tokens (",
+                    file.tokenizer_model, ", checksum ", file.tokenizer_checksum,
+                    "), but the recipe reads ", corpus_->name(), " with a ",
+                    corpus_->tokenizer().description(),
+                    "; set data.name: tokens and data.path to its token directory"));
+  if (sp && file.tokenizer_checksum.empty() && !file.vocab.empty())
+    throw Error(cat(state_path,
+                    ": the checkpoint was trained on a text corpus with a vocabulary of ",
+                    file.vocab.size(), " symbols, but the recipe reads the tokens of ",
+                    corpus_->name(), "; set data.name: text and data.path to that corpus"));
+  if (sp && !file.tokenizer_checksum.empty() &&
+      file.tokenizer_checksum != data::checksum_hex(sp->checksum()))
+    throw Error(cat(state_path, ": the checkpoint was trained with the tokenizer ",
+                    file.tokenizer_model, " (checksum ", file.tokenizer_checksum, ", ",
+                    file.tokenizer_size, " pieces), but ", sp->name(), " has checksum ",
+                    data::checksum_hex(sp->checksum()), " (", sp->size(),
+                    " pieces): its ids mean other text; point data.path at the token directory "
+                    "the model was trained on, or encode the corpus again with the checkpoint's "
+                    "tokenizer"));
 }
 
 }  // namespace
