@@ -118,10 +118,8 @@ std::string GPT::tensor_parallel_note() const {
 }
 
 std::map<std::string, Shape> GPT::shapes_at_tensor_parallel(int tp) const {
-  const int64_t rows = padded_vocab(options_.vocab_size, std::max(tp, 1));
-  std::map<std::string, Shape> shapes{{"transformer.wte.weight", {rows, options_.n_embd}}};
-  if (!options_.tie_weights) shapes["lm_head.weight"] = {rows, options_.n_embd};
-  return shapes;
+  return vocab_shapes("transformer.wte.weight", "lm_head.weight", options_.tie_weights,
+                      options_.vocab_size, options_.n_embd, tp);
 }
 
 void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {

@@ -101,10 +101,8 @@ std::string Llama::tensor_parallel_note() const {
 }
 
 std::map<std::string, Shape> Llama::shapes_at_tensor_parallel(int tp) const {
-  const int64_t rows = padded_vocab(options_.vocab_size, std::max(tp, 1));
-  std::map<std::string, Shape> shapes{{"model.embed_tokens.weight", {rows, options_.hidden_size}}};
-  if (!options_.tie_word_embeddings) shapes["lm_head.weight"] = {rows, options_.hidden_size};
-  return shapes;
+  return vocab_shapes("model.embed_tokens.weight", "lm_head.weight", options_.tie_word_embeddings,
+                      options_.vocab_size, options_.hidden_size, tp);
 }
 
 void Llama::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {

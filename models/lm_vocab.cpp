@@ -1,5 +1,7 @@
 #include "models/lm_vocab.h"
 
+#include <algorithm>
+
 #include "core/autograd.h"
 #include "core/ops.h"
 
@@ -31,6 +33,14 @@ int64_t shard_vocabulary(std::shared_ptr<TensorParallelGroup> g, Embedding& embe
     head.shard(g, LinearSplit::column);
   }
   return rows;
+}
+
+std::map<std::string, Shape> vocab_shapes(const std::string& embedding, const std::string& head,
+                                          bool tied, int64_t vocab_size, int64_t width, int tp) {
+  const int64_t rows = padded_vocab(vocab_size, std::max(tp, 1));
+  std::map<std::string, Shape> shapes{{embedding, {rows, width}}};
+  if (!tied) shapes[head] = {rows, width};
+  return shapes;
 }
 
 std::string vocab_padding_note(int64_t vocab_size, int64_t rows, int tp) {

@@ -35,6 +35,11 @@ void fit_vocab_rows(std::map<std::string, Tensor>& tensors, const std::string& n
 int64_t shard_vocabulary(std::shared_ptr<TensorParallelGroup> g, Embedding& embedding, Linear& head,
                          bool tied, int64_t vocab_size);
 
+// The whole shapes of the embedding (and the untied head) at tp: what a
+// checkpoint written there holds (shapes_at_tensor_parallel()).
+std::map<std::string, Shape> vocab_shapes(const std::string& embedding, const std::string& head,
+                                          bool tied, int64_t vocab_size, int64_t width, int tp);
+
 // The line tensor_parallel_note() prints when the vocabulary was padded ("" when not).
 std::string vocab_padding_note(int64_t vocab_size, int64_t rows, int tp);
 

@@ -8,9 +8,10 @@
 
 namespace trainer {
 
-EvalMetrics eval_metrics(const EvalSums& sums, bool language_model) {
+EvalMetrics eval_metrics(const EvalSums& sums, bool language_model, const std::string& token_unit) {
   EvalMetrics m;
   m.language_model = language_model;
+  m.token_unit = token_unit;
   m.samples = sums.samples;
   m.skipped = sums.skipped;
   if (sums.samples == 0) return m;
@@ -34,7 +35,7 @@ std::string EvalMetrics::text() const {
     return cat("nothing evaluated: all ", skipped,
                " validation files read were bad and skipped (fix or replace them)");
   const std::string skips = skipped > 0 ? cat(" | ", skipped, " bad files skipped") : "";
-  if (language_model) return cat("loss ", loss, " | ", bits_per_char, " bits/char", skips);
+  if (language_model) return cat("loss ", loss, " | ", bits_per_char, " bits/", token_unit, skips);
   return cat("loss ", loss, " | top1 ", top1, "% | top5 ", top5, "%", skips);
 }
 
@@ -45,7 +46,8 @@ std::string EvalMetrics::final_text(double best) const {
     return language_model ? cat(text, ", best loss ", best) : cat(text, ", best ", best, "%");
   }
   if (language_model)
-    return cat("final eval loss ", loss, ", ", bits_per_char, " bits/char, best loss ", best);
+    return cat("final eval loss ", loss, ", ", bits_per_char, " bits/", token_unit, ", best loss ",
+               best);
   return cat("final eval top1 ", top1, "%, best ", best, "%");
 }
 

@@ -66,6 +66,9 @@ struct EvalMetrics {
   double top1 = 0;           // percent (classifiers)
   double top5 = 0;           // percent (classifiers)
   double bits_per_char = 0;  // loss / ln 2 (language models)
+  // What one of the language model's tokens is: "char" (char and byte
+  // vocabularies) or "token" (subwords), for the texts.
+  std::string token_unit = "char";
   int64_t samples = 0;       // images, or tokens
   int64_t skipped = 0;       // bad files left out
 
@@ -86,7 +89,8 @@ struct EvalMetrics {
   // log; none when nothing was evaluated.
   Scalars scalars() const;
 };
-EvalMetrics eval_metrics(const EvalSums& sums, bool language_model);
+EvalMetrics eval_metrics(const EvalSums& sums, bool language_model,
+                         const std::string& token_unit = "char");
 
 class BatchSource {
  public:

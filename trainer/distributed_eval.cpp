@@ -53,7 +53,7 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
     sums.samples += int64_t(v[3]);
     sums.skipped += int64_t(v[4]);
   }
-  return eval_metrics(sums, session.is_language_model());
+  return eval_metrics(sums, session.is_language_model(), session.token_unit());
 }
 
 EvalSums DistributedRun::evaluate_pipeline(Session& session) const {

@@ -31,8 +31,7 @@ int eval_command(const EvalArgs& args) {
   }
   if (s.is_language_model())
     std::printf("eval %s (step %lld): loss %.4f | %.4f bits/%s | %lld tokens\n", dir.c_str(),
-                (long long)state.step, m.loss, m.bits_per_char,
-                dynamic_cast<const data::Vocab*>(&s.vocab()) ? "char" : "token",
+                (long long)state.step, m.loss, m.bits_per_char, m.token_unit.c_str(),
                 (long long)m.samples);
   else
     std::printf("eval %s (step %lld): loss %.4f | top1 %.2f%% | top5 %.2f%% | %lld samples\n",

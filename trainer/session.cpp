@@ -244,7 +244,11 @@ void Session::set_remote_optimizer(std::shared_ptr<optim::Optimizer> optimizer) 
 EvalMetrics Session::evaluate() {
   CHECK_EQ(layout_.dp_size(), 1)
       << "Session::evaluate on one rank of several; use DistributedRun::evaluate";
-  return eval_metrics(evaluate_shard(), is_language_model());
+  return eval_metrics(evaluate_shard(), is_language_model(), token_unit());
+}
+
+std::string Session::token_unit() const {
+  return is_language_model() && !dynamic_cast<const data::Vocab*>(&vocab()) ? "token" : "char";
 }
 
 void Session::materialize_model() {

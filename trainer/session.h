@@ -60,6 +60,8 @@ class Session {
   bool is_language_model() const { return source_->is_language_model(); }
   // The corpus's vocabulary or tokenizer (language models only).
   const data::Tokenizer& vocab() const { return source_->vocab(); }
+  // "char" for char and byte vocabularies, "token" for subwords.
+  std::string token_unit() const;
   // The optimizer, built on the first call (see above); when sharded, only
   // once set_sharded_optimizer() has run.
   optim::Optimizer& optimizer() const;
