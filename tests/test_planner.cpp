@@ -213,6 +213,24 @@ TEST_CASE("planner: ResNet descriptions count torchvision's parameters", "[paral
   CHECK(mlp_model(784, {256, 128}, 10).params() == 235146);
 }
 
+TEST_CASE("planner: the Llama description counts Llama 3 8B's parameters and FLOPs",
+          "[parallel][llama]") {
+  const ModelDesc llama = llama_model({.n_layer = 32,
+                                       .n_head = 32,
+                                       .n_kv_head = 8,
+                                       .d_model = 4096,
+                                       .intermediate = 14336,
+                                       .context = 8192,
+                                       .vocab = 128256,
+                                       .tie_weights = false});
+  CHECK(llama.params() == 8030261248.0);  // Meta-Llama-3-8B's safetensors
+  // Per token: 2 FLOPs per weight of the layers and the head, plus attention's 4 T d per layer.
+  const double matrices = 8030261248.0 - 2 * 128256.0 * 4096 - 65 * 4096.0;
+  CHECK(llama.forward_flops() ==
+        Approx(8192 * (2 * (matrices + 128256.0 * 4096) + 32 * 4 * 8192.0 * 4096)));
+  CHECK(llama.blocks[1].name == "model.layers.0");
+}
+
 TEST_CASE("planner: tp stays inside a node and divides the heads", "[parallel]") {
   const PlanResult result = plan_gpt(kGpt13B, "a100-40gb", 4, 4, 64);
   REQUIRE(!result.ranked.empty());
