@@ -6,8 +6,8 @@
 // vocabulary), GPT (6 layers, 384 wide, 6 heads, context 256, batch 8,
 // byte vocabulary) and Llama (6 layers, 384 wide, 6 heads sharing 2
 // key/value heads, SwiGLU 1024, context 256, batch 8, a 2048-token subword
-// vocabulary; PyTorch's side is transformers' LlamaForCausalLM). Each case runs in its own child process so its peak resident
-// memory is its own.
+// vocabulary; PyTorch's side is transformers' LlamaForCausalLM). Each case runs in its own child
+// process so its peak resident memory is its own.
 //
 // When python3 can import torch, bench/bench_train_torch.py measures the
 // same models (torchvision's ResNets, channels-last, same batch, same
@@ -255,15 +255,13 @@ int main(int argc, char** argv) {
           measure_in_child([&] { return double(c.batch * c.seq) / run_lm_case(c, steps); }, t);
       Result torch;
       if (!skip_torch)
-        torch = measure_torch("--model " + std::string(c.name) + " --batch " +
-                                  std::to_string(c.batch) + " --seq " + std::to_string(c.seq) +
-                                  " --classes " + std::to_string(c.vocab) + " --size " +
-                                  std::to_string(c.width) + " --layers " +
-                                  std::to_string(c.layers) + " --heads " +
-                                  std::to_string(c.heads) + " --kv-heads " +
-                                  std::to_string(c.kv_heads) + " --intermediate " +
-                                  std::to_string(c.intermediate),
-                              t, steps);
+        torch = measure_torch(
+            "--model " + std::string(c.name) + " --batch " + std::to_string(c.batch) + " --seq " +
+                std::to_string(c.seq) + " --classes " + std::to_string(c.vocab) + " --size " +
+                std::to_string(c.width) + " --layers " + std::to_string(c.layers) + " --heads " +
+                std::to_string(c.heads) + " --kv-heads " + std::to_string(c.kv_heads) +
+                " --intermediate " + std::to_string(c.intermediate),
+            t, steps);
       print_row(c.name, c.batch, t, ours, torch);
     }
   }

@@ -185,8 +185,10 @@ void ShardWriter::append(const int32_t* ids, int64_t n) {
   while (n > 0) {
     if (!file_) {
       file_ = std::make_unique<AtomicFile>((fs::path(dir_) / shard_file_name(shards_)).string());
-      const std::array<uint8_t, kShardHeaderBytes> placeholder{};
-      file_->write(placeholder.data(), placeholder.size());
+      // The header's place: its token count and checksum are known, and
+      // written, when the shard closes.
+      const std::array<uint8_t, kShardHeaderBytes> header_space{};
+      file_->write(header_space.data(), header_space.size());
     }
     const int64_t take = std::min(n, options_.shard_tokens - in_shard_);
     buffer_.resize(size_t(take) * token_bytes_);

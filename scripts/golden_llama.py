@@ -79,6 +79,7 @@ def write_header(path):
         + " and transformers " + transformers.__version__ + "; do not edit.",
         "// Per case: logits and loss (whole) and parameter gradients (every",
         "// stride-th element) that tests/test_models_golden.cpp compares against.",
+        "// clang-format off",
         "#pragma once", "", '#include "tests/golden_models.h"', "",
         "namespace trainer::golden {", ""]
     for name, *shape in CASES:

@@ -171,7 +171,13 @@ TEST_CASE("golden: Llama matches Hugging Face's LlamaForCausalLM", "[models][gol
                 golden::kLlamaMQALinear);
   }
   SECTION("tied head, Llama 3 RoPE scaling") {
-    check_llama({31, 64, 48, 2, 4, 2, true,
+    check_llama({31,
+                 64,
+                 48,
+                 2,
+                 4,
+                 2,
+                 true,
                  {.theta = 500000.0,
                   .scaling = "llama3",
                   .factor = 8.0,

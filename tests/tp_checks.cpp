@@ -621,8 +621,8 @@ void check_gpt(const Group& g) {
 
 void check_llama(const Group& g, int64_t kv_heads, bool tied) {
   const int n = g->size(), r = g->rank();
-  const std::string what = cat("Llama, ", kv_heads, " key/value heads, ", tied ? "tied, " : "",
-                               group_name(*g));
+  const std::string what =
+      cat("Llama, ", kv_heads, " key/value heads, ", tied ? "tied, " : "", group_name(*g));
   const LlamaOptions o{.vocab_size = kVocab,
                        .hidden_size = 16,
                        .intermediate_size = 24,
@@ -737,7 +737,8 @@ int trainer::testing::run_tp_checks(const std::shared_ptr<comm::Communicator>& w
   } else if (mode == "cuda") {
     check_cuda(*plain);
   } else {
-    std::fprintf(stderr, "tp checks: modes are regions | loss | linear | block | gpt | llama | cuda\n");
+    std::fprintf(stderr,
+                 "tp checks: modes are regions | loss | linear | block | gpt | llama | cuda\n");
     return 64;
   }
   return report_checks();

@@ -69,8 +69,8 @@ struct EvalMetrics {
   // What one of the language model's tokens is: "char" (char and byte
   // vocabularies) or "token" (subwords), for the texts.
   std::string token_unit = "char";
-  int64_t samples = 0;       // images, or tokens
-  int64_t skipped = 0;       // bad files left out
+  int64_t samples = 0;  // images, or tokens
+  int64_t skipped = 0;  // bad files left out
 
   // The metric the best checkpoint is chosen by: top-1 for classifiers
   // (higher is better), the loss for language models (lower is better).

@@ -19,7 +19,8 @@
 namespace trainer {
 
 struct ModelRecipe {
-  std::string name = "small_cnn";  // small_cnn, mlp, resnet18..152, resnet*_small, gpt, llama, lstm_lm
+  std::string name =
+      "small_cnn";  // small_cnn, mlp, resnet18..152, resnet*_small, gpt, llama, lstm_lm
   int64_t num_classes = 10;
   int64_t in_channels = 1;
   bool zero_init_residual = false;
@@ -36,7 +37,7 @@ struct ModelRecipe {
   // Llama (Hugging Face's LlamaConfig names; hidden_size, num_attention_heads,
   // num_hidden_layers, max_position_embeddings and tie_word_embeddings are
   // other names of d_model, n_head, n_layer, context and tie_weights).
-  int64_t intermediate_size = 0;  // 0: 8/3 d_model rounded up to a multiple of 256
+  int64_t intermediate_size = 0;    // 0: 8/3 d_model rounded up to a multiple of 256
   int64_t num_key_value_heads = 0;  // 0: n_head
   double rope_theta = 10000.0;
   double rms_norm_eps = 1e-6;

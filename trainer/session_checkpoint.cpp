@@ -329,8 +329,8 @@ void Session::init_from(const std::string& path, bool strict) {
   // into the model's f32 parameters.
   for (const NamedTensor& t : model_->state()) {
     auto it = f.tensors.find(t.name);
-    if (it != f.tensors.end() && is_floating(it->second.dtype()) &&
-        is_floating(t.tensor.dtype()) && it->second.dtype() != t.tensor.dtype())
+    if (it != f.tensors.end() && is_floating(it->second.dtype()) && is_floating(t.tensor.dtype()) &&
+        it->second.dtype() != t.tensor.dtype())
       it->second = it->second.to(t.tensor.dtype());
   }
   model_->upgrade_loaded_state(f.tensors, path);

@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(kRowThreads)
       s_gw_xhat += load(g[d]) * load(w[d]) * load(x[d]) * rstd;
     const A mean_gw_xhat = block_reduce(s_gw_xhat, Sum{}, A(0), shared) / A(D);
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-      gx[d] = store_as<T>(math::rms_norm_grad_x(rstd, load(g[d]) * load(w[d]), load(x[d]) * rstd,
-                                                mean_gw_xhat));
+      gx[d] = store_as<T>(
+          math::rms_norm_grad_x(rstd, load(g[d]) * load(w[d]), load(x[d]) * rstd, mean_gw_xhat));
   }
 }
 
