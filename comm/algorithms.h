@@ -13,6 +13,7 @@
 //   allreduce_master_worker.cpp        gather to rank 0, reduce there, send the result to all
 //   allreduce_round_robin.cpp          rank t in turn gathers, reduces and sends out block t
 //   allreduce_shm.cpp                  ranks on one host, over comm/shm_channel.h instead
+//   all_to_all.cpp                     all-to-all: pairwise steps, or through comm/shm_channel.h
 //   broadcast_binomial.cpp             binomial tree from the root, segmented and pipelined
 //   barrier_dissemination.cpp          log2(n) rounds of empty messages
 #pragma once
@@ -218,6 +219,27 @@ void reduce_scatter_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const v
                         void* output, size_t count, DType dtype, ReduceOp op);
 void all_gather_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,
                     void* output, size_t bytes);
+
+// Where the blocks of an all-to-all lie: block r is bytes[r] bytes at
+// offsets[r] of the buffer (one entry per rank).
+struct BlockLayout {
+  std::vector<size_t> bytes, offsets;
+};
+
+// All-to-all (comm/all_to_all.cpp): send's block r of input goes to rank r,
+// which puts it at receive's block `rank` of its output. Pairwise over the
+// transport, in_flight steps posted at once; verify_sizes first exchanges
+// every rank's sizes so that a mismatch is the same Error on every rank
+// (world_ranks: each rank's world rank, for messages).
+void all_to_all_pairwise(OpChannel& ch, const void* input, const BlockLayout& send, void* output,
+                         const BlockLayout& receive, int in_flight, bool verify_sizes,
+                         const std::vector<int>& world_ranks);
+// The same over the shared-memory channel, always checking the sizes: a
+// rank whose blocks for the others fit in staged_bytes (capped at
+// ShmChannel::kStagingBytes) stages them, the others' are read in place.
+void all_to_all_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const void* input,
+                    const BlockLayout& send, void* output, const BlockLayout& receive,
+                    size_t staged_bytes, const std::vector<int>& world_ranks);
 
 // Segments of at most segment_bytes are forwarded down the tree as they arrive.
 void broadcast_binomial(OpChannel& ch, void* data, size_t bytes, int root, size_t segment_bytes);

@@ -1,11 +1,13 @@
 #include "comm/collectives.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "comm/algorithms.h"
 #include "comm/alpha_beta.h"
@@ -202,6 +204,71 @@ Task broadcast_task(Communicator& comm, void* data, size_t bytes, int root,
   };
 }
 
+// The world rank of each rank of comm, for the messages of errors.
+std::vector<int> world_ranks_of(const Communicator& comm) {
+  std::vector<int> world(size_t(comm.size()));
+  for (int r = 0; r < comm.size(); ++r) world[size_t(r)] = comm.world_rank(r);
+  return world;
+}
+
+// The bytes [first, last) that a layout's non-empty blocks span in their buffer.
+std::pair<size_t, size_t> span_of(const BlockLayout& layout) {
+  size_t first = SIZE_MAX, last = 0;
+  for (size_t r = 0; r < layout.bytes.size(); ++r)
+    if (layout.bytes[r] > 0) {
+      first = std::min(first, layout.offsets[r]);
+      last = std::max(last, layout.offsets[r] + layout.bytes[r]);
+    }
+  return {first, last};
+}
+
+// A layout of n blocks of `bytes` each, back to back.
+BlockLayout equal_blocks(int n, size_t bytes) {
+  BlockLayout layout{std::vector<size_t>(size_t(n), bytes), std::vector<size_t>(size_t(n))};
+  for (size_t r = 0; r < size_t(n); ++r) layout.offsets[r] = r * bytes;
+  return layout;
+}
+
+// verify_sizes: the pairwise way exchanges every rank's sizes before the
+// data (all_to_all_v's raw form; the shared-memory way always checks them).
+Task all_to_all_task(Communicator& comm, const void* input, BlockLayout send, void* output,
+                     BlockLayout receive, bool verify_sizes, const CollectiveOptions& o) {
+  const int n = comm.size();
+  const char* op = verify_sizes ? "all_to_all_v" : "all_to_all";
+  for (const auto* sizes : {&send.bytes, &send.offsets, &receive.bytes, &receive.offsets})
+    CHECK(sizes->size() == size_t(n)) << op << ": a size or offset list has " << sizes->size()
+                                      << " entries for " << n << " ranks";
+  const auto [in_first, in_last] = span_of(send);
+  const auto [out_first, out_last] = span_of(receive);
+  const char* in = static_cast<const char*>(input);
+  const char* out = static_cast<const char*>(output);
+  CHECK(in_first >= in_last || out_first >= out_last || in + in_last <= out + out_first ||
+        out + out_last <= in + in_first)
+      << op << ": the input and the output overlap";
+  const uint32_t seq = comm.next_seq();
+  uint64_t to_others = 0;
+  for (int r = 0; r < n; ++r)
+    if (r != comm.rank()) to_others += send.bytes[size_t(r)];
+  count_traffic(TrafficKind::all_to_all, to_others);
+  ShmChannel* shm = n > 1 ? comm.shm() : nullptr;
+  const uint64_t ticket = shm ? shm->take_ticket() : 0;
+  COMM_LOG(LogLevel::debug, op, " #", seq, " on communicator ", comm.id(), " (", n,
+           " ranks): ", to_others, " bytes to the other ranks, ", shm ? "shm" : "pairwise");
+  const Millis timeout = timeout_of(comm, o.timeout);
+  std::vector<int> world = world_ranks_of(comm);
+  if (shm)
+    return [shm, ticket, timeout, input, send = std::move(send), output,
+            receive = std::move(receive), staged = o.staged_bytes, world = std::move(world)] {
+      all_to_all_shm(*shm, ticket, timeout, input, send, output, receive, staged, world);
+    };
+  return [&comm, seq, timeout, input, send = std::move(send), output, receive = std::move(receive),
+          in_flight = o.steps_in_flight, verify_sizes, world = std::move(world)] {
+    OpChannel ch(comm, seq, verify_sizes ? "all_to_all_v(pairwise)" : "all_to_all(pairwise)",
+                 timeout);
+    all_to_all_pairwise(ch, input, send, output, receive, in_flight, verify_sizes, world);
+  };
+}
+
 // Moves the task into the progress thread together with what must stay alive.
 Work enqueue_keeping(Communicator& comm, Task task, const Tensor& keep) {
   return comm.enqueue([task = std::move(task), keep] { task(); });
@@ -283,6 +350,19 @@ void barrier(Communicator& comm, const CollectiveOptions& options) {
   barrier_dissemination(ch);
 }
 
+void all_to_all(Communicator& comm, const void* input, void* output, size_t bytes,
+                const CollectiveOptions& options) {
+  all_to_all_task(comm, input, equal_blocks(comm.size(), bytes), output,
+                  equal_blocks(comm.size(), bytes), false, options)();
+}
+void all_to_all_v(Communicator& comm, const void* input, const std::vector<size_t>& send_bytes,
+                  const std::vector<size_t>& send_offsets, void* output,
+                  const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets,
+                  const CollectiveOptions& options) {
+  all_to_all_task(comm, input, {send_bytes, send_offsets}, output, {recv_bytes, recv_offsets}, true,
+                  options)();
+}
+
 Work allreduce_async(Communicator& comm, void* data, size_t count, DType dtype,
                      const AllreduceOptions& options) {
   return comm.enqueue(allreduce_task(comm, data, count, dtype, options));
@@ -298,6 +378,12 @@ Work allgather_async(Communicator& comm, const void* input, void* output, size_t
 Work broadcast_async(Communicator& comm, void* data, size_t bytes, int root,
                      const CollectiveOptions& options) {
   return comm.enqueue(broadcast_task(comm, data, bytes, root, options));
+}
+
+Work all_to_all_async(Communicator& comm, const void* input, void* output, size_t bytes,
+                      const CollectiveOptions& options) {
+  return comm.enqueue(all_to_all_task(comm, input, equal_blocks(comm.size(), bytes), output,
+                                      equal_blocks(comm.size(), bytes), false, options));
 }
 
 void allreduce(Communicator& comm, const Tensor& t, const AllreduceOptions& options) {
@@ -337,6 +423,57 @@ Tensor allgather(Communicator& comm, const Tensor& input, const CollectiveOption
 void broadcast(Communicator& comm, const Tensor& t, int root, const CollectiveOptions& options) {
   check_cpu_contiguous(t, "broadcast");
   broadcast(comm, t.data_ptr(), t.nbytes(), root, options);
+}
+
+Tensor all_to_all(Communicator& comm, const Tensor& input, const CollectiveOptions& options) {
+  check_cpu_contiguous(input, "all_to_all");
+  CHECK(input.dim() >= 1 && input.size(0) % comm.size() == 0)
+      << "all_to_all: dim 0 of " << input.shape_str() << " is not a multiple of " << comm.size();
+  Tensor out = empty(input.shape(), input.dtype());
+  all_to_all(comm, input.data_ptr(), out.data_ptr(), input.nbytes() / size_t(comm.size()), options);
+  return out;
+}
+
+Tensor all_to_all_v(Communicator& comm, const Tensor& input,
+                    const std::vector<int64_t>& send_counts, std::vector<int64_t>* recv_counts,
+                    const CollectiveOptions& options) {
+  check_cpu_contiguous(input, "all_to_all_v");
+  const int n = comm.size();
+  CHECK(input.dim() >= 1) << "all_to_all_v takes a tensor of at least one dim";
+  CHECK(send_counts.size() == size_t(n))
+      << "all_to_all_v: " << send_counts.size() << " send counts for " << n << " ranks";
+  int64_t rows = 0;
+  for (int64_t count : send_counts) {
+    CHECK(count >= 0) << "all_to_all_v: a negative send count, " << count;
+    rows += count;
+  }
+  CHECK(rows == input.size(0)) << "all_to_all_v: the send counts add up to " << rows
+                               << " rows, the input " << input.shape_str() << " has "
+                               << input.size(0);
+  std::vector<int64_t> received(static_cast<size_t>(n));
+  all_to_all(comm, send_counts.data(), received.data(), sizeof(int64_t), options);
+  Shape shape = input.shape();
+  size_t row_bytes = dtype_size(input.dtype());
+  for (size_t d = 1; d < shape.size(); ++d) row_bytes *= size_t(shape[d]);
+  // Block r: the rows for (or from) rank r, after those of ranks 0 .. r-1.
+  auto layout = [&](const std::vector<int64_t>& counts) {
+    BlockLayout blocks{std::vector<size_t>(size_t(n)), std::vector<size_t>(size_t(n))};
+    size_t at = 0;
+    for (size_t r = 0; r < size_t(n); ++r) {
+      blocks.bytes[r] = size_t(counts[r]) * row_bytes;
+      blocks.offsets[r] = at;
+      at += blocks.bytes[r];
+    }
+    return blocks;
+  };
+  shape[0] = 0;
+  for (int64_t count : received) shape[0] += count;
+  Tensor out = empty(shape, input.dtype());
+  // The sizes follow from the exchanged counts: no second check.
+  all_to_all_task(comm, input.data_ptr(), layout(send_counts), out.data_ptr(), layout(received),
+                  false, options)();
+  if (recv_counts) *recv_counts = std::move(received);
+  return out;
 }
 
 }  // namespace trainer::comm

@@ -1,6 +1,6 @@
 // Collectives over a communicator, on raw CPU buffers or CPU tensors
 // (contiguous). Reductions take f32, bf16 or f16 (and f64) with sum, avg or
-// max; allgather and broadcast move bytes of any dtype. Every rank of the
+// max; allgather, broadcast and all-to-all move bytes of any dtype. Every rank of the
 // communicator calls the same collectives in the same order with the same
 // counts. The public calls validate, pack the options and pick the algorithm
 // (logged at debug level); the algorithms live in comm/allreduce_ring.cpp and
@@ -16,12 +16,16 @@
 //   allreduce(*dp, grad, {.algorithm = *parse_allreduce_algorithm("butterfly")});
 //   Tensor shard = reduce_scatter(*dp, flat, {.op = ReduceOp::sum});   // [n*k] -> [k]
 //   Tensor all = allgather(*dp, shard);                                // [k] -> [n*k]
+//   Tensor heads = all_to_all(*cp, qkv);           // block r of dim 0 to rank r: [n*k] -> [n*k]
+//   std::vector<int64_t> got;
+//   Tensor tokens = all_to_all_v(*ep, routed, rows_per_expert_rank, &got);  // MoE dispatch
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/reduce.h"
@@ -100,6 +104,14 @@ struct CollectiveOptions {
   // place over the shared-memory channel. Every rank passes the same value;
   // without a channel (ranks on several hosts) the ring runs as usual.
   bool shared_region = false;
+  // all_to_all over the shared-memory channel: a rank whose blocks for the
+  // others fit in this many bytes (at most ShmChannel::kStagingBytes, less a
+  // small header) stages them through the segment, one synchronisation and
+  // two memcpys per byte; larger ones are read from its input in place by
+  // cross-memory attach, one kernel copy and two synchronisations.
+  size_t staged_bytes = size_t(1) << 20;
+  // all_to_all over the transport: pairwise steps posted at once.
+  int steps_in_flight = 4;
 };
 
 // ---- raw buffers ----
@@ -115,6 +127,20 @@ void allgather(Communicator& comm, const void* input, void* output, size_t bytes
 void broadcast(Communicator& comm, void* data, size_t bytes, int root,
                const CollectiveOptions& options = {});
 void barrier(Communicator& comm, const CollectiveOptions& options = {});
+// input: size() blocks of bytes, block r goes to rank r; output: size()
+// blocks of bytes, block r came from rank r (block rank() is a local copy).
+// input and output must not overlap.
+void all_to_all(Communicator& comm, const void* input, void* output, size_t bytes,
+                const CollectiveOptions& options = {});
+// Variable sizes (MPI_Alltoallv): send_bytes[r] bytes at input +
+// send_offsets[r] go to rank r; recv_bytes[r] bytes from rank r land at
+// output + recv_offsets[r]. Every rank's send_bytes[r] must equal rank r's
+// recv_bytes[this rank]: a mismatch is an Error on every rank naming both
+// ranks and sizes (checked before any data moves). Zero sizes are normal.
+void all_to_all_v(Communicator& comm, const void* input, const std::vector<size_t>& send_bytes,
+                  const std::vector<size_t>& send_offsets, void* output,
+                  const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets,
+                  const CollectiveOptions& options = {});
 
 Work allreduce_async(Communicator& comm, void* data, size_t count, DType dtype,
                      const AllreduceOptions& options = {});
@@ -124,6 +150,8 @@ Work allgather_async(Communicator& comm, const void* input, void* output, size_t
                      const CollectiveOptions& options = {});
 Work broadcast_async(Communicator& comm, void* data, size_t bytes, int root,
                      const CollectiveOptions& options = {});
+Work all_to_all_async(Communicator& comm, const void* input, void* output, size_t bytes,
+                      const CollectiveOptions& options = {});
 
 // ---- CPU tensors (contiguous) ----
 void allreduce(Communicator& comm, const Tensor& t, const AllreduceOptions& options = {});
@@ -135,6 +163,17 @@ Tensor reduce_scatter(Communicator& comm, const Tensor& input,
 Tensor allgather(Communicator& comm, const Tensor& input, const CollectiveOptions& options = {});
 void broadcast(Communicator& comm, const Tensor& t, int root,
                const CollectiveOptions& options = {});
+// [size() * k, ...] -> [size() * k, ...]: block r of dim 0 goes to rank r,
+// block r of the result came from rank r.
+Tensor all_to_all(Communicator& comm, const Tensor& input, const CollectiveOptions& options = {});
+// Rows of dim 0: the first send_counts[0] rows go to rank 0, the next
+// send_counts[1] to rank 1, ...; the receive counts are exchanged first (an
+// all_to_all of one int64 per rank) and returned in *recv_counts when not
+// null; the result is [sum(recv counts), ...] with rank 0's rows first.
+Tensor all_to_all_v(Communicator& comm, const Tensor& input,
+                    const std::vector<int64_t>& send_counts,
+                    std::vector<int64_t>* recv_counts = nullptr,
+                    const CollectiveOptions& options = {});
 
 // "recursive doubling", "all-to-all", ... (for logs and tables).
 std::string_view algorithm_name(AllreduceAlgorithm algorithm);

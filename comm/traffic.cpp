@@ -12,7 +12,8 @@ Traffic traffic() {
           .broadcast = read(TrafficKind::broadcast),
           .p2p = read(TrafficKind::p2p),
           .transport = read(TrafficKind::transport),
-          .network = read(TrafficKind::network)};
+          .network = read(TrafficKind::network),
+          .all_to_all = read(TrafficKind::all_to_all)};
 }
 
 }  // namespace trainer::comm

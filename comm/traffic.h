@@ -11,6 +11,8 @@
 //   reduce_scatter  (n - 1) / n x S     (S: the input, every rank's block together)
 //   allgather       (n - 1) / n x S     (S: the output, every rank's block together)
 //   broadcast       S on every rank, the root included (what each other rank receives)
+//   all_to_all      the bytes of the blocks for the other ranks (S: the input,
+//                   n equal blocks: (n - 1) / n x S; all_to_all_v: its own sizes)
 // rounded down to whole bytes; n == 1 counts 0, and so does barrier. p2p is
 // the bytes of Communicator::send (receives count nothing: the sender counts
 // them). The blocking, the _async and the tensor forms count alike.
@@ -34,9 +36,12 @@ namespace trainer::comm {
 struct Traffic {
   uint64_t allreduce = 0, reduce_scatter = 0, allgather = 0, broadcast = 0, p2p = 0;
   uint64_t transport = 0, network = 0;
+  uint64_t all_to_all = 0;
 
   // The collectives' bus bytes plus p2p (transport and network left out).
-  uint64_t total() const { return allreduce + reduce_scatter + allgather + broadcast + p2p; }
+  uint64_t total() const {
+    return allreduce + reduce_scatter + allgather + broadcast + p2p + all_to_all;
+  }
   // Field by field: the traffic between two readings.
   Traffic operator-(const Traffic& earlier) const {
     return {allreduce - earlier.allreduce,
@@ -45,7 +50,8 @@ struct Traffic {
             broadcast - earlier.broadcast,
             p2p - earlier.p2p,
             transport - earlier.transport,
-            network - earlier.network};
+            network - earlier.network,
+            all_to_all - earlier.all_to_all};
   }
 };
 
@@ -53,8 +59,17 @@ struct Traffic {
 Traffic traffic();
 
 // ---- used by the collectives, point-to-point messages and the transport ----
-enum class TrafficKind { allreduce, reduce_scatter, allgather, broadcast, p2p, transport, network };
-constexpr int kTrafficKinds = 7;
+enum class TrafficKind {
+  allreduce,
+  reduce_scatter,
+  allgather,
+  broadcast,
+  p2p,
+  transport,
+  network,
+  all_to_all
+};
+constexpr int kTrafficKinds = 8;
 
 namespace detail {
 inline std::atomic<uint64_t> traffic_bytes[kTrafficKinds]{};

@@ -5,14 +5,14 @@
 # against the peer measured in the same run) and, with matplotlib, the
 # allreduce and data-parallel figures.
 #
-#   scripts/bench.sh                    # all: train dp allreduce matmul loader pipeline tp checkpoint fsdp
+#   scripts/bench.sh                    # all: train dp allreduce alltoall matmul loader pipeline tp checkpoint fsdp
 #   scripts/bench.sh train dp           # the named ones
 #   scripts/bench.sh --quick            # smallest sizes: checks that all run, figures not meaningful
 #   scripts/bench.sh --out DIR ...      # default bench/results/<UTC date>-<commit>
 #
 # It installs nothing. The peers it compares with, when present:
 #   PyTorch, torchvision, matplotlib:  pip install -r bench/requirements.txt
-#   OpenMPI (allreduce):               apt-get install openmpi-bin libopenmpi-dev, then scripts/setup.sh
+#   OpenMPI (allreduce, alltoall):     apt-get install openmpi-bin libopenmpi-dev, then scripts/setup.sh
 # Without them the figures of ours are still measured and the peer columns read "-".
 # train dp allreduce matmul loader take about 30 minutes on 2 cores, pipeline
 # and tp (two ranks each, with PyTorch's runs) add to that, checkpoint about 25
@@ -22,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-ALL=(train dp allreduce matmul loader pipeline tp checkpoint fsdp)
+ALL=(train dp allreduce alltoall matmul loader pipeline tp checkpoint fsdp)
 
 quick=0
 out=""
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --out) out=$2; shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    train | dp | allreduce | matmul | loader | pipeline | tp | checkpoint | fsdp) names+=("$1") ;;
+    train | dp | allreduce | alltoall | matmul | loader | pipeline | tp | checkpoint | fsdp) names+=("$1") ;;
     *) echo "bench.sh: unknown argument '$1' (benchmarks: ${ALL[*]}; options: --quick, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -43,7 +43,7 @@ done
 # with the trainer's launcher.
 binaries_of() {
   case "$1" in
-    allreduce | pipeline | checkpoint | fsdp) echo "bench_$1 trainer" ;;
+    allreduce | alltoall | pipeline | checkpoint | fsdp) echo "bench_$1 trainer" ;;
     *) echo "bench_$1" ;;
   esac
 }
@@ -98,6 +98,8 @@ commands_of() {
     dp:1) echo "$b/bench_dp --case small_cnn_28 --steps 2 --warmup 1 --rounds 1" ;;
     allreduce:0) echo "$b/trainer launch --nproc-per-node 2 --program $b/bench_allreduce -- --rounds 3" ;;
     allreduce:1) echo "$b/trainer launch --nproc-per-node 2 --program $b/bench_allreduce -- --max-bytes 65536 --rounds 1" ;;
+    alltoall:0) echo "$b/trainer launch --nproc-per-node 2 --program $b/bench_alltoall -- --rounds 3" ;;
+    alltoall:1) echo "$b/trainer launch --nproc-per-node 2 --program $b/bench_alltoall -- --max-bytes 65536 --rounds 1" ;;
     matmul:0) echo "$b/bench_matmul" ;;
     matmul:1) echo "$b/bench_matmul --quick" ;;
     loader:0) echo "$b/bench_loader" ;;

@@ -282,6 +282,51 @@ void check_async(Communicator& comm) {
       DType::f32);
 }
 
+// all_to_all on equal blocks (empty, odd, several staging areas' worth)
+// and all_to_all_v on sizes that differ per pair, some zero: element i of
+// the block from rank s to rank d is s * 1e6 + d * 1e4 + i % 10000.
+void check_all_to_all(Communicator& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  auto value = [](int source, int dest, size_t i) {
+    return double(source) * 1e6 + double(dest) * 1e4 + double(i % 10000);
+  };
+  for (size_t count : {size_t(0), size_t(13), size_t(300001)}) {
+    std::vector<float> input(count * size_t(n)), output(count * size_t(n), -1.0f);
+    for (size_t i = 0; i < input.size(); ++i)
+      input[i] = float(value(rank, int(i / count), i % count));
+    all_to_all(comm, input.data(), output.data(), count * sizeof(float));
+    expect(
+        cat("all_to_all count ", count, " (", n, " ranks)"), output,
+        [&](size_t i) { return value(int(i / count), rank, i % count); }, DType::f32);
+  }
+  // Rank s sends ((s + 2d) % 3) * 1000 + d floats to rank d: zero for some pairs.
+  auto count_of = [](int source, int dest) {
+    return size_t((source + 2 * dest) % 3) * 1000 + size_t(dest);
+  };
+  std::vector<size_t> send_bytes, send_offsets, recv_bytes, recv_offsets;
+  size_t sent = 0, received = 0;
+  for (int r = 0; r < n; ++r) {
+    send_offsets.push_back(sent * sizeof(float));
+    send_bytes.push_back(count_of(rank, r) * sizeof(float));
+    sent += count_of(rank, r);
+    recv_offsets.push_back(received * sizeof(float));
+    recv_bytes.push_back(count_of(r, rank) * sizeof(float));
+    received += count_of(r, rank);
+  }
+  std::vector<float> input(sent), output(received, -1.0f);
+  std::vector<double> expected;
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < count_of(rank, r); ++i)
+      input[send_offsets[size_t(r)] / sizeof(float) + i] = float(value(rank, r, i));
+    for (size_t i = 0; i < count_of(r, rank); ++i) expected.push_back(value(r, rank, i));
+  }
+  all_to_all_v(comm, input.data(), send_bytes, send_offsets, output.data(), recv_bytes,
+               recv_offsets);
+  expect(
+      cat("all_to_all_v (", n, " ranks)"), output, [&](size_t i) { return expected[i]; },
+      DType::f32);
+}
+
 int run_collectives(Communicator& world) {
   check_all_allreduces<float>(world);
   check_all_allreduces<bf16>(world);
@@ -298,6 +343,7 @@ int run_collectives(Communicator& world) {
   barrier(world);
   check_split(world);
   check_async(world);
+  check_all_to_all(world);
   barrier(world);
   return testing::report_checks();
 }

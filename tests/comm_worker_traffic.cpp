@@ -28,7 +28,7 @@ void expect_traffic(const std::string& what, uint64_t Traffic::*field, uint64_t 
   run();
   const Traffic d = traffic() - before;
   for (uint64_t Traffic::*f : {&Traffic::allreduce, &Traffic::reduce_scatter, &Traffic::allgather,
-                               &Traffic::broadcast, &Traffic::p2p}) {
+                               &Traffic::broadcast, &Traffic::p2p, &Traffic::all_to_all}) {
     const uint64_t want = f == field ? expected : 0;
     testing::expect(d.*f == want, cat(what, ": counted ", d.*f, " bytes in ",
                                       f == field ? "its" : "another", " field, expected ", want));
@@ -99,6 +99,18 @@ int run_traffic(Communicator& world, bool shared_memory) {
   expect_traffic("broadcast_async", &Traffic::broadcast, n > 1 ? block : 0,
                  [&] { broadcast_async(world, data.data(), block, 0).wait(); });
   expect_traffic("barrier", &Traffic::allreduce, 0, [&] { barrier(world); });
+
+  // all_to_all: the n - 1 blocks for the others; the pairwise way hands all
+  // of them to the transport, the shared-memory channel none.
+  std::vector<float> exchanged(count * size_t(n));
+  expect_traffic(
+      "all_to_all", &Traffic::all_to_all, scatter_bytes,
+      [&] { all_to_all(world, flat.data(), exchanged.data(), block); },
+      shared_memory && n > 1 ? 0 : int64_t(scatter_bytes));
+  expect_traffic("all_to_all_async", &Traffic::all_to_all, scatter_bytes,
+                 [&] { all_to_all_async(world, flat.data(), exchanged.data(), block).wait(); });
+  expect_traffic("all_to_all of a tensor", &Traffic::all_to_all, scatter_bytes,
+                 [&] { all_to_all(world, from_vector(flat)); });
 
   if (n > 1) {
     // Rank 0 sends to rank 1: the sender counts the message, the receiver nothing.
