@@ -5,8 +5,9 @@
 // softmax statistics with the same formulas, so the CPU tests check what
 // the GPU runs.
 //
-// Glossary (core/backend.h, section "attention"): B batch, T time steps,
-// NH heads, bh = b NH + h, t a query row, s a key column (s <= t).
+// Glossary (core/backend.h, section "attention"): B batch, Tq query rows,
+// Tk key rows, NH heads, bh = b NH + h, t a query row, s a key column it
+// sees (k_offset + s <= q_offset + t; one whole attention: s <= t).
 //
 //   OnlineSoftmax<float> st;                       // per query row
 //   float corr = st.rescale(tile_max);             // before a new tile
@@ -21,10 +22,29 @@
 
 namespace trainer::math {
 
-// The Philox element of the dropout draw behind m[b, h, t, s]:
-// ((b NH + h) T + t) T + s.
-TRAINER_HD uint64_t attention_dropout_index(int64_t bh, int64_t t, int64_t s, int64_t T) {
-  return uint64_t((bh * T + t) * T + s);
+// Where one call's [B, NH, Tq, Tk] block sits in the whole attention's
+// [B, NHt, Tt, Tt] dropout draw (AttentionAttrs: NHt = total_heads or NH,
+// Tt = seq_len or T, the head offset and the rows' global offsets).
+struct AttentionDropoutGrid {
+  int64_t total_heads, seq_len, head_offset, q_offset, k_offset;
+};
+
+// The Philox element of the dropout draw behind m[b, h, t, s] of a block:
+// ((b NHt + h0 + h) Tt + q0 + t) Tt + k0 + s. Consecutive s are consecutive
+// elements. One whole attention: ((b NH + h) T + t) T + s.
+TRAINER_HD uint64_t attention_dropout_index(const AttentionDropoutGrid& g, int64_t b, int64_t h,
+                                            int64_t t, int64_t s) {
+  return uint64_t(((b * g.total_heads + g.head_offset + h) * g.seq_len + g.q_offset + t) *
+                      g.seq_len +
+                  g.k_offset + s);
+}
+
+// The last key column query row t may see, k_offset + s <= q_offset + t,
+// plus one, clamped to [0, Tk]: the row's keys are the prefix [0, n).
+TRAINER_HD int64_t attention_visible_keys(int64_t t, int64_t q_offset, int64_t k_offset,
+                                          int64_t Tk) {
+  const int64_t n = q_offset + t - k_offset + 1;
+  return n < 0 ? 0 : n > Tk ? Tk : n;
 }
 
 // Whether a uniform draw of `bits` keeps its element: u < keep in double,

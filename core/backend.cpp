@@ -168,6 +168,9 @@ void Backend::attention_backward(const Tensor&, const Tensor&, const Tensor&, co
                                  const Tensor&, const Tensor&) {
   unsupported("attention_backward");
 }
+void Backend::attention_merge(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported("attention_merge");
+}
 Tensor Backend::lstm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                              const Tensor&, const Tensor&, bool, const Tensor&, const Tensor&,
                              const Tensor&) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/attention_math.h"
 #include "core/conv_attrs.h"
 #include "core/op_kinds.h"
 #include "core/rng.h"
@@ -32,14 +33,33 @@
 namespace trainer {
 
 // What the attention kernels need beyond their tensors (section "attention").
+// The defaults are one whole causal attention; context parallelism (ring
+// attention) runs one block of it per call: q's rows against k's rows at
+// other global positions, a subset of the heads, the dropout mask still
+// drawn as the whole attention draws it.
 struct AttentionAttrs {
   int64_t num_heads = 1;
   int64_t num_kv_heads = 0;  // 0: num_heads
   double scale = 1.0;        // of the scores, usually 1 / sqrt(HD)
   double dropout_p = 0.0;    // of the attention weights; 0: no dropout
   PhiloxKey dropout_key{};   // the mask's draw (used when dropout_p > 0)
+  // Global positions of q's row 0 and k's row 0: key s is visible to query t
+  // iff k_offset + s <= q_offset + t.
+  int64_t q_offset = 0;
+  int64_t k_offset = 0;
+  // The whole attention the dropout mask belongs to: its sequence length
+  // (0: T, the one-block case), the index of this call's query head 0 among
+  // its heads, and its number of heads (0: num_heads).
+  int64_t seq_len = 0;
+  int64_t head_offset = 0;
+  int64_t total_heads = 0;
   // The key/value heads KV (dividing num_heads): query head h reads kv head h / (NH / KV).
   int64_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+  // Where the dropout elements of a call with q of Tq rows sit in the draw.
+  math::AttentionDropoutGrid dropout_grid(int64_t Tq) const {
+    return {total_heads > 0 ? total_heads : num_heads, seq_len > 0 ? seq_len : Tq, head_offset,
+            q_offset, k_offset};
+  }
 };
 
 // What the rotary embedding kernels need beyond their tensors (section
@@ -256,19 +276,25 @@ class Backend {
                              const RopeAttrs& attrs, const Tensor& grad_x);
 
   // ---- attention (core/ops_transformer.h) ----
-  // Causal multi-head attention, flash-attention style: q [B, T, D], k, v
-  // [B, T, KV HD] in any strides (views into one fused QKV projection), head
+  // Causal multi-head attention, flash-attention style: q [B, Tq, D], k, v
+  // [B, Tk, KV HD] in any strides (views into one fused QKV projection), head
   // h the columns [h HD, (h + 1) HD) with HD = D / NH; with grouped-query
   // attention (KV = attrs.kv_heads() < NH) query head h reads kv head
-  // h / (NH / KV), as Hugging Face's repeat_kv. For s <= t:
-  //   lse[b, h, t] = log sum_{s <= t} exp(scale q_t . k_s)
+  // h / (NH / KV), as Hugging Face's repeat_kv. Key s is visible to query t
+  // iff k_offset + s <= q_offset + t (attrs; 0 and Tq = Tk: s <= t). Over the
+  // visible s:
+  //   lse[b, h, t] = log sum_s exp(scale q_t . k_s)
   //   p[t, s] = exp(scale q_t . k_s - lse[t]),  m[t, s] = keep / (1 - dropout_p)
-  //   out[b, t, head h] = sum_{s <= t} p[t, s] m[t, s] v_s
-  // keep[b, h, t, s] (h the query head) is element ((b NH + h) T + t) T + s of a Philox
-  // bernoulli(1 - dropout_p) draw from dropout_key (core/rng.h), so the
-  // backward redraws the forward's mask instead of storing it. out [B, T, D]
-  // and lse [B, NH, T] (f32, f64 for f64) contiguous. The kernels keep no
-  // [B, NH, T, T] tensor: scores live per (batch, head) or per tile.
+  //   out[b, t, head h] = sum_s p[t, s] m[t, s] v_s
+  // and a row that sees no key gets out 0 and lse -inf. keep[b, h, t, s]
+  // (h the query head) is Philox element ((b NHt + h0 + h) Tt + q0 + t) Tt
+  // + k0 + s of a bernoulli(1 - dropout_p) draw from dropout_key (core/rng.h;
+  // NHt = total_heads or NH, Tt = seq_len or Tq, h0 = head_offset, q0, k0 the
+  // offsets), so the backward redraws the forward's mask instead of storing
+  // it, and a block of a split attention draws the whole one's elements.
+  // out [B, Tq, D] and lse [B, NH, Tq] (f32, f64 for f64) contiguous. The
+  // kernels keep no [B, NH, Tq, Tk] tensor: scores live per (batch, head) or
+  // per tile.
   virtual void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                  const AttentionAttrs& attrs, const Tensor& out, const Tensor& lse);
   // Backward of the above, p recomputed from q, k and lse; with
@@ -276,13 +302,26 @@ class Backend {
   //   grad_v_s = sum_t p m grad_out_t,  ds = p (dp - delta_t),
   //   grad_q_t = scale sum_s ds k_s,   grad_k_s = scale sum_t ds q_t,
   // grad_k and grad_v of a kv head summing over the query heads that read it.
-  // grad_out, out contiguous [B, T, D]; grad_q [B, T, D], grad_k, grad_v
-  // [B, T, KV HD] in any strides with a unit last stride (views into one
+  // out and lse may be the merged ones of q's rows over every key block
+  // (attention_merge): p and delta are then the whole attention's, grad_q
+  // this block's share of it and grad_k, grad_v the key block's exact
+  // gradients. Rows with lse -inf get no gradient.
+  // grad_out, out contiguous [B, Tq, D]; grad_q [B, Tq, D], grad_k, grad_v
+  // [B, Tk, KV HD] in any strides with a unit last stride (views into one
   // fused gradient).
   virtual void attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   const AttentionAttrs& attrs, const Tensor& grad_q,
                                   const Tensor& grad_k, const Tensor& grad_v);
+  // Folds one block's result into a running one, in place, per (b, head h, row t):
+  //   lse' = logaddexp(lse, block_lse),
+  //   out' = out exp(lse - lse') + block_out exp(block_lse - lse')
+  // head h being the columns [h HD, (h + 1) HD) of out. out, block_out
+  // [B, Tq, D] contiguous (one floating dtype); lse, block_lse [B, NH, Tq]
+  // contiguous (f32, f64 for f64). A side with lse -inf adds nothing (both
+  // -inf: the row stays as it is).
+  virtual void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& block_out,
+                               const Tensor& block_lse);
 
   // ---- recurrent (core/ops_rnn.h) ----
   // One LSTM layer over x [B, T, I], batch first, gates i, f, g, o:

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/autocast.h"
 
@@ -146,28 +147,95 @@ struct CausalAttentionQkvFn {
   }
 };
 
-// The attributes of one call (num_kv_heads resolved: NH for 0); draws the
-// dropout key when dropout is on.
-AttentionAttrs attention_attrs(const Tensor& q, int64_t num_heads, int64_t num_kv_heads,
-                               double dropout_p, bool training, Generator& gen) {
-  int64_t B = q.size(0), T = q.size(1), D = q.size(2);
-  CHECK(num_heads >= 1 && D % num_heads == 0)
-      << "causal_attention: width " << D << " is not a multiple of " << num_heads << " heads";
+// The attributes of attention over [batch, seq_len, width] queries (op
+// names the caller in messages); draws the dropout key of the whole
+// batch x total_heads x seq_len^2 draw when dropout is on.
+AttentionAttrs attention_attrs_of(const char* op, int64_t batch, int64_t width, int64_t num_heads,
+                                  int64_t num_kv_heads, double dropout_p, bool training,
+                                  Generator& gen, int64_t seq_len, int64_t total_heads) {
+  CHECK(num_heads >= 1 && width % num_heads == 0)
+      << op << ": width " << width << " is not a multiple of " << num_heads << " heads";
   const int64_t kv_heads = num_kv_heads == 0 ? num_heads : num_kv_heads;
   CHECK(kv_heads >= 1 && num_heads % kv_heads == 0)
-      << "causal_attention: " << num_kv_heads << " key/value heads do not divide " << num_heads
-      << " heads";
+      << op << ": " << num_kv_heads << " key/value heads do not divide " << num_heads << " heads";
   CHECK(dropout_p >= 0.0 && dropout_p < 1.0)
-      << "causal_attention: dropout_p " << dropout_p << " outside [0, 1)";
+      << op << ": dropout_p " << dropout_p << " outside [0, 1)";
   AttentionAttrs attrs;
   attrs.num_heads = num_heads;
   attrs.num_kv_heads = kv_heads;
-  attrs.scale = 1.0 / std::sqrt(double(D / num_heads));
+  attrs.scale = 1.0 / std::sqrt(double(width / num_heads));
   if (training && dropout_p > 0.0) {
+    const int64_t heads = total_heads > 0 ? total_heads : num_heads;
     attrs.dropout_p = dropout_p;
-    attrs.dropout_key = gen.next(philox_uniform_blocks(uint64_t(B * num_heads * T * T)));
+    attrs.dropout_key =
+        gen.next(philox_uniform_blocks(uint64_t(batch * heads * seq_len * seq_len)));
   }
   return attrs;
+}
+
+// The attributes of one causal_attention call on q [B, T, D].
+AttentionAttrs attention_attrs(const Tensor& q, int64_t num_heads, int64_t num_kv_heads,
+                               double dropout_p, bool training, Generator& gen) {
+  return attention_attrs_of("causal_attention", q.size(0), q.size(2), num_heads, num_kv_heads,
+                            dropout_p, training, gen, q.size(1), 0);
+}
+
+// The checks of a block's q [B, Tq, D], k, v [B, Tk, KV HD] against attrs.
+void check_block_operands(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const AttentionAttrs& attrs) {
+  CHECK(q.defined() && k.defined() && v.defined()) << op << ": undefined tensor";
+  CHECK(q.dim() == 3 && k.dim() == 3 && v.shape() == k.shape() && k.size(0) == q.size(0))
+      << op << ": q " << q.shape_str() << ", k " << k.shape_str() << ", v " << v.shape_str()
+      << " must be [B, Tq, D], [B, Tk, KV HD] and [B, Tk, KV HD]";
+  CHECK(is_floating(q.dtype()) && k.dtype() == q.dtype() && v.dtype() == q.dtype())
+      << op << ": q, k, v must share a floating dtype, got " << q.dtype() << ", " << k.dtype()
+      << ", " << v.dtype();
+  CHECK(k.device() == q.device() && v.device() == q.device())
+      << op << ": q on " << q.device() << ", k on " << k.device() << ", v on " << v.device();
+  const int64_t NH = attrs.num_heads, KV = attrs.kv_heads(), D = q.size(2);
+  CHECK(NH >= 1 && D % NH == 0 && NH % KV == 0)
+      << op << ": width " << D << ", " << NH << " heads and " << KV
+      << " key/value heads: the width must split into the heads and KV divide them";
+  CHECK(k.size(2) == KV * (D / NH))
+      << op << ": k and v " << k.shape_str() << " must be [" << q.size(0) << ", Tk, "
+      << KV * (D / NH) << "] for q " << q.shape_str() << " with " << NH << " heads of " << D / NH
+      << " and " << KV << " key/value heads";
+  CHECK(attrs.q_offset >= 0 && attrs.k_offset >= 0)
+      << op << ": offsets q " << attrs.q_offset << ", k " << attrs.k_offset << " are negative";
+  if (attrs.dropout_p <= 0.0) return;
+  const int64_t Tq = q.size(1), Tk = k.size(1);
+  if (attrs.seq_len == 0)
+    CHECK(Tq == Tk && attrs.q_offset == 0 && attrs.k_offset == 0)
+        << op << ": with dropout, blocks (q " << Tq << " rows at " << attrs.q_offset << ", k " << Tk
+        << " rows at " << attrs.k_offset << ") need attrs.seq_len, the whole sequence";
+  else
+    CHECK(attrs.q_offset + Tq <= attrs.seq_len && attrs.k_offset + Tk <= attrs.seq_len)
+        << op << ": q rows [" << attrs.q_offset << ", " << attrs.q_offset + Tq << ") or k rows ["
+        << attrs.k_offset << ", " << attrs.k_offset + Tk << ") outside seq_len " << attrs.seq_len;
+  const int64_t heads = attrs.total_heads > 0 ? attrs.total_heads : NH;
+  CHECK(attrs.head_offset >= 0 && attrs.head_offset + NH <= heads)
+      << op << ": heads [" << attrs.head_offset << ", " << attrs.head_offset + NH
+      << ") outside total_heads " << heads;
+}
+
+// The checks of a block's out [B, Tq, D] (contiguous, q's dtype) and lse
+// [B, NH, Tq] (contiguous, the statistics' dtype) against q.
+void check_block_result(const char* op, const char* out_name, const Tensor& out,
+                        const char* lse_name, const Tensor& lse, const Tensor& q,
+                        int64_t num_heads) {
+  CHECK(out.defined() && lse.defined()) << op << ": undefined " << out_name << " or " << lse_name;
+  const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  CHECK(out.shape() == q.shape() && out.dtype() == q.dtype() && out.is_contiguous())
+      << op << ": " << out_name << " " << out.shape_str() << " " << out.dtype()
+      << " must be contiguous " << q.shape_str() << " " << q.dtype();
+  CHECK(lse.shape() == Shape({q.size(0), num_heads, q.size(1)}) && lse.dtype() == stat &&
+        lse.is_contiguous())
+      << op << ": " << lse_name << " " << lse.shape_str() << " " << lse.dtype()
+      << " must be contiguous [" << q.size(0) << ", " << num_heads << ", " << q.size(1) << "] "
+      << stat;
+  CHECK(out.device() == q.device() && lse.device() == q.device())
+      << op << ": " << out_name << " on " << out.device() << ", " << lse_name << " on "
+      << lse.device() << ", q on " << q.device();
 }
 
 }  // namespace
@@ -243,6 +311,75 @@ Tensor causal_attention_qkv(const Tensor& qkv_in, int64_t num_heads, double drop
   AttentionAttrs attrs =
       attention_attrs(qkv.narrow(2, 0, qkv.size(2) / 3), num_heads, 0, dropout_p, training, gen);
   return autograd::apply<CausalAttentionQkvFn>(qkv, attrs);
+}
+
+AttentionAttrs attention_block_attrs(int64_t batch, int64_t width, int64_t num_heads,
+                                     int64_t num_kv_heads, double dropout_p, bool training,
+                                     Generator& gen, int64_t seq_len, int64_t total_heads) {
+  CHECK(batch >= 0 && seq_len >= 0)
+      << "attention_block_attrs: batch " << batch << ", seq_len " << seq_len;
+  CHECK(total_heads == 0 || total_heads >= num_heads)
+      << "attention_block_attrs: total_heads " << total_heads << " below " << num_heads << " heads";
+  AttentionAttrs attrs =
+      attention_attrs_of("attention_block_attrs", batch, width, num_heads, num_kv_heads, dropout_p,
+                         training, gen, seq_len, total_heads);
+  attrs.seq_len = seq_len;
+  attrs.total_heads = total_heads > 0 ? total_heads : num_heads;
+  return attrs;
+}
+
+AttentionBlockResult attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttentionAttrs& attrs) {
+  check_block_operands("attention_block_forward", q, k, v, attrs);
+  const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  AttentionBlockResult r{empty(q.shape(), q.dtype(), q.device()),
+                         empty({q.size(0), attrs.num_heads, q.size(1)}, stat, q.device())};
+  if (q.numel() == 0) return r;
+  if (k.size(1) == 0) {  // no key at all: every row sees none
+    backend(q.device()).fill(r.out, 0.0);
+    backend(q.device()).fill(r.lse, -std::numeric_limits<double>::infinity());
+    return r;
+  }
+  backend(q.device()).attention_forward(q, k, v, attrs, r.out, r.lse);
+  return r;
+}
+
+TensorList attention_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                    const Tensor& v, const Tensor& out, const Tensor& lse,
+                                    const AttentionAttrs& attrs) {
+  const char* op = "attention_block_backward";
+  check_block_operands(op, q, k, v, attrs);
+  check_block_result(op, "out", out, "lse", lse, q, attrs.num_heads);
+  CHECK(grad_out.defined() && grad_out.shape() == q.shape() && grad_out.dtype() == q.dtype() &&
+        grad_out.device() == q.device())
+      << op << ": grad_out " << (grad_out.defined() ? grad_out.shape_str() : "undefined")
+      << " must be " << q.shape_str() << " " << q.dtype() << " on " << q.device();
+  Tensor grad_q = empty(q.shape(), q.dtype(), q.device());
+  Tensor grad_k = empty(k.shape(), k.dtype(), k.device());
+  Tensor grad_v = empty(v.shape(), v.dtype(), v.device());
+  if (q.numel() == 0 || k.numel() == 0) {  // nothing meets: no gradient
+    for (const Tensor& g : {grad_q, grad_k, grad_v}) backend(q.device()).fill(g, 0.0);
+    return {grad_q, grad_k, grad_v};
+  }
+  backend(q.device())
+      .attention_backward(grad_out.contiguous(), q, k, v, out, lse, attrs, grad_q, grad_k, grad_v);
+  return {grad_q, grad_k, grad_v};
+}
+
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& block_out,
+                     const Tensor& block_lse) {
+  const char* op = "attention_merge";
+  CHECK(out.defined() && lse.defined()) << op << ": undefined out or lse";
+  CHECK(out.dim() == 3 && is_floating(out.dtype()))
+      << op << ": out " << out.shape_str() << " " << out.dtype() << " must be floating [B, Tq, D]";
+  CHECK(lse.dim() == 3 && lse.size(1) >= 1 && out.size(2) % lse.size(1) == 0)
+      << op << ": lse " << lse.shape_str() << " must be [B, NH, Tq] with NH dividing out's width "
+      << out.size(2);
+  const int64_t num_heads = lse.size(1);
+  check_block_result(op, "out", out, "lse", lse, out, num_heads);
+  check_block_result(op, "block_out", block_out, "block_lse", block_lse, out, num_heads);
+  if (out.numel() == 0) return;
+  backend(out.device()).attention_merge(out, lse, block_out, block_lse);
 }
 
 }  // namespace trainer

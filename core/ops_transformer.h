@@ -1,7 +1,8 @@
 // Transformer ops: layer norm, RMS norm, the rotary position embedding and
 // causal scaled dot-product attention (grouped-query too), each a fused
 // kernel in the backend interface (sections "layer norm", "RMS norm",
-// "rotary embedding" and "attention").
+// "rotary embedding" and "attention"), and the attention blocks context
+// parallelism runs (ring attention).
 //
 //   Tensor y = layer_norm(x, weight, bias);                        // [..., D]
 //   Tensor y = rms_norm(x, weight, 1e-6);                          // [..., D]
@@ -11,7 +12,8 @@
 //   Tensor a = causal_attention_qkv(qkv, /*num_heads=*/6, 0.1, training, gen);  // qkv [B, T, 3D]
 //
 // Glossary: B batch, T time, D model width, NH heads, HD = D / NH head width,
-// KV key/value heads (grouped-query attention).
+// KV key/value heads (grouped-query attention); Tq, Tk the query and key
+// rows of an attention block.
 #pragma once
 
 #include <string>
@@ -86,5 +88,67 @@ Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64
 // Same result and the same dropout mask as causal_attention on the views.
 Tensor causal_attention_qkv(const Tensor& qkv, int64_t num_heads, double dropout_p, bool training,
                             Generator& gen);
+
+// ---- attention blocks (context parallelism: ring attention) ----
+// A causal attention split over the sequence runs as blocks: q's rows
+// against one block of key/value rows at a time, each at its global offset
+// (AttentionAttrs::q_offset, k_offset; key s is visible to query t iff
+// k_offset + s <= q_offset + t), the partial results folded together by
+// their log-sum-exp. No autograd and no autocast: the caller runs the
+// backward itself and passes the dtype it computes in.
+//
+//   AttentionAttrs attrs = attention_block_attrs(B, D, NH, KV, p, training, gen, T);
+//   attrs.q_offset = q_start;
+//   AttentionBlockResult acc;
+//   for (each key block kb at or before q's rows) {
+//     attrs.k_offset = kb.start;
+//     AttentionBlockResult r = attention_block_forward(q, kb.k, kb.v, attrs);
+//     if (!acc.out.defined()) acc = r; else attention_merge(acc.out, acc.lse, r.out, r.lse);
+//   }
+//   // backward, per key block, with the merged out and lse:
+//   TensorList g = attention_block_backward(grad_out, q, kb.k, kb.v, acc.out, acc.lse, attrs);
+//   // grad_q: the sum of g[0] over key blocks; g[1], g[2] kb's grad_k, grad_v.
+
+// out [B, Tq, D] in q's dtype, lse [B, NH, Tq] in f32 (f64 for f64).
+struct AttentionBlockResult {
+  Tensor out, lse;
+};
+
+// Causal attention of q [B, Tq, D] against k, v [B, Tk, KV HD] at the
+// offsets of attrs (Backend::attention_forward): a row that sees no key
+// gets out 0 and lse -inf. Any strides; with a unit last stride (narrows of
+// a fused projection or of the sequence) the CPU runs its fast kernels.
+// With dropout the mask elements are those of the whole attention's draw
+// (attrs.seq_len, head_offset, total_heads).
+AttentionBlockResult attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttentionAttrs& attrs);
+
+// The gradients of one block: new tensors grad_q [B, Tq, D] and grad_k,
+// grad_v [B, Tk, KV HD]. With out and lse the merged ones of q's rows over
+// every key block, grad_q is this block's share of q's gradient (the
+// shares add up to it) and grad_k, grad_v are the key block's exact
+// gradients from q's rows. Rows with lse -inf get none.
+TensorList attention_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                    const Tensor& v, const Tensor& out, const Tensor& lse,
+                                    const AttentionAttrs& attrs);
+
+// Folds a block's result into a running one in place (Backend::attention_merge):
+// lse = logaddexp(lse, block_lse), out = out exp(lse_old - lse) + block_out
+// exp(block_lse - lse) per (b, head, row). out, block_out [B, Tq, D]
+// contiguous of one floating dtype, lse, block_lse [B, NH, Tq] contiguous in
+// f32 (f64 for f64). A side with lse -inf adds nothing.
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& block_out,
+                     const Tensor& block_lse);
+
+// The attrs causal_attention uses for q [batch, seq_len, width] with
+// num_heads heads (scale 1 / sqrt(HD), num_kv_heads resolved: NH for 0),
+// the dropout key drawn from gen for the whole batch x total_heads x
+// seq_len x seq_len draw when training and dropout_p > 0: the same draw as
+// causal_attention's on the whole sequence with total_heads heads (0:
+// num_heads), so the same gen state gives the same mask. The caller then
+// sets the offsets (and head_offset) of its blocks.
+AttentionAttrs attention_block_attrs(int64_t batch, int64_t width, int64_t num_heads,
+                                     int64_t num_kv_heads, double dropout_p, bool training,
+                                     Generator& gen, int64_t seq_len, int64_t total_heads = 0);
 
 }  // namespace trainer

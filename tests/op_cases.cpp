@@ -147,6 +147,8 @@ std::vector<OpCase> build_table() {
   add(attention_case(2, 33, 12, 3, 0.2, /*fused_qkv=*/true));
   add(attention_case(2, 37, 24, 6, 0.0, false, /*kv_heads=*/2));  // grouped-query
   add(attention_case(1, 33, 16, 4, 0.25, false, /*kv_heads=*/1));
+  add(attention_block_case(2, 45, 12, 3, 3, /*q0=*/20, /*Tq=*/25, /*split=*/30, 0.0));
+  add(attention_block_case(1, 70, 16, 4, 2, /*q0=*/35, /*Tq=*/35, /*split=*/40, 0.25));
 
   // ---- rotary embedding ----
   add(rope_case({2, 7, 24}, 3, false));

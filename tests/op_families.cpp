@@ -366,6 +366,53 @@ OpCase attention_case(int64_t B, int64_t T, int64_t D, int64_t NH, double dropou
           .lowp_roundings = 2};
 }
 
+OpCase attention_block_case(int64_t B, int64_t T, int64_t D, int64_t NH, int64_t KV, int64_t q0,
+                            int64_t Tq, int64_t split, double dropout_p) {
+  const int64_t Dkv = KV * (D / NH), Tk = q0 + Tq;
+  const int64_t n = std::max(Tk, D / NH) * (NH / KV);
+  std::vector<Input> inputs = {range({B, T, D + 2 * Dkv}, -2, 2)};
+  return {.op = "attention",
+          .variant = with_attrs(inputs, cat("block: q rows [", q0, ", ", Tk, ") against [0, ",
+                                            split, ") and [", split, ", ", Tk, "), heads ", NH,
+                                            " kv heads ", KV, " dropout ", dropout_p)),
+          .inputs = inputs,
+          .f =
+              [=](const TensorList& t) {
+                Generator gen(3, kStreamDropout);
+                AttentionAttrs attrs = attention_block_attrs(B, D, NH, KV, dropout_p, true, gen, T);
+                attrs.q_offset = q0;
+                const Tensor q = t[0].narrow(2, 0, D).narrow(1, q0, Tq);
+                const Tensor k = t[0].narrow(2, D, Dkv), v = t[0].narrow(2, D + Dkv, Dkv);
+                const int64_t starts[] = {0, split}, lens[] = {split, Tk - split};
+                AttentionBlockResult acc;
+                for (int i = 0; i < 2; ++i) {
+                  attrs.k_offset = starts[i];
+                  AttentionBlockResult r = attention_block_forward(
+                      q, k.narrow(1, starts[i], lens[i]), v.narrow(1, starts[i], lens[i]), attrs);
+                  if (i == 0)
+                    acc = r;
+                  else
+                    attention_merge(acc.out, acc.lse, r.out, r.lse);
+                }
+                const Tensor grad_out = probe_like(acc.out).to(acc.out.device());
+                TensorList parts = {acc.out.flatten(), acc.lse.to(q.dtype()).flatten()};
+                Tensor grad_q;
+                for (int i = 0; i < 2; ++i) {
+                  attrs.k_offset = starts[i];
+                  TensorList g = attention_block_backward(
+                      grad_out, q, k.narrow(1, starts[i], lens[i]), v.narrow(1, starts[i], lens[i]),
+                      acc.out, acc.lse, attrs);
+                  grad_q = i == 0 ? g[0] : grad_q + g[0];
+                  parts.push_back(g[1].flatten());
+                  parts.push_back(g[2].flatten());
+                }
+                parts.push_back(grad_q.flatten());
+                return concat(parts, 0);
+              },
+          .reduction = {.length = n, .scale = 8 * std::sqrt(double(n))},
+          .lowp_roundings = 3};
+}
+
 OpCase rope_case(Input x, int64_t NH, bool llama3) {
   x = range(std::move(x), -2, 2);
   const int64_t T = x.shape[1];

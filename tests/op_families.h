@@ -128,6 +128,14 @@ OpCase concat_case(Input a, Input b, int dim);
 // summing over NH / KV heads too.
 OpCase attention_case(int64_t B, int64_t T, int64_t D, int64_t NH, double dropout_p,
                       bool fused_qkv = false, int64_t kv_heads = 0);
+// Two blocks of ring attention (core/ops_transformer.h, "attention
+// blocks") over views of one [B, T, D + 2 KV HD] projection: q's rows
+// [q0, q0 + Tq) against the key rows [0, split) and [split, q0 + Tq),
+// merged, each block's backward with the merged out and lse. No autograd:
+// the case returns out, lse and the gradients flattened into one tensor.
+// q0 < split: q's first rows see nothing of the second block.
+OpCase attention_block_case(int64_t B, int64_t T, int64_t D, int64_t NH, int64_t KV, int64_t q0,
+                            int64_t Tq, int64_t split, double dropout_p);
 // The rotary embedding of x [B, T, NH HD] (in [-2, 2]) at unsorted
 // positions up to 9000 (llama3 scaling when llama3): elementwise, pairs
 // turned by angles in f32.

@@ -4,7 +4,8 @@
 // without dropout (the GPU must draw the CPU's mask), odd T and head dims,
 // strided q, k, v, grouped-query heads and the fused qkv form; two-layer
 // LSTM and GRU stacks from random initial states, odd sizes, training and
-// inference.
+// inference; attention blocks of context parallelism at offsets, merged,
+// with their gradients.
 // The [cuda-host] cases check on the CPU the shared per-element math the
 // attention kernels run (core/attention_math.h).
 #include <array>
@@ -115,8 +116,20 @@ TEST_CASE("attention dropout multipliers of the shared header are the reference'
     REQUIRE(mismatches == 0);
     REQUIRE(std::abs(double(kept) / n - keep) < 0.05);
   }
-  // Element ((b NH + h) T + t) T + s, as core/backend.h states.
-  REQUIRE(math::attention_dropout_index(5, 3, 2, 7) == uint64_t((5 * 7 + 3) * 7 + 2));
+  // Element ((b NH + h) T + t) T + s, as core/backend.h states; a block's
+  // element ((b NHt + h0 + h) Tt + q0 + t) Tt + k0 + s.
+  const math::AttentionDropoutGrid whole{4, 7, 0, 0, 0}, block{6, 50, 2, 20, 9};
+  REQUIRE(math::attention_dropout_index(whole, 1, 1, 3, 2) == uint64_t((5 * 7 + 3) * 7 + 2));
+  REQUIRE(math::attention_dropout_index(block, 1, 1, 3, 2) ==
+          uint64_t(((1 * 6 + 2 + 1) * 50 + 20 + 3) * 50 + 9 + 2));
+}
+
+TEST_CASE("attention rows see a prefix of the keys", "[cuda-host]") {
+  // k_offset + s <= q_offset + t: the prefix [0, q_offset + t - k_offset + 1) of Tk keys.
+  REQUIRE(math::attention_visible_keys(3, 0, 0, 10) == 4);
+  REQUIRE(math::attention_visible_keys(3, 20, 0, 10) == 10);  // wholly visible
+  REQUIRE(math::attention_visible_keys(3, 0, 20, 10) == 0);   // wholly after
+  REQUIRE(math::attention_visible_keys(5, 10, 12, 10) == 4);
 }
 
 TEST_CASE("online softmax over key tiles gives the whole row's lse and weighted sum",
@@ -229,6 +242,60 @@ TEST_CASE("cuda attention on one fused qkv matches the CPU", "[cuda]") {
     };
     check_cuda_vs_cpu(f, in, tol.rtol, tol.atol, /*strided=*/false, /*backward=*/true,
                       "causal_attention_qkv");
+  }
+}
+
+TEST_CASE("cuda attention blocks, their merge and gradients match the CPU", "[cuda]") {
+  require_gpu_or_skip();
+  Generator gen(25);
+  // (B, T, NH, KV, HD, q0, split): q's rows [q0, T) against the keys [0,
+  // split) and [split, T), merged; q's first rows see nothing of the second
+  // block when q0 < split (block lse -inf).
+  const std::array<int64_t, 7> shapes[] = {
+      {2, 45, 3, 3, 5, 20, 30}, {1, 70, 4, 2, 72, 35, 35}, {1, 40, 2, 1, 8, 0, 33}};
+  for (DType dt : kFloating) {
+    for (const auto& [B, T, NH, KV, HD, q0, split] : shapes) {
+      for (double p : {0.0, 0.3}) {
+        INFO(dt << " B " << B << " T " << T << " NH " << NH << " KV " << KV << " HD " << HD
+                << " q0 " << q0 << " split " << split << " p " << p);
+        TensorList in = {rand_tensor({B, T, NH * HD}, gen, -1, 1, dt),
+                         rand_tensor({B, T, KV * HD}, gen, -1, 1, dt),
+                         rand_tensor({B, T, KV * HD}, gen, -1, 1, dt)};
+        const Tolerance tol = attention_tolerance(dt);
+        // out, lse and the blocks' gradients with the merged out and lse, flattened.
+        auto f = [&, B = B, T = T, NH = NH, KV = KV, HD = HD, q0 = q0,
+                  split = split](const TensorList& x) {
+          Generator drop(10, kStreamDropout);
+          AttentionAttrs attrs =
+              attention_block_attrs(B, NH * HD, NH, KV, p, /*training=*/true, drop, T);
+          attrs.q_offset = q0;
+          const Tensor q = x[0].narrow(1, q0, T - q0);
+          const int64_t starts[] = {0, split}, lens[] = {split, T - split};
+          AttentionBlockResult acc;
+          for (int i = 0; i < 2; ++i) {
+            attrs.k_offset = starts[i];
+            AttentionBlockResult r = attention_block_forward(
+                q, x[1].narrow(1, starts[i], lens[i]), x[2].narrow(1, starts[i], lens[i]), attrs);
+            if (i == 0)
+              acc = r;
+            else
+              attention_merge(acc.out, acc.lse, r.out, r.lse);
+          }
+          const Tensor grad_out = probe_like(acc.out).to(acc.out.device());
+          TensorList parts = {acc.out, acc.lse.to(dt)};
+          for (int i = 0; i < 2; ++i) {
+            attrs.k_offset = starts[i];
+            for (const Tensor& g : attention_block_backward(
+                     grad_out, q, x[1].narrow(1, starts[i], lens[i]),
+                     x[2].narrow(1, starts[i], lens[i]), acc.out, acc.lse, attrs))
+              parts.push_back(g);
+          }
+          return flat(parts);
+        };
+        check_cuda_vs_cpu(f, in, tol.rtol, tol.atol, /*strided=*/T % 2 == 1, /*backward=*/false,
+                          "attention blocks");
+      }
+    }
   }
 }
 

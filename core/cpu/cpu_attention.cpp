@@ -1,10 +1,12 @@
 // CPU fused causal attention (f32), flash-attention style: OpenMP over
 // (batch, head); within one, query rows go in tiles of kTileRows, each tile
-// against the keys it may see ([0, t0 + rows)). A tile's scores live in a
-// per-thread [kTileRows, T] scratch, so the live memory is threads x tiles,
-// never B x NH x T^2. The products are oneDNN sgemm calls on the strided
-// head views (single-threaded inside the parallel region); softmax, the
-// causal mask and dropout are vectorised row loops. The backward recomputes
+// against the keys its last row sees (a prefix [0, n) of k: [0, t0 + rows)
+// for one whole attention, all of k for a block wholly before q, none for
+// one wholly after). A tile's scores live in a per-thread [kTileRows, Tk]
+// scratch, so the live memory is threads x tiles, never B x NH x Tq x Tk.
+// The products are oneDNN sgemm calls on the strided head views
+// (single-threaded inside the parallel region); softmax, the causal mask
+// and dropout are vectorised row loops. The backward recomputes
 // each tile's probabilities from q, k and the saved lse.
 //
 // Grouped-query attention: a query head reads its kv head's views of k and
@@ -76,8 +78,13 @@ void probabilities(float* row, int64_t len, int64_t n, float lse) {
   std::fill(row + len, row + n, 0.0f);
 }
 
-// row = softmax over [0, len) (0 beyond, up to n); returns the lse.
+// row = softmax over [0, len) (0 beyond, up to n); returns the lse (-inf
+// for len 0: no key seen).
 float softmax_causal(float* row, int64_t len, int64_t n) {
+  if (len == 0) {
+    std::fill(row, row + n, 0.0f);
+    return -std::numeric_limits<float>::infinity();
+  }
   float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
   for (int64_t s = 0; s < len; ++s) mx = std::max(mx, row[s]);
@@ -95,14 +102,14 @@ float softmax_causal(float* row, int64_t len, int64_t n) {
   return mx + std::log(z);
 }
 
-// Per-thread scratch: `planes` tiles of [kTileRows, T] floats per thread,
+// Per-thread scratch: `planes` tiles of [kTileRows, Tk] floats per thread,
 // allocated through the tensor allocator (so its statistics see it).
 struct Scratch {
   Tensor buf;
   int64_t per_thread;
-  Scratch(int planes, int64_t T)
-      : buf(empty({int64_t(omp_get_max_threads()), planes, kTileRows, T})),
-        per_thread(planes * kTileRows * T) {}
+  Scratch(int planes, int64_t Tk)
+      : buf(empty({int64_t(omp_get_max_threads()), planes, kTileRows, Tk})),
+        per_thread(planes * kTileRows * Tk) {}
   float* plane(int p) const {
     return buf.data<float>() + omp_get_thread_num() * per_thread + p * kTileRows * buf.size(3);
   }
@@ -120,14 +127,16 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
   if (!fast_layout(q) || !fast_layout(k) || !fast_layout(v) || !out.is_contiguous() ||
       out.dtype() != DType::f32 || lse.dtype() != DType::f32)
     return RefBackend::attention_forward(q, k, v, attrs, out, lse);
-  const int64_t B = q.size(0), T = q.size(1), D = q.size(2), NH = attrs.num_heads, HD = D / NH;
-  const int64_t group = NH / attrs.kv_heads();
-  if (B * T * D == 0) return;
+  const int64_t B = q.size(0), Tq = q.size(1), Tk = k.size(1), D = q.size(2);
+  const int64_t NH = attrs.num_heads, HD = D / NH, group = NH / attrs.kv_heads();
+  if (B * Tq * D == 0) return;
+  const int64_t q0 = attrs.q_offset, k0 = attrs.k_offset;
   const float scale = float(attrs.scale);
   const bool drop = attrs.dropout_p > 0.0;
   const double keep = 1.0 - attrs.dropout_p;
   const float drop_scale = drop ? float(1.0 / keep) : 1.0f;
-  Scratch scratch(drop ? 2 : 1, T);
+  const math::AttentionDropoutGrid grid = attrs.dropout_grid(Tq);
+  Scratch scratch(drop ? 2 : 1, Tk);
   float* lse_all = lse.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * NH; ++bh) {
@@ -135,19 +144,27 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
     Head qh(q, b, h * HD), kh(k, b, c_kv), vh(v, b, c_kv), oh(out, b, h * HD);
     float* S = scratch.plane(0);
     float* M = drop ? scratch.plane(1) : nullptr;
-    for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
-      const int64_t rows = std::min(kTileRows, T - t0), n = t0 + rows;
+    for (int64_t t0 = 0; t0 < Tq; t0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, Tq - t0);
+      const int64_t n = math::attention_visible_keys(t0 + rows - 1, q0, k0, Tk);
+      if (n == 0) {  // the tile sees no key: out 0, lse -inf
+        for (int64_t t = t0; t < t0 + rows; ++t) {
+          std::fill(oh.row(t), oh.row(t) + HD, 0.0f);
+          lse_all[bh * Tq + t] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
       // S = scale Q_tile K^T over the keys the tile may see.
       sgemm('N', 'T', rows, n, HD, scale, qh.row(t0), qh.ld, kh.ptr, kh.ld, 0.0f, S, n);
       for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
+        const int64_t t = t0 + i, len = math::attention_visible_keys(t, q0, k0, Tk);
         float* row = S + i * n;
-        lse_all[bh * T + t] = softmax_causal(row, t + 1, n);
+        lse_all[bh * Tq + t] = softmax_causal(row, len, n);
         if (!drop) continue;
-        dropout_row(attrs.dropout_key, math::attention_dropout_index(bh, t, 0, T), t + 1, keep,
+        dropout_row(attrs.dropout_key, math::attention_dropout_index(grid, b, h, t, 0), len, keep,
                     drop_scale, M);
 #pragma omp simd
-        for (int64_t s = 0; s <= t; ++s) row[s] *= M[s];
+        for (int64_t s = 0; s < len; ++s) row[s] *= M[s];
       }
       // O_tile = P_drop V.
       sgemm('N', 'N', rows, HD, n, 1.0f, S, n, vh.ptr, vh.ld, 0.0f, oh.row(t0), oh.ld);
@@ -162,7 +179,8 @@ struct BackwardArgs {
   const Tensor &grad_out, &q, &k, &v, &out, &grad_q;
   const AttentionAttrs& attrs;
   const float* lse_all;
-  int64_t T, HD;
+  int64_t Tq, Tk, HD;
+  math::AttentionDropoutGrid grid;
 };
 
 // Query head h of batch b (bh = b NH + h): writes its grad_q and adds its
@@ -170,9 +188,11 @@ struct BackwardArgs {
 // Per tile, with P = exp(scale Q K^T - lse) recomputed:
 // dP_drop = dO V^T, dP = m dP_drop, delta_t = dO_t . O_t,
 // dS = P (dP - delta), dV += (P m)^T dO, dQ = scale dS K, dK += scale dS^T Q.
+// A row whose lse is -inf (it sees no key of the whole attention) adds nothing.
 void backward_head(const BackwardArgs& a, int64_t b, int64_t h, int64_t c_kv,
                    const Scratch& scratch, const Head& gkh, const Head& gvh) {
-  const int64_t T = a.T, HD = a.HD, bh = b * a.attrs.num_heads + h;
+  const int64_t Tq = a.Tq, Tk = a.Tk, HD = a.HD, bh = b * a.attrs.num_heads + h;
+  const int64_t q0 = a.attrs.q_offset, k0 = a.attrs.k_offset;
   const float scale = float(a.attrs.scale);
   const bool drop = a.attrs.dropout_p > 0.0;
   const double keep = 1.0 - a.attrs.dropout_p;
@@ -183,15 +203,24 @@ void backward_head(const BackwardArgs& a, int64_t b, int64_t h, int64_t c_kv,
   float* dP = scratch.plane(1);
   float* Pm = drop ? scratch.plane(2) : P;
   float* M = drop ? scratch.plane(3) : nullptr;
-  for (int64_t t0 = 0; t0 < T; t0 += kTileRows) {
-    const int64_t rows = std::min(kTileRows, T - t0), n = t0 + rows;
+  for (int64_t t0 = 0; t0 < Tq; t0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, Tq - t0);
+    const int64_t n = math::attention_visible_keys(t0 + rows - 1, q0, k0, Tk);
+    if (n == 0) {  // the tile sees no key
+      for (int64_t t = t0; t < t0 + rows; ++t) std::fill(gqh.row(t), gqh.row(t) + HD, 0.0f);
+      continue;
+    }
     sgemm('N', 'T', rows, n, HD, scale, qh.row(t0), qh.ld, kh.ptr, kh.ld, 0.0f, P, n);
     sgemm('N', 'T', rows, n, HD, 1.0f, goh.row(t0), goh.ld, vh.ptr, vh.ld, 0.0f, dP, n);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t t = t0 + i;
+      const float row_lse = a.lse_all[bh * Tq + t];
+      const int64_t len = row_lse == -std::numeric_limits<float>::infinity()
+                              ? 0
+                              : math::attention_visible_keys(t, q0, k0, Tk);
       float* p = P + i * n;
       float* dp = dP + i * n;
-      probabilities(p, t + 1, n, a.lse_all[bh * T + t]);
+      probabilities(p, len, n, row_lse);
       const float* o = oh.row(t);
       const float* go = goh.row(t);
       float delta = 0.0f;
@@ -199,18 +228,18 @@ void backward_head(const BackwardArgs& a, int64_t b, int64_t h, int64_t c_kv,
       for (int64_t c = 0; c < HD; ++c) delta += go[c] * o[c];
       if (drop) {
         float* pm = Pm + i * n;
-        dropout_row(a.attrs.dropout_key, math::attention_dropout_index(bh, t, 0, T), t + 1, keep,
-                    drop_scale, M);
+        dropout_row(a.attrs.dropout_key, math::attention_dropout_index(a.grid, b, h, t, 0), len,
+                    keep, drop_scale, M);
 #pragma omp simd
-        for (int64_t s = 0; s <= t; ++s) {
+        for (int64_t s = 0; s < len; ++s) {
           pm[s] = p[s] * M[s];
           dp[s] *= M[s];
         }
-        std::fill(pm + t + 1, pm + n, 0.0f);
+        std::fill(pm + len, pm + n, 0.0f);
       }
 #pragma omp simd
-      for (int64_t s = 0; s <= t; ++s) dp[s] = math::attention_grad_score(p[s], dp[s], delta);
-      std::fill(dp + t + 1, dp + n, 0.0f);
+      for (int64_t s = 0; s < len; ++s) dp[s] = math::attention_grad_score(p[s], dp[s], delta);
+      std::fill(dp + len, dp + n, 0.0f);
     }
     // dV[0:n] += (P m)^T dO_tile; dQ_tile = scale dS K; dK[0:n] += scale dS^T Q_tile.
     sgemm('T', 'N', n, HD, rows, 1.0f, Pm, n, goh.row(t0), goh.ld, 1.0f, gvh.ptr, gvh.ld);
@@ -221,8 +250,9 @@ void backward_head(const BackwardArgs& a, int64_t b, int64_t h, int64_t c_kv,
 
 }  // namespace
 
-// Forward: O_t = sum_{s <= t} P[t, s] m[t, s] v_s, P = softmax(scale q k^T);
-// the gradients per query head (backward_head), a kv head's grad_k and
+// Forward: O_t = sum_s P[t, s] m[t, s] v_s over the keys t sees,
+// P = exp(scale q k^T - lse) (lse possibly the merged one of a split
+// attention); the gradients per query head (backward_head), a kv head's grad_k and
 // grad_v summed over its group's query heads in order.
 void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const Tensor& out, const Tensor& lse,
@@ -241,22 +271,62 @@ void CpuBackend::attention_backward(const Tensor& grad_out, const Tensor& q, con
   if (!fast)
     return RefBackend::attention_backward(grad_out, q, k, v, out, lse, attrs, grad_q, grad_k,
                                           grad_v);
-  const int64_t B = q.size(0), T = q.size(1), D = q.size(2), NH = attrs.num_heads, HD = D / NH;
-  const int64_t KV = attrs.kv_heads(), group = NH / KV;
-  if (B * T * D == 0) return;
-  const BackwardArgs args{grad_out, q, k, v, out, grad_q, attrs, lse.data<float>(), T, HD};
+  const int64_t B = q.size(0), Tq = q.size(1), Tk = k.size(1), D = q.size(2);
+  const int64_t NH = attrs.num_heads, HD = D / NH, KV = attrs.kv_heads(), group = NH / KV;
+  if (B * Tq * D == 0) return;
+  const BackwardArgs args{
+      grad_out, q, k, v, out, grad_q, attrs, lse.data<float>(), Tq, Tk, HD, attrs.dropout_grid(Tq)};
   // Planes: P, dP (becomes dS), and with dropout P m and one mask row.
-  Scratch scratch(attrs.dropout_p > 0.0 ? 4 : 2, T);
+  Scratch scratch(attrs.dropout_p > 0.0 ? 4 : 2, Tk);
 #pragma omp parallel for schedule(static)
   for (int64_t bk = 0; bk < B * KV; ++bk) {
     const int64_t b = bk / KV, kvh = bk % KV;
     Head gkh(grad_k, b, kvh * HD), gvh(grad_v, b, kvh * HD);
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < Tk; ++t) {
       std::memset(gkh.row(t), 0, size_t(HD) * sizeof(float));
       std::memset(gvh.row(t), 0, size_t(HD) * sizeof(float));
     }
     for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
       backward_head(args, b, h, kvh * HD, scratch, gkh, gvh);
+  }
+}
+
+// lse' = logaddexp(lse, block_lse), out' = out exp(lse - lse') + block_out
+// exp(block_lse - lse') per (b, h, t), OpenMP over (b, t); a side with lse
+// -inf adds nothing. f32 here, other dtypes the reference.
+void CpuBackend::attention_merge(const Tensor& out, const Tensor& lse, const Tensor& block_out,
+                                 const Tensor& block_lse) {
+  if (out.dtype() != DType::f32 || block_out.dtype() != DType::f32 || lse.dtype() != DType::f32 ||
+      block_lse.dtype() != DType::f32)
+    return RefBackend::attention_merge(out, lse, block_out, block_lse);
+  const int64_t B = out.size(0), Tq = out.size(1), D = out.size(2), NH = lse.size(1);
+  const int64_t HD = D / NH;
+  float* o_all = out.data<float>();
+  const float* bo_all = block_out.data<float>();
+  float* lse_all = lse.data<float>();
+  const float* blse_all = block_lse.data<float>();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * Tq; ++bt) {
+    const int64_t b = bt / Tq, t = bt % Tq;
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t row = (b * NH + h) * Tq + t;
+      const float l = lse_all[row], bl = blse_all[row];
+      if (bl == kNegInf) continue;  // the block adds nothing
+      const float mx = std::max(l, bl);
+      const float merged = mx + std::log(std::exp(l - mx) + std::exp(bl - mx));
+      const float w = std::exp(l - merged), bw = std::exp(bl - merged);
+      float* o = o_all + bt * D + h * HD;
+      const float* bo = bo_all + bt * D + h * HD;
+      if (w > 0.0f) {
+#pragma omp simd
+        for (int64_t c = 0; c < HD; ++c) o[c] = o[c] * w + bo[c] * bw;
+      } else {  // lse -inf: out holds nothing yet
+#pragma omp simd
+        for (int64_t c = 0; c < HD; ++c) o[c] = bo[c] * bw;
+      }
+      lse_all[row] = merged;
+    }
   }
 }
 

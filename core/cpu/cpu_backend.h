@@ -126,6 +126,8 @@ class CpuBackend : public RefBackend {
                           const Tensor& out, const Tensor& lse, const AttentionAttrs& attrs,
                           const Tensor& grad_q, const Tensor& grad_k,
                           const Tensor& grad_v) override;
+  void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& block_out,
+                       const Tensor& block_lse) override;
 
   // ---- cpu_rnn.cpp ----
   Tensor lstm_forward(const Tensor& x, const Tensor& h0, const Tensor& c0, const Tensor& weight_ih,

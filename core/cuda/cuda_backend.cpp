@@ -191,7 +191,8 @@ AttentionOperand attention_operand(const Tensor& t) {
   return {static_cast<char*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// The launch arguments of q, k, v [B, T, D] and lse [B, NH, T]; checks dtypes.
+// The launch arguments of q [B, Tq, D], k, v [B, Tk, KV HD] and lse
+// [B, NH, Tq]; checks dtypes.
 AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& lse, const AttentionAttrs& attrs) {
   check_dtypes(op, q.dtype(), {&k, &v});
@@ -201,9 +202,11 @@ AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, c
   AttentionArgs a;
   a.q = attention_operand(q), a.k = attention_operand(k), a.v = attention_operand(v);
   a.lse = lse.data_ptr();
-  a.B = q.size(0), a.T = q.size(1), a.NH = attrs.num_heads, a.HD = q.size(2) / attrs.num_heads;
-  a.KV = attrs.kv_heads();
+  a.B = q.size(0), a.Tq = q.size(1), a.Tk = k.size(1);
+  a.NH = attrs.num_heads, a.HD = q.size(2) / attrs.num_heads, a.KV = attrs.kv_heads();
+  a.q_offset = attrs.q_offset, a.k_offset = attrs.k_offset;
   a.scale = attrs.scale, a.dropout_p = attrs.dropout_p, a.dropout_key = attrs.dropout_key;
+  a.dropout_grid = attrs.dropout_grid(a.Tq);
   return a;
 }
 
@@ -219,10 +222,10 @@ void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tens
   launch_attention_forward(a, q.dtype(), scope.stream());
 }
 
-// Forward: out_t = sum_{s <= t} p[t, s] m[t, s] v_s, p = softmax(scale q k^T).
-// With dp = m (grad_out_t . v_s) and delta_t = grad_out_t . out_t:
-// grad_v_s = sum_t p m grad_out_t, ds = p (dp - delta_t),
-// grad_q_t = scale sum_s ds k_s, grad_k_s = scale sum_t ds q_t.
+// Forward: out_t = sum_s p[t, s] m[t, s] v_s over the keys t sees,
+// p = exp(scale q k^T - lse). With dp = m (grad_out_t . v_s) and
+// delta_t = grad_out_t . out_t: grad_v_s = sum_t p m grad_out_t,
+// ds = p (dp - delta_t), grad_q_t = scale sum_s ds k_s, grad_k_s = scale sum_t ds q_t.
 void CudaBackend::attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const Tensor& out, const Tensor& lse,
                                      const AttentionAttrs& attrs, const Tensor& grad_q,
@@ -238,6 +241,24 @@ void CudaBackend::attention_backward(const Tensor& grad_out, const Tensor& q, co
   a.grad_v = attention_operand(grad_v);
   a.delta = delta.data_ptr();
   launch_attention_backward(a, q.dtype(), scope.stream());
+}
+
+// lse' = logaddexp(lse, block_lse), out' = out exp(lse - lse') + block_out
+// exp(block_lse - lse') per (b, h, t).
+void CudaBackend::attention_merge(const Tensor& out, const Tensor& lse, const Tensor& block_out,
+                                  const Tensor& block_lse) {
+  KernelScope scope("attention_merge", {&out, &lse, &block_out, &block_lse});
+  check_dtypes("attention_merge", out.dtype(), {&block_out});
+  const DType stat = out.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  check_dtypes("attention_merge", stat, {&lse, &block_lse});
+  CHECK(out.is_contiguous() && block_out.is_contiguous() && lse.is_contiguous() &&
+        block_lse.is_contiguous())
+      << "attention_merge: operands must be contiguous";
+  AttentionMergeArgs a;
+  a.out = out.data_ptr(), a.block_out = block_out.data_ptr();
+  a.lse = lse.data_ptr(), a.block_lse = block_lse.data_ptr();
+  a.B = out.size(0), a.Tq = out.size(1), a.NH = lse.size(1), a.HD = out.size(2) / lse.size(1);
+  launch_attention_merge(a, out.dtype(), scope.stream());
 }
 
 int CudaBackend::device_count() const { return cuda::device_count(); }

@@ -20,6 +20,7 @@
 
 #include <vector>
 
+#include "core/attention_math.h"
 #include "core/cuda/launch.h"
 #include "core/optim_math.h"
 
@@ -167,22 +168,36 @@ struct AttentionOperand {
   int64_t sb = 0, st = 0, sc = 0;
 };
 // The operands and attributes of Backend::attention_forward/_backward
-// (core/backend.h, section "attention"). lse and delta are [B, NH, T]
-// contiguous in acc_t<T>; delta is the backward's scratch for
-// delta_t = grad_out_t . out_t per head. k, v and their gradients have KV
-// heads (dividing NH): query head h reads kv head h / (NH / KV).
+// (core/backend.h, section "attention"): q, out, grad_out, grad_q of Tq
+// rows, k, v, grad_k, grad_v of Tk rows, key s visible to query t iff
+// k_offset + s <= q_offset + t. lse and delta are [B, NH, Tq] contiguous in
+// acc_t<T>; delta is the backward's scratch for delta_t = grad_out_t . out_t
+// per head. k, v and their gradients have KV heads (dividing NH): query head
+// h reads kv head h / (NH / KV).
 struct AttentionArgs {
   AttentionOperand q, k, v, out, grad_out, grad_q, grad_k, grad_v;
   void* lse = nullptr;
   void* delta = nullptr;
-  int64_t B = 0, T = 0, NH = 1, KV = 1, HD = 0;
+  int64_t B = 0, Tq = 0, Tk = 0, NH = 1, KV = 1, HD = 0;
+  int64_t q_offset = 0, k_offset = 0;
   double scale = 1.0, dropout_p = 0.0;
   PhiloxKey dropout_key{};
+  math::AttentionDropoutGrid dropout_grid{};
 };
 // Writes out and lse from q, k, v. Floating dtypes, HD <= kMaxAttentionHeadDim.
 void launch_attention_forward(const AttentionArgs& a, DType t, cudaStream_t stream);
 // Writes delta, then grad_q, grad_k, grad_v from grad_out, q, k, v, out and lse.
 void launch_attention_backward(const AttentionArgs& a, DType t, cudaStream_t stream);
+// Backend::attention_merge: out, block_out [B, Tq, NH HD] contiguous of dtype
+// t, lse, block_lse [B, NH, Tq] contiguous in acc_t<T>.
+struct AttentionMergeArgs {
+  void* out = nullptr;
+  const void* block_out = nullptr;
+  void* lse = nullptr;
+  const void* block_lse = nullptr;
+  int64_t B = 0, Tq = 0, NH = 1, HD = 0;
+};
+void launch_attention_merge(const AttentionMergeArgs& a, DType t, cudaStream_t stream);
 inline constexpr int64_t kMaxAttentionHeadDim = 256;
 
 // ---- optim.cu ----
