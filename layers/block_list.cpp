@@ -197,6 +197,10 @@ void Model::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup>) {
   throw Error("this model has no tensor-parallel form; use parallel.tp = 1");
 }
 
+void Model::set_context_parallel(std::shared_ptr<ContextParallelGroup>) {
+  throw Error("this model has no context-parallel form (GPT and Llama have); use parallel.cp = 1");
+}
+
 Tensor Model::output_loss(const Tensor& logits, const Tensor& targets,
                           const CrossEntropyOptions& options) const {
   return cross_entropy(logits, targets, options);

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/context_parallel.h"
 #include "layers/module.h"
 #include "layers/tensor_parallel.h"
 
@@ -158,6 +159,10 @@ class Model : public Module {
   // the whole model of one process. Models without a tensor-parallel form
   // throw Error; so do sizes g does not divide (naming the model.<key>).
   virtual void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g);
+  // Context parallelism (layers/context_parallel.h): the model runs on this
+  // rank's tokens of each sequence (g's layout: positions stay global) and
+  // its attention over g. Models without such a form throw Error.
+  virtual void set_context_parallel(std::shared_ptr<ContextParallelGroup> g);
   // The training loss of the model's output: cross_entropy(logits, targets),
   // or its vocabulary-parallel form when the output holds this rank's part
   // of the vocabulary.

@@ -52,11 +52,16 @@ Tensor LlamaAttention::forward(const Tensor& x) {
     k = (*k_proj)(x);
     v = (*v_proj)(x);
   }
-  const Tensor positions = arange(q.size(1), DType::i64, q.device());
+  const int64_t T = q.size(1);
+  const Tensor positions = cp_ ? cp_->layout(T * cp_->size()).positions_tensor(q.device())
+                               : arange(T, DType::i64, q.device());
   q = rotary_embedding(q, num_heads_, positions, rope_);
   k = rotary_embedding(k, num_kv_heads_, positions, rope_);
-  Tensor y = causal_attention(q, k, v, num_heads_, attn_dropout->p(), is_training(),
-                              attn_dropout->generator(), num_kv_heads_);
+  Tensor y = cp_ ? context_parallel_attention(q, k, v, num_heads_, num_kv_heads_,
+                                              attn_dropout->p(), is_training(),
+                                              attn_dropout->generator(), *cp_)
+                 : causal_attention(q, k, v, num_heads_, attn_dropout->p(), is_training(),
+                                    attn_dropout->generator(), num_kv_heads_);
   return (*o_proj)(y);
 }
 

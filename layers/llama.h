@@ -21,6 +21,7 @@
 #include <memory>
 
 #include "core/ops_transformer.h"
+#include "layers/context_parallel.h"
 #include "layers/linear.h"
 #include "layers/tensor_parallel.h"
 
@@ -67,6 +68,9 @@ class LlamaAttention : public Module {
   void shard(std::shared_ptr<TensorParallelGroup> g);
   int64_t local_heads() const { return num_heads_; }
   int64_t local_kv_heads() const { return num_kv_heads_; }
+  // Context parallelism: x holds this rank's tokens of g's layout (rotated
+  // at their global positions) and the attention runs over g.
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) { cp_ = std::move(g); }
 
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
   // Holds the attention weights' dropout rate and generator (the fused
@@ -78,6 +82,7 @@ class LlamaAttention : public Module {
   RopeOptions rope_;
   std::shared_ptr<TensorParallelGroup> replicated_kv_;  // set when KV < tp
   int64_t kv_head_ = 0;                                 // replicated: the head this rank uses
+  std::shared_ptr<ContextParallelGroup> cp_;
 };
 
 // SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)).

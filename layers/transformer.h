@@ -17,6 +17,7 @@
 
 #include "core/ops.h"
 #include "core/rng.h"
+#include "layers/context_parallel.h"
 #include "layers/linear.h"
 #include "layers/tensor_parallel.h"
 
@@ -89,6 +90,9 @@ class CausalSelfAttention : public Module {
   // one backward. num_heads must divide by g's size.
   void shard(std::shared_ptr<TensorParallelGroup> g);
   int64_t local_heads() const { return num_heads_; }
+  // Context parallelism: x holds this rank's tokens of g's layout and the
+  // attention runs over g (layers/context_parallel.h).
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) { cp_ = std::move(g); }
 
   std::shared_ptr<Linear> c_attn, c_proj;
   // attn_dropout holds the attention weights' dropout rate and generator
@@ -97,6 +101,7 @@ class CausalSelfAttention : public Module {
 
  private:
   int64_t num_heads_;
+  std::shared_ptr<ContextParallelGroup> cp_;
 };
 
 // nanoGPT's MLP (module name "mlp"; the class is named apart from

@@ -68,10 +68,11 @@ GPT::GPT(const GPTOptions& o) : options_(o), vocab_rows_(o.vocab_size) {
        .fn = [this](const TensorList& in) {
          const Tensor& tokens = in[0];
          CHECK(tokens.dim() == 2) << "GPT expects tokens [B, T], got " << tokens.shape_str();
-         int64_t T = tokens.size(1);
-         CHECK(T >= 1 && T <= options_.block_size)
-             << "GPT: sequence of " << T << " tokens, block size " << options_.block_size;
-         Tensor pos = arange(T, DType::i64, tokens.device());
+         const int64_t T = tokens.size(1), ranks = cp_ ? cp_->size() : 1;
+         CHECK(T >= 1 && T * ranks <= options_.block_size)
+             << "GPT: sequence of " << T * ranks << " tokens, block size " << options_.block_size;
+         Tensor pos = cp_ ? cp_->layout(T * ranks).positions_tensor(tokens.device())
+                          : arange(T, DType::i64, tokens.device());
          if (tp_ && tp_->sequence_parallel()) {
            // This rank's part of the sequence: [B, T/n, D].
            const int64_t part = T / tp_->size();
@@ -140,6 +141,20 @@ void GPT::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
     drop->set_stream_rank(uint64_t(g->rank()) + 1);
   }
   tp_ = std::move(g);
+}
+
+void GPT::set_context_parallel(std::shared_ptr<ContextParallelGroup> g) {
+  CHECK(!cp_) << "GPT::set_context_parallel: already set";
+  const int n = g->size();
+  const int64_t heads = h.empty() ? options_.n_head : h[0]->attn->local_heads();
+  if (g->attention() == ContextAttention::all_to_all && heads % n != 0)
+    throw Error(cat("model.n_head ", options_.n_head, " (", heads,
+                    " per tensor-parallel rank) is not divisible by parallel.cp ", n,
+                    ": all-to-all attention splits the heads over the context-parallel ranks; "
+                    "use parallel.cp_attention=ring"));
+  if (n == 1) return;
+  for (const std::shared_ptr<Block>& b : h) b->attn->set_context_parallel(g);
+  cp_ = std::move(g);
 }
 
 Tensor GPT::output_loss(const Tensor& logits, const Tensor& targets,

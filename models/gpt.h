@@ -83,6 +83,10 @@ class GPT : public Model {
   void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) override;
   Tensor output_loss(const Tensor& logits, const Tensor& targets,
                      const CrossEntropyOptions& options = {}) const override;
+  // Every block's attention over g; the tokens are this rank's of g's
+  // layout, wpe reads their global positions. With all-to-all attention
+  // n_head (per tp rank) must divide by g's size.
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) override;
 
   std::shared_ptr<ModuleDict> transformer;  // wte, wpe, drop, h, ln_f
   std::shared_ptr<Embedding> wte, wpe;
@@ -95,6 +99,7 @@ class GPT : public Model {
   GPTOptions options_;
   int64_t vocab_rows_ = 0;
   std::shared_ptr<TensorParallelGroup> tp_;
+  std::shared_ptr<ContextParallelGroup> cp_;
 };
 
 std::shared_ptr<GPT> make_gpt(const GPTOptions& options = {});

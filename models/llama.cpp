@@ -65,7 +65,7 @@ Llama::Llama(const LlamaOptions& o) : options_(o), vocab_rows_(o.vocab_size) {
                      const Tensor& tokens = in[0];
                      CHECK(tokens.dim() == 2)
                          << "Llama expects tokens [B, T], got " << tokens.shape_str();
-                     const int64_t T = tokens.size(1);
+                     const int64_t T = tokens.size(1) * (cp_ ? cp_->size() : 1);
                      CHECK(T >= 1 && T <= options_.max_position_embeddings)
                          << "Llama: sequence of " << T << " tokens, longest "
                          << options_.max_position_embeddings;
@@ -128,6 +128,24 @@ void Llama::shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
     norm->mark_sequence_parallel(*g);
   }
   tp_ = std::move(g);
+}
+
+void Llama::set_context_parallel(std::shared_ptr<ContextParallelGroup> g) {
+  CHECK(!cp_) << "Llama::set_context_parallel: already set";
+  const int n = g->size();
+  for (const std::shared_ptr<LlamaDecoderLayer>& l : layers) {
+    const int64_t heads = l->self_attn->local_heads(), kv = l->self_attn->local_kv_heads();
+    if (g->attention() == ContextAttention::all_to_all && (heads % n != 0 || kv % n != 0))
+      throw Error(cat("model.num_attention_heads ", options_.num_attention_heads,
+                      " and num_key_value_heads ", options_.num_key_value_heads, " (", heads,
+                      " and ", kv, " per tensor-parallel rank) must both divide by parallel.cp ",
+                      n,
+                      ": all-to-all attention splits the heads over the context-parallel ranks; "
+                      "use parallel.cp_attention=ring"));
+  }
+  if (n == 1) return;
+  for (const std::shared_ptr<LlamaDecoderLayer>& l : layers) l->self_attn->set_context_parallel(g);
+  cp_ = std::move(g);
 }
 
 Tensor Llama::output_loss(const Tensor& logits, const Tensor& targets,

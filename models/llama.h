@@ -72,6 +72,10 @@ class Llama : public Model {
   void shard_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) override;
   Tensor output_loss(const Tensor& logits, const Tensor& targets,
                      const CrossEntropyOptions& options = {}) const override;
+  // Every layer's attention over g; the tokens are this rank's of g's
+  // layout, rotated at their global positions. With all-to-all attention
+  // the query and key/value heads (per tp rank) must divide by g's size.
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) override;
 
   std::shared_ptr<ModuleDict> model;  // embed_tokens, layers, norm
   std::shared_ptr<Embedding> embed_tokens;
@@ -83,6 +87,7 @@ class Llama : public Model {
   LlamaOptions options_;
   int64_t vocab_rows_ = 0;
   std::shared_ptr<TensorParallelGroup> tp_;
+  std::shared_ptr<ContextParallelGroup> cp_;
 };
 
 std::shared_ptr<Llama> make_llama(const LlamaOptions& options = {});
