@@ -57,9 +57,8 @@ Tensor LlamaAttention::forward(const Tensor& x) {
                                : arange(T, DType::i64, q.device());
   q = rotary_embedding(q, num_heads_, positions, rope_);
   k = rotary_embedding(k, num_kv_heads_, positions, rope_);
-  Tensor y = cp_ ? context_parallel_attention(q, k, v, num_heads_, num_kv_heads_,
-                                              attn_dropout->p(), is_training(),
-                                              attn_dropout->generator(), *cp_)
+  Tensor y = cp_ ? context_parallel_attention(q, k, v, num_heads_, num_kv_heads_, attn_dropout->p(),
+                                              is_training(), attn_dropout->generator(), *cp_)
                  : causal_attention(q, k, v, num_heads_, attn_dropout->p(), is_training(),
                                     attn_dropout->generator(), num_kv_heads_);
   return (*o_proj)(y);

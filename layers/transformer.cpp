@@ -83,12 +83,12 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   CHECK(x.dim() == 3) << "CausalSelfAttention expects [B, T, D], got " << x.shape_str();
   Tensor qkv = (*c_attn)(x);  // [B, T, 3D]: q, k, v side by side
   const int64_t D = qkv.size(2) / 3;
-  Tensor y = cp_ ? context_parallel_attention(qkv.narrow(2, 0, D), qkv.narrow(2, D, D),
-                                              qkv.narrow(2, 2 * D, D), num_heads_, 0,
-                                              attn_dropout->p(), is_training(),
-                                              attn_dropout->generator(), *cp_)
-                 : causal_attention_qkv(qkv, num_heads_, attn_dropout->p(), is_training(),
-                                        attn_dropout->generator());
+  Tensor y =
+      cp_ ? context_parallel_attention(qkv.narrow(2, 0, D), qkv.narrow(2, D, D),
+                                       qkv.narrow(2, 2 * D, D), num_heads_, 0, attn_dropout->p(),
+                                       is_training(), attn_dropout->generator(), *cp_)
+          : causal_attention_qkv(qkv, num_heads_, attn_dropout->p(), is_training(),
+                                 attn_dropout->generator());
   return (*resid_dropout)((*c_proj)(y));
 }
 

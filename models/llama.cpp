@@ -138,8 +138,7 @@ void Llama::set_context_parallel(std::shared_ptr<ContextParallelGroup> g) {
     if (g->attention() == ContextAttention::all_to_all && (heads % n != 0 || kv % n != 0))
       throw Error(cat("model.num_attention_heads ", options_.num_attention_heads,
                       " and num_key_value_heads ", options_.num_key_value_heads, " (", heads,
-                      " and ", kv, " per tensor-parallel rank) must both divide by parallel.cp ",
-                      n,
+                      " and ", kv, " per tensor-parallel rank) must both divide by parallel.cp ", n,
                       ": all-to-all attention splits the heads over the context-parallel ranks; "
                       "use parallel.cp_attention=ring"));
   }

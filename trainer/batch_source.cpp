@@ -87,6 +87,10 @@ void BatchSource::load_stream_state(const std::string& dir, int64_t position) {
   restore_stream_state(dir, position);
 }
 
+void BatchSource::set_context_parallel(std::shared_ptr<ContextParallelGroup>) {
+  throw Error("context parallelism splits token windows; this data has none (use parallel.cp=1)");
+}
+
 const data::Tokenizer& BatchSource::vocab() const {
   CHECK(false) << "vocab() of a model that is not a language model";
   std::abort();

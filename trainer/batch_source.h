@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "data/text.h"
+#include "layers/context_parallel.h"
 #include "layers/module.h"
 #include "trainer/distributed.h"
 #include "trainer/metrics.h"
@@ -146,6 +147,10 @@ class BatchSource {
   // next() may give batches without tensors (position and items only), read
   // from nothing; sources where reading is cheap keep reading.
   virtual void set_reads_batches(bool /*reads*/) {}
+  // Context parallelism: batches (training, evaluation, probes) hold this
+  // rank's tokens of each window (g's layout of dim 1). Error for sources
+  // without token windows.
+  virtual void set_context_parallel(std::shared_ptr<ContextParallelGroup> g);
   bool batches_have_tensors() const { return reads_batches_; }
   // Sums over this dp rank's share of the validation set.
   virtual EvalSums evaluate_shard() = 0;

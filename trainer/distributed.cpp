@@ -60,26 +60,30 @@ int parameter_server_workers(const Recipe& r, int world_size) {
 // launch or set instead.
 std::string layout_mismatch(const Recipe& r, int world_size) {
   const ParallelRecipe& p = r.parallel;
-  const int64_t model_ranks = p.pp * p.tp;
+  const int64_t model_ranks = p.pp * p.cp * p.tp;
+  // "pp x tp", or "pp x cp x tp" when the recipe splits sequences.
+  const std::string dims = p.cp > 1 ? "pp x cp x tp" : "pp x tp";
+  const std::string sizes = p.cp > 1 ? cat(p.pp, " x ", p.cp, " x ", p.tp) : cat(p.pp, " x ", p.tp);
   const std::string ranks = cat(world_size, world_size == 1 ? " rank" : " ranks");
   if (p.dp > 0 && world_size % model_ranks == 0)
     // An explicit dp that another count would fit.
     return cat(r.source, ": parallel.dp = ", p.dp,
-               model_ranks > 1 ? cat(" x pp x tp = ", p.dp * model_ranks) : std::string(),
-               " but the job has ", ranks,
-               "; launch dp x pp x tp ranks (trainer launch --nproc-per-node ", p.dp * model_ranks,
+               model_ranks > 1 ? cat(" x ", dims, " = ", p.dp * model_ranks) : std::string(),
+               " but the job has ", ranks, "; launch dp x ", dims,
+               " ranks (trainer launch --nproc-per-node ", p.dp * model_ranks,
                ") or set parallel.dp=", world_size / model_ranks);
-  // The world is no multiple of pp x tp: no dp fits it.
+  // The world is no multiple of the model's ranks: no dp fits it.
   const std::string dp_text = p.dp > 0 ? cat(p.dp) : std::string("dp");
   const int64_t launch = p.dp > 0 ? p.dp * model_ranks : model_ranks;
-  return cat(r.source, ": the layout dp x pp x tp = ", dp_text, " x ", p.pp, " x ", p.tp,
+  return cat(r.source, ": the layout dp x ", dims, " = ", dp_text, " x ", sizes,
              p.dp > 0 ? cat(" = ", launch, " ranks") : std::string(),
-             " needs a world that is a multiple of pp x tp = ", model_ranks, ", but this job has ",
-             ranks, "; launch dp x pp x tp ranks (trainer launch --nproc-per-node ", launch,
+             " needs a world that is a multiple of ", dims, " = ", model_ranks,
+             ", but this job has ", ranks, "; launch dp x ", dims,
+             " ranks (trainer launch --nproc-per-node ", launch,
              p.dp > 0 || launch >= world_size
                  ? std::string()
                  : cat(", or ", (world_size + model_ranks - 1) / model_ranks * model_ranks),
-             ") or lower parallel.pp or parallel.tp");
+             ") or lower parallel.pp", p.cp > 1 ? ", parallel.cp" : "", " or parallel.tp");
 }
 
 // The count auto chose (parallel.micro_batches unset) and why, or the
@@ -160,6 +164,43 @@ void check_tensor_parallel_keys(const Recipe& r) {
                       "parallel.tp; use a multiple of ",
                       p.tp));
   }
+}
+
+// Context parallelism: GPT and Llama on CPU tensors, windows that split
+// into equal chunks, no sharded data parallelism yet.
+void check_context_keys(const Recipe& r) {
+  const ParallelRecipe& p = r.parallel;
+  if (p.cp == 1) return;
+  const std::string what = cat(r.source, ": parallel.cp = ", p.cp);
+  if (r.model.name != "gpt" && r.model.name != "llama")
+    throw Error(cat(
+        what, ": context parallelism splits a Transformer's sequences; model.name = ", r.model.name,
+        " has no context-parallel form (gpt and llama have); use "
+        "parallel.cp=1"));
+  if (r.device == "cuda")
+    throw Error(cat(what,
+                    " with device cuda: context-parallel attention runs on CPU tensors "
+                    "only; use device=cpu"));
+  if (zero_stage(p) > 0)
+    throw Error(cat(what, " with parallel.shard = ", p.shard,
+                    ": sharded data parallelism does not compose with context parallelism yet; "
+                    "use parallel.shard=none"));
+  if (r.parallel.mode != "allreduce")
+    throw Error(cat(what, " with parallel.mode = ", r.parallel.mode,
+                    ": context parallelism needs parallel.mode=allreduce"));
+  const int64_t seq = window_tokens(r), chunks = p.cp_load_balance ? 2 * p.cp : p.cp;
+  if (seq % chunks != 0)
+    throw Error(cat(what, ": the ", seq, "-token windows (data.seq_len) do not split into ", chunks,
+                    " equal chunks",
+                    p.cp_load_balance ? " (causal load balancing: 2 x parallel.cp of them)" : "",
+                    "; use a data.seq_len that is a multiple of ", chunks,
+                    p.cp_load_balance
+                        ? cat(", or parallel.cp_load_balance=false (a multiple of ", p.cp, ")")
+                        : std::string()));
+  if (p.sequence_parallel)
+    throw Error(cat(what,
+                    " with parallel.sequence_parallel: not supported together yet; set "
+                    "parallel.sequence_parallel=false"));
 }
 
 // The LSTM LM's wavefront: time chunks as micro-batches.
@@ -293,7 +334,8 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   check_tensor_parallel_keys(r);
   check_time_chunk_keys(r);
   check_pipeline_keys(r);
-  const int64_t model_ranks = p.pp * p.tp;
+  check_context_keys(r);
+  const int64_t model_ranks = p.pp * p.cp * p.tp;
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
   if (dp == 0 || dp * model_ranks != world_size) throw Error(layout_mismatch(r, world_size));
   ParallelLayout layout;
@@ -305,6 +347,7 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   layout.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, int(dp / shard_group)},
                                     {parallel::Dim::dp_shard, int(shard_group)},
                                     {parallel::Dim::pp, int(p.pp)},
+                                    {parallel::Dim::cp, int(p.cp)},
                                     {parallel::Dim::tp, int(p.tp)}};
   if (stage > 1 && dp > 1) check_sharding_keys(r, stage);
   if (dp > 1) shard_dtypes(r, stage);  // refuses a combination that does not apply
@@ -328,7 +371,7 @@ Distributed join_job(Recipe& recipe, bool dry_run) {
                     "parallel.tp=2 (or more, launching as many ranks per replica) or "
                     "parallel.sequence_parallel=false"));
   // A dry run started alone describes rank 0 of the layout the recipe asks for.
-  const int64_t model_ranks = recipe.parallel.pp * recipe.parallel.tp;
+  const int64_t model_ranks = recipe.parallel.pp * recipe.parallel.cp * recipe.parallel.tp;
   const bool ps = recipe.parallel.mode == "parameter_server";
   const int world = dry_run && boot.world_size == 1
                         ? int(std::max<int64_t>(recipe.parallel.dp, 1) * model_ranks +

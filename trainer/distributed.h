@@ -227,6 +227,7 @@ class DistributedRun {
  private:
   // The passes, in the order the constructor applies them.
   void apply_tensor_parallel(Session& session);
+  void apply_context_parallel(Session& session);
   void apply_pipeline(Session& session, const parallel::StageSplit& split);
   void record_split_parameters(const Session& session);
   void apply_parameter_servers(Session& session);
@@ -239,6 +240,9 @@ class DistributedRun {
   // The ranks that shard the optimizer state (and gradients, parameters)
   // among them: the dp group, or under hybrid sharding this rank's dp_shard group.
   std::shared_ptr<comm::Communicator> shard_comm() const;
+  // The ranks whose gradients and evaluation sums add up: the dp group,
+  // times the cp group under context parallelism.
+  std::shared_ptr<comm::Communicator> replica_comm() const;
   // Whether this rank counts parameter p (which it trains) in the gradient
   // norm of its replica and stage: a tensor-parallel part on every rank, a
   // whole tensor on the first tensor-parallel rank (parallel/placement.h).

@@ -16,6 +16,7 @@
 #include "comm/bootstrap.h"
 #include "comm/collectives.h"
 #include "optim/clip.h"
+#include "parallel/context_parallel.h"
 #include "parallel/device_staging.h"
 #include "parallel/fsdp.h"
 #include "parallel/pipeline_runtime.h"
@@ -86,6 +87,7 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   std::optional<parallel::StageSplit> split;
   if (dist.layout.size(parallel::Dim::pp) > 1) split = agreed_split(session, dist);
   if (dist.layout.size(parallel::Dim::tp) > 1) apply_tensor_parallel(session);
+  if (dist.layout.size(parallel::Dim::cp) > 1) apply_context_parallel(session);
   if (split) apply_pipeline(session, *split);
   // Of what this rank trains (its stage's, under a pipeline).
   if (tp_) record_split_parameters(session);
@@ -107,6 +109,16 @@ void DistributedRun::apply_tensor_parallel(Session& session) {
     std::printf("%s\n", session.tensor_parallel_note().c_str());
     std::fflush(stdout);
   }
+}
+
+void DistributedRun::apply_context_parallel(Session& session) {
+  const ParallelRecipe& p = session.recipe().parallel;
+  const ContextAttention attention =
+      p.cp_attention == "all_to_all" ? ContextAttention::all_to_all : ContextAttention::ring;
+  session.set_context_parallel(
+      make_context_group(dist_.mesh.comm(parallel::Dim::cp), attention, p.cp_load_balance));
+  session.record_pass("context", cat("cp=", p.cp, ", ", p.cp_attention,
+                                     p.cp_load_balance ? ", load-balanced" : ""));
 }
 
 void DistributedRun::record_split_parameters(const Session& session) {
@@ -143,8 +155,10 @@ void DistributedRun::apply_parameter_servers(Session& session) {
 }
 
 void DistributedRun::apply_data_parallel(Session& session) {
-  // Replicas synchronise over the dp ranks only: the other dimensions hold other parts.
-  const std::shared_ptr<comm::Communicator> dp_comm = dist_.mesh.comm(parallel::kDataParallel);
+  // Replicas synchronise over the dp ranks (and the cp ranks, whose
+  // gradients are of other tokens of the same windows): the other
+  // dimensions hold other parts.
+  const std::shared_ptr<comm::Communicator> dp_comm = replica_comm();
   // One replica: nothing to synchronise (a pipeline's stages alone).
   if (dp_comm->size() == 1) return;
   const Recipe& recipe = session.recipe();
@@ -279,6 +293,12 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
   session.set_sharded_optimizer(zero_);
 }
 
+std::shared_ptr<comm::Communicator> DistributedRun::replica_comm() const {
+  return dist_.mesh.comm(dist_.layout.size(parallel::Dim::cp) > 1
+                             ? parallel::kDataParallel | parallel::Dim::cp
+                             : parallel::kDataParallel);
+}
+
 std::shared_ptr<comm::Communicator> DistributedRun::shard_comm() const {
   return dist_.mesh.comm(dist_.layout.job.hybrid() ? parallel::Dims(parallel::Dim::dp_shard)
                                                    : parallel::kDataParallel);
@@ -286,13 +306,14 @@ std::shared_ptr<comm::Communicator> DistributedRun::shard_comm() const {
 
 bool DistributedRun::counted_in_norm(const Tensor& p) const {
   // Within one replica, the copy its placement writes: a tensor-parallel
-  // part on its rank, a whole tensor on the first tensor-parallel rank.
+  // part on its rank, a whole tensor on the first tensor-parallel rank. The
+  // cp ranks hold copies too, each norm counted as the first one's.
   auto name = names_.find(p.impl());
   CHECK(name != names_.end()) << "the gradient norm of a tensor this rank does not hold";
   const parallel::ParallelPlan& plan = session_->parallel_plan();
   parallel::MeshCoord coord = plan.coord;
   for (parallel::Dim d : parallel::kAllDims)
-    if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
+    if (parallel::kDataParallel.contains(d) || d == parallel::Dim::cp) coord.set(d, 0);
   return parallel::writes(plan.placement(name->second), coord);
 }
 

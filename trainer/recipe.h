@@ -116,9 +116,15 @@ struct TrainingRecipe {
 };
 
 struct ParallelRecipe {
-  int64_t dp = 0;  // 0: the world size divided by pp x tp
+  int64_t dp = 0;  // 0: the world size divided by pp x cp x tp
   int64_t pp = 1;
   int64_t tp = 1;
+  // Context parallelism: each sequence split over cp ranks
+  // (layers/context_parallel.h), attention by cp_attention (ring |
+  // all_to_all), rank r holding chunks r and 2 cp - 1 - r with load balancing.
+  int64_t cp = 1;
+  std::string cp_attention = "ring";
+  bool cp_load_balance = true;
   // Megatron-SP: LayerNorm and dropout regions split along the sequence
   // over the tp ranks (allgather / reduce-scatter in place of allreduces).
   bool sequence_parallel = false;

@@ -128,6 +128,15 @@ void Session::rekey_dropout(int64_t micro) {
   });
 }
 
+void Session::set_context_parallel(std::shared_ptr<ContextParallelGroup> g) {
+  try {
+    model_->set_context_parallel(g);
+    source_->set_context_parallel(std::move(g));
+  } catch (const Error& e) {
+    throw Error(cat(recipe_.source, ": ", e.what()));
+  }
+}
+
 void Session::set_tensor_parallel(std::shared_ptr<TensorParallelGroup> g) {
   CHECK(!tp_ && !plan_ && !optimizer_) << "set_tensor_parallel after the model was split";
   try {

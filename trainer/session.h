@@ -101,6 +101,12 @@ class Session {
   // nothing): a vocabulary padded to a multiple of tp (models/gpt.h).
   const std::string& tensor_parallel_note() const { return tensor_parallel_note_; }
 
+  // ---- context parallelism (cp > 1) ----
+  // The model's attention over g and the batches' tokens this rank's of
+  // g's layout (Model::set_context_parallel, BatchSource::set_context_parallel).
+  // Throws Error naming the recipe when the model or data has no such form.
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g);
+
   // ---- pipeline stages (pp > 1) ----
   // Makes this rank stage `stage` of split: what it trains, optimizes and
   // saves becomes its blocks' parameters and buffers (global names). Under

@@ -73,6 +73,7 @@ class TextBatches final : public BatchSource {
   Tensor loss_from(const StepBatch& batch, const TensorList& outputs) override;
   StepBatch probe_batch(int64_t n) override;
   void set_holds_carried_state(bool holds) override { holds_state_ = holds; }
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) override { cp_ = g; }
   EvalSums evaluate_shard() override;
   void start_eval() override;
   bool next_eval(StepBatch& batch) override;
@@ -96,6 +97,11 @@ class TextBatches final : public BatchSource {
   // until each layer has some), and back.
   RNNState whole_state() const;
   void set_whole_state(const RNNState& state);
+  // This rank's tokens of windows [N, T] under context parallelism, on the model's device.
+  Tensor local(const Tensor& windows) const {
+    const Tensor t = cp_ ? cp_->layout(windows.size(1)).local(windows).contiguous() : windows;
+    return to_device(t, module_device(*model_));
+  }
 
   const RankLayout layout_;
   const int64_t micro_batch_;
@@ -109,6 +115,7 @@ class TextBatches final : public BatchSource {
   // model inputs after the tokens); on a pipeline stage only its layers'.
   std::vector<Tensor> carried_;
   bool holds_state_ = true;  // false on a pipeline stage without the LSTM
+  std::shared_ptr<ContextParallelGroup> cp_;
   // Pipelined evaluation: the next batch (a chunk of the streams, or the
   // next of this rank's windows) and the state carried through the
   // evaluation streams, laid out as carried_.
@@ -170,9 +177,7 @@ bool TextBatches::next(StepBatch& batch) {
   if (position_ + micro_batch_ > train_windows_->windows_per_epoch()) return false;
   data::TextBatch b = train_windows_->batch(epoch_, position_, micro_batch_);
   position_ += micro_batch_;
-  const Device device = module_device(*model_);
-  batch = StepBatch{to_device(b.inputs, device), to_device(b.targets, device), position_,
-                    b.targets.numel()};
+  batch = StepBatch{local(b.inputs), local(b.targets), position_, b.targets.numel()};
   return true;
 }
 
@@ -222,8 +227,8 @@ Tensor TextBatches::loss_from(const StepBatch& batch, const TensorList& outputs)
 StepBatch TextBatches::probe_batch(int64_t n) {
   const Device device = module_device(*model_);
   const int64_t T = train_windows_->seq_len();
-  return StepBatch{to_device(zeros({n, T}, DType::i64), device),
-                   to_device(zeros({n, T}, DType::i64), device)};
+  return StepBatch{local(to_device(zeros({n, T}, DType::i64), device)),
+                   local(to_device(zeros({n, T}, DType::i64), device))};
 }
 
 Tensor TextBatches::probe_loss(int64_t n) {
@@ -240,7 +245,7 @@ EvalSums TextBatches::evaluate_shard() {
   const data::EvalWindows& val = *val_windows_;
   const Device device = module_device(*model_);
   auto on_device = [&](data::TextBatch b) {
-    return data::TextBatch{to_device(b.inputs, device), to_device(b.targets, device)};
+    return data::TextBatch{local(b.inputs), local(b.targets)};
   };
   if (val.streams() > 0) {
     // Chunk k of this rank's streams, the state carried from chunk k - 1.
@@ -299,9 +304,8 @@ bool TextBatches::next_eval(StepBatch& batch) {
   // A window starts from zeros unless the streams carry the state.
   if (val.streams() == 0) eval_carried_.assign(eval_carried_.size(), Tensor());
   data::TextBatch b = val.batch(first, micro_batch_);
-  const Device device = module_device(*model_);
-  batch = StepBatch{to_device(pad_samples(b.inputs, micro_batch_), device),
-                    to_device(b.targets, device), eval_next_, b.targets.numel()};
+  batch = StepBatch{local(pad_samples(b.inputs, micro_batch_)), local(b.targets), eval_next_,
+                    b.targets.numel()};
   return true;
 }
 
