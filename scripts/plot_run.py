@@ -84,9 +84,11 @@ def main():
             for key, style in (("top1", "o-"), ("top5", "s--")):
                 acc_ax.plot(*series(val, key), style, label=label(key))
             acc_ax.set_ylabel("validation accuracy, %")
-        elif any("bits_per_char" in r for r in val):
-            acc_ax.plot(*series(val, "bits_per_char"), "o-", label=label("bits per character"))
-            acc_ax.set_ylabel("validation bits per character")
+        else:
+            for key, what in (("bits_per_char", "character"), ("bits_per_token", "token")):
+                if any(key in r for r in val):
+                    acc_ax.plot(*series(val, key), "o-", label=label(f"bits per {what}"))
+                    acc_ax.set_ylabel(f"validation bits per {what}")
         unit = "tokens_per_second" if any("tokens_per_second" in r for r in train) else \
             "samples_per_second"
         speed_ax.plot(*series(train, unit), lw=1, label=label(unit.replace("_", " ")))

@@ -418,6 +418,31 @@ TEST_CASE("trainer plan --nodes: plans recipes/gpt_kjv.yaml without its data set
 
 // ---- CPU mode: block times measured on this machine ----
 
+TEST_CASE("trainer plan --nodes: a token directory's tokenizer gives the planned vocabulary",
+          "[parallel]") {
+  using testing::run_trainer;
+  const std::filesystem::path dir = testing::fresh_temp_dir("planner_tokens");
+  const std::string corpus = std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt";
+  const std::string model = (dir / "tok.model").string(), shards = (dir / "shards").string();
+  testing::ProcessResult r =
+      run_trainer({"tokenize", "--train", corpus, "--vocab-size", "600", "--out", model});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  r = run_trainer({"tokenize", "--model", model, corpus, "--out", shards});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const std::string recipe = std::string(TRAINER_SOURCE_DIR) + "/recipes/llama_kjv.yaml";
+  r = run_trainer({"plan", recipe, "data.path=" + shards, "--nodes", "1", "--per-node", "8"});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("planned with V=600 (the tokenizer of " + shards) != std::string::npos);
+  r = run_trainer({"plan", recipe, "data.path=/nonexistent/shards", "--nodes", "1"});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("planned with V=50257 (GPT-2's BPE: /nonexistent/shards could not be read") !=
+        std::string::npos);
+}
+
 TEST_CASE("planner: measured profiles interpolate in the micro-batch and take tp's own",
           "[parallel]") {
   const ModelDesc model = gpt_model(

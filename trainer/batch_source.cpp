@@ -53,7 +53,8 @@ std::string EvalMetrics::final_text(double best) const {
 
 Scalars EvalMetrics::scalars() const {
   if (samples == 0) return {};
-  if (language_model) return {{"loss", loss}, {"bits_per_char", bits_per_char}};
+  // bits_per_char, or bits_per_token for a subword vocabulary.
+  if (language_model) return {{"loss", loss}, {"bits_per_" + token_unit, bits_per_char}};
   return {{"loss", loss}, {"top1", top1}, {"top5", top5}};
 }
 

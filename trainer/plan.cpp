@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "data/files.h"
+#include "data/token_shards.h"
 #include "models/llama.h"
 #include "parallel/pipeline_sim.h"
 #include "parallel/schedule.h"
@@ -238,6 +239,13 @@ int64_t planning_vocab(const Recipe& recipe, std::vector<std::string>* notes) {
   if (text && (recipe.data.vocab == "byte" || recipe.data.vocab == "char")) {
     vocab = 256;
     why = recipe.data.vocab == "byte" ? "one id per byte" : "at most one id per distinct byte";
+  } else if (!text) {
+    try {
+      vocab = data::open_token_directory(recipe.data.path).tokenizer->size();
+      why = cat("the tokenizer of ", recipe.data.path);
+    } catch (const Error& e) {
+      why = cat("GPT-2's BPE: ", recipe.data.path, " could not be read: ", e.what());
+    }
   }
   notes->push_back(cat("vocabulary from the data: planned with V=", vocab, " (", why,
                        "; set model.vocab_size to plan another)"));
