@@ -148,6 +148,12 @@ TEST_CASE("tokenize: train a tokenizer, encode shards, train a GPT on them, resu
 
   ProcessResult e = ok({"eval", ra.string(), "--checkpoint", (a / "run").string()});
   CHECK(e.output.find("bits/token") != std::string::npos);
+  ProcessResult info = ok({"checkpoint", "info", last_a.string()});
+  CHECK(info.output.find("tokenizer: SentencePiece, 400 pieces, checksum " +
+                         data::checksum_hex(d.tokenizer->checksum())) != std::string::npos);
+  const std::string metrics = read_file((a / "run" / "metrics.jsonl").string());
+  CHECK(metrics.find("\"bits_per_token\"") != std::string::npos);
+  CHECK(metrics.find("\"bits_per_char\"") == std::string::npos);
   auto sample = [&](const std::vector<std::string>& extra) {
     std::vector<std::string> args = {"sample",   ra.string(), "--checkpoint", last_a.string(),
                                      "--prompt", "And God",   "--tokens",     "30",

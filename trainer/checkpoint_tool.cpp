@@ -96,11 +96,16 @@ std::string find_checkpoint(const std::string& given, const std::string& option)
 std::string checkpoint_info(const std::string& dir) {
   const TrainerStateFile file = read_trainer_state(dir);
   const TrainState& s = file.state;
-  std::string out =
-      cat("checkpoint ", dir, "\n  step ", s.step, ", epoch ", s.epoch, ", position ", s.position,
-          " per data-parallel rank; learning rate ", file.lr, "\n", "  layout: world ",
-          s.layout.world_size(), " (", parallel::to_string(s.layout.mesh),
-          s.layout.zero1 ? ", zero1" : "", ")\n", "  files:\n");
+  std::string out = cat("checkpoint ", dir, "\n  step ", s.step, ", epoch ", s.epoch, ", position ",
+                        s.position, " per data-parallel rank; learning rate ", file.lr, "\n",
+                        "  layout: world ", s.layout.world_size(), " (",
+                        parallel::to_string(s.layout.mesh), s.layout.zero1 ? ", zero1" : "", ")\n");
+  if (!file.tokenizer_checksum.empty())
+    out += cat("  tokenizer: SentencePiece, ", file.tokenizer_size, " pieces, checksum ",
+               file.tokenizer_checksum, ", model ", file.tokenizer_model, "\n");
+  else if (!file.vocab.empty())
+    out += cat("  vocabulary: ", file.vocab.size(), " symbols\n");
+  out += "  files:\n";
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path());
   std::sort(files.begin(), files.end());
