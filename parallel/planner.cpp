@@ -74,8 +74,8 @@ double value_scale(const std::string& precision) { return precision == "fp32" ? 
 }  // namespace
 
 std::string plan_label(const Plan& plan) {
-  std::string label = cat("dp=", plan.dp, " pp=", plan.pp, " tp=", plan.tp,
-                          " M=", plan.micro_batches, " b=", plan.micro_batch_size);
+  std::string label = cat("dp=", plan.dp, " pp=", plan.pp, plan.cp > 1 ? cat(" cp=", plan.cp) : "",
+                          " tp=", plan.tp, " M=", plan.micro_batches, " b=", plan.micro_batch_size);
   if (plan.pp > 1) label += " " + plan.schedule;
   if (plan.chunks > 1) label += cat(" V=", plan.chunks);
   if (plan.zero > 0) label += cat(" zero", plan.zero);
@@ -296,7 +296,9 @@ std::string to_string(Recompute recompute) {
   return "?";
 }
 
-std::string Plan::layout() const { return cat(dp, " x ", pp, " x ", tp); }
+std::string Plan::layout() const {
+  return cat(dp, " x ", pp, " x ", tp, cp > 1 ? cat(" cp", cp) : "");
+}
 
 namespace {
 
@@ -354,11 +356,12 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
     for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
       const BlockCost& block = model.blocks[i];
       params += block.params / (block.tp_split ? plan.tp : 1);
-      per_sample += block_activations(block, plan);
+      // Context parallelism: this rank's 1/cp of each sequence's tokens.
+      per_sample += block_activations(block, plan) / plan.cp;
       if (plan.recompute == Recompute::blocks) {
         Plan whole = plan;
         whole.recompute = Recompute::none;
-        largest = std::max(largest, block_activations(block, whole));
+        largest = std::max(largest, block_activations(block, whole) / plan.cp);
       }
     }
     if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
@@ -388,24 +391,62 @@ namespace {
 struct SlowestStage {
   double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0;
   double stage_params_max = 0, message_bytes = 0;
+  double cp_forward = 0, cp_backward = 0;
 };
+
+// One micro-batch of b samples through block i on a rank holding 1/cp of
+// each sequence (causal load balancing gives every rank the same share of
+// attention too): the time of b / cp whole samples, the GEMMs having as
+// many rows; below one sample, a share of one.
+BlockTime cp_block_time(const BlockTimer& timer, const ModelDesc& model, size_t i, int64_t b,
+                        const Plan& plan) {
+  if (plan.cp == 1) return timer.time(model, i, b, plan.tp);
+  const int64_t whole = std::max<int64_t>(1, b / plan.cp);
+  BlockTime t = timer.time(model, i, whole, plan.tp);
+  const double share = double(b) / double(plan.cp) / double(whole);
+  t.forward *= share;
+  t.backward *= share;
+  return t;
+}
+
+// Ring attention's messages for one block of one micro-batch that the
+// block's own compute (forward f, backward b) does not hide: forward, the
+// cp - 1 key/value blocks; backward, those again and the cp key/value
+// gradient sums (f32).
+std::pair<double, double> ring_exposed(const BlockCost& block, const Plan& plan,
+                                       const LinkSpec& link, double scale, int64_t samples,
+                                       double f, double b) {
+  if (plan.cp == 1 || block.kv_bytes == 0) return {0, 0};
+  const double split = double(plan.cp) * (block.tp_split ? plan.tp : 1);
+  const double kv = link.seconds(block.kv_bytes * double(samples) * scale / split);
+  const double sums = link.seconds(block.kv_bytes * double(samples) * 2 / split);
+  return {std::max(0.0, (plan.cp - 1) * kv - f),
+          std::max(0.0, (plan.cp - 1) * kv + plan.cp * sums - b)};
+}
 
 SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
                            const BlockTimer& timer, const Plan& plan) {
   const double scale = value_scale(request.precision);
   const LinkSpec& tp_link = request.cluster.intra;
+  // The cp ranks of a group are tp apart: on one node while cp x tp fit it.
+  const LinkSpec& cp_link =
+      plan.cp * plan.tp > request.cluster.per_node ? request.cluster.inter : tp_link;
   const int64_t b = plan.micro_batch_size;
   double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0, slowest = -1;
-  double stage_params_max = 0, message_bytes = 0;
+  double stage_params_max = 0, message_bytes = 0, cp_forward = 0, cp_backward = 0;
   for (int stage = 0; stage < plan.pp; ++stage) {
-    double f = 0, bw = 0, cf = 0, cb = 0, params = 0;
+    double f = 0, bw = 0, cf = 0, cb = 0, params = 0, rf = 0, rb = 0;
     for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
       const BlockCost& block = model.blocks[i];
-      const BlockTime t = timer.time(model, i, b, plan.tp);
+      const BlockTime t = cp_block_time(timer, model, i, b, plan);
       double extra = 0;
       if (plan.recompute == Recompute::blocks) extra = t.forward;
       if (plan.recompute == Recompute::selective && block.forward_flops > 0)
         extra = t.forward * block.selective_flops / block.forward_flops;
+      const auto [ring_f, ring_b] =
+          ring_exposed(block, plan, cp_link, scale, b, t.forward, t.backward);
+      rf += ring_f;
+      rb += ring_b;
       f += t.forward;
       bw += t.backward + extra;
       params += block.params / (block.tp_split ? plan.tp : 1);
@@ -419,18 +460,21 @@ SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
     }
     if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
     stage_params_max = std::max(stage_params_max, params);
-    if (f + bw + cf + cb > slowest) {
-      slowest = f + bw + cf + cb;
+    if (f + bw + cf + cb + rf + rb > slowest) {
+      slowest = f + bw + cf + cb + rf + rb;
       forward = f, backward = bw, tp_forward = cf, tp_backward = cb;
+      cp_forward = rf, cp_backward = rb;
     }
     if (stage + 1 < plan.pp) {
       const BlockCost& last = model.blocks[stage_end(model, plan, stage) - 1];
       // Megatron's scatter-gather: each tp rank sends 1/tp of the activation.
       const double split = last.tp_split ? plan.tp : 1;
-      message_bytes = std::max(message_bytes, last.output_bytes * double(b) * scale / split);
+      message_bytes =
+          std::max(message_bytes, last.output_bytes * double(b) * scale / split / plan.cp);
     }
   }
-  return {forward, backward, tp_forward, tp_backward, stage_params_max, message_bytes};
+  return {forward,          backward,      tp_forward, tp_backward,
+          stage_params_max, message_bytes, cp_forward, cp_backward};
 }
 
 // The plan's memory: that of its fullest stage, and which stage it is. With
@@ -494,30 +538,36 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   if (plan.stage_starts.empty())
     plan.stage_starts = split_for(model, timer, plan.pp, plan.schedule == "interleaved");
   const int64_t b = plan.micro_batch_size;
-  const auto [forward, backward, tp_forward, tp_backward, stage_params_max, message_bytes] =
-      slowest_stage(model, request, timer, plan);
+  const SlowestStage s = slowest_stage(model, request, timer, plan);
+  const double forward = s.forward, backward = s.backward, tp_forward = s.tp_forward,
+               tp_backward = s.tp_backward, stage_params_max = s.stage_params_max;
 
   const int M = plan.micro_batches;
   StepTerms& terms = plan.terms;
   const double pipeline = pipeline_step_time(plan.schedule, plan.pp, M, plan.chunks,
-                                             forward + tp_forward, backward + tp_backward);
+                                             forward + tp_forward + s.cp_forward,
+                                             backward + tp_backward + s.cp_backward);
   terms.compute = M * (forward + backward);
   terms.tp_comm = M * (tp_forward + tp_backward);
-  terms.bubble = std::max(0.0, pipeline - terms.compute - terms.tp_comm);
+  terms.cp_comm = M * (s.cp_forward + s.cp_backward);
+  terms.bubble = std::max(0.0, pipeline - terms.compute - terms.tp_comm - terms.cp_comm);
   if (plan.pp > 1) {
     const LinkSpec& link =
-        plan.tp * plan.pp > cluster.per_node ? cluster.inter : cluster.p2p_inside();
+        plan.tp * plan.cp * plan.pp > cluster.per_node ? cluster.inter : cluster.p2p_inside();
     // Each micro-batch crosses V chunk boundaries per stage both ways; the
     // pipeline's fill and drain add P - 1 more of each to the critical path.
-    terms.pp_comm = 2 * link.seconds(message_bytes) * (double(M) * plan.chunks + plan.pp - 1);
+    terms.pp_comm = 2 * link.seconds(s.message_bytes) * (double(M) * plan.chunks + plan.pp - 1);
   }
-  if (plan.dp > 1) {
+  // Gradients average over the dp ranks and, under context parallelism,
+  // the cp ranks (other tokens of the same sequences) in one allreduce.
+  const int replicas = plan.dp * plan.cp;
+  if (replicas > 1) {
     const LinkSpec& link =
-        plan.tp * plan.pp * plan.dp > cluster.per_node ? cluster.inter : cluster.intra;
+        plan.tp * plan.pp * replicas > cluster.per_node ? cluster.inter : cluster.intra;
     const double grad_bytes = stage_params_max * (request.precision == "fp32" ? 4 : 2);
-    const double sync = ring_allreduce(link, plan.dp, grad_bytes);
+    const double sync = ring_allreduce(link, replicas, grad_bytes);
     const double last_bucket =
-        ring_allreduce(link, plan.dp, std::min(grad_bytes, request.bucket_mb * kMiB));
+        ring_allreduce(link, replicas, std::min(grad_bytes, request.bucket_mb * kMiB));
     // Buckets reduce while the last micro-batch's backward runs; the last one after it.
     terms.dp_exposed =
         request.overlap_dp ? std::max(last_bucket, sync - (backward + tp_backward)) : sync;
@@ -635,7 +685,8 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
   // With the optimizer timed, ZeRO-1 may be the faster (it updates
   // 1/dp of the parameters): then it is dominated only by itself.
   const bool zero_may_win = request.optimizer_seconds_per_param > 0;
-  const int max_zero = !request.allow_zero1 || base.dp == 1 ? 0 : request.max_zero;
+  // The trainer runs context parallelism without ZeRO.
+  const int max_zero = !request.allow_zero1 || base.dp == 1 || base.cp > 1 ? 0 : request.max_zero;
   bool fits[3][4] = {};
   // Scores a variant: true when it fits (it then joins the ranking).
   auto score = [&](Plan plan) {
@@ -671,13 +722,73 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
     // sharded plan above; it takes more memory, and its cross-host traffic
     // is one allreduce of a shard.
     const int per_host = request.cluster.per_node / (base.tp * base.pp);
-    if (per_host < 2 || per_host >= base.dp || base.dp % per_host != 0) continue;
+    if (max_zero == 0 || per_host < 2 || per_host >= base.dp || base.dp % per_host != 0) continue;
     for (int zero = 1; zero <= max_zero; ++zero) {
       Plan plan = base;
       plan.zero = zero;
       plan.replicas = base.dp / per_host;
       plan.recompute = recompute;
       score(std::move(plan));
+    }
+  }
+}
+
+// The context-parallel sizes worth scoring among the divisors of `ranks`:
+// 1, and for a model with attention each cp whose 2 cp chunks split the
+// sequence evenly (causal load balancing), up to max_cp.
+std::vector<int> context_sizes(const ModelDesc& model, int ranks, int max_cp) {
+  bool attention = false;
+  for (const BlockCost& b : model.blocks) attention = attention || b.kv_bytes > 0;
+  std::vector<int> sizes;
+  for (int cp : divisors(ranks))
+    if (cp == 1 ||
+        (attention && cp <= max_cp && int64_t(model.tokens_per_sample) % (2 * int64_t(cp)) == 0))
+      sizes.push_back(cp);
+  return sizes;
+}
+
+struct LayoutChoice {
+  int tp = 1, cp = 1;
+  std::map<int, std::vector<size_t>>* balanced;  // the balanced stage split per pp
+};
+
+// Every pp (dp the rest of the ranks), micro-batch count and schedule at
+// the given tp and cp.
+void score_layouts(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
+                   const LayoutChoice& c, PlanResult& result, Rejections& rejected) {
+  const int world = request.cluster.world(), blocks = int(model.blocks.size());
+  for (int pp : divisors(world / c.tp / c.cp)) {
+    const int dp = world / c.tp / c.cp / pp;
+    const std::string layout =
+        cat("dp=", dp, " pp=", pp, c.cp > 1 ? cat(" cp=", c.cp) : "", " tp=", c.tp);
+    if (pp > blocks) {
+      rejected.add("more stages than blocks",
+                   cat(layout, ": ", blocks, " blocks cannot fill ", pp, " stages"));
+      continue;
+    }
+    if (request.global_batch % dp != 0) {
+      rejected.add("dp does not divide training.global_batch",
+                   cat(layout, ": global_batch ", request.global_batch, " over ", dp, " replicas"));
+      continue;
+    }
+    auto& balanced = *c.balanced;
+    if (!balanced.count(pp)) balanced[pp] = split_for(model, timer, pp, false);
+    const int per_replica = int(request.global_batch / dp);
+    for (int M : divisors(per_replica)) {
+      for (const auto& [schedule, chunks] : schedules_for(model, request, pp, M)) {
+        Plan plan;
+        plan.dp = dp, plan.pp = pp, plan.tp = c.tp, plan.cp = c.cp;
+        plan.micro_batches = M;
+        plan.micro_batch_size = per_replica / M;
+        plan.schedule = schedule;
+        plan.chunks = chunks;
+        // Sequence parallelism moves the same bytes (reduce-scatter +
+        // all-gather = allreduce) and saves memory: always on with tp
+        // (the trainer runs it without context parallelism).
+        plan.sequence_parallel = c.tp > 1 && model.n_head > 0 && c.cp == 1;
+        if (schedule != "interleaved") plan.stage_starts = balanced[pp];
+        score_variants(model, request, timer, plan, result, rejected);
+      }
     }
   }
 }
@@ -693,9 +804,7 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
   PlanResult result;
   Rejections rejected;
   const int world = cluster.world();
-  const int blocks = int(model.blocks.size());
   std::map<int, std::vector<size_t>> balanced;  // per pp
-
   for (int tp : divisors(world)) {
     std::string reason;
     const std::string problem = tp_problem(model, cluster, tp, &reason);
@@ -703,42 +812,15 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
       rejected.add(reason, problem);
       continue;
     }
-    for (int pp : divisors(world / tp)) {
-      const int dp = world / tp / pp;
-      const std::string layout = cat("dp=", dp, " pp=", pp, " tp=", tp);
-      if (pp > blocks) {
-        rejected.add("more stages than blocks",
-                     cat(layout, ": ", blocks, " blocks cannot fill ", pp, " stages"));
-        continue;
-      }
-      if (request.global_batch % dp != 0) {
-        rejected.add(
-            "dp does not divide training.global_batch",
-            cat(layout, ": global_batch ", request.global_batch, " over ", dp, " replicas"));
-        continue;
-      }
-      if (!balanced.count(pp)) balanced[pp] = split_for(model, timer, pp, false);
-      const int per_replica = int(request.global_batch / dp);
-      for (int M : divisors(per_replica)) {
-        for (const auto& [schedule, chunks] : schedules_for(model, request, pp, M)) {
-          Plan plan;
-          plan.dp = dp, plan.pp = pp, plan.tp = tp;
-          plan.micro_batches = M;
-          plan.micro_batch_size = per_replica / M;
-          plan.schedule = schedule;
-          plan.chunks = chunks;
-          // Sequence parallelism moves the same bytes (reduce-scatter +
-          // all-gather = allreduce) and saves memory: always on with tp.
-          plan.sequence_parallel = tp > 1 && model.n_head > 0;
-          if (schedule != "interleaved") plan.stage_starts = balanced[pp];
-          score_variants(model, request, timer, plan, result, rejected);
-        }
-      }
-    }
+    for (int cp : context_sizes(model, world / tp, request.max_cp))
+      score_layouts(model, request, timer, {tp, cp, &balanced}, result, rejected);
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Plan& x, const Plan& y) {
+    // Equal times: fewer context-parallel ranks (the cost model counts
+    // neither the merges nor the ring's latency), then less memory.
     const double tx = x.terms.total(), ty = y.terms.total();
-    return tx != ty ? tx < ty : x.memory < y.memory;
+    if (tx != ty) return tx < ty;
+    return x.cp != y.cp ? x.cp < y.cp : x.memory < y.memory;
   });
   result.rejected = rejected.take();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -806,7 +888,8 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
     out += cat("\nbest: ", plan_label(best), ": step ", ms(t.total()), " ms = compute ",
                ms(t.compute), " + bubble ", ms(t.bubble), " + tp comm ", ms(t.tp_comm),
                " + pp comm ", ms(t.pp_comm), " + dp comm exposed ", ms(t.dp_exposed),
-               t.optimizer > 0 ? " + optimizer " + ms(t.optimizer) : std::string(), " ms\n");
+               t.optimizer > 0 ? " + optimizer " + ms(t.optimizer) : std::string(),
+               best.cp > 1 ? " + cp comm exposed " + ms(t.cp_comm) : std::string(), " ms\n");
     out += cat("      ", fixed(best.memory / kGiB, 1), " GiB on the fullest rank (stage ",
                best.memory_stage, "), MFU ", fixed(100 * best.model_flops_utilisation, 1), "%, ",
                fixed(best.hardware_flops_per_gpu / 1e12, 1),
@@ -818,6 +901,7 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
 std::string plan_overrides(const Plan& plan) {
   std::string out = cat("parallel.dp=", plan.dp, " parallel.pp=", plan.pp, " parallel.tp=", plan.tp,
                         " parallel.micro_batches=", plan.micro_batches);
+  if (plan.cp > 1) out += cat(" parallel.cp=", plan.cp);
   if (plan.pp > 1) out += " parallel.schedule=" + plan.schedule;
   if (plan.chunks > 1) out += cat(" parallel.virtual_stages=", plan.chunks);
   if (plan.pp > 1 && plan.schedule != "interleaved") {

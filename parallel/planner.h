@@ -118,6 +118,9 @@ struct BlockCost {
   double gemm_width = 1;
   bool tp_split = false;  // tensor parallelism splits this block
   bool is_layer = false;  // a repeated transformer layer (interleaved chunks count these)
+  // Attention's keys and values (both, whole sequence, 16 bits): what ring
+  // attention passes around the cp ranks; 0 for blocks without attention.
+  double kv_bytes = 0;
 };
 
 struct ModelDesc {
@@ -279,6 +282,11 @@ struct PlanRequest {
   // gradients too, 3 the parameters too (2 and 3 on CPUs, as the trainer
   // runs them: cpu_plan_request sets 3).
   int max_zero = 1;
+  // Context parallelism up to this many ranks per sequence (1: not
+  // scored), for models with attention whose sequence splits into 2 cp
+  // chunks; scored without ZeRO or sequence parallelism, as the trainer
+  // runs it.
+  int max_cp = 16;
 };
 
 struct StepTerms {
@@ -288,11 +296,17 @@ struct StepTerms {
   double pp_comm = 0;     // activation and gradient messages between stages
   double dp_exposed = 0;  // the gradient sync backward does not hide
   double optimizer = 0;   // the optimizer step over the fullest stage's parameters
-  double total() const { return compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer; }
+  double cp_comm = 0;     // M (ring attention's messages compute does not hide)
+  double total() const {
+    return compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + cp_comm;
+  }
 };
 
 struct Plan {
   int dp = 1, pp = 1, tp = 1;
+  // Context parallelism: each sequence over cp ranks (ring attention; no
+  // ZeRO or sequence parallelism with it, as the trainer runs it).
+  int cp = 1;
   int micro_batches = 1;
   int64_t micro_batch_size = 1;   // samples
   std::string schedule = "none";  // none (pp = 1) | gpipe | 1f1b | interleaved | zbh1
@@ -312,7 +326,7 @@ struct Plan {
   double model_flops_utilisation = 0;  // model FLOPs (no recomputation) / peak
   double hardware_flops_per_gpu = 0;   // FLOP/s per GPU, counting recomputation
   std::vector<size_t> stage_starts;    // first block of each stage
-  std::string layout() const;          // "16 x 8 x 8"
+  std::string layout() const;          // "16 x 8 x 8", "4 x 1 x 2 cp4"
 };
 
 struct Rejection {

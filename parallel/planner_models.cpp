@@ -64,6 +64,7 @@ ModelDesc gpt_model(const GptShape& shape) {
         .gemm_width = d,
         .tp_split = true,
         .is_layer = true,
+        .kv_bytes = 4 * T * d,  // K and V at 16 bits
     });
   // Final layer norm and the logits (vocabulary-parallel, fp32 softmax kept for backward).
   model.blocks.push_back({.name = "head",
@@ -118,6 +119,7 @@ ModelDesc llama_model(const LlamaShape& shape) {
         .gemm_width = d,
         .tp_split = true,
         .is_layer = true,
+        .kv_bytes = 4 * T * kv,  // K and V at 16 bits
     });
   model.blocks.push_back({.name = "head",
                           .params = shape.tie_weights ? d : V * d + d,

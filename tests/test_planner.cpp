@@ -236,7 +236,7 @@ TEST_CASE("planner: tp stays inside a node and divides the heads", "[parallel]")
   REQUIRE(!result.ranked.empty());
   for (const Plan& plan : result.ranked) {
     CHECK(plan.tp <= 4);
-    CHECK(plan.dp * plan.pp * plan.tp == 16);
+    CHECK(plan.dp * plan.pp * plan.cp * plan.tp == 16);
     CHECK(int64_t(plan.dp) * plan.micro_batches * plan.micro_batch_size == 64);
   }
   CHECK(rejected_for(result, "tp crosses hosts"));
@@ -262,7 +262,8 @@ TEST_CASE("planner: known answers on small clusters", "[parallel]") {
     REQUIRE(!result.ranked.empty());
     INFO(plan_table(result, 5, gpt_model(kGpt13B)));
     CHECK(rejected_for(result, "over device memory"));
-    for (const Plan& plan : result.ranked) CHECK(plan.pp * plan.tp > 1);  // no pure dp fits
+    for (const Plan& plan : result.ranked)
+      CHECK(plan.pp * plan.cp * plan.tp > 1);  // no pure dp fits
     const Plan& best = result.ranked[0];
     CHECK(best.tp > 1);
     CHECK(best.tp <= 8);
@@ -274,6 +275,39 @@ TEST_CASE("planner: known answers on small clusters", "[parallel]") {
     CHECK(overrides.find("parallel.dp=8 parallel.pp=1 parallel.tp=1 parallel.micro_batches=") == 0);
     CHECK(overrides.find("parallel.recompute=") != std::string::npos);
   }
+}
+
+TEST_CASE("planner: long sequences are split over context-parallel ranks", "[parallel]") {
+  // GPT 1.3B on windows of 8192 tokens, 8 sequences a step on one node:
+  // data parallelism must recompute to fit; context parallelism holds 1/cp
+  // of each sequence's activations and need not. Its ring's messages hide
+  // behind the attention on NVLink; the gradients average over dp x cp.
+  GptShape shape = kGpt1_3B;
+  shape.context = 8192;
+  const PlanRequest request{.cluster = cluster_for("a100-80gb", 1, 8), .global_batch = 8};
+  const FlopBlockTimer timer(request.cluster.device);
+  const PlanResult result = plan_cluster(gpt_model(shape), request, timer);
+  REQUIRE(!result.ranked.empty());
+  INFO(plan_table(result, 8, gpt_model(shape)));
+  const Plan& best = result.ranked[0];
+  CHECK(best.cp > 1);
+  CHECK(best.dp * best.cp == 8);
+  CHECK(best.recompute == Recompute::none);
+  CHECK(best.zero == 0);
+  CHECK_FALSE(best.sequence_parallel);
+  CHECK(best.terms.cp_comm == 0.0);
+  CHECK(best.terms.dp_exposed > 0.0);
+  CHECK(plan_overrides(best).find(cat(" parallel.cp=", best.cp, " ")) != std::string::npos);
+  CHECK(best.layout() == cat(best.dp, " x 1 x 1 cp", best.cp));
+  // Its ranks as data parallelism without recomputation: over memory.
+  Plan dp_only = best;
+  dp_only.dp = 8, dp_only.cp = 1, dp_only.micro_batches = 1, dp_only.micro_batch_size = 1;
+  std::string why;
+  const Plan scored = evaluate_plan(gpt_model(shape), request, timer, dp_only, &why);
+  CHECK(!why.empty());
+  CHECK(scored.memory > best.memory);
+  // Short sequences (the 1.3B at 2048 tokens) stay data parallel.
+  CHECK(plan_gpt(kGpt1_3B, "a100-80gb", 1, 8, 512).ranked[0].cp == 1);
 }
 
 TEST_CASE("planner: hybrid sharding keeps ZeRO's collectives on a host and is scored",
