@@ -60,6 +60,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/mpi/mpi_server.h"
 #include "comm/alpha_beta.h"
 #include "comm/collectives.h"
 #include "core/cpu/isa.h"
@@ -71,6 +72,17 @@ using namespace trainer::comm;
 namespace {
 
 using Seconds = std::chrono::duration<double>;
+using bench::MpiServer;
+
+// OpenMPI's side (bench/mpi/mpi_server.h): bench/mpi/mpi_allreduce, when
+// OpenMPI was found at configure time.
+#if defined(TRAINER_MPIEXEC) && defined(TRAINER_MPI_ALLREDUCE)
+const char* const kMpiExec = TRAINER_MPIEXEC;
+const char* const kMpiAllreduce = TRAINER_MPI_ALLREDUCE;
+#else
+const char* const kMpiExec = nullptr;
+const char* const kMpiAllreduce = nullptr;
+#endif
 
 // About 200 MB moved per size, 3 to 1000 iterations (the MPI program uses the same rule).
 int iterations(size_t bytes, size_t most = 1000) {
@@ -123,76 +135,6 @@ bool bound_to_cores() {
   const size_t allowed = allowed_cores().size();
   return allowed > 0 && long(allowed) < ::sysconf(_SC_NPROCESSORS_ONLN);
 }
-
-// OpenMPI's side: bench/mpi/mpi_allreduce under mpirun in --serve mode, which
-// times one size per request, so each size is measured by both sides within
-// a second of each other. Without MPI (or when it fails to start) time()
-// returns a negative number.
-class MpiServer {
- public:
-  MpiServer(int ranks, size_t max_bytes, bool bind) {
-#if defined(TRAINER_MPIEXEC) && defined(TRAINER_MPI_ALLREDUCE)
-    char dir[] = "/tmp/bench_allreduce.XXXXXX";
-    if (!::mkdtemp(dir)) return;
-    dir_ = dir;
-    for (int r = 0; r < ranks; ++r) {
-      paths_.push_back(cat(dir_, "/size.", r));
-      if (::mkfifo(paths_.back().c_str(), 0600) != 0) return;
-    }
-    const std::string command =
-        cat(TRAINER_MPIEXEC, " --allow-run-as-root --oversubscribe --bind-to ",
-            bind ? "core:overload-allowed" : "none", " -np ", ranks, " ", TRAINER_MPI_ALLREDUCE,
-            " --serve ", dir_, " ", max_bytes, " 2>/dev/null");
-    out_ = ::popen(command.c_str(), "r");
-    if (!out_) return;
-    // Each rank opens its FIFO after MPI_Init: wait for every reader (up to
-    // a minute; opening without a reader fails with ENXIO).
-    for (const std::string& fifo : paths_) {
-      int fd = -1;
-      for (int tries = 0; fd < 0 && tries < 6000; ++tries) {
-        fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-        if (fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      if (fd < 0) return;
-      ::fcntl(fd, F_SETFL, 0);  // blocking writes from here on
-      fifos_.push_back(fd);
-    }
-    ok_ = true;
-#else
-    (void)ranks, (void)max_bytes, (void)bind;
-#endif
-  }
-  ~MpiServer() {
-    for (int fd : fifos_) {
-      if (ok_) (void)!::write(fd, "0\n", 2);
-      ::close(fd);
-    }
-    if (out_) ::pclose(out_);
-    for (const std::string& fifo : paths_) ::unlink(fifo.c_str());
-    if (!dir_.empty()) ::rmdir(dir_.c_str());
-  }
-  MpiServer(const MpiServer&) = delete;
-  MpiServer& operator=(const MpiServer&) = delete;
-
-  // OpenMPI's time for one allreduce of bytes (the slowest rank's mean), in us.
-  double time(size_t bytes) {
-    if (!ok_) return -1;
-    const std::string request = cat(bytes, "\n");
-    for (int fd : fifos_)
-      if (::write(fd, request.data(), request.size()) != ssize_t(request.size())) ok_ = false;
-    size_t got = 0;
-    double us = -1;
-    if (!ok_ || std::fscanf(out_, "%zu %lf", &got, &us) != 2 || got != bytes) ok_ = false;
-    return ok_ ? us : -1;
-  }
-
- private:
-  std::string dir_;
-  std::vector<std::string> paths_;  // the FIFO of each rank, in dir_
-  FILE* out_ = nullptr;
-  std::vector<int> fifos_;
-  bool ok_ = false;
-};
 
 AllreduceAlgorithm parse_algorithm(const std::string& name) {
   if (std::optional<AllreduceAlgorithm> algorithm = parse_allreduce_algorithm(name))
@@ -330,7 +272,8 @@ int main(int argc, char** argv) {
       // Both sides measure each size in turn (ours, then OpenMPI's while our
       // ranks sleep in a barrier); the sweep repeats `rounds` times.
       std::unique_ptr<MpiServer> server;
-      if (boot.rank == 0) server = std::make_unique<MpiServer>(n, max_bytes, bound);
+      if (boot.rank == 0)
+        server = std::make_unique<MpiServer>(kMpiExec, kMpiAllreduce, n, max_bytes, bound);
       barrier(*world);
       for (int round = 0; round < rounds; ++round) {
         size_t k = 0;
