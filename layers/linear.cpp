@@ -174,6 +174,12 @@ Dropout::Dropout(double p, Generator gen) : p_(p), gen_(gen) {
   CHECK(p >= 0.0 && p < 1.0) << "Dropout: p " << p << " outside [0, 1)";
 }
 
-Tensor Dropout::forward(const Tensor& x) { return dropout(x, p_, is_training(), gen_); }
+Tensor Dropout::forward(const Tensor& x) {
+  if (!cp_ || !is_training() || p_ == 0.0) return dropout(x, p_, is_training(), gen_);
+  Shape whole = x.shape();
+  whole[1] *= cp_->size();
+  const Tensor mask = dropout(ones(whole, x.dtype(), x.device()), p_, true, gen_);
+  return x * cp_->layout(whole[1]).local(mask).contiguous();
+}
 
 }  // namespace trainer

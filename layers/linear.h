@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "core/rng.h"
+#include "layers/context_parallel.h"
 #include "layers/module.h"
 #include "layers/tensor_parallel.h"
 
@@ -77,10 +78,16 @@ class Dropout : public Module {
   // on every rank), as Megatron's RNG tracker does.
   void set_stream_rank(uint64_t r) { stream_rank_ = r; }
   uint64_t stream_rank() const { return stream_rank_; }
+  // Context parallelism: x [B, Tl, ...] holds this rank's tokens of g's
+  // layout. The mask is drawn for the whole sequence and this rank's rows
+  // of it kept, so it is one process's mask whatever the cp size (at cp
+  // times the draws).
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) { cp_ = std::move(g); }
 
  private:
   double p_;
   uint64_t stream_rank_ = 0;
+  std::shared_ptr<ContextParallelGroup> cp_;
   Generator gen_;
 };
 

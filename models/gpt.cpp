@@ -153,7 +153,12 @@ void GPT::set_context_parallel(std::shared_ptr<ContextParallelGroup> g) {
                     ": all-to-all attention splits the heads over the context-parallel ranks; "
                     "use parallel.cp_attention=ring"));
   if (n == 1) return;
-  for (const std::shared_ptr<Block>& b : h) b->attn->set_context_parallel(g);
+  drop->set_context_parallel(g);
+  for (const std::shared_ptr<Block>& b : h) {
+    b->attn->set_context_parallel(g);
+    b->attn->resid_dropout->set_context_parallel(g);
+    b->mlp->dropout->set_context_parallel(g);
+  }
   cp_ = std::move(g);
 }
 
