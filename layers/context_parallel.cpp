@@ -179,7 +179,9 @@ TensorList RingAttentionFn::backward(Saved& s, const TensorList& grads, const au
   const Shape kv_shape{2, s.k.size(0), s.k.size(1), s.k.size(2)};
   Tensor dq = zeros(s.q.shape(), acc, s.q.device());
   Tensor cur = pack_kv(s.k, s.v), next = empty_like(cur);
-  std::vector<std::pair<Tensor, std::function<void()>>> sends;
+  // The last sum sent: its tensor kept until the send is waited for, one
+  // step later, so at most two sums live at once.
+  std::pair<Tensor, std::function<void()>> sent;
   for (int step = 0; step < N; ++step) {
     std::function<void()> kv_received, kv_sent, sum_received;
     if (step + 1 < N) {
@@ -207,19 +209,20 @@ TensorList RingAttentionFn::backward(Saved& s, const TensorList& grads, const au
       sum_received();
       add_(dkv, incoming);
     }
-    sends.emplace_back(dkv, N > 1 ? g.send_next(dkv, 1) : std::function<void()>([] {}));
+    if (sent.second) sent.second();
+    sent = {dkv, N > 1 ? g.send_next(dkv, 1) : std::function<void()>([] {})};
     if (step + 1 < N) {
       kv_received();
       kv_sent();
       std::swap(cur, next);
     }
   }
-  Tensor own = sends.back().first;  // N == 1: this rank's block never left
+  Tensor own = sent.first;  // N == 1: this rank's block never left
   if (N > 1) {
     own = empty(kv_shape, acc, s.q.device());
     g.recv_prev(own, 1)();
   }
-  for (auto& [t, wait] : sends) wait();
+  sent.second();
   return {dq.to(s.q.dtype()), own.select(0, 0).to(s.k.dtype()), own.select(0, 1).to(s.v.dtype())};
 }
 

@@ -5,7 +5,7 @@
 # against the peer measured in the same run) and, with matplotlib, the
 # allreduce and data-parallel figures.
 #
-#   scripts/bench.sh                    # all: train dp allreduce alltoall matmul loader pipeline tp checkpoint fsdp
+#   scripts/bench.sh                    # all: train dp allreduce alltoall matmul loader pipeline tp checkpoint fsdp cp
 #   scripts/bench.sh train dp           # the named ones
 #   scripts/bench.sh --quick            # smallest sizes: checks that all run, figures not meaningful
 #   scripts/bench.sh --out DIR ...      # default bench/results/<UTC date>-<commit>
@@ -17,12 +17,13 @@
 # train dp allreduce matmul loader take about 30 minutes on 2 cores, pipeline
 # and tp (two ranks each, with PyTorch's runs) add to that, checkpoint about 25
 # minutes (GPT 12 x 768 and ResNet-50 on 1, 2 and 4 ranks, with PyTorch DCP), fsdp about 30
-# (the same models under each parallel.shard, with DDP and FSDP2); two ranks on a
+# (the same models under each parallel.shard, with DDP and FSDP2), cp about 3 (GPT at 1k, 4k
+# and 16k tokens on 1, 2 and 4 ranks); two ranks on a
 # 2-core machine need both cores free, so run it on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-ALL=(train dp allreduce alltoall matmul loader pipeline tp checkpoint fsdp)
+ALL=(train dp allreduce alltoall matmul loader pipeline tp checkpoint fsdp cp)
 
 quick=0
 out=""
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --out) out=$2; shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    train | dp | allreduce | alltoall | matmul | loader | pipeline | tp | checkpoint | fsdp) names+=("$1") ;;
+    train | dp | allreduce | alltoall | matmul | loader | pipeline | tp | checkpoint | fsdp | cp) names+=("$1") ;;
     *) echo "bench.sh: unknown argument '$1' (benchmarks: ${ALL[*]}; options: --quick, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -112,6 +113,8 @@ commands_of() {
     checkpoint:1) echo "$b/bench_checkpoint --case gpt --ranks 2 --layers 1 --width 64" ;;
     fsdp:0) echo "$b/bench_fsdp" ;;
     fsdp:1) echo "$b/bench_fsdp --case gpt --ranks 2 --layers 1 --width 64 --steps 1 --warmup 1" ;;
+    cp:0) echo "$b/bench_cp --seq 1024,4096 --steps 5"; echo "$b/bench_cp --seq 16384 --attention ring --steps 2 --warmup 0" ;;
+    cp:1) echo "$b/bench_cp --seq 256 --layers 1 --width 64 --steps 1 --warmup 0" ;;
   esac
 }
 

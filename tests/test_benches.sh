@@ -26,6 +26,13 @@ grep -Eq "^small_cnn_28 +16 \| dp=2 step $num ms: forward $num \+ backward $num"
 if "$build/bench_dp" --bogus > "$out" 2>&1; then fail "bench_dp accepted --bogus"; fi
 grep -q "usage: bench_dp" "$out" || fail "bench_dp --bogus: no usage"
 
+"$build/bench_cp" --seq 256 --layers 1 --width 64 --steps 1 --warmup 0 > "$out"
+for row in "2 ring" "2 all_to_all" "4 ring" "4 all_to_all"; do
+  grep -Eq "^ +256 +${row% *} +${row#* } +\| +$num +$num +$num \| +$num +$num +$num \| +[0-9.e+-]+ ok" "$out" ||
+    fail "bench_cp: no checked cp ${row% *} ${row#* } row"
+done
+if "$build/bench_cp" --bogus > "$out" 2>&1; then fail "bench_cp accepted --bogus"; fi
+
 "$build/bench_pipeline" --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 \
   --schedule 1f1b --no-torch > "$out"
 grep -Eq "^gpt +1f1b +2 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \| +$num +$num +$num +$num \|" "$out" ||

@@ -1,0 +1,440 @@
+// Context parallelism measured against one process running the whole
+// sequence: a GPT (2 layers x 256, 4 heads, byte vocabulary, batch 1) at
+// sequence lengths 1k, 4k and 16k, split over cp 1, 2 and 4 ranks
+// (layers/context_parallel.h) with ring or all-to-all attention, causal
+// load balancing on. Each rank runs one thread; the step is the forward and
+// backward of the model on this rank's tokens with loss = their mean
+// cross-entropy (no optimizer, no gradient sum over the ranks: the trainer
+// does that with data parallelism, and it does not grow with the sequence).
+//
+//   step ms     rank 0's median step over the timed steps
+//   vs t1/N     step / (step at cp 1 / N): 1 when N ranks each take 1/N of
+//               one process's time; on a machine with fewer cores than N the
+//               ranks share cores and it cannot reach 1
+//   wait ms     rank 0's time per step blocked in context-parallel
+//               communication: waiting for a ring message the block's
+//               attention did not hide, or a whole all-to-all
+//   act MiB     the allocator's peak during the step minus what it held
+//               before the forward (weights, gradients, tokens): the
+//               activations and the backward's transient buffers; the
+//               largest of the ranks'
+//   vs a1/N     act MiB / (act MiB at cp 1 / N)
+//   peak MiB    the allocator's peak (core/allocator.h), the largest of the
+//               ranks', as trainer logs memory_peak_mib
+//   check       the whole sequence's loss (the mean of the ranks' means)
+//               against cp 1's, within 1e-5, and the gradient norm of the
+//               ranks' gradients summed against cp 1's, within 1e-4
+//               relative; measured on a first, untimed step so a broken
+//               forward or backward cannot go unnoticed (exit status 1)
+//
+// cp 1 always runs: it is the reference of the ratios and the check.
+//
+//   bench_cp                                     # 1k 4k 16k, cp 1 2 4, ring and all_to_all
+//   bench_cp --seq 1024,4096 --cp 2,4 --attention ring --steps 5
+//   bench_cp --seq 16384 --attention ring --steps 2 --warmup 0
+//   bench_cp --layers 2 --width 256 --heads 4 --no-load-balance
+//   bench_cp --seq 4096 --cp 2 --attention ring --trace cp.json   # cp.json -> cp_seq4096_cp2.json
+//
+// --trace FILE writes, per ring run at cp > 1, a Chrome trace (parallel/trace.h;
+// ui.perfetto.dev) of the timed steps, every rank a process: on its compute
+// track "forward" and "backward" with, inside them, "ring block" (the
+// layer's work between posting a block's messages and waiting for them:
+// the block's attention) and "wait" (blocked on a message); on its comm
+// track each received message from its posting to its arrival being
+// waited for ("key/value block" forward and backward, "key/value gradient"
+// the backward's gradient sums), so the overlap shows as a message beside
+// a ring block.
+//
+// Rank r runs on the r-th core this process may use (as `trainer launch
+// --bind-to core` binds); the ranks are child processes joined with
+// torchrun-style variables.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "comm/collectives.h"
+#include "core/allocator.h"
+#include "core/cpu/isa.h"
+#include "core/cpu/threads.h"
+#include "core/ops.h"
+#include "models/gpt.h"
+#include "parallel/context_parallel.h"
+#include "parallel/trace.h"
+
+using namespace trainer;
+using namespace trainer::bench;
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kLossTolerance = 1e-5;      // absolute
+constexpr double kGradNormTolerance = 1e-4;  // relative
+
+struct Settings {
+  std::vector<int64_t> seqs{1024, 4096, 16384};
+  std::vector<int64_t> cps{1, 2, 4};
+  std::vector<ContextAttention> attentions{ContextAttention::ring, ContextAttention::all_to_all};
+  int64_t layers = 2, width = 256, heads = 4, vocab = 256;
+  int steps = 5, warmup = 1;
+  bool load_balance = true;
+  bool bind = !allowed_cores().empty();
+  std::string trace;  // empty: none
+};
+
+// One measured configuration; cp 1 has no attention of its own.
+struct Run {
+  int64_t seq = 0;
+  int cp = 1;
+  ContextAttention attention = ContextAttention::ring;
+};
+
+const char* attention_name(const Run& run) {
+  if (run.cp == 1) return "-";
+  return run.attention == ContextAttention::ring ? "ring" : "all_to_all";
+}
+
+// What rank 0 hands the parent through a pipe.
+struct RankResult {
+  double step_seconds = 0;                      // rank 0's median
+  double wait_seconds = 0;                      // rank 0's, per timed step
+  double activation_bytes = 0, peak_bytes = 0;  // the largest of the ranks'
+  double loss = 0, grad_norm = 0;               // of the whole sequence
+};
+
+// The communicator's group, recording on a Timeline what the layers do
+// with it (see the header's --trace): a message's span from its posting to
+// the end of its wait, the layer's work between the last posting and the
+// next wait ("ring block"), and the waits themselves.
+class TracedContextGroup final : public ContextParallelGroup {
+ public:
+  TracedContextGroup(std::shared_ptr<ContextParallelGroup> inner, parallel::Timeline& timeline)
+      : inner_(std::move(inner)), timeline_(timeline) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  ContextAttention attention() const override { return inner_->attention(); }
+  bool load_balance() const override { return inner_->load_balance(); }
+
+  std::function<void()> send_next(const Tensor& t, int stream) override {
+    return traced(inner_->send_next(t, stream), nullptr);
+  }
+  std::function<void()> recv_prev(const Tensor& t, int stream) override {
+    return traced(inner_->recv_prev(t, stream),
+                  stream == 0 ? "key/value block" : "key/value gradient");
+  }
+  Tensor all_to_all(const Tensor& t) override {
+    const int64_t begin = parallel::trace_now_us();
+    Tensor out = inner_->all_to_all(t);
+    const int64_t end = parallel::trace_now_us();
+    timeline_.add("all_to_all", parallel::Track::comm, begin, end);
+    timeline_.add("wait", parallel::Track::compute, begin, end);
+    return out;
+  }
+
+ private:
+  // wait, recording its spans; message names the received message's span.
+  std::function<void()> traced(std::function<void()> wait, const char* message) {
+    const int64_t posted = parallel::trace_now_us();
+    last_posted_us_ = posted;
+    return [this, wait = std::move(wait), message, posted] {
+      const int64_t begin = parallel::trace_now_us();
+      if (last_posted_us_ >= 0) {
+        timeline_.add("ring block", parallel::Track::compute, last_posted_us_, begin);
+        last_posted_us_ = -1;
+      }
+      wait();
+      const int64_t end = parallel::trace_now_us();
+      timeline_.add("wait", parallel::Track::compute, begin, end);
+      if (message) timeline_.add(message, parallel::Track::comm, posted, end);
+    };
+  }
+
+  std::shared_ptr<ContextParallelGroup> inner_;
+  parallel::Timeline& timeline_;
+  int64_t last_posted_us_ = -1;  // -1: a wait since the last posting
+};
+
+// Random tokens [1, seq] below vocab.
+Tensor tokens(int64_t seq, int64_t vocab, Generator& gen) {
+  std::vector<float> u = uniform({seq}, 0, 1, gen).to_vector<float>();
+  std::vector<int64_t> t(u.size());
+  for (size_t i = 0; i < u.size(); ++i) t[i] = std::min<int64_t>(vocab - 1, int64_t(u[i] * vocab));
+  return from_vector(t).reshape({1, seq});
+}
+
+// The norm of the whole sequence's gradient: each rank's is the gradient of
+// its own tokens' mean, so the whole mean's is their sum over the ranks / N.
+double whole_gradient_norm(const Module& model, comm::Communicator* world) {
+  const double ranks = world ? world->size() : 1;
+  double squares = 0;
+  for (const NamedTensor& p : model.named_parameters()) {
+    Tensor g = p.tensor.grad().contiguous().clone();
+    if (world) comm::allreduce(*world, g);
+    for (float x : g.to_vector<float>()) squares += double(x) * double(x);
+  }
+  return std::sqrt(squares) / ranks;
+}
+
+std::string trace_path(const std::string& file, const Run& run) {
+  const bool json = file.size() > 5 && file.compare(file.size() - 5, 5, ".json") == 0;
+  return cat(json ? file.substr(0, file.size() - 5) : file, "_seq", run.seq, "_cp", run.cp,
+             ".json");
+}
+
+RankResult run_rank(const Run& run, const Settings& s, std::shared_ptr<comm::Communicator> world) {
+  const int rank = world ? world->rank() : 0;
+  auto model = make_gpt({.vocab_size = s.vocab,
+                         .block_size = run.seq,
+                         .n_layer = s.layers,
+                         .n_head = s.heads,
+                         .n_embd = s.width});
+  parallel::Timeline timeline(rank);
+  timeline.set_recording(false);
+  if (world)
+    model->set_context_parallel(std::make_shared<TracedContextGroup>(
+        make_context_group(world, run.attention, s.load_balance), timeline));
+  const ContextLayout layout = context_layout(run.seq, rank, run.cp, s.load_balance);
+  Generator gen(7);  // the same whole sequence on every rank and at every cp
+  const Tensor inputs = layout.local(tokens(run.seq, s.vocab, gen));
+  const Tensor targets = layout.local(tokens(run.seq, s.vocab, gen));
+  auto step = [&] {
+    Tensor loss;
+    {
+      parallel::TraceScope forward(&timeline, "forward");
+      loss = model->output_loss((*model)(inputs).flatten(0, 1), targets.flatten());
+    }
+    parallel::TraceScope backward(&timeline, "backward");
+    loss.backward();
+    return loss;
+  };
+
+  // The checked step. Its gradients stay (later steps add to them), so
+  // what the allocator holds before a timed step's forward is the weights,
+  // their gradients and the tokens.
+  RankResult r;
+  r.loss = double(step().item<float>()) / run.cp;
+  if (world) comm::allreduce(*world, &r.loss, 1, DType::f64);
+  r.grad_norm = whole_gradient_norm(*model, world.get());
+
+  for (int i = 0; i < s.warmup; ++i) step();
+  if (world) comm::barrier(*world);
+  Allocator& memory = allocator(Device{});
+  std::vector<double> times;
+  double activation = 0, peak = 0;
+  timeline.set_recording(true);
+  for (int i = 0; i < s.steps; ++i) {
+    const int64_t before = memory.stats().current_bytes;
+    memory.reset_peak();
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const int64_t top = memory.stats().peak_bytes;
+    activation = std::max(activation, double(top - before));
+    peak = std::max(peak, double(top));
+  }
+  timeline.set_recording(false);
+  r.step_seconds = median(times);
+  const auto waits = [](const parallel::TraceSpan& span) { return span.name == "wait"; };
+  r.wait_seconds = double(parallel::covered_us(timeline.spans(), waits)) / 1e6 / s.steps;
+  if (world) {
+    double bytes[2] = {activation, peak};
+    comm::allreduce(*world, bytes, 2, DType::f64, {.op = comm::ReduceOp::max});
+    activation = bytes[0];
+    peak = bytes[1];
+    if (!s.trace.empty() && run.attention == ContextAttention::ring)
+      timeline.write_merged(*world, trace_path(s.trace, run));
+    comm::barrier(*world);
+  }
+  r.activation_bytes = activation;
+  r.peak_bytes = peak;
+  return r;
+}
+
+// Runs the configuration's ranks as child processes; rank 0's result.
+bool run_ranks(const Run& run, const Settings& s, int port, RankResult& out) {
+  int fd[2];
+  if (pipe(fd) != 0) return false;
+  std::fflush(nullptr);  // or the children write what this process has buffered
+  std::vector<pid_t> pids;
+  for (int r = 0; r < run.cp; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(fd[0]);
+      if (s.bind) bind_to_core(r);
+      set_num_threads(1);
+      try {
+        std::shared_ptr<comm::Communicator> world;
+        if (run.cp > 1) world = join_bench_world(r, run.cp, port, "bench_cp");
+        const RankResult res = run_rank(run, s, world);
+        if (r == 0 && write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "bench_cp: rank %d: %s\n", r, e.what());
+        _exit(1);
+      }
+      _exit(0);
+    }
+    pids.push_back(pid);
+  }
+  close(fd[1]);
+  bool ok = read(fd[0], &out, sizeof out) == sizeof out;
+  close(fd[0]);
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
+}
+
+// "a,b,c" -> its numbers; false on anything but positive integers.
+bool parse_numbers(const char* text, std::vector<int64_t>& out) {
+  out.clear();
+  for (const char* p = text; *p;) {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p || v <= 0 || (*end != ',' && *end != '\0')) return false;
+    out.push_back(v);
+    p = *end == ',' ? end + 1 : end;
+  }
+  return !out.empty();
+}
+
+bool parse_attentions(const std::string& text, std::vector<ContextAttention>& out) {
+  out.clear();
+  for (size_t at = 0; at <= text.size();) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string name = text.substr(at, comma - at);
+    if (name == "ring")
+      out.push_back(ContextAttention::ring);
+    else if (name == "all_to_all")
+      out.push_back(ContextAttention::all_to_all);
+    else
+      return false;
+    at = comma + 1;
+  }
+  return !out.empty();
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: bench_cp [--seq N,N,..] [--cp N,N,..] [--attention ring,all_to_all] "
+               "[--steps N] [--warmup N] [--layers N] [--width N] [--heads N] "
+               "[--no-load-balance] [--no-bind] [--trace FILE]\n");
+  return 2;
+}
+
+// The check column: loss difference and "ok", or what failed.
+std::string check(const RankResult& got, const RankResult& reference, bool& ok) {
+  const double loss_diff = std::abs(got.loss - reference.loss);
+  const double norm_diff = std::abs(got.grad_norm - reference.grad_norm) / reference.grad_norm;
+  const bool pass = loss_diff <= kLossTolerance && norm_diff <= kGradNormTolerance;
+  ok = ok && pass;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.1e %s", loss_diff, pass ? "ok" : "");
+  std::string text = buf;
+  if (!pass)
+    text += cat("FAILED (loss ", got.loss, " vs ", reference.loss, ", gradient norm ",
+                got.grad_norm, " vs ", reference.grad_norm, ")");
+  return text;
+}
+
+void print_row(const Run& run, const RankResult& r, const RankResult& reference,
+               const std::string& check_text) {
+  const double ideal_seconds = reference.step_seconds / run.cp;
+  const double ideal_bytes = reference.activation_bytes / run.cp;
+  std::printf("%6lld %3d %-10s | %9.1f %7.2f %8.1f | %8.1f %7.2f %8.1f | %s\n", (long long)run.seq,
+              run.cp, attention_name(run), 1e3 * r.step_seconds, r.step_seconds / ideal_seconds,
+              1e3 * r.wait_seconds, r.activation_bytes / kMiB, r.activation_bytes / ideal_bytes,
+              r.peak_bytes / kMiB, check_text.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    auto number = [&](auto& v, int64_t least) {
+      if (!has_value) return false;
+      const long long n = std::atoll(argv[++i]);
+      v = std::remove_reference_t<decltype(v)>(n);
+      return n >= least;
+    };
+    if (a == "--seq" && has_value) {
+      if (!parse_numbers(argv[++i], s.seqs)) return usage();
+    } else if (a == "--cp" && has_value) {
+      if (!parse_numbers(argv[++i], s.cps)) return usage();
+    } else if (a == "--attention" && has_value) {
+      if (!parse_attentions(argv[++i], s.attentions)) return usage();
+    } else if (a == "--steps" && number(s.steps, 1)) {
+    } else if (a == "--warmup" && number(s.warmup, 0)) {
+    } else if (a == "--layers" && number(s.layers, 1)) {
+    } else if (a == "--width" && number(s.width, 1)) {
+    } else if (a == "--heads" && number(s.heads, 1)) {
+    } else if (a == "--no-load-balance") {
+      s.load_balance = false;
+    } else if (a == "--no-bind") {
+      s.bind = false;
+    } else if (a == "--trace" && has_value) {
+      s.trace = argv[++i];
+    } else {
+      return usage();
+    }
+  }
+  const size_t cores = allowed_cores().size();
+  std::printf("%s\n", cpu::describe_machine().c_str());
+  std::printf(
+      "bench_cp: GPT %lld layers x %lld, %lld heads, vocabulary %lld, batch 1; forward + "
+      "backward, loss = mean cross-entropy; %d timed steps after %d warm-up and 1 checked; one "
+      "thread per rank, %s%zu cores; causal load balancing %s\n",
+      (long long)s.layers, (long long)s.width, (long long)s.heads, (long long)s.vocab, s.steps,
+      s.warmup, s.bind ? "ranks bound to " : "", cores, s.load_balance ? "on" : "off");
+  std::printf("%6s %3s %-10s | %9s %7s %8s | %8s %7s %8s | %s\n", "seq", "cp", "attention",
+              "step ms", "vs t1/N", "wait ms", "act MiB", "vs a1/N", "peak MiB",
+              "check: |loss - cp 1's|");
+  const int base_port = 23000 + int(::getpid() % 20000);
+  int runs = 0;
+  bool ok = true;
+  for (int64_t seq : s.seqs) {
+    const Run one{seq, 1, ContextAttention::ring};
+    RankResult reference;
+    if (!run_ranks(one, s, base_port + runs++, reference)) {
+      std::printf("%6lld %3d %-10s | failed\n", (long long)seq, 1, "-");
+      return 1;
+    }
+    print_row(one, reference, reference, "reference");
+    for (int64_t cp : s.cps) {
+      if (cp == 1) continue;
+      for (ContextAttention attention : s.attentions) {
+        const Run run{seq, int(cp), attention};
+        RankResult r;
+        if (!run_ranks(run, s, base_port + runs++, r)) {
+          std::printf("%6lld %3d %-10s | failed\n", (long long)seq, run.cp, attention_name(run));
+          ok = false;
+          continue;
+        }
+        print_row(run, r, reference, check(r, reference, ok));
+        if (!s.trace.empty() && attention == ContextAttention::ring)
+          std::printf("  trace: %s\n", trace_path(s.trace, run).c_str());
+      }
+    }
+  }
+  for (int64_t cp : s.cps)
+    if (size_t(cp) > cores && cores > 0) {
+      std::printf("cp %lld > %zu cores: ranks share cores, so vs t1/N cannot reach 1\n",
+                  (long long)cp, cores);
+      break;
+    }
+  return ok ? 0 : 1;
+}
