@@ -179,6 +179,9 @@ Tensor Dropout::forward(const Tensor& x) {
   Shape whole = x.shape();
   whole[1] *= cp_->size();
   const Tensor mask = dropout(ones(whole, x.dtype(), x.device()), p_, true, gen_);
+  // Under sequence parallelism x holds a slice of the cp rank's tokens and
+  // the tp rank draws its own stream: the cp ranks take distinct rows of it.
+  if (stream_rank_ != 0) return x * mask.narrow(1, cp_->rank() * x.size(1), x.size(1)).contiguous();
   return x * cp_->layout(whole[1]).local(mask).contiguous();
 }
 

@@ -81,7 +81,8 @@ class Dropout : public Module {
   // Context parallelism: x [B, Tl, ...] holds this rank's tokens of g's
   // layout. The mask is drawn for the whole sequence and this rank's rows
   // of it kept, so it is one process's mask whatever the cp size (at cp
-  // times the draws).
+  // times the draws). Under sequence parallelism (a stream of the tp
+  // rank's own) each cp rank keeps its block of rows of that stream's mask.
   void set_context_parallel(std::shared_ptr<ContextParallelGroup> g) { cp_ = std::move(g); }
 
  private:

@@ -584,7 +584,7 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
           (request.overlap_dp ? std::max(reduce / plan.micro_batches, reduce - backward) : reduce) +
           ring_allgather(group_link, group, grad_bytes);
     } else if (plan.zero == 1) {
-      terms.dp_exposed += ring_allgather(link, plan.dp, grad_bytes);
+      terms.dp_exposed += ring_allgather(link, plan.shard_group(), grad_bytes);
     }
   }
   terms.optimizer = request.optimizer_seconds_per_param * stage_params_max /
@@ -685,8 +685,8 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
   // With the optimizer timed, ZeRO-1 may be the faster (it updates
   // 1/dp of the parameters): then it is dominated only by itself.
   const bool zero_may_win = request.optimizer_seconds_per_param > 0;
-  // The trainer runs context parallelism without ZeRO.
-  const int max_zero = !request.allow_zero1 || base.dp == 1 || base.cp > 1 ? 0 : request.max_zero;
+  // The shards spread over dp x cp.
+  const int max_zero = !request.allow_zero1 || base.dp * base.cp == 1 ? 0 : request.max_zero;
   bool fits[3][4] = {};
   // Scores a variant: true when it fits (it then joins the ranking).
   auto score = [&](Plan plan) {
@@ -721,7 +721,7 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
     // dp ranks (at least 2), replicas across hosts. Scored beside each
     // sharded plan above; it takes more memory, and its cross-host traffic
     // is one allreduce of a shard.
-    const int per_host = request.cluster.per_node / (base.tp * base.pp);
+    const int per_host = request.cluster.per_node / (base.tp * base.pp * base.cp);
     if (max_zero == 0 || per_host < 2 || per_host >= base.dp || base.dp % per_host != 0) continue;
     for (int zero = 1; zero <= max_zero; ++zero) {
       Plan plan = base;
@@ -783,9 +783,8 @@ void score_layouts(const ModelDesc& model, const PlanRequest& request, const Blo
         plan.schedule = schedule;
         plan.chunks = chunks;
         // Sequence parallelism moves the same bytes (reduce-scatter +
-        // all-gather = allreduce) and saves memory: always on with tp
-        // (the trainer runs it without context parallelism).
-        plan.sequence_parallel = c.tp > 1 && model.n_head > 0 && c.cp == 1;
+        // all-gather = allreduce) and saves memory: always on with tp.
+        plan.sequence_parallel = c.tp > 1 && model.n_head > 0;
         if (schedule != "interleaved") plan.stage_starts = balanced[pp];
         score_variants(model, request, timer, plan, result, rejected);
       }

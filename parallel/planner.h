@@ -316,7 +316,9 @@ struct Plan {
   // ranks), each sharding as `zero` says, the groups' shards averaged
   // across hosts. 1: one group of dp ranks.
   int replicas = 1;
-  int shard_group() const { return dp / replicas; }  // the ranks a shard is one of
+  // The ranks a shard is one of: a replica group's dp ranks and the cp
+  // ranks, which hold the same parameters.
+  int shard_group() const { return dp / replicas * cp; }
   bool sequence_parallel = false;
   Recompute recompute = Recompute::none;
   StepTerms terms;

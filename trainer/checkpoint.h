@@ -79,8 +79,11 @@ struct ParallelLayout {
   // groups of dp_shard ranks; otherwise they are one group along dp_replicate.
   bool hybrid() const { return mesh[parallel::Dim::dp_shard] > 1; }
   int replica_groups() const { return hybrid() ? mesh[parallel::Dim::dp_replicate] : 1; }
-  // The ranks a ZeRO shard is one of.
-  int shard_group() const { return mesh.size(parallel::kDataParallel) / replica_groups(); }
+  // The ranks a ZeRO shard is one of: a replica group's dp ranks and the cp
+  // ranks, which hold the same parameters.
+  int shard_group() const {
+    return mesh.size(parallel::kDataParallel) / replica_groups() * mesh[parallel::Dim::cp];
+  }
   bool operator==(const ParallelLayout&) const = default;
 };
 

@@ -167,7 +167,7 @@ void check_tensor_parallel_keys(const Recipe& r) {
 }
 
 // Context parallelism: GPT and Llama on CPU tensors, windows that split
-// into equal chunks, no sharded data parallelism yet.
+// into equal chunks.
 void check_context_keys(const Recipe& r) {
   const ParallelRecipe& p = r.parallel;
   if (p.cp == 1) return;
@@ -181,10 +181,6 @@ void check_context_keys(const Recipe& r) {
     throw Error(cat(what,
                     " with device cuda: context-parallel attention runs on CPU tensors "
                     "only; use device=cpu"));
-  if (zero_stage(p) > 0)
-    throw Error(cat(what, " with parallel.shard = ", p.shard,
-                    ": sharded data parallelism does not compose with context parallelism yet; "
-                    "use parallel.shard=none"));
   if (r.parallel.mode != "allreduce")
     throw Error(cat(what, " with parallel.mode = ", r.parallel.mode,
                     ": context parallelism needs parallel.mode=allreduce"));
@@ -197,10 +193,6 @@ void check_context_keys(const Recipe& r) {
                     p.cp_load_balance
                         ? cat(", or parallel.cp_load_balance=false (a multiple of ", p.cp, ")")
                         : std::string()));
-  if (p.sequence_parallel)
-    throw Error(cat(what,
-                    " with parallel.sequence_parallel: not supported together yet; set "
-                    "parallel.sequence_parallel=false"));
 }
 
 // The LSTM LM's wavefront: time chunks as micro-batches.
@@ -349,9 +341,12 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
                                     {parallel::Dim::pp, int(p.pp)},
                                     {parallel::Dim::cp, int(p.cp)},
                                     {parallel::Dim::tp, int(p.tp)}};
-  if (stage > 1 && dp > 1) check_sharding_keys(r, stage);
-  if (dp > 1) shard_dtypes(r, stage);  // refuses a combination that does not apply
-  layout.zero1 = stage > 0 && dp > 1;
+  // The shards spread over the dp ranks and the cp ranks, which hold the
+  // same parameters (their gradients are of other tokens of the same windows).
+  const bool shards = dp * p.cp > 1;
+  if (stage > 1 && shards) check_sharding_keys(r, stage);
+  if (shards) shard_dtypes(r, stage);  // refuses a combination that does not apply
+  layout.zero1 = stage > 0 && shards;
   layout.zero_stage = layout.zero1 ? stage : 0;
   return layout;
 }

@@ -300,8 +300,12 @@ std::shared_ptr<comm::Communicator> DistributedRun::replica_comm() const {
 }
 
 std::shared_ptr<comm::Communicator> DistributedRun::shard_comm() const {
-  return dist_.mesh.comm(dist_.layout.job.hybrid() ? parallel::Dims(parallel::Dim::dp_shard)
-                                                   : parallel::kDataParallel);
+  // Hybrid sharding shards within dp_shard; the cp ranks always join the
+  // shards (as torchtitan's dp_shard_cp), holding the same parameters.
+  parallel::Dims dims =
+      dist_.layout.job.hybrid() ? parallel::Dims(parallel::Dim::dp_shard) : parallel::kDataParallel;
+  if (dist_.layout.size(parallel::Dim::cp) > 1) dims = dims | parallel::Dim::cp;
+  return dist_.mesh.comm(dims);
 }
 
 bool DistributedRun::counted_in_norm(const Tensor& p) const {

@@ -12,14 +12,26 @@
 
 namespace trainer {
 
+namespace {
+
+// The coordinate with the data-parallel indices set to 0, and the cp index
+// too when `sharded`: the ZeRO shards spread over the cp ranks, which
+// otherwise hold copies (trainer/distributed_run.cpp, shard_comm).
+parallel::MeshCoord first_replica(const parallel::ParallelPlan& plan, bool sharded) {
+  parallel::MeshCoord coord = plan.coord;
+  for (parallel::Dim d : parallel::kAllDims)
+    if (parallel::kDataParallel.contains(d) || (sharded && d == parallel::Dim::cp)) coord.set(d, 0);
+  return coord;
+}
+
+}  // namespace
+
 std::vector<TensorPiece> Session::optimizer_pieces() const {
   const parallel::ParallelPlan& plan = parallel_plan_;
   // Along the data-parallel dimensions a ZeRO-1 shard is distinct (every
   // index writes its own), a whole entry is written by the replica that
   // writes its parameter; the other dimensions as the parameter's placement.
-  parallel::MeshCoord coord = plan.coord;
-  for (parallel::Dim d : parallel::kAllDims)
-    if (parallel::kDataParallel.contains(d)) coord.set(d, 0);
+  const parallel::MeshCoord coord = first_replica(plan, plan.shards_optimizer);
   const int replica = parallel::group_index(plan.mesh, plan.coord, parallel::kDataParallel);
   // Hybrid sharding: the first replica group writes the shards, the others hold copies.
   if (plan.shards_optimizer && layout_.job.hybrid() && plan.coord[parallel::Dim::dp_replicate] != 0)
@@ -76,9 +88,7 @@ CheckpointPart Session::checkpoint_part(const TrainState& state) const {
   const std::map<const TensorImpl*, parallel::ParameterShard> shards =
       parameter_shards_ ? parameter_shards_()
                         : std::map<const TensorImpl*, parallel::ParameterShard>();
-  parallel::MeshCoord first_replica = plan.coord;
-  for (parallel::Dim d : parallel::kAllDims)
-    if (parallel::kDataParallel.contains(d)) first_replica.set(d, 0);
+  const parallel::MeshCoord shard_coord = first_replica(plan, true);
   const bool shard_writer = !layout_.job.hybrid() || plan.coord[parallel::Dim::dp_replicate] == 0;
   for (const NamedTensor& t : held_state()) {
     auto s = shards.find(t.tensor.impl());
@@ -90,7 +100,7 @@ CheckpointPart Session::checkpoint_part(const TrainState& state) const {
     }
     const parallel::ParameterShard& mine = s->second;
     if (mine.begin == mine.end || !shard_writer ||
-        !parallel::writes(plan.placement(t.name), first_replica))
+        !parallel::writes(plan.placement(t.name), shard_coord))
       continue;
     TensorPiece piece =
         piece_of(t.name, mine.values, plan.placement(t.name), plan.mesh, plan.coord);
