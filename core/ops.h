@@ -138,6 +138,10 @@ TensorList split(const Tensor& x, int64_t split_size, int dim);
 Tensor index_select(const Tensor& x, int dim, const Tensor& index);
 // torch.gather: index has x's rank; out has index's shape.
 Tensor gather(const Tensor& x, int dim, const Tensor& index);
+// Zeros with `size` rows along dim, src's row j added at row index[j]
+// (repeated indices add up): index_select's adjoint, as
+// torch.zeros(...).index_add_(dim, index, src).
+Tensor index_add(const Tensor& src, int dim, const Tensor& index, int64_t size);
 // weight [V, D], indices of any shape (i32/i64) -> [..., D]. The backward is
 // a scatter-add into weight's gradient.
 Tensor embedding(const Tensor& weight, const Tensor& indices);

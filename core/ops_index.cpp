@@ -102,6 +102,40 @@ struct IndexSelectFn {
   }
 };
 
+// out = zeros with `size` rows along dim; out[..., index[j], ...] +=
+// src[..., j, ...] (torch.zeros(...).index_add_(dim, index, src)).
+// Backward: grad_src = grad.index_select(dim, index).
+struct IndexAddFn {
+  struct Saved {
+    int dim;
+    Tensor index;
+  };
+  static constexpr const char* name = "index_add";
+  static Tensor forward(Saved& s, const Tensor& src, int dim, const Tensor& index, int64_t size) {
+    CHECK(src.defined()) << "index_add: undefined source";
+    check_index_tensor("index_add", src, index);
+    CHECK_GE(src.dim(), 1) << "index_add: source is a scalar";
+    const int d = src.wrap_dim(dim);
+    CHECK(index.dim() == 1 && index.numel() == src.shape()[d])
+        << "index_add: index of shape " << index.shape_str() << " for a source of shape "
+        << src.shape_str() << " along dim " << d << " (one index per source row)";
+    CHECK(size >= 0) << "index_add: " << size << " rows";
+    Shape shape = src.shape();
+    shape[d] = size;
+    Tensor out = zeros(shape, src.dtype(), src.device());
+    if (index.numel() > 0) backend(src.device()).index_add(out, d, index, src);
+    s = Saved{d, index};
+    return out;
+  }
+  static TensorList backward(Saved& s, const TensorList& g, const GradMask&) {
+    Shape shape = g[0].shape();
+    shape[s.dim] = s.index.numel();
+    Tensor grad = empty(shape, g[0].dtype(), g[0].device());
+    if (s.index.numel() > 0) backend(grad.device()).index_select(g[0], s.dim, s.index, grad);
+    return {grad, Tensor()};
+  }
+};
+
 // out[i] = x[i with i[dim] replaced by index[i]] (torch.gather).
 // Backward: grad_x = zeros; grad_x[i with i[dim] = index[i]] += grad[i].
 struct GatherFn {
@@ -176,6 +210,10 @@ Tensor index_select(const Tensor& x, int dim, const Tensor& index) {
 
 Tensor gather(const Tensor& x, int dim, const Tensor& index) {
   return autograd::apply<GatherFn>(x, dim, index);
+}
+
+Tensor index_add(const Tensor& src, int dim, const Tensor& index, int64_t size) {
+  return autograd::apply<IndexAddFn>(src, dim, index, size);
 }
 
 // out[..., :] = weight[indices[...], :]: index_select on the flattened ids,

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "layers/context_parallel.h"
+#include "layers/moe.h"
 #include "layers/module.h"
 #include "layers/tensor_parallel.h"
 
@@ -162,6 +163,8 @@ class Model : public Module {
   // Context parallelism (layers/context_parallel.h): the model runs on this
   // rank's tokens of each sequence (g's layout: positions stay global) and
   // its attention over g. Models without such a form throw Error.
+  // The mixture-of-experts layers, in block order (none for a dense model).
+  virtual std::vector<std::shared_ptr<MoEFeedForward>> moe_layers() const { return {}; }
   virtual void set_context_parallel(std::shared_ptr<ContextParallelGroup> g);
   // The training loss of the model's output: cross_entropy(logits, targets),
   // or its vocabulary-parallel form when the output holds this rank's part

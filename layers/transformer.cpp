@@ -122,16 +122,20 @@ void FeedForward::shard(std::shared_ptr<TensorParallelGroup> g) {
   if (g->sequence_parallel()) dropout->set_stream_rank(uint64_t(g->rank()) + 1);
 }
 
-Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index) {
+Block::Block(const TransformerOptions& o, Generator& gen, uint64_t index,
+             const MoEOptions* moe_options) {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(o, gen, 3 * index));
   ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(o.d_model, o.ln_eps, o.bias));
-  mlp = register_module("mlp", std::make_shared<FeedForward>(o, gen, 3 * index + 2));
+  if (moe_options)
+    moe = register_module("mlp", std::make_shared<MoEFeedForward>(*moe_options, gen));
+  else
+    mlp = register_module("mlp", std::make_shared<FeedForward>(o, gen, 3 * index + 2));
 }
 
 Tensor Block::forward(const Tensor& x) {
   Tensor h = x + (*attn)((*ln_1)(x));
-  return h + (*mlp)((*ln_2)(h));
+  return h + (moe ? (*moe)((*ln_2)(h)) : (*mlp)((*ln_2)(h)));
 }
 
 void Block::shard(std::shared_ptr<TensorParallelGroup> g) {
@@ -140,7 +144,8 @@ void Block::shard(std::shared_ptr<TensorParallelGroup> g) {
     ln_2->mark_sequence_parallel(*g);
   }
   attn->shard(g);
-  mlp->shard(g);
+  // The experts stay whole on every rank: each rank routes the same tokens.
+  if (mlp) mlp->shard(g);
 }
 
 }  // namespace trainer

@@ -19,6 +19,7 @@
 #include "core/rng.h"
 #include "layers/context_parallel.h"
 #include "layers/linear.h"
+#include "layers/moe.h"
 #include "layers/tensor_parallel.h"
 
 namespace trainer {
@@ -122,10 +123,12 @@ class FeedForward : public Module {
 };
 
 // Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Uses dropout
-// sites 3 * index .. 3 * index + 2.
+// sites 3 * index .. 3 * index + 2. With `moe` the feed-forward layer is a
+// mixture of experts (moe, still named "mlp"; mlp is then null).
 class Block : public Module {
  public:
-  Block(const TransformerOptions& o, Generator& gen, uint64_t index);
+  Block(const TransformerOptions& o, Generator& gen, uint64_t index,
+        const MoEOptions* moe = nullptr);
   Tensor forward(const Tensor& x) override;
   // Tensor parallelism over g (Megatron-LM): attention by heads, the MLP by
   // its hidden width; under sequence parallelism x is this rank's
@@ -135,6 +138,7 @@ class Block : public Module {
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
   std::shared_ptr<FeedForward> mlp;
+  std::shared_ptr<MoEFeedForward> moe;
 };
 
 }  // namespace trainer

@@ -41,12 +41,25 @@ GPT::GPT(const GPTOptions& o) : options_(o), vocab_rows_(o.vocab_size) {
                                       o.dropout, Generator(o.seed, dropout_stream(3 * o.n_layer))));
   auto blocks = transformer->add("h", std::make_shared<Sequential>());
   double proj_std = 0.02 / std::sqrt(2.0 * double(std::max<int64_t>(o.n_layer, 1)));
+  MoEOptions moe = o.moe;
+  moe.d_model = o.n_embd, moe.gelu = o.gelu, moe.bias = o.bias;
   for (int64_t i = 0; i < o.n_layer; ++i) {
-    auto b = std::make_shared<Block>(t, gen, uint64_t(i));
+    const bool sparse = o.moe_every > 0 && i % o.moe_every == o.moe_every - 1;
+    auto b = std::make_shared<Block>(t, gen, uint64_t(i), sparse ? &moe : nullptr);
     init_linear(*b->attn->c_attn, 0.02, gen);
     init_linear(*b->attn->c_proj, proj_std, gen);
-    init_linear(*b->mlp->c_fc, 0.02, gen);
-    init_linear(*b->mlp->c_proj, proj_std, gen);
+    if (b->mlp) {
+      init_linear(*b->mlp->c_fc, 0.02, gen);
+      init_linear(*b->mlp->c_proj, proj_std, gen);
+    } else {
+      init_linear(*b->moe->router, 0.02, gen);
+      std::vector<std::shared_ptr<ExpertMLP>> experts = b->moe->expert_list;
+      if (b->moe->shared) experts.push_back(b->moe->shared);
+      for (const std::shared_ptr<ExpertMLP>& e : experts) {
+        init_linear(*e->c_fc, 0.02, gen);
+        init_linear(*e->c_proj, proj_std, gen);
+      }
+    }
     blocks->push_back(b);
     h.push_back(b);
   }
@@ -157,9 +170,16 @@ void GPT::set_context_parallel(std::shared_ptr<ContextParallelGroup> g) {
   for (const std::shared_ptr<Block>& b : h) {
     b->attn->set_context_parallel(g);
     b->attn->resid_dropout->set_context_parallel(g);
-    b->mlp->dropout->set_context_parallel(g);
+    if (b->mlp) b->mlp->dropout->set_context_parallel(g);
   }
   cp_ = std::move(g);
+}
+
+std::vector<std::shared_ptr<MoEFeedForward>> GPT::moe_layers() const {
+  std::vector<std::shared_ptr<MoEFeedForward>> out;
+  for (const std::shared_ptr<Block>& b : h)
+    if (b->moe) out.push_back(b->moe);
+  return out;
 }
 
 Tensor GPT::output_loss(const Tensor& logits, const Tensor& targets,

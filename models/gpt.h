@@ -44,6 +44,11 @@ struct GPTOptions {
   bool tie_weights = true;
   GeluApprox gelu = GeluApprox::none;  // nanoGPT's nn.GELU(): exact
   uint64_t seed = 0;
+  // Mixture of experts (layers/moe.h; d_model and gelu taken from above):
+  // block i's MLP is one when moe_every > 0 and i % moe_every ==
+  // moe_every - 1 (every block at 1, every other from the second at 2).
+  MoEOptions moe;
+  int64_t moe_every = 0;  // 0: no mixture of experts
 };
 
 class GPT : public Model {
@@ -92,6 +97,8 @@ class GPT : public Model {
   std::shared_ptr<Embedding> wte, wpe;
   std::shared_ptr<Dropout> drop;
   std::vector<std::shared_ptr<Block>> h;
+  // The blocks' mixture-of-experts layers, in order (empty when dense).
+  std::vector<std::shared_ptr<MoEFeedForward>> moe_layers() const override;
   std::shared_ptr<LayerNorm> ln_f;
   std::shared_ptr<Linear> lm_head;  // over wte's weight when tied
 

@@ -61,7 +61,9 @@ std::shared_ptr<Model> make_language_model(const std::string& name, const ModelO
                    .dropout = o.dropout,
                    .tie_weights = o.tie_weights,
                    .gelu = o.gelu,
-                   .seed = o.seed});
+                   .seed = o.seed,
+                   .moe = o.moe,
+                   .moe_every = o.moe_every});
 }
 
 }  // namespace

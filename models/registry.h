@@ -18,6 +18,7 @@
 #include "core/ops.h"
 #include "core/ops_transformer.h"
 #include "layers/block_list.h"
+#include "layers/moe.h"
 
 namespace trainer {
 
@@ -43,6 +44,9 @@ struct ModelOptions {
   int64_t n_kv_head = 0;          // 0: n_head
   double rms_norm_eps = 1e-6;
   RopeOptions rope;
+  // gpt: mixture-of-experts blocks (models/gpt.h's moe and moe_every; 0: dense)
+  MoEOptions moe;
+  int64_t moe_every = 0;
   uint64_t seed = 0;
 };
 

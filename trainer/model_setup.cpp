@@ -12,6 +12,22 @@ int64_t epochs_to_steps(double epochs, int64_t steps_per_epoch) {
   return int64_t(std::llround(epochs * double(steps_per_epoch)));
 }
 
+MoEOptions moe_options(const ModelRecipe& m) {
+  const MoERecipe& e = m.moe;
+  return {.d_model = m.d_model,
+          .hidden = e.hidden > 0 ? e.hidden : 4 * m.d_model,
+          .experts = std::max<int64_t>(e.experts, 1),
+          .top_k = e.top_k,
+          .sigmoid = e.score == "sigmoid",
+          .normalize_top_k = e.normalize_top_k,
+          .capacity_factor = e.capacity_factor,
+          .dropless = e.dropless,
+          .aux_loss_coef = e.aux_loss_coef,
+          .z_loss_coef = e.z_loss_coef,
+          .shared_experts = e.shared_experts,
+          .bias_update_rate = e.bias_update_rate};
+}
+
 RopeOptions rope_options(const ModelRecipe& m) {
   return {.theta = m.rope_theta,
           .scaling = m.rope_scaling,
@@ -29,6 +45,13 @@ std::shared_ptr<Model> build_model(const Recipe& r, int64_t vocab) {
   if (is_language_model(m.name) && m.vocab_size > 0 && m.vocab_size < vocab)
     throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
                     " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
+  if (m.moe.experts > 0 && m.name != "gpt")
+    throw Error(cat(r.source, ": model.moe.experts = ", m.moe.experts, " with model.name = ", m.name,
+                    ": mixtures of experts are GPT blocks; use model.name=gpt or "
+                    "model.moe.experts=0"));
+  if (m.moe.experts > 0 && m.moe.top_k > m.moe.experts)
+    throw Error(cat(r.source, ": model.moe.top_k = ", m.moe.top_k, " is more than the ",
+                    m.moe.experts, " experts (model.moe.experts); use at most ", m.moe.experts));
   try {
     return make_model(m.name, {.num_classes = m.num_classes,
                                .in_channels = m.in_channels,
@@ -47,6 +70,8 @@ std::shared_ptr<Model> build_model(const Recipe& r, int64_t vocab) {
                                .n_kv_head = m.num_key_value_heads,
                                .rms_norm_eps = m.rms_norm_eps,
                                .rope = rope_options(m),
+                               .moe = moe_options(m),
+                               .moe_every = m.moe.experts > 0 ? m.moe.every_n_layers : 0,
                                .seed = uint64_t(r.seed)});
   } catch (const Error& e) {
     throw Error(cat(r.source, ": ", e.what()));  // the message names the model.<key>

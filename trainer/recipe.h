@@ -18,6 +18,22 @@
 
 namespace trainer {
 
+// model.moe: GPT's feed-forward layers as mixtures of experts (layers/moe.h).
+struct MoERecipe {
+  int64_t experts = 0;  // 0: dense
+  int64_t top_k = 2;
+  int64_t every_n_layers = 1;  // 1: every block; 2: every other, from the second
+  int64_t hidden = 0;          // each expert's hidden width; 0: 4 d_model
+  double capacity_factor = 1.25;
+  bool dropless = false;
+  double aux_loss_coef = 0.01;
+  double z_loss_coef = 0.0;
+  int64_t shared_experts = 0;
+  std::string score = "softmax";  // softmax | sigmoid
+  bool normalize_top_k = false;
+  double bias_update_rate = 0.0;  // auxiliary-loss-free balancing; 0: off
+};
+
 struct ModelRecipe {
   std::string name =
       "small_cnn";  // small_cnn, mlp, resnet18..152, resnet*_small, gpt, llama, lstm_lm
@@ -46,6 +62,7 @@ struct ModelRecipe {
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position_embeddings = 8192;
+  MoERecipe moe;
 };
 
 struct DataRecipe {

@@ -63,10 +63,14 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
     // From here on the stage holds only its own blocks' tensors.
     session_.release_other_stages();
   }
+  moe_ = MoEMonitor(*session_.model_ptr(), run_.dist());  // after the probe's forward
 }
 
 StepResult StepExecutor::run(int64_t step, bool stop_requested) {
   step_begun_ = false;
+  // The auxiliary losses of mixture-of-experts layers weigh as the loss does.
+  set_auxiliary_loss_scale((precision_.scales_loss() ? precision_.scale() : 1.0) /
+                           double(schedule_.micro_batches));
   if (run_.pipeline()) return run_pipeline(step, stop_requested);
   InFlight in_flight;
   in_flight.step = step;
@@ -232,6 +236,7 @@ void StepExecutor::optimizer_step(bool stop_requested, InFlight& in_flight) {
     precision_.update();
   }
   run_.zero_grad(optimizer);
+  moe_.step_done();
 }
 
 }  // namespace trainer

@@ -50,6 +50,7 @@
 
 #include "parallel/schedule.h"
 #include "trainer/distributed.h"
+#include "trainer/moe_monitor.h"
 #include "trainer/precision.h"
 #include "trainer/session.h"
 
@@ -90,6 +91,8 @@ class StepExecutor {
   // run: the model's buffers (batch-norm statistics) are then part-way
   // through the step, and not a state to checkpoint.
   bool step_begun() const { return step_begun_; }
+  // The mixture-of-experts layers' load and auxiliary losses of the last step.
+  const MoEMonitor& moe() const { return moe_; }
 
  private:
   // The step in progress.
@@ -120,6 +123,7 @@ class StepExecutor {
   // parallel.time_chunks: the micro-batches are time chunks of one batch
   // (the LSTM LM's wavefront); 1 otherwise.
   int time_chunks_ = 1;
+  MoEMonitor moe_;
 };
 
 }  // namespace trainer

@@ -200,8 +200,9 @@ class TrainLoop {
     if (precision_.scales_loss())
       line += cat(" | loss scale ", precision_.scale(), " (", precision_.skipped_steps(),
                   " steps skipped)");
-    say(line);
+    say(line + executor_.moe().progress());
     Scalars sc{{"loss", last_loss_}, {"lr", last_lr_}, {cat(items, "_per_second"), rate}};
+    for (const auto& kv : executor_.moe().scalars()) sc.push_back(kv);
     if (r_.optimizer.clip_grad_norm > 0) sc.push_back({"grad_norm", last_grad_norm_});
     if (const parallel::ParameterServerClient* ps = run_.parameter_server())
       sc.push_back({"staleness", double(ps->last_staleness())});
