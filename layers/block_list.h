@@ -33,8 +33,8 @@
 #include <vector>
 
 #include "layers/context_parallel.h"
-#include "layers/moe.h"
 #include "layers/module.h"
+#include "layers/moe.h"
 #include "layers/tensor_parallel.h"
 
 namespace trainer {

@@ -86,7 +86,8 @@ MoERouting route_tokens(const std::vector<float>& scores, int64_t n, int64_t exp
   for (int64_t a = 0; a < n * k; ++a)
     if (kept[size_t(a)]) ++r.counts[size_t(r.choice[size_t(a)])];
   std::vector<int64_t> offset(size_t(experts) + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) offset[size_t(e) + 1] = offset[size_t(e)] + r.counts[size_t(e)];
+  for (int64_t e = 0; e < experts; ++e)
+    offset[size_t(e) + 1] = offset[size_t(e)] + r.counts[size_t(e)];
   r.token.resize(size_t(offset.back()));
   r.slot.resize(size_t(offset.back()));
   for (int64_t a = 0; a < n * k; ++a) {
@@ -118,9 +119,9 @@ MoEFeedForward::MoEFeedForward(const MoEOptions& o, Generator& gen) : options_(o
     expert_list.push_back(experts->add(
         std::to_string(e), std::make_shared<ExpertMLP>(o.d_model, o.hidden, gen, o.bias, o.gelu)));
   if (o.shared_experts > 0)
-    shared = register_module("shared_experts",
-                             std::make_shared<ExpertMLP>(o.d_model, o.shared_experts * o.hidden,
-                                                         gen, o.bias, o.gelu));
+    shared = register_module(
+        "shared_experts",
+        std::make_shared<ExpertMLP>(o.d_model, o.shared_experts * o.hidden, gen, o.bias, o.gelu));
   expert_bias = register_buffer("expert_bias", zeros({o.experts}));
   stats_.load.assign(size_t(o.experts), 0);
 }
@@ -135,13 +136,11 @@ Tensor MoEFeedForward::forward(const Tensor& x) {
   if (logits.dtype() != DType::f64) logits = logits.to(DType::f32);
   const Tensor probs = o.sigmoid ? sigmoid(logits) : softmax(logits, -1);
   const int64_t capacity =
-      o.dropless ? -1
-                 : int64_t(std::ceil(o.capacity_factor * double(N) * double(k) / double(E)));
-  const MoERouting r =
-      route_tokens(probs.detach().to(DType::f32).to(Device()).contiguous().to_vector<float>(), N, E, k,
-                   o.bias_update_rate > 0 ? expert_bias.to(Device()).to_vector<float>()
-                                          : std::vector<float>(),
-                   capacity);
+      o.dropless ? -1 : int64_t(std::ceil(o.capacity_factor * double(N) * double(k) / double(E)));
+  const MoERouting r = route_tokens(
+      probs.detach().to(DType::f32).to(Device()).contiguous().to_vector<float>(), N, E, k,
+      o.bias_update_rate > 0 ? expert_bias.to(Device()).to_vector<float>() : std::vector<float>(),
+      capacity);
   Tensor gates = gather(probs, 1, index_tensor(r.choice, x.device()).reshape({N, k}));
   if (o.normalize_top_k) gates = gates / sum(gates, {1}, true);
   // Each expert's rows, one GEMM pair each; the results weighted by their
@@ -171,7 +170,8 @@ Tensor MoEFeedForward::forward(const Tensor& x) {
     // Switch: E sum_e f_e P_e, f_e the share of the N k assignments that
     // chose e, P_e the mean (normalised) score of e.
     std::vector<float> f(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) f[size_t(e)] = float(double(r.chosen[size_t(e)]) / double(N * k));
+    for (int64_t e = 0; e < E; ++e)
+      f[size_t(e)] = float(double(r.chosen[size_t(e)]) / double(N * k));
     const Tensor p = o.sigmoid ? probs / sum(probs, {1}, true) : probs;
     aux = sum(mean(p, {0}) * from_vector(f).to(p.dtype()).to(x.device())) *
           (o.aux_loss_coef * double(E));
@@ -206,11 +206,10 @@ MoEStats MoEFeedForward::take_stats() {
 
 void MoEFeedForward::update_bias(const std::vector<int64_t>& load) {
   const double rate = options_.bias_update_rate;
-  // A pipeline stage's copy of another stage's layer holds no bias.
-  if (rate <= 0 || !expert_bias.defined() || expert_bias.numel() != options_.experts) return;
+  if (rate <= 0) return;
   CHECK(int64_t(load.size()) == options_.experts) << "update_bias: load of " << load.size();
-  const double mean = double(std::accumulate(load.begin(), load.end(), int64_t(0))) /
-                      double(options_.experts);
+  const double mean =
+      double(std::accumulate(load.begin(), load.end(), int64_t(0))) / double(options_.experts);
   std::vector<float> b = expert_bias.to(Device()).to_vector<float>();
   for (size_t e = 0; e < b.size(); ++e)
     b[e] += float(rate * (mean > double(load[e]) ? 1.0 : mean < double(load[e]) ? -1.0 : 0.0));

@@ -52,17 +52,20 @@ Tensor reference_forward(MoEFeedForward& m, const Tensor& x2) {
   const int64_t capacity =
       o.dropless ? N * k : int64_t(std::ceil(o.capacity_factor * double(N * k) / double(E)));
   std::vector<int64_t> taken(size_t(E), 0);
-  std::vector<std::vector<bool>> kept(static_cast<size_t>(N), std::vector<bool>(static_cast<size_t>(k)));
+  std::vector<std::vector<bool>> kept(static_cast<size_t>(N),
+                                      std::vector<bool>(static_cast<size_t>(k)));
   for (int64_t j = 0; j < k; ++j)
-    for (int64_t t = 0; t < N; ++t) kept[size_t(t)][size_t(j)] = taken[size_t(choices[size_t(t)][size_t(j)])]++ < capacity;
+    for (int64_t t = 0; t < N; ++t)
+      kept[size_t(t)][size_t(j)] = taken[size_t(choices[size_t(t)][size_t(j)])]++ < capacity;
   TensorList rows;
   for (int64_t t = 0; t < N; ++t) {
     const Tensor xt = x2.slice(0, t, t + 1);
     Tensor gsum;
     if (o.normalize_top_k)
       for (int64_t j = 0; j < k; ++j) {
-        const Tensor g = probs.slice(0, t, t + 1).slice(1, choices[size_t(t)][size_t(j)],
-                                                        choices[size_t(t)][size_t(j)] + 1);
+        const Tensor g =
+            probs.slice(0, t, t + 1)
+                .slice(1, choices[size_t(t)][size_t(j)], choices[size_t(t)][size_t(j)] + 1);
         gsum = gsum.defined() ? gsum + g : g;
       }
     Tensor y = zeros({1, o.d_model}, x2.dtype());
@@ -71,7 +74,7 @@ Tensor reference_forward(MoEFeedForward& m, const Tensor& x2) {
       const int64_t e = choices[size_t(t)][size_t(j)];
       Tensor g = probs.slice(0, t, t + 1).slice(1, e, e + 1);
       if (gsum.defined()) g = g / gsum;
-      y = y + (*m.expert_list[size_t(e)])(xt) * g;
+      y = y + (*m.expert_list[size_t(e)])(xt)*g;
     }
     if (m.shared) y = y + (*m.shared)(xt);
     rows.push_back(y);
@@ -87,8 +90,8 @@ void check_against_reference(const MoEOptions& o, int64_t n, uint64_t seed) {
   auto grads = [&](bool reference) {
     m.zero_grad();
     const Tensor xi = x.detach().requires_grad_();
-    const Tensor y = reference ? reference_forward(m, xi.reshape({n, o.d_model})).reshape(x.shape())
-                               : m(xi);
+    const Tensor y =
+        reference ? reference_forward(m, xi.reshape({n, o.d_model})).reshape(x.shape()) : m(xi);
     sum(y * v).backward();
     TensorList out{y.detach(), xi.grad(), m.router->weight.grad()};
     for (const auto& e : m.expert_list)
@@ -178,12 +181,19 @@ TEST_CASE("moe layer: the grouped experts equal a token-by-token reference, valu
   }
 }
 
-TEST_CASE("moe layer: the router's gradient, with the auxiliary and z-losses, is finite differences'",
-          "[layers][moe]") {
+TEST_CASE(
+    "moe layer: the router's gradient, with the auxiliary and z-losses, is finite differences'",
+    "[layers][moe]") {
   for (bool sigmoid_scores : {false, true}) {
     INFO("sigmoid " << sigmoid_scores);
-    MoEOptions o{.d_model = 6, .hidden = 8, .experts = 4, .top_k = 2, .sigmoid = sigmoid_scores,
-                 .normalize_top_k = sigmoid_scores, .dropless = true, .aux_loss_coef = 0.3,
+    MoEOptions o{.d_model = 6,
+                 .hidden = 8,
+                 .experts = 4,
+                 .top_k = 2,
+                 .sigmoid = sigmoid_scores,
+                 .normalize_top_k = sigmoid_scores,
+                 .dropless = true,
+                 .aux_loss_coef = 0.3,
                  .z_loss_coef = 0.05};
     Generator gen(7);
     MoEFeedForward m(o, gen);

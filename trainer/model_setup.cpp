@@ -46,7 +46,8 @@ std::shared_ptr<Model> build_model(const Recipe& r, int64_t vocab) {
     throw Error(cat(r.source, ": model.vocab_size ", m.vocab_size, " is smaller than the ", vocab,
                     " symbols of the corpus's vocabulary; use 0 (the corpus's)"));
   if (m.moe.experts > 0 && m.name != "gpt")
-    throw Error(cat(r.source, ": model.moe.experts = ", m.moe.experts, " with model.name = ", m.name,
+    throw Error(cat(r.source, ": model.moe.experts = ", m.moe.experts,
+                    " with model.name = ", m.name,
                     ": mixtures of experts are GPT blocks; use model.name=gpt or "
                     "model.moe.experts=0"));
   if (m.moe.experts > 0 && m.moe.top_k > m.moe.experts)

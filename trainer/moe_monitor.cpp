@@ -3,14 +3,20 @@
 
 #include <algorithm>
 #include <numeric>
+#include <set>
 
 #include "comm/collectives.h"
 
 namespace trainer {
 
-MoEMonitor::MoEMonitor(const Model& model, const Distributed& dist)
+MoEMonitor::MoEMonitor(const Model& model, const Module& trained, const Distributed& dist)
     : layers_(model.moe_layers()), world_(dist.world()), tp_(dist.layout.size(parallel::Dim::tp)) {
-  for (const std::shared_ptr<MoEFeedForward>& l : layers_) l->take_stats();  // a probe's forward
+  std::set<const TensorImpl*> mine;
+  for (const Tensor& p : trained.parameters()) mine.insert(p.impl());
+  for (const std::shared_ptr<MoEFeedForward>& l : layers_) {
+    here_.push_back(mine.count(l->router->weight.impl()) > 0);
+    l->take_stats();  // a pipeline probe's forward
+  }
 }
 
 void MoEMonitor::step_done() {
@@ -20,19 +26,20 @@ void MoEMonitor::step_done() {
   for (const std::shared_ptr<MoEFeedForward>& l : layers_) {
     const MoEStats s = l->take_stats();
     for (int64_t n : s.load) v.push_back(double(n));
-    v.insert(v.end(), {double(s.dropped), double(s.tokens), s.aux_loss, s.z_loss,
-                       double(s.forwards)});
+    v.insert(v.end(),
+             {double(s.dropped), double(s.tokens), s.aux_loss, s.z_loss, double(s.forwards)});
   }
   if (world_ && world_->size() > 1)
     comm::allreduce(*world_, v.data(), v.size(), DType::f64, {.op = comm::ReduceOp::sum});
   last_.clear();
   size_t at = 0;
-  for (const std::shared_ptr<MoEFeedForward>& l : layers_) {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    MoEFeedForward* l = layers_[i].get();
     MoEStats s;
     for (int64_t e = 0; e < l->options().experts; ++e) s.load.push_back(int64_t(v[at++] / tp_));
     s.dropped = int64_t(v[at++] / tp_), s.tokens = int64_t(v[at++] / tp_);
     s.aux_loss = v[at++], s.z_loss = v[at++], s.forwards = int64_t(v[at++]);
-    l->update_bias(s.load);
+    if (here_[i]) l->update_bias(s.load);
     last_.push_back(std::move(s));
   }
 }

@@ -2,7 +2,7 @@
 // ranks: the expert load per layer (for the logs and the balancing bias)
 // and the auxiliary losses (layers/moe.h).
 //
-//   MoEMonitor moe(model, dist);   // nothing to do for a dense model
+//   MoEMonitor moe(model, trained, dist);   // nothing to do for a dense model
 //   ... after each optimizer step:
 //   moe.step_done();               // collective over the workers
 //   for (auto& kv : moe.scalars()) sc.push_back(kv);
@@ -21,7 +21,8 @@ namespace trainer {
 class MoEMonitor {
  public:
   MoEMonitor() = default;
-  MoEMonitor(const Model& model, const Distributed& dist);
+  // `trained`: what this rank runs (a pipeline stage's blocks, or the model).
+  MoEMonitor(const Model& model, const Module& trained, const Distributed& dist);
   bool active() const { return !layers_.empty(); }
   // Takes every layer's statistics, sums them over the ranks (tensor-
   // parallel ranks route the same tokens: counted once) and moves the
@@ -37,6 +38,7 @@ class MoEMonitor {
 
  private:
   std::vector<std::shared_ptr<MoEFeedForward>> layers_;
+  std::vector<bool> here_;  // the layer runs on this rank (a pipeline's other stages' do not)
   std::shared_ptr<comm::Communicator> world_;
   int tp_ = 1;
   std::vector<MoEStats> last_;

@@ -63,7 +63,8 @@ StepExecutor::StepExecutor(Session& session, DistributedRun& run, Precision& pre
     // From here on the stage holds only its own blocks' tensors.
     session_.release_other_stages();
   }
-  moe_ = MoEMonitor(*session_.model_ptr(), run_.dist());  // after the probe's forward
+  moe_ = MoEMonitor(*session_.model_ptr(), session_.trained(),
+                    run_.dist());  // after the probe's forward
 }
 
 StepResult StepExecutor::run(int64_t step, bool stop_requested) {

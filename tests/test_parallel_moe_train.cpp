@@ -1,0 +1,143 @@
+// Mixture-of-experts GPT in the trainer: on the KJV characters it trains
+// as one process at tp 2 (top-1 with dropping, top-2 dropless) and at dp 2,
+// pp 2, cp 2 and dp 2 under ZeRO-3 (top-2 dropless; the
+// expert loads summed over the ranks, the balancing bias the same on
+// every rank); its checkpoints resume and evaluate alone; the expert load
+// and the auxiliary loss are in metrics.jsonl; bad keys are refused.
+#include "tests/runs.h"  // last: it brings Catch's CHECK
+
+using namespace trainer;
+using namespace trainer::testing;
+
+namespace {
+
+std::vector<std::string> moe_args(const std::string& out, std::vector<std::string> extra) {
+  std::vector<std::string> a{"train",
+                             std::string(TRAINER_SOURCE_DIR) + "/recipes/gpt_kjv.yaml",
+                             "output_dir=" + out,
+                             "model.n_layer=2",
+                             "model.d_model=64",
+                             "model.context=64",
+                             "model.vocab_size=76",
+                             "model.moe.experts=4",
+                             "model.moe.hidden=64",
+                             "model.moe.z_loss_coef=0.001",
+                             "data.seq_len=64",
+                             "data.val_windows=16",
+                             "data.path=" + std::string(TRAINER_SOURCE_DIR) + "/datasets/kjv.txt",
+                             "training.threads=1",
+                             "training.log_every=1",
+                             "training.eval_every=5",
+                             "training.global_batch=8",
+                             "training.steps=5",
+                             "training.checkpoint_every=5",
+                             "optimizer.name=sgd",
+                             "optimizer.lr=0.3",
+                             "optimizer.momentum=0.9",
+                             "optimizer.clip_grad_norm=0.5",
+                             "schedule.warmup_steps=0"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("moe: an MoE GPT trains as one process under dp, tp, pp, cp and ZeRO-3",
+          "[parallel][mp][moe]") {
+  struct Routing {
+    std::string name;
+    std::vector<std::string> keys;
+  };
+  // Dropping and the Switch loss (a product of two means over a forward's
+  // tokens) depend on which tokens a forward routes: the layouts that split
+  // a micro-batch's tokens are compared dropless and without it (the
+  // z-loss, a mean of per-token terms, and the bias, from the load summed
+  // over the ranks, split exactly).
+  for (const Routing& routing :
+       {Routing{"top-2 dropless, balancing bias",
+                {"model.moe.top_k=2", "model.moe.dropless=true", "model.moe.bias_update_rate=0.01",
+                 "model.moe.aux_loss_coef=0"}},
+        Routing{"top-1 with dropping", {"model.moe.top_k=1", "model.moe.capacity_factor=1.0"}}}) {
+    INFO(routing.name);
+    const bool dropless = routing.name.find("dropless") != std::string::npos;
+    const std::string ref = fresh_temp_dir("moe_ref", false).string();
+    ProcessResult r1 = run_ranks(1, moe_args(ref, routing.keys));
+    INFO(r1.output);
+    REQUIRE(r1.code == 0);
+    const StepLog expected = step_log(ref);
+    REQUIRE(expected.loss.size() == 5);
+    struct Layout {
+      std::string name;
+      std::vector<std::string> keys;
+    };
+    std::vector<Layout> layouts{{"tp 2", {"parallel.tp=2"}}};
+    if (dropless)
+      for (Layout l : {Layout{"dp 2", {}}, Layout{"pp 2", {"parallel.pp=2", "parallel.micro_batches=2"}},
+                       Layout{"cp 2", {"parallel.cp=2"}},
+                       Layout{"dp 2 ZeRO-3", {"parallel.shard=parameters"}}})
+        layouts.push_back(l);
+    for (const Layout& l : layouts) {
+      INFO(l.name);
+      const std::string run = fresh_temp_dir("moe_layout", false).string();
+      std::vector<std::string> keys = routing.keys;
+      keys.insert(keys.end(), l.keys.begin(), l.keys.end());
+      ProcessResult r = run_ranks(2, moe_args(run, keys));
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      const StepLog got = step_log(run);
+      check_close(expected.loss, got.loss, 1e-5, "loss");
+      check_close(expected.grad_norm, got.grad_norm, 1e-4, "gradient norm");
+      check_models(model_at(ref, 5), model_at(run, 5), 1e-5);
+    }
+  }
+}
+
+TEST_CASE("moe: the logs hold the expert load and the auxiliary loss, and checkpoints resume",
+          "[parallel][moe]") {
+  const std::string run = fresh_temp_dir("moe_logs", false).string();
+  ProcessResult r = run_ranks(1, moe_args(run, {"model.moe.top_k=2", "model.moe.every_n_layers=2"}));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("| aux ") != std::string::npos);
+  std::ifstream in(run + "/metrics.jsonl");
+  int train_lines = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.value("split", "") != "train") continue;
+    ++train_lines;
+    // every_n_layers 2 of 2 blocks: one MoE layer (the second), index 0.
+    REQUIRE(j.contains("moe_aux_loss"));
+    CHECK(j["moe_aux_loss"].get<double>() >= 0.01 * 0.99);  // coef x E sum f P >= coef
+    CHECK(j["moe_z_loss"].get<double>() > 0);
+    CHECK(!j.contains("moe_imbalance.1"));
+    double shares = 0;
+    for (int e = 0; e < 4; ++e) shares += j[cat("moe_load.0.", e)].get<double>();
+    CHECK(shares == Approx(1.0));
+    CHECK(j["moe_dropped.0"].get<double>() >= 0);
+  }
+  CHECK(train_lines == 5);
+  // The checkpoint holds every expert by name, and resumes.
+  const std::map<std::string, Tensor> m = model_at(run, 5);
+  CHECK(m.count("transformer.h.1.mlp.experts.3.c_fc.weight") == 1);
+  CHECK(m.count("transformer.h.1.mlp.router.weight") == 1);
+  CHECK(m.count("transformer.h.0.mlp.c_fc.weight") == 1);  // the dense block
+  ProcessResult more = run_ranks(1, moe_args(run, {"model.moe.top_k=2",
+                                                    "model.moe.every_n_layers=2",
+                                                    "training.steps=7"}));
+  INFO(more.output);
+  CHECK(more.code == 0);
+  CHECK(step_log(run).loss.size() == 7);
+}
+
+TEST_CASE("moe: bad mixture-of-experts keys are errors naming them", "[parallel][moe]") {
+  auto refused = [](std::vector<std::string> keys, const std::string& expected) {
+    const std::string out = fresh_temp_dir("moe_bad", false).string();
+    ProcessResult r = run_ranks(1, moe_args(out, keys));
+    INFO(r.output);
+    CHECK(r.code != 0);
+    CHECK(r.output.find(expected) != std::string::npos);
+  };
+  refused({"model.moe.top_k=5"}, "model.moe.top_k = 5 is more than the 4 experts");
+  refused({"model.name=lstm_lm"}, "mixtures of experts are GPT blocks");
+  refused({"model.moe.score=relu"}, "model.moe.score");
+}
