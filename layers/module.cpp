@@ -72,6 +72,14 @@ Tensor Module::register_buffer(const std::string& name, Tensor t) {
   return t;
 }
 
+bool Module::remove_child(const std::string& name) {
+  auto it = std::find_if(children_.begin(), children_.end(),
+                         [&](const auto& c) { return c.first == name; });
+  if (it == children_.end()) return false;
+  children_.erase(it);
+  return true;
+}
+
 void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
   CHECK(m != nullptr) << "submodule '" << name << "' is null";
   std::vector<std::string> taken;

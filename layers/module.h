@@ -118,6 +118,8 @@ class Module {
     add_child(name, m);
     return m;
   }
+  // Drops submodule `name` (its tensors are no longer listed); false when absent.
+  bool remove_child(const std::string& name);
 
  private:
   void add_child(const std::string& name, std::shared_ptr<Module> m);
@@ -153,6 +155,7 @@ class ModuleDict : public Module {
   std::shared_ptr<M> add(const std::string& name, std::shared_ptr<M> m) {
     return register_module(name, std::move(m));
   }
+  bool remove(const std::string& name) { return remove_child(name); }
   Tensor forward(const Tensor& x) override;
 };
 

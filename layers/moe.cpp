@@ -31,6 +31,24 @@ struct AuxiliaryLossFn {
   }
 };
 
+// Rows to the ranks of g as send_counts say; backward sends the
+// gradients back by the receive counts.
+struct ExpertAllToAllFn {
+  struct Saved {
+    ExpertParallelGroup* g = nullptr;
+    std::vector<int64_t> send, recv;
+  };
+  static constexpr const char* name = "expert_all_to_all";
+  static Tensor forward(Saved& s, const Tensor& x, ExpertParallelGroup* g,
+                        std::vector<int64_t> send) {
+    s.g = g, s.send = std::move(send);
+    return g->all_to_all_v(x.contiguous(), s.send, &s.recv);
+  }
+  static TensorList backward(Saved& s, const TensorList& g, const autograd::GradMask&) {
+    return {s.g->all_to_all_v(g[0].contiguous(), s.recv, nullptr)};
+  }
+};
+
 Tensor index_tensor(const std::vector<int64_t>& v, Device device) {
   return from_vector(v, {int64_t(v.size())}).to(device);
 }
@@ -149,17 +167,13 @@ Tensor MoEFeedForward::forward(const Tensor& x) {
   const int64_t M = int64_t(r.token.size());
   if (M > 0) {
     const Tensor token = index_tensor(r.token, x.device());
-    const Tensor xs = index_select(x2, 0, token);
-    TensorList ys;
-    int64_t at = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t c = r.counts[size_t(e)];
-      if (c > 0) ys.push_back((*expert_list[size_t(e)])(xs.slice(0, at, at + c)));
-      at += c;
-    }
+    const Tensor ys = run_experts(index_select(x2, 0, token), r.counts);
     const Tensor w = index_select(gates.reshape({N * k}), 0, index_tensor(r.slot, x.device()));
-    const Tensor y = (ys.size() == 1 ? ys[0] : concat(ys, 0)) * w.reshape({M, 1}).to(x.dtype());
-    out = index_add(y, 0, token, N);
+    out = index_add(ys * w.reshape({M, 1}).to(x.dtype()), 0, token, N);
+  } else if (ep_) {
+    // No rows from this rank; it still takes part in the exchanges (and
+    // their backward, through the empty rows' gradient).
+    out = index_add(run_experts(x2.slice(0, 0, 0), r.counts), 0, index_tensor({}, x.device()), N);
   } else {
     out = zeros({N, D}, x.dtype(), x.device());
   }
@@ -195,6 +209,64 @@ Tensor MoEFeedForward::forward(const Tensor& x) {
   }
   if (aux.defined() && autograd::grad_enabled()) out = with_auxiliary_loss(out, aux);
   return out.reshape(x.shape());
+}
+
+Tensor MoEFeedForward::run_local_experts(const Tensor& xs, const std::vector<int64_t>& counts) {
+  TensorList ys;
+  int64_t at = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] > 0)
+      ys.push_back((*expert_list[size_t(first_expert()) + e])(xs.slice(0, at, at + counts[e])));
+    at += counts[e];
+  }
+  // No rows: the empty input stands for the output (same shape, in the graph).
+  return ys.empty() ? xs : ys.size() == 1 ? ys[0] : concat(ys, 0);
+}
+
+Tensor MoEFeedForward::run_experts(const Tensor& xs, const std::vector<int64_t>& counts) {
+  if (!ep_) return run_local_experts(xs, counts);
+  // counts is in global expert order, so each rank's rows are contiguous.
+  const int n = ep_->size();
+  const int64_t local = local_experts();
+  std::vector<int64_t> send(size_t(n), 0);
+  for (size_t e = 0; e < counts.size(); ++e) send[e / size_t(local)] += counts[e];
+  // from[s local + e]: rows rank s sends to this rank's expert e.
+  const std::vector<int64_t> from = ep_->exchange(counts);
+  const Tensor recv = autograd::apply<ExpertAllToAllFn>(xs, ep_.get(), send);  // by source
+  // Expert-major order: perm[i] is the received row at place i.
+  std::vector<int64_t> perm, rows(size_t(local), 0), back(size_t(n), 0), source_at(size_t(n), 0);
+  for (int s = 0; s < n; ++s)
+    for (int64_t e = 0; e < local; ++e) {
+      rows[size_t(e)] += from[size_t(s * local + e)];
+      back[size_t(s)] += from[size_t(s * local + e)];
+    }
+  for (int s = 1; s < n; ++s) source_at[size_t(s)] = source_at[size_t(s - 1)] + back[size_t(s - 1)];
+  for (int64_t e = 0; e < local; ++e)
+    for (int s = 0; s < n; ++s) {
+      int64_t start = source_at[size_t(s)];
+      for (int64_t f = 0; f < e; ++f) start += from[size_t(s * local + f)];
+      for (int64_t c = 0; c < from[size_t(s * local + e)]; ++c) perm.push_back(start + c);
+    }
+  const int64_t R = int64_t(perm.size());
+  const Tensor order = index_tensor(perm, xs.device());
+  const Tensor ye = run_local_experts(R > 0 ? index_select(recv, 0, order) : recv, rows);
+  // Back to the order received (perm is a permutation), then to the senders.
+  const Tensor y = R > 0 ? index_add(ye, 0, order, R) : ye;
+  return autograd::apply<ExpertAllToAllFn>(y, ep_.get(), back);
+}
+
+void MoEFeedForward::set_expert_parallel(std::shared_ptr<ExpertParallelGroup> g) {
+  CHECK(!ep_) << "MoEFeedForward::set_expert_parallel: already set";
+  const int n = g->size();
+  if (options_.experts % n != 0)
+    throw Error(cat("model.moe.experts ", options_.experts, " is not divisible by parallel.ep ", n,
+                    ": each rank holds the same number of experts"));
+  ep_ = std::move(g);
+  for (int64_t e = 0; e < options_.experts; ++e) {
+    if (e >= first_expert() && e < first_expert() + local_experts()) continue;
+    experts->remove(std::to_string(e));
+    expert_list[size_t(e)] = nullptr;
+  }
 }
 
 MoEStats MoEFeedForward::take_stats() {

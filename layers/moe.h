@@ -71,6 +71,24 @@ struct MoERouting {
 MoERouting route_tokens(const std::vector<float>& scores, int64_t n, int64_t experts, int64_t k,
                         const std::vector<float>& bias, int64_t capacity);
 
+// The ranks the experts of every mixture-of-experts layer are divided over
+// (expert parallelism): rank r holds experts [r E/n, (r + 1) E/n). Every
+// rank of a group runs the same layers in the same order, so its
+// exchanges pair up.
+class ExpertParallelGroup {
+ public:
+  virtual ~ExpertParallelGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Rows of dim 0 (contiguous): the first send_counts[0] go to rank 0, the
+  // next send_counts[1] to rank 1, ...; returns the rows received, rank 0's
+  // first, and their counts in *recv_counts (when not null).
+  virtual Tensor all_to_all_v(const Tensor& rows, const std::vector<int64_t>& send_counts,
+                              std::vector<int64_t>* recv_counts) = 0;
+  // counts [size() k]: block r goes to rank r; the result's block r came from rank r.
+  virtual std::vector<int64_t> exchange(const std::vector<int64_t>& counts) = 0;
+};
+
 // An expert: x -> c_proj(gelu(c_fc(x))).
 class ExpertMLP : public Module {
  public:
@@ -100,16 +118,30 @@ class MoEFeedForward : public Module {
   // Auxiliary-loss-free balancing: expert_bias[e] += rate * sign(mean -
   // load[e]) for the load of the whole step (summed over the ranks).
   void update_bias(const std::vector<int64_t>& load);
+  // Expert parallelism over g: keeps experts [r E/n, (r + 1) E/n) (E must
+  // divide by n; the others leave the module) and sends each token's rows
+  // to the rank of its expert and back, by two all-to-alls forward and two
+  // backward. The router and the shared experts stay on every rank.
+  void set_expert_parallel(std::shared_ptr<ExpertParallelGroup> g);
+  // The experts this rank holds: [first_expert(), first_expert() + local_experts()).
+  int64_t first_expert() const { return ep_ ? ep_->rank() * local_experts() : 0; }
+  int64_t local_experts() const { return ep_ ? options_.experts / ep_->size() : options_.experts; }
 
   std::shared_ptr<Linear> router;
   std::shared_ptr<ModuleDict> experts;
-  std::vector<std::shared_ptr<ExpertMLP>> expert_list;
+  std::vector<std::shared_ptr<ExpertMLP>> expert_list;  // by global index; null: another rank's
   std::shared_ptr<ExpertMLP> shared;  // null without shared experts
   Tensor expert_bias;                 // [E] f32
 
  private:
+  // xs [M, D], sorted by expert with counts [E] rows each -> each row
+  // through its expert, in xs's order.
+  Tensor run_experts(const Tensor& xs, const std::vector<int64_t>& counts);
+  Tensor run_local_experts(const Tensor& xs, const std::vector<int64_t>& counts);
+
   MoEOptions options_;
   MoEStats stats_;
+  std::shared_ptr<ExpertParallelGroup> ep_;
 };
 
 // y unchanged; backward gives `aux` (a scalar) the gradient
