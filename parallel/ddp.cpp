@@ -203,6 +203,11 @@ std::vector<std::vector<NamedTensor>> unit_groups(const std::vector<NamedTensor>
   return groups;
 }
 
+bool excluded(const DataParallelOptions& options, const Tensor& t) {
+  return std::any_of(options.exclude.begin(), options.exclude.end(),
+                     [&](const Tensor& q) { return q.impl() == t.impl(); });
+}
+
 // Reverse registration order, a bucket closing once it holds its cap (the
 // first one smaller), before a parameter of another dtype, or where the
 // last bucket (the leading parameters up to last_bucket_bytes) begins.
@@ -210,7 +215,7 @@ std::vector<Bucket> make_buckets(const Module& module, comm::Communicator& comm,
                                  const DataParallelOptions& options) {
   std::vector<NamedTensor> params;
   for (const NamedTensor& p : module.named_parameters()) {
-    if (!p.tensor.requires_grad()) continue;
+    if (!p.tensor.requires_grad() || excluded(options, p.tensor)) continue;
     CHECK(p.tensor.is_contiguous())
         << "DataParallel reduces contiguous parameters; " << p.name << " is " << p.tensor.str();
     // Device buckets need a reduce hook that moves them (parallel/device_staging.h,
@@ -395,7 +400,11 @@ DataParallel::~DataParallel() {
 
 const std::vector<Bucket>& DataParallel::buckets() const { return impl_->buckets; }
 
-void DataParallel::broadcast_state(int root) { broadcast_tensors(*comm_, module_->state(), root); }
+void DataParallel::broadcast_state(int root) {
+  std::vector<NamedTensor> state = module_->state();
+  std::erase_if(state, [&](const NamedTensor& t) { return excluded(options_, t.tensor); });
+  broadcast_tensors(*comm_, state, root);
+}
 
 void DataParallel::broadcast_buffers(int root) {
   std::vector<NamedTensor> buffers = module_->named_buffers();

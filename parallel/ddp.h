@@ -105,6 +105,9 @@ struct DataParallelOptions {
   // shard of it) is then the same wherever the parameter is (a weight tied
   // across pipeline stages, whose two copies' gradients are added shard by shard).
   std::vector<Tensor> own_bucket;
+  // Parameters left out: no bucket, no reduction, no broadcast (an expert
+  // of expert parallelism, which other dp ranks do not hold alike).
+  std::vector<Tensor> exclude;
   // The buckets as given: one per unit (a set of blocks whose parameters
   // are sharded together, parallel/fsdp.h), in forward order; the buckets
   // take them in reverse, each unit's parameters in reverse registration

@@ -94,6 +94,10 @@ class Dims {
 };
 // The ranks that hold replicas of one model part: gradients average over it.
 inline constexpr Dims kDataParallel{Dim::dp_replicate, Dim::dp_shard};
+// The dimensions a training batch is split over: the data-parallel ranks
+// and the expert-parallel ranks, which are data-parallel for everything but
+// their experts.
+inline constexpr Dims kBatchDims{Dim::dp_replicate, Dim::dp_shard, Dim::ep};
 // "dp_replicate x dp_shard", "tp".
 std::string to_string(Dims dims);
 

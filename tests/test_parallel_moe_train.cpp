@@ -1,6 +1,7 @@
 // Mixture-of-experts GPT in the trainer: on the KJV characters it trains
 // as one process at tp 2 (top-1 with dropping, top-2 dropless) and at dp 2,
-// pp 2, cp 2 and dp 2 under ZeRO-3 (top-2 dropless; the
+// pp 2, cp 2, dp 2 under ZeRO-3, ep 2 and 4, dp 2 x ep 2 and ep 2 x tp 2
+// (top-2 dropless; the
 // expert loads summed over the ranks, the balancing bias the same on
 // every rank); its checkpoints resume and evaluate alone; the expert load
 // and the auxiliary loss are in metrics.jsonl; bad keys are refused.
@@ -68,20 +69,25 @@ TEST_CASE("moe: an MoE GPT trains as one process under dp, tp, pp, cp and ZeRO-3
     REQUIRE(expected.loss.size() == 5);
     struct Layout {
       std::string name;
+      int ranks;
       std::vector<std::string> keys;
     };
-    std::vector<Layout> layouts{{"tp 2", {"parallel.tp=2"}}};
+    std::vector<Layout> layouts{{"tp 2", 2, {"parallel.tp=2"}}};
     if (dropless)
-      for (Layout l : {Layout{"dp 2", {}}, Layout{"pp 2", {"parallel.pp=2", "parallel.micro_batches=2"}},
-                       Layout{"cp 2", {"parallel.cp=2"}},
-                       Layout{"dp 2 ZeRO-3", {"parallel.shard=parameters"}}})
+      for (Layout l :
+           {Layout{"dp 2", 2, {}}, Layout{"pp 2", 2, {"parallel.pp=2", "parallel.micro_batches=2"}},
+            Layout{"cp 2", 2, {"parallel.cp=2"}},
+            Layout{"dp 2 ZeRO-3", 2, {"parallel.shard=parameters"}},
+            Layout{"ep 2", 2, {"parallel.ep=2"}}, Layout{"ep 4", 4, {"parallel.ep=4"}},
+            Layout{"dp 2 x ep 2", 4, {"parallel.dp=2", "parallel.ep=2"}},
+            Layout{"ep 2 x tp 2", 4, {"parallel.ep=2", "parallel.tp=2"}}})
         layouts.push_back(l);
     for (const Layout& l : layouts) {
       INFO(l.name);
       const std::string run = fresh_temp_dir("moe_layout", false).string();
       std::vector<std::string> keys = routing.keys;
       keys.insert(keys.end(), l.keys.begin(), l.keys.end());
-      ProcessResult r = run_ranks(2, moe_args(run, keys));
+      ProcessResult r = run_ranks(l.ranks, moe_args(run, keys));
       INFO(r.output);
       REQUIRE(r.code == 0);
       const StepLog got = step_log(run);
@@ -129,6 +135,37 @@ TEST_CASE("moe: the logs hold the expert load and the auxiliary loss, and checkp
   CHECK(step_log(run).loss.size() == 7);
 }
 
+TEST_CASE("moe: an ep checkpoint evaluates and resumes in one process, and one process's at ep 2",
+          "[parallel][mp][moe]") {
+  const std::vector<std::string> keys{"model.moe.top_k=2", "model.moe.dropless=true"};
+  const std::string run = fresh_temp_dir("moe_ep_ckpt", false).string();
+  std::vector<std::string> at_ep = keys;
+  at_ep.push_back("parallel.ep=2");
+  ProcessResult r = run_ranks(2, moe_args(run, at_ep));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  // Every expert is in the checkpoint, each written by the rank holding it.
+  const std::map<std::string, Tensor> m = model_at(run, 5);
+  for (int e = 0; e < 4; ++e)
+    CHECK(m.count(cat("transformer.h.0.mlp.experts.", e, ".c_proj.weight")) == 1);
+  std::vector<std::string> eval = moe_args(run, keys);
+  eval[0] = "eval";
+  eval.insert(eval.end(), {"--checkpoint", run});
+  ProcessResult e = run_ranks(1, eval);
+  INFO(e.output);
+  CHECK(e.code == 0);
+  std::vector<std::string> more = keys;
+  more.push_back("training.steps=7");
+  ProcessResult one = run_ranks(1, moe_args(run, more));
+  INFO(one.output);
+  CHECK(one.code == 0);
+  more.insert(more.end(), {"training.steps=9", "parallel.ep=2"});
+  ProcessResult back = run_ranks(2, moe_args(run, more));
+  INFO(back.output);
+  CHECK(back.code == 0);
+  CHECK(step_log(run).loss.size() == 9);
+}
+
 TEST_CASE("moe: bad mixture-of-experts keys are errors naming them", "[parallel][moe]") {
   auto refused = [](std::vector<std::string> keys, const std::string& expected) {
     const std::string out = fresh_temp_dir("moe_bad", false).string();
@@ -140,4 +177,7 @@ TEST_CASE("moe: bad mixture-of-experts keys are errors naming them", "[parallel]
   refused({"model.moe.top_k=5"}, "model.moe.top_k = 5 is more than the 4 experts");
   refused({"model.name=lstm_lm"}, "mixtures of experts are GPT blocks");
   refused({"model.moe.score=relu"}, "model.moe.score");
+  refused({"model.moe.experts=0", "parallel.ep=2"}, "this model has none");
+  refused({"model.moe.experts=3", "parallel.ep=2"}, "does not divide over 2 ranks");
+  refused({"parallel.ep=2", "parallel.pp=2"}, "parallel.ep = 2 with parallel.pp = 2");
 }

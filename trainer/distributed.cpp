@@ -60,10 +60,12 @@ int parameter_server_workers(const Recipe& r, int world_size) {
 // launch or set instead.
 std::string layout_mismatch(const Recipe& r, int world_size) {
   const ParallelRecipe& p = r.parallel;
-  const int64_t model_ranks = p.pp * p.cp * p.tp;
-  // "pp x tp", or "pp x cp x tp" when the recipe splits sequences.
-  const std::string dims = p.cp > 1 ? "pp x cp x tp" : "pp x tp";
-  const std::string sizes = p.cp > 1 ? cat(p.pp, " x ", p.cp, " x ", p.tp) : cat(p.pp, " x ", p.tp);
+  const int64_t model_ranks = p.ep * p.pp * p.cp * p.tp;
+  // "pp x tp", with ep and cp when the recipe uses them.
+  std::string dims = "pp", sizes = cat(p.pp);
+  if (p.ep > 1) dims = "ep x " + dims, sizes = cat(p.ep, " x ", sizes);
+  if (p.cp > 1) dims += " x cp", sizes += cat(" x ", p.cp);
+  dims += " x tp", sizes += cat(" x ", p.tp);
   const std::string ranks = cat(world_size, world_size == 1 ? " rank" : " ranks");
   if (p.dp > 0 && world_size % model_ranks == 0)
     // An explicit dp that another count would fit.
@@ -83,7 +85,8 @@ std::string layout_mismatch(const Recipe& r, int world_size) {
              p.dp > 0 || launch >= world_size
                  ? std::string()
                  : cat(", or ", (world_size + model_ranks - 1) / model_ranks * model_ranks),
-             ") or lower parallel.pp", p.cp > 1 ? ", parallel.cp" : "", " or parallel.tp");
+             ") or lower parallel.pp", p.ep > 1 ? ", parallel.ep" : "",
+             p.cp > 1 ? ", parallel.cp" : "", " or parallel.tp");
 }
 
 // The count auto chose (parallel.micro_batches unset) and why, or the
@@ -327,7 +330,8 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   check_time_chunk_keys(r);
   check_pipeline_keys(r);
   check_context_keys(r);
-  const int64_t model_ranks = p.pp * p.cp * p.tp;
+  check_expert_keys(r);
+  const int64_t model_ranks = p.ep * p.pp * p.cp * p.tp;
   const int64_t dp = p.dp == 0 ? world_size / model_ranks : p.dp;
   if (dp == 0 || dp * model_ranks != world_size) throw Error(layout_mismatch(r, world_size));
   ParallelLayout layout;
@@ -338,6 +342,7 @@ ParallelLayout parallel_layout(const Recipe& r, int world_size) {
   const int64_t shard_group = replicas > 1 ? dp / replicas : 1;
   layout.mesh = parallel::MeshShape{{parallel::Dim::dp_replicate, int(dp / shard_group)},
                                     {parallel::Dim::dp_shard, int(shard_group)},
+                                    {parallel::Dim::ep, int(p.ep)},
                                     {parallel::Dim::pp, int(p.pp)},
                                     {parallel::Dim::cp, int(p.cp)},
                                     {parallel::Dim::tp, int(p.tp)}};
@@ -366,7 +371,8 @@ Distributed join_job(Recipe& recipe, bool dry_run) {
                     "parallel.tp=2 (or more, launching as many ranks per replica) or "
                     "parallel.sequence_parallel=false"));
   // A dry run started alone describes rank 0 of the layout the recipe asks for.
-  const int64_t model_ranks = recipe.parallel.pp * recipe.parallel.cp * recipe.parallel.tp;
+  const int64_t model_ranks =
+      recipe.parallel.ep * recipe.parallel.pp * recipe.parallel.cp * recipe.parallel.tp;
   const bool ps = recipe.parallel.mode == "parameter_server";
   const int world = dry_run && boot.world_size == 1
                         ? int(std::max<int64_t>(recipe.parallel.dp, 1) * model_ranks +
@@ -385,10 +391,9 @@ Distributed join_job(Recipe& recipe, bool dry_run) {
                     tp, " ranks fit on one; use a parallel.tp dividing ", local, " (", fits,
                     ") or start a multiple of ", tp, " ranks per host"));
   }
-  const int64_t micro_batches =
-      resolved_micro_batches(recipe, job.mesh.size(parallel::kDataParallel));
+  const int64_t micro_batches = resolved_micro_batches(recipe, job.mesh.size(parallel::kBatchDims));
   const std::string note =
-      micro_batches_note(recipe, micro_batches, job.mesh.size(parallel::kDataParallel));
+      micro_batches_note(recipe, micro_batches, job.mesh.size(parallel::kBatchDims));
   recipe.parallel.micro_batches = micro_batches;
   if (!note.empty() && boot.rank == 0) {
     std::FILE* out = note.starts_with("warning") ? stderr : stdout;

@@ -67,14 +67,19 @@ struct EvalMetrics;
 struct EvalSums;
 
 // This process's place in the job: the training data is sharded over the
-// dp ranks, the global batch split over dp_size() of them.
+// dp ranks (and the ep ranks: parallel::kBatchDims), the global batch split
+// over dp_size() of them. Evaluation shares the validation set over the dp
+// ranks only (eval_rank, eval_size): ep ranks evaluate the same windows,
+// which they exchange rows of.
 struct RankLayout {
   ParallelLayout job;
   int rank = 0;  // world rank
   parallel::MeshCoord coord;
   int world_size() const { return job.world_size(); }
-  int dp_rank() const { return parallel::group_index(job.mesh, coord, parallel::kDataParallel); }
-  int dp_size() const { return job.mesh.size(parallel::kDataParallel); }
+  int dp_rank() const { return parallel::group_index(job.mesh, coord, parallel::kBatchDims); }
+  int dp_size() const { return job.mesh.size(parallel::kBatchDims); }
+  int eval_rank() const { return parallel::group_index(job.mesh, coord, parallel::kDataParallel); }
+  int eval_size() const { return job.mesh.size(parallel::kDataParallel); }
   int size(parallel::Dims dims) const { return job.mesh.size(dims); }
   int index(parallel::Dims dims) const { return parallel::group_index(job.mesh, coord, dims); }
   // parallel.zero1 on more than one dp rank.
@@ -89,6 +94,10 @@ struct RankLayout {
 ParallelLayout parallel_layout(const Recipe& recipe, int world_size);
 // The ZeRO stage parallel.shard asks for (0 to 3; parallel.zero1 is 1).
 int zero_stage(const ParallelRecipe& parallel);
+// parallel.ep: an Error naming the keys when the recipe's experts do not
+// divide over the ranks or the layout has what expert parallelism does not
+// run with (trainer/expert_parallel_run.cpp).
+void check_expert_keys(const Recipe& recipe);
 // Sharding's mixed precision (FSDP2's policy): the dtype ZeRO-3 gathers the
 // parameters in (parallel.param_dtype; auto: bf16 under precision bf16) and
 // the one ZeRO-2 and -3 reduce the gradients in (parallel.reduce_dtype);
@@ -179,7 +188,7 @@ class DistributedRun {
   void finish_gradients();
   // Whether the model is split over ranks (pipeline stages, tensor
   // parallelism): its gradient norm is then clip_gradients'.
-  bool splits_model() const { return pipeline_ || tp_; }
+  bool splits_model() const { return pipeline_ || tp_ || expert_comm_; }
   // Clips the gradients of a split model to a global 2-norm of max_norm,
   // summed over every parameter in the order of the whole model's optimizer
   // (over the stages, and over the tensor-parallel ranks for split
@@ -228,6 +237,10 @@ class DistributedRun {
   // The passes, in the order the constructor applies them.
   void apply_tensor_parallel(Session& session);
   void apply_context_parallel(Session& session);
+  // parallel.ep (trainer/expert_parallel_run.cpp): the MoE layers' experts
+  // divided over the ep ranks; their gradients averaged over expert_comm_.
+  void apply_expert_parallel(Session& session);
+  void reduce_expert_gradients();
   void apply_pipeline(Session& session, const parallel::StageSplit& split);
   void record_split_parameters(const Session& session);
   void apply_parameter_servers(Session& session);
@@ -240,9 +253,11 @@ class DistributedRun {
   // The ranks that shard the optimizer state (and gradients, parameters)
   // among them: the dp group, or under hybrid sharding this rank's dp_shard group.
   std::shared_ptr<comm::Communicator> shard_comm() const;
-  // The ranks whose gradients and evaluation sums add up: the dp group,
-  // times the cp group under context parallelism.
+  // The ranks whose gradients add up: the dp group, times the cp group
+  // under context parallelism and the ep group under expert parallelism.
   std::shared_ptr<comm::Communicator> replica_comm() const;
+  // The ranks whose evaluation sums add up: the dp and cp groups.
+  std::shared_ptr<comm::Communicator> eval_comm() const;
   // Whether this rank counts parameter p (which it trains) in the gradient
   // norm of its replica and stage: a tensor-parallel part on every rank, a
   // whole tensor on the first tensor-parallel rank (parallel/placement.h).
@@ -262,6 +277,10 @@ class DistributedRun {
   // those whose gradients are shares to sum (sequence parallelism).
   std::map<const TensorImpl*, std::string> names_;  // what this rank holds, by global name
   TensorList gradient_shares_;
+  // Expert parallelism: the experts this rank holds, and the ranks holding
+  // the same ones (dp x cp), over which their gradients are averaged.
+  TensorList expert_params_;
+  std::shared_ptr<comm::Communicator> expert_comm_;
   std::unique_ptr<parallel::PipelineRuntime> pipeline_;
   // Before dp_: its bucket reduction reads zero_ while backward runs.
   std::shared_ptr<parallel::ZeroOptimizer> zero_;

@@ -41,7 +41,7 @@ EvalMetrics DistributedRun::evaluate(Session& session) const {
   constexpr int kValues = 5;
   const double local[kValues] = {mine.loss, double(mine.top1), double(mine.top5),
                                  double(mine.samples), double(mine.skipped)};
-  comm::Communicator& dp_comm = *replica_comm();
+  comm::Communicator& dp_comm = *eval_comm();
   std::vector<double> all(kValues * size_t(dp_comm.size()));
   comm::allgather(dp_comm, local, all.data(), sizeof(local));
   EvalSums sums;

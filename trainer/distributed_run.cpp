@@ -88,6 +88,7 @@ DistributedRun::DistributedRun(const Distributed& dist, Session& session, bool t
   if (dist.layout.size(parallel::Dim::pp) > 1) split = agreed_split(session, dist);
   if (dist.layout.size(parallel::Dim::tp) > 1) apply_tensor_parallel(session);
   if (dist.layout.size(parallel::Dim::cp) > 1) apply_context_parallel(session);
+  if (dist.layout.size(parallel::Dim::ep) > 1) apply_expert_parallel(session);
   if (split) apply_pipeline(session, *split);
   // Of what this rank trains (its stage's, under a pipeline).
   if (tp_) record_split_parameters(session);
@@ -173,6 +174,7 @@ void DistributedRun::apply_data_parallel(Session& session) {
   // channel on one host and the measured model's choice across hosts.
   o.allreduce.algorithm = *comm::parse_allreduce_algorithm(recipe.parallel.allreduce);
   o.timeline = timeline_.get();
+  o.exclude = expert_params_;
   // The sharded optimizer reduces the buckets into its shards (and stages
   // GPU buckets itself: its collectives run on host buffers, parallel/zero.h).
   std::shared_ptr<Module> model = session.trained_ptr();
@@ -294,6 +296,13 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
 }
 
 std::shared_ptr<comm::Communicator> DistributedRun::replica_comm() const {
+  parallel::Dims dims = parallel::kDataParallel;
+  for (parallel::Dim d : {parallel::Dim::cp, parallel::Dim::ep})
+    if (dist_.layout.size(d) > 1) dims = dims | d;
+  return dist_.mesh.comm(dims);
+}
+
+std::shared_ptr<comm::Communicator> DistributedRun::eval_comm() const {
   return dist_.mesh.comm(dist_.layout.size(parallel::Dim::cp) > 1
                              ? parallel::kDataParallel | parallel::Dim::cp
                              : parallel::kDataParallel);
@@ -329,6 +338,7 @@ parallel::DataParallel::NoSync DistributedRun::no_sync(bool active) {
 
 void DistributedRun::finish_gradients() {
   if (dp_) dp_->finish();
+  if (expert_comm_) reduce_expert_gradients();
   // Sequence parallelism: the LayerNorms' gradient shares added up (under
   // ZeRO-1 this rank's shard of them: the tensor-parallel ranks' buckets,
   // and so their shards, are laid out alike).
@@ -380,6 +390,7 @@ double DistributedRun::clip_gradients(double max_norm) const {
   std::vector<comm::Communicator*> over;
   if (pipeline_) over.push_back(dist_.mesh.comm(parallel::Dim::pp).get());
   if (tp_) over.push_back(dist_.mesh.comm(parallel::Dim::tp).get());
+  if (expert_comm_) over.push_back(dist_.mesh.comm(parallel::Dim::ep).get());
   return parallel::clip_split_gradients(order, counted, over, session_->trained().parameters(),
                                         max_norm);
 }
@@ -389,6 +400,7 @@ void DistributedRun::zero_grad(optim::Optimizer& optimizer) {
   // the gradients at its zeroed buckets again.
   if (zero_ || !dp_) optimizer.zero_grad();
   if (dp_) dp_->zero_grad();
+  for (const Tensor& p : expert_params_) p.set_grad(Tensor());  // not in dp_'s buckets
   if (sharded_parameters_) sharded_parameters_->end_step();
 }
 

@@ -132,6 +132,7 @@ std::vector<Field> schema(Recipe& r) {
       int_field("parallel.pp", &p.pp, 1, 4096),
       int_field("parallel.tp", &p.tp, 1, 4096),
       int_field("parallel.cp", &p.cp, 1, 4096),
+      int_field("parallel.ep", &p.ep, 1, 4096),
       string_field("parallel.cp_attention", &p.cp_attention, {"ring", "all_to_all"}),
       bool_field("parallel.cp_load_balance", &p.cp_load_balance),
       bool_field("parallel.sequence_parallel", &p.sequence_parallel),

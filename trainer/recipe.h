@@ -140,6 +140,9 @@ struct ParallelRecipe {
   // (layers/context_parallel.h), attention by cp_attention (ring |
   // all_to_all), rank r holding chunks r and 2 cp - 1 - r with load balancing.
   int64_t cp = 1;
+  // Expert parallelism: each mixture-of-experts layer's experts divided
+  // over ep ranks, which split the batch as data-parallel ranks do.
+  int64_t ep = 1;
   std::string cp_attention = "ring";
   bool cp_load_balance = true;
   // Megatron-SP: LayerNorm and dropout regions split along the sequence

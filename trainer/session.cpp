@@ -99,6 +99,9 @@ void Session::place_tensors() {
     // A pipeline stage owns the tensors it holds (a weight tied across
     // stages: each stage its own name of it).
     if (plan_) p = p.with(parallel::Dim::pp, parallel::Placement::owned(stage_));
+    // Expert parallelism: an expert is held (and written) by its ep rank only.
+    if (t.name.find(".mlp.experts.") != std::string::npos)
+      p = p.with(parallel::Dim::ep, parallel::Placement::owned(layout_.coord[parallel::Dim::ep]));
     parallel_plan_.place(t.name, std::move(p));
   }
   // The data-parallel replicas share the writing of what they all hold;

@@ -187,14 +187,14 @@ int64_t Session::resumed_position(const std::string& dir, const ParallelLayout& 
   // The windows and images of an epoch are dealt to the ranks in turn (r,
   // r + dp, ...), so the first k samples of each of D ranks are the
   // epoch's first k D, under any D.
-  if (saved.mesh.size(parallel::kDataParallel) != layout_.dp_size() && state.position > 0) {
+  if (saved.mesh.size(parallel::kBatchDims) != layout_.dp_size() && state.position > 0) {
     // A hostile position must not overflow here; load_stream_state names
     // it against the epoch's size below.
     if (state.position > std::numeric_limits<int64_t>::max() /
-                             std::max<int64_t>(1, saved.mesh.size(parallel::kDataParallel)))
+                             std::max<int64_t>(1, saved.mesh.size(parallel::kBatchDims)))
       throw Error(cat(trainer_state_file(dir), ": \"position\" ", state.position,
                       " is past any epoch; the file is damaged: use an earlier checkpoint"));
-    const int64_t consumed = state.position * saved.mesh.size(parallel::kDataParallel);
+    const int64_t consumed = state.position * saved.mesh.size(parallel::kBatchDims);
     const int64_t per_step = micro_batch_ * micro_batches_ * layout_.dp_size();
     if (consumed % per_step != 0)
       throw Error(cat(dir, " stopped ", consumed, " samples into epoch ", state.epoch,
@@ -322,10 +322,10 @@ TrainState Session::load_checkpoint(const std::string& dir, bool with_optimizer)
           cat(changes,
               saved.zero1 || layout_.job.zero1 ? "; the optimizer state re-sliced by parameter name"
                                                : "",
-              saved.mesh.size(parallel::kDataParallel) != layout_.dp_size() && state.position > 0
+              saved.mesh.size(parallel::kBatchDims) != layout_.dp_size() && state.position > 0
                   ? cat("; the epoch's data position kept: ", file.state.position,
-                        " samples on each of ", saved.mesh.size(parallel::kDataParallel),
-                        " ranks -> ", state.position, " on each of ", layout_.dp_size())
+                        " samples on each of ", saved.mesh.size(parallel::kBatchDims), " ranks -> ",
+                        state.position, " on each of ", layout_.dp_size())
                   : "");
   }
   copy_named(held_state(), model);

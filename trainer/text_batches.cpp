@@ -264,8 +264,9 @@ EvalSums TextBatches::evaluate_shard() {
       add_eval_sums(StepBatch{b.inputs, b.targets}, {logits}, sums);
     }
   } else {
-    const int64_t stride = micro_batch_ * layout_.dp_size();
-    for (int64_t first = micro_batch_ * layout_.dp_rank(); first < val.size(); first += stride) {
+    // Shared over the dp ranks only: the ep ranks evaluate the same windows.
+    const int64_t stride = micro_batch_ * layout_.eval_size();
+    for (int64_t first = micro_batch_ * layout_.eval_rank(); first < val.size(); first += stride) {
       data::TextBatch b = on_device(val.batch(first, micro_batch_));
       add_eval_sums(StepBatch{b.inputs, b.targets}, {(*model_)(b.inputs)}, sums);
     }
@@ -297,7 +298,7 @@ bool TextBatches::next_eval(StepBatch& batch) {
     if (eval_next_ >= val.size() / val.streams()) return false;
     first = eval_next_ * val.streams() + micro_batch_ * layout_.dp_rank();
   } else {
-    first = micro_batch_ * (layout_.dp_rank() + eval_next_ * layout_.dp_size());
+    first = micro_batch_ * (layout_.eval_rank() + eval_next_ * layout_.eval_size());
     if (first >= val.size()) return false;
   }
   ++eval_next_;
