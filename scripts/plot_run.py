@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Draws a run's metrics.jsonl as curves in one PNG: training and validation
 loss, validation accuracy (top-1/top-5, or bits per character for language
-models), throughput, and the learning rate.
+models), throughput, and the learning rate (for a mixture-of-experts run,
+the load of its most loaded expert over the mean, in place of the learning
+rate when any run of the figure has one).
 
     python3 scripts/plot_run.py runs/fmnist_cnn                 # writes runs/fmnist_cnn/curves.png
     python3 scripts/plot_run.py runs/a runs/b --out cmp.png     # several runs on the same axes
@@ -43,6 +45,17 @@ def series(records, key):
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def expert_load(records):
+    """Per record with moe_imbalance.<layer>: the largest expert's load over
+    the mean, the most unbalanced layer's."""
+    points = []
+    for r in records:
+        worst = [v for k, v in r.items() if k.startswith("moe_imbalance.")]
+        if worst:
+            points.append((r["step"], 1 + max(worst)))
+    return [p[0] for p in points], [p[1] for p in points]
+
+
 def smooth(values, window):
     """Trailing mean over `window` records (1: unchanged)."""
     out, total = [], 0.0
@@ -73,6 +86,7 @@ def main():
             for p in args.runs]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
     loss_ax, acc_ax, speed_ax, lr_ax = axes.flat
+    moe = any(expert_load(records["train"])[0] for _, records in runs)
     for name, records in runs:
         label = (lambda what: f"{name} {what}") if len(runs) > 1 else (lambda what: what)
         train, val = records["train"], records["val"]
@@ -93,9 +107,18 @@ def main():
             "samples_per_second"
         speed_ax.plot(*series(train, unit), lw=1, label=label(unit.replace("_", " ")))
         speed_ax.set_ylabel(unit.replace("_per_second", "/s"))
-        lr_ax.plot(*series(train, "lr"), lw=1, label=label("learning rate"))
+        if moe:
+            if expert_load(train)[0]:
+                lr_ax.plot(*expert_load(train), lw=1, color=line.get_color(),
+                           label=label("most loaded expert / mean"))
+        else:
+            lr_ax.plot(*series(train, "lr"), lw=1, label=label("learning rate"))
     loss_ax.set_ylabel("loss")
-    lr_ax.set_ylabel("learning rate")
+    if moe:
+        lr_ax.axhline(2.0, color="gray", ls="--", lw=1)
+        lr_ax.set_ylabel("expert load, largest / mean")
+    else:
+        lr_ax.set_ylabel("learning rate")
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
