@@ -74,8 +74,9 @@ double value_scale(const std::string& precision) { return precision == "fp32" ? 
 }  // namespace
 
 std::string plan_label(const Plan& plan) {
-  std::string label = cat("dp=", plan.dp, " pp=", plan.pp, plan.cp > 1 ? cat(" cp=", plan.cp) : "",
-                          " tp=", plan.tp, " M=", plan.micro_batches, " b=", plan.micro_batch_size);
+  std::string label = cat("dp=", plan.dp, plan.ep > 1 ? cat(" ep=", plan.ep) : "", " pp=", plan.pp,
+                          plan.cp > 1 ? cat(" cp=", plan.cp) : "", " tp=", plan.tp,
+                          " M=", plan.micro_batches, " b=", plan.micro_batch_size);
   if (plan.pp > 1) label += " " + plan.schedule;
   if (plan.chunks > 1) label += cat(" V=", plan.chunks);
   if (plan.zero > 0) label += cat(" zero", plan.zero);
@@ -297,7 +298,7 @@ std::string to_string(Recompute recompute) {
 }
 
 std::string Plan::layout() const {
-  return cat(dp, " x ", pp, " x ", tp, cp > 1 ? cat(" cp", cp) : "");
+  return cat(dp, " x ", pp, " x ", tp, cp > 1 ? cat(" cp", cp) : "", ep > 1 ? cat(" ep", ep) : "");
 }
 
 namespace {
@@ -343,6 +344,11 @@ std::vector<size_t> split_for(const ModelDesc& model, const BlockTimer& timer, i
 
 }  // namespace
 
+double rank_params(const BlockCost& block, const Plan& plan) {
+  return (block.params - block.expert_params) / (block.tp_split ? plan.tp : 1) +
+         block.expert_params / plan.ep;
+}
+
 std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest& request,
                                       const Plan& plan) {
   const bool fp32 = request.precision == "fp32";
@@ -355,7 +361,7 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
     double params = 0, per_sample = 0, largest = 0;
     for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
       const BlockCost& block = model.blocks[i];
-      params += block.params / (block.tp_split ? plan.tp : 1);
+      params += rank_params(block, plan);
       // Context parallelism: this rank's 1/cp of each sequence's tokens.
       per_sample += block_activations(block, plan) / plan.cp;
       if (plan.recompute == Recompute::blocks) {
@@ -392,6 +398,7 @@ struct SlowestStage {
   double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0;
   double stage_params_max = 0, message_bytes = 0;
   double cp_forward = 0, cp_backward = 0;
+  double ep_forward = 0, ep_backward = 0;
 };
 
 // One micro-batch of b samples through block i on a rank holding 1/cp of
@@ -434,8 +441,12 @@ SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
   const int64_t b = plan.micro_batch_size;
   double forward = 0, backward = 0, tp_forward = 0, tp_backward = 0, slowest = -1;
   double stage_params_max = 0, message_bytes = 0, cp_forward = 0, cp_backward = 0;
+  double ep_forward = 0, ep_backward = 0;
+  // The ep ranks of a group are tp x cp apart: on one node while they fit it.
+  const LinkSpec& ep_link =
+      plan.ep * plan.cp * plan.tp > request.cluster.per_node ? request.cluster.inter : tp_link;
   for (int stage = 0; stage < plan.pp; ++stage) {
-    double f = 0, bw = 0, cf = 0, cb = 0, params = 0, rf = 0, rb = 0;
+    double f = 0, bw = 0, cf = 0, cb = 0, params = 0, rf = 0, rb = 0, ef = 0, eb = 0;
     for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
       const BlockCost& block = model.blocks[i];
       const BlockTime t = cp_block_time(timer, model, i, b, plan);
@@ -447,9 +458,16 @@ SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
           ring_exposed(block, plan, cp_link, scale, b, t.forward, t.backward);
       rf += ring_f;
       rb += ring_b;
+      if (plan.ep > 1 && block.a2a_bytes > 0) {
+        // Each rank keeps 1/ep of its rows and sends the rest, 1/ep to each peer.
+        const double rows = block.a2a_bytes * double(b) * scale / plan.ep;
+        const double a2a = (plan.ep - 1) * ep_link.seconds(rows);
+        ef += 2 * a2a;
+        eb += (plan.recompute == Recompute::blocks ? 4 : 2) * a2a;
+      }
       f += t.forward;
       bw += t.backward + extra;
-      params += block.params / (block.tp_split ? plan.tp : 1);
+      params += rank_params(block, plan);
       if (block.tp_split && plan.tp > 1) {
         const double allreduce =
             ring_allreduce(tp_link, plan.tp, block.output_bytes * double(b) * scale);
@@ -460,10 +478,10 @@ SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
     }
     if (plan.pp > 1 && stage == plan.pp - 1) params += model.tied_params / plan.tp;
     stage_params_max = std::max(stage_params_max, params);
-    if (f + bw + cf + cb + rf + rb > slowest) {
-      slowest = f + bw + cf + cb + rf + rb;
+    if (f + bw + cf + cb + rf + rb + ef + eb > slowest) {
+      slowest = f + bw + cf + cb + rf + rb + ef + eb;
       forward = f, backward = bw, tp_forward = cf, tp_backward = cb;
-      cp_forward = rf, cp_backward = rb;
+      cp_forward = rf, cp_backward = rb, ep_forward = ef, ep_backward = eb;
     }
     if (stage + 1 < plan.pp) {
       const BlockCost& last = model.blocks[stage_end(model, plan, stage) - 1];
@@ -473,8 +491,8 @@ SlowestStage slowest_stage(const ModelDesc& model, const PlanRequest& request,
           std::max(message_bytes, last.output_bytes * double(b) * scale / split / plan.cp);
     }
   }
-  return {forward,          backward,      tp_forward, tp_backward,
-          stage_params_max, message_bytes, cp_forward, cp_backward};
+  return {forward,       backward,   tp_forward,  tp_backward, stage_params_max,
+          message_bytes, cp_forward, cp_backward, ep_forward,  ep_backward};
 }
 
 // The plan's memory: that of its fullest stage, and which stage it is. With
@@ -544,13 +562,15 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
 
   const int M = plan.micro_batches;
   StepTerms& terms = plan.terms;
-  const double pipeline = pipeline_step_time(plan.schedule, plan.pp, M, plan.chunks,
-                                             forward + tp_forward + s.cp_forward,
-                                             backward + tp_backward + s.cp_backward);
+  const double pipeline = pipeline_step_time(
+      plan.schedule, plan.pp, M, plan.chunks, forward + tp_forward + s.cp_forward + s.ep_forward,
+      backward + tp_backward + s.cp_backward + s.ep_backward);
   terms.compute = M * (forward + backward);
   terms.tp_comm = M * (tp_forward + tp_backward);
   terms.cp_comm = M * (s.cp_forward + s.cp_backward);
-  terms.bubble = std::max(0.0, pipeline - terms.compute - terms.tp_comm - terms.cp_comm);
+  terms.ep_comm = M * (s.ep_forward + s.ep_backward);
+  terms.bubble =
+      std::max(0.0, pipeline - terms.compute - terms.tp_comm - terms.cp_comm - terms.ep_comm);
   if (plan.pp > 1) {
     const LinkSpec& link =
         plan.tp * plan.cp * plan.pp > cluster.per_node ? cluster.inter : cluster.p2p_inside();
@@ -560,7 +580,7 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   }
   // Gradients average over the dp ranks and, under context parallelism,
   // the cp ranks (other tokens of the same sequences) in one allreduce.
-  const int replicas = plan.dp * plan.cp;
+  const int replicas = plan.dp * plan.cp * plan.ep;
   if (replicas > 1) {
     const LinkSpec& link =
         plan.tp * plan.pp * replicas > cluster.per_node ? cluster.inter : cluster.intra;
@@ -593,7 +613,7 @@ Plan evaluate_plan(const ModelDesc& model, const PlanRequest& request, const Blo
   set_memory(model, request, plan, why);
 
   const double step = terms.total();
-  const double batch = double(plan.dp) * M * double(b);
+  const double batch = double(plan.dp) * plan.ep * M * double(b);
   plan.samples_per_second = batch / step;
   plan.tokens_per_second = plan.samples_per_second * model.tokens_per_sample;
   const double peak = cluster.device.peak_tflops * 1e12 * (request.precision == "fp32" ? 0.5 : 1);
@@ -686,7 +706,9 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
   // 1/dp of the parameters): then it is dominated only by itself.
   const bool zero_may_win = request.optimizer_seconds_per_param > 0;
   // The shards spread over dp x cp.
-  const int max_zero = !request.allow_zero1 || base.dp * base.cp == 1 ? 0 : request.max_zero;
+  // The trainer runs expert parallelism without ZeRO.
+  const int max_zero =
+      !request.allow_zero1 || base.dp * base.cp == 1 || base.ep > 1 ? 0 : request.max_zero;
   bool fits[3][4] = {};
   // Scores a variant: true when it fits (it then joins the ranking).
   auto score = [&](Plan plan) {
@@ -747,8 +769,19 @@ std::vector<int> context_sizes(const ModelDesc& model, int ranks, int max_cp) {
   return sizes;
 }
 
+// The expert-parallel sizes worth scoring: 1, and for a model with
+// experts the divisors of `ranks` that divide its expert count (the trainer
+// runs ep without cp).
+std::vector<int> expert_sizes(const ModelDesc& model, int ranks, int cp, int max_ep) {
+  std::vector<int> sizes{1};
+  if (model.experts == 0 || cp > 1) return sizes;
+  for (int ep : divisors(ranks))
+    if (ep > 1 && ep <= max_ep && model.experts % ep == 0) sizes.push_back(ep);
+  return sizes;
+}
+
 struct LayoutChoice {
-  int tp = 1, cp = 1;
+  int tp = 1, cp = 1, ep = 1;
   std::map<int, std::vector<size_t>>* balanced;  // the balanced stage split per pp
 };
 
@@ -757,27 +790,30 @@ struct LayoutChoice {
 void score_layouts(const ModelDesc& model, const PlanRequest& request, const BlockTimer& timer,
                    const LayoutChoice& c, PlanResult& result, Rejections& rejected) {
   const int world = request.cluster.world(), blocks = int(model.blocks.size());
-  for (int pp : divisors(world / c.tp / c.cp)) {
-    const int dp = world / c.tp / c.cp / pp;
-    const std::string layout =
-        cat("dp=", dp, " pp=", pp, c.cp > 1 ? cat(" cp=", c.cp) : "", " tp=", c.tp);
+  for (int pp : divisors(world / c.tp / c.cp / c.ep)) {
+    // The trainer runs expert parallelism on one stage.
+    if (c.ep > 1 && pp > 1) continue;
+    const int dp = world / c.tp / c.cp / c.ep / pp;
+    const std::string layout = cat("dp=", dp, c.ep > 1 ? cat(" ep=", c.ep) : "", " pp=", pp,
+                                   c.cp > 1 ? cat(" cp=", c.cp) : "", " tp=", c.tp);
     if (pp > blocks) {
       rejected.add("more stages than blocks",
                    cat(layout, ": ", blocks, " blocks cannot fill ", pp, " stages"));
       continue;
     }
-    if (request.global_batch % dp != 0) {
-      rejected.add("dp does not divide training.global_batch",
-                   cat(layout, ": global_batch ", request.global_batch, " over ", dp, " replicas"));
+    if (request.global_batch % (dp * c.ep) != 0) {
+      rejected.add(
+          "dp does not divide training.global_batch",
+          cat(layout, ": global_batch ", request.global_batch, " over ", dp * c.ep, " replicas"));
       continue;
     }
     auto& balanced = *c.balanced;
     if (!balanced.count(pp)) balanced[pp] = split_for(model, timer, pp, false);
-    const int per_replica = int(request.global_batch / dp);
+    const int per_replica = int(request.global_batch / (dp * c.ep));
     for (int M : divisors(per_replica)) {
       for (const auto& [schedule, chunks] : schedules_for(model, request, pp, M)) {
         Plan plan;
-        plan.dp = dp, plan.pp = pp, plan.tp = c.tp, plan.cp = c.cp;
+        plan.dp = dp, plan.pp = pp, plan.tp = c.tp, plan.cp = c.cp, plan.ep = c.ep;
         plan.micro_batches = M;
         plan.micro_batch_size = per_replica / M;
         plan.schedule = schedule;
@@ -812,14 +848,16 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
       continue;
     }
     for (int cp : context_sizes(model, world / tp, request.max_cp))
-      score_layouts(model, request, timer, {tp, cp, &balanced}, result, rejected);
+      for (int ep : expert_sizes(model, world / tp / cp, cp, request.max_ep))
+        score_layouts(model, request, timer, {tp, cp, ep, &balanced}, result, rejected);
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Plan& x, const Plan& y) {
     // Equal times: fewer context-parallel ranks (the cost model counts
     // neither the merges nor the ring's latency), then less memory.
     const double tx = x.terms.total(), ty = y.terms.total();
     if (tx != ty) return tx < ty;
-    return x.cp != y.cp ? x.cp < y.cp : x.memory < y.memory;
+    if (x.cp != y.cp) return x.cp < y.cp;
+    return x.ep != y.ep ? x.ep < y.ep : x.memory < y.memory;
   });
   result.rejected = rejected.take();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -888,7 +926,8 @@ std::string plan_table(const PlanResult& result, int top, const ModelDesc& model
                ms(t.compute), " + bubble ", ms(t.bubble), " + tp comm ", ms(t.tp_comm),
                " + pp comm ", ms(t.pp_comm), " + dp comm exposed ", ms(t.dp_exposed),
                t.optimizer > 0 ? " + optimizer " + ms(t.optimizer) : std::string(),
-               best.cp > 1 ? " + cp comm exposed " + ms(t.cp_comm) : std::string(), " ms\n");
+               best.cp > 1 ? " + cp comm exposed " + ms(t.cp_comm) : std::string(),
+               best.ep > 1 ? " + ep all-to-all " + ms(t.ep_comm) : std::string(), " ms\n");
     out += cat("      ", fixed(best.memory / kGiB, 1), " GiB on the fullest rank (stage ",
                best.memory_stage, "), MFU ", fixed(100 * best.model_flops_utilisation, 1), "%, ",
                fixed(best.hardware_flops_per_gpu / 1e12, 1),
@@ -901,6 +940,7 @@ std::string plan_overrides(const Plan& plan) {
   std::string out = cat("parallel.dp=", plan.dp, " parallel.pp=", plan.pp, " parallel.tp=", plan.tp,
                         " parallel.micro_batches=", plan.micro_batches);
   if (plan.cp > 1) out += cat(" parallel.cp=", plan.cp);
+  if (plan.ep > 1) out += cat(" parallel.ep=", plan.ep);
   if (plan.pp > 1) out += " parallel.schedule=" + plan.schedule;
   if (plan.chunks > 1) out += cat(" parallel.virtual_stages=", plan.chunks);
   if (plan.pp > 1 && plan.schedule != "interleaved") {

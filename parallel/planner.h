@@ -121,6 +121,12 @@ struct BlockCost {
   // Attention's keys and values (both, whole sequence, 16 bits): what ring
   // attention passes around the cp ranks; 0 for blocks without attention.
   double kv_bytes = 0;
+  // Mixture of experts: the experts' part of params (not split by tp,
+  // divided over the ep ranks), and the rows one dispatch all-to-all moves
+  // per sample (k T d at 16 bits; forward dispatches and combines, backward
+  // the same); 0 for dense blocks.
+  double expert_params = 0;
+  double a2a_bytes = 0;
 };
 
 struct ModelDesc {
@@ -131,6 +137,7 @@ struct ModelDesc {
   // Tensor parallelism needs these divisible by tp (0: tp not supported).
   int64_t n_head = 0, d_model = 0, vocab = 0;
   int64_t n_layer = 0;
+  int64_t experts = 0;  // per mixture-of-experts layer (0: dense); ep must divide it
   // CNNs: the channels tp splits inside residual blocks (0: none); tp must divide it.
   int64_t tp_channels = 0;
   double tied_params = 0;  // a tied head: a second copy on the last stage when pp > 1
@@ -142,8 +149,13 @@ struct GptShape {
   int64_t n_layer = 12, n_head = 12, d_model = 768, context = 1024, vocab = 50257;
   int64_t pad_vocab_to = 128;  // Megatron pads the vocabulary to a multiple of this (1: none)
   bool tie_weights = true;
+  // Mixture of experts (model.moe): 0 experts is dense; hidden 0 is 4 d.
+  int64_t experts = 0, top_k = 2, moe_hidden = 0, moe_every = 1;
 };
-// GPT blocks: "embed", "h.0" .. "h.<L-1>", "head". Per token per layer the
+// GPT blocks: "embed", "h.0" .. "h.<L-1>", "head". A mixture-of-experts
+// layer's MLP is E experts of width H of which a token uses k: 2 E d H
+// expert parameters, 4 k d H FLOPs per token (the active ones), its MLP
+// activations k H / 4d times the dense one's. Per token per layer the
 // forward costs 24 d^2 + 4 T d FLOPs, the logits 2 d Vocab; parameters
 // 12 L d^2 + Vocab d + T d; per layer and sample the saved activations are
 // T d (34 + 5 a T / d) bytes (Korthikanti et al. 2022): 10 T d whole on every
@@ -284,9 +296,9 @@ struct PlanRequest {
   int max_zero = 1;
   // Context parallelism up to this many ranks per sequence (1: not
   // scored), for models with attention whose sequence splits into 2 cp
-  // chunks; scored without ZeRO or sequence parallelism, as the trainer
-  // runs it.
+  // chunks.
   int max_cp = 16;
+  int max_ep = 4096;  // expert-parallel ranks (1: leave ep out)
 };
 
 struct StepTerms {
@@ -297,16 +309,19 @@ struct StepTerms {
   double dp_exposed = 0;  // the gradient sync backward does not hide
   double optimizer = 0;   // the optimizer step over the fullest stage's parameters
   double cp_comm = 0;     // M (ring attention's messages compute does not hide)
+  double ep_comm = 0;     // M (the experts' all-to-alls, forward and backward)
   double total() const {
-    return compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + cp_comm;
+    return compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + cp_comm + ep_comm;
   }
 };
 
 struct Plan {
   int dp = 1, pp = 1, tp = 1;
-  // Context parallelism: each sequence over cp ranks (ring attention; no
-  // ZeRO or sequence parallelism with it, as the trainer runs it).
+  // Context parallelism: each sequence over cp ranks (ring attention).
   int cp = 1;
+  // Expert parallelism: the experts over ep ranks, which split the batch
+  // as dp ranks do (pp, cp and ZeRO 1 with it, as the trainer runs it).
+  int ep = 1;
   int micro_batches = 1;
   int64_t micro_batch_size = 1;   // samples
   std::string schedule = "none";  // none (pp = 1) | gpipe | 1f1b | interleaved | zbh1
@@ -328,7 +343,7 @@ struct Plan {
   double model_flops_utilisation = 0;  // model FLOPs (no recomputation) / peak
   double hardware_flops_per_gpu = 0;   // FLOP/s per GPU, counting recomputation
   std::vector<size_t> stage_starts;    // first block of each stage
-  std::string layout() const;          // "16 x 8 x 8", "4 x 1 x 2 cp4"
+  std::string layout() const;          // "16 x 8 x 8", "4 x 1 x 2 cp4", "2 x 1 x 1 ep4"
 };
 
 struct Rejection {

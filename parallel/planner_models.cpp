@@ -37,6 +37,7 @@ ModelDesc gpt_model(const GptShape& shape) {
   model.d_model = shape.d_model;
   model.vocab = vocab;
   model.n_layer = shape.n_layer;
+  model.experts = shape.experts;
   // Token and position embeddings; the token one is split over tp by vocabulary
   // (one allreduce of its output forward).
   model.blocks.push_back({.name = "embed",
@@ -47,7 +48,10 @@ ModelDesc gpt_model(const GptShape& shape) {
                           .gemm_rows = T,
                           .gemm_width = d,
                           .tp_split = true});
-  for (int64_t layer = 0; layer < shape.n_layer; ++layer)
+  const double H = double(shape.moe_hidden > 0 ? shape.moe_hidden : 4 * shape.d_model);
+  const double E = double(shape.experts), k = double(shape.top_k);
+  for (int64_t layer = 0; layer < shape.n_layer; ++layer) {
+    const bool moe = shape.experts > 0 && layer % shape.moe_every == shape.moe_every - 1;
     model.blocks.push_back({
         .name = cat("h.", layer),
         .params = 12 * d * d + 13 * d,  // QKV, proj, 2 MLP matrices; biases, 2 layer norms
@@ -66,6 +70,16 @@ ModelDesc gpt_model(const GptShape& shape) {
         .is_layer = true,
         .kv_bytes = 4 * T * d,  // K and V at 16 bits
     });
+    if (!moe) continue;
+    // The MLP (8 d^2 + 5 d parameters, 16 T d FLOPs per token, 16 T d of the
+    // split activations) becomes the router and E experts, k of them active.
+    BlockCost& b = model.blocks.back();
+    b.expert_params = E * (2 * d * H + H + d);
+    b.params += d * E + b.expert_params - (8 * d * d + 5 * d);
+    b.forward_flops += T * (2 * d * E + k * 4 * d * H - 16 * d * d);
+    b.act_sharded += 16 * T * d * (k * H / (4 * d) - 1) + 4 * k * T * d;
+    b.a2a_bytes = 2 * k * T * d;
+  }
   // Final layer norm and the logits (vocabulary-parallel, fp32 softmax kept for backward).
   model.blocks.push_back({.name = "head",
                           .params = shape.tie_weights ? 2 * d : V * d + 2 * d,

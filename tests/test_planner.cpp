@@ -310,6 +310,49 @@ TEST_CASE("planner: long sequences are split over context-parallel ranks", "[par
   CHECK(plan_gpt(kGpt1_3B, "a100-80gb", 1, 8, 512).ranked[0].cp == 1);
 }
 
+TEST_CASE("planner: a mixture of experts too large for a rank is divided over ep ranks",
+          "[parallel]") {
+  // GPT 1.3B with 16 experts of width 4d in every layer, top-2: 12.9B
+  // expert parameters besides 1.3B dense ones, 16 bytes each with AdamW
+  // under bf16: over ep ranks each holds 1/ep of the experts, which beats
+  // the plans that fit without (sharding the optimizer state and
+  // recomputing, or pipeline stages).
+  GptShape shape = kGpt1_3B;
+  shape.experts = 16, shape.top_k = 2;
+  const ModelDesc moe = gpt_model(shape), dense = gpt_model(kGpt1_3B);
+  // Active FLOPs: a token uses 2 experts (twice the dense MLP) and the router.
+  const double T = 2048, d = 2048;
+  CHECK(moe.forward_flops() - dense.forward_flops() ==
+        Approx(24 * T * (2 * d * 16 + 16 * d * d)).epsilon(1e-9));
+  double experts = 0;
+  for (const BlockCost& b : moe.blocks) experts += b.expert_params;
+  CHECK(experts == Approx(24 * 16 * (2 * d * 4 * d + 4 * d + d)));
+  PlanRequest request{.cluster = cluster_for("a100-80gb", 1, 8), .global_batch = 64};
+  const FlopBlockTimer timer(request.cluster.device);
+  const PlanResult result = plan_cluster(moe, request, timer);
+  REQUIRE(!result.ranked.empty());
+  INFO(plan_table(result, 8, moe));
+  const Plan& best = result.ranked[0];
+  CHECK(best.ep > 1);
+  CHECK(16 % best.ep == 0);
+  CHECK(best.dp * best.ep * best.pp * best.tp == 8);
+  CHECK(best.pp == 1);
+  CHECK(best.zero == 0);
+  CHECK(best.terms.ep_comm > 0.0);
+  CHECK(plan_overrides(best).find(cat(" parallel.ep=", best.ep, " ")) != std::string::npos);
+  CHECK(best.layout().find(cat(" ep", best.ep)) != std::string::npos);
+  // The batch is split over dp x ep.
+  CHECK(best.samples_per_second * best.terms.total() ==
+        Approx(double(best.dp * best.ep * best.micro_batches * best.micro_batch_size)));
+  // Without expert parallelism the plans that fit (ZeRO-1 with
+  // recomputation, pipeline stages) are slower.
+  request.max_ep = 1;
+  const PlanResult without = plan_cluster(moe, request, timer);
+  REQUIRE(!without.ranked.empty());
+  for (const Plan& p : without.ranked) CHECK(p.ep == 1);
+  CHECK(without.ranked[0].terms.total() > best.terms.total());
+}
+
 TEST_CASE("planner: hybrid sharding keeps ZeRO's collectives on a host and is scored",
           "[parallel]") {
   // GPT 1.3B on 4 hosts of 8 GPUs at dp 32: sharded over all 32 ranks, or

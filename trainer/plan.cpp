@@ -265,7 +265,11 @@ parallel::ModelDesc model_for_planning(const Recipe& recipe, std::vector<std::st
                                 .context = sequence,
                                 .vocab = planning_vocab(recipe, notes),
                                 .pad_vocab_to = 1,
-                                .tie_weights = model.tie_weights});
+                                .tie_weights = model.tie_weights,
+                                .experts = model.moe.experts,
+                                .top_k = model.moe.top_k,
+                                .moe_hidden = model.moe.hidden,
+                                .moe_every = model.moe.every_n_layers});
   if (name == "llama") {
     const int64_t kv = model.num_key_value_heads > 0 ? model.num_key_value_heads : model.n_head;
     return parallel::llama_model({.n_layer = model.n_layer,

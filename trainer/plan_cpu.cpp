@@ -297,6 +297,7 @@ parallel::PlanRequest cpu_plan_request(const Recipe& recipe, const parallel::Mod
   request.max_zero = 3;  // parallel.shard up to parameters (ZeRO-3) on the CPU
   // Profiled CPU plans (and parallel.auto) leave context parallelism to the recipe.
   request.max_cp = 1;
+  request.max_ep = 1;
   request.overlap_dp = false;
   CpuProfile profile = profile_for_cpu_plans(recipe, model, cluster.world(), cluster.per_node);
   request.optimizer_seconds_per_param = profile.optimizer_seconds_per_param;
