@@ -770,11 +770,10 @@ std::vector<int> context_sizes(const ModelDesc& model, int ranks, int max_cp) {
 }
 
 // The expert-parallel sizes worth scoring: 1, and for a model with
-// experts the divisors of `ranks` that divide its expert count (the trainer
-// runs ep without cp).
-std::vector<int> expert_sizes(const ModelDesc& model, int ranks, int cp, int max_ep) {
+// experts the divisors of `ranks` that divide its expert count.
+std::vector<int> expert_sizes(const ModelDesc& model, int ranks, int max_ep) {
   std::vector<int> sizes{1};
-  if (model.experts == 0 || cp > 1) return sizes;
+  if (model.experts == 0) return sizes;
   for (int ep : divisors(ranks))
     if (ep > 1 && ep <= max_ep && model.experts % ep == 0) sizes.push_back(ep);
   return sizes;
@@ -848,7 +847,7 @@ PlanResult plan_cluster(const ModelDesc& model, const PlanRequest& request,
       continue;
     }
     for (int cp : context_sizes(model, world / tp, request.max_cp))
-      for (int ep : expert_sizes(model, world / tp / cp, cp, request.max_ep))
+      for (int ep : expert_sizes(model, world / tp / cp, request.max_ep))
         score_layouts(model, request, timer, {tp, cp, ep, &balanced}, result, rejected);
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Plan& x, const Plan& y) {

@@ -1,6 +1,7 @@
 // Mixture-of-experts GPT in the trainer: on the KJV characters it trains
 // as one process at tp 2 (top-1 with dropping, top-2 dropless) and at dp 2,
-// pp 2, cp 2, dp 2 under ZeRO-3, ep 2 and 4, dp 2 x ep 2 and ep 2 x tp 2
+// pp 2, cp 2, dp 2 under ZeRO-3, ep 2 and 4, dp 2 x ep 2, ep 2 x tp 2 and
+// ep 2 x cp 2
 // (top-2 dropless; the
 // expert loads summed over the ranks, the balancing bias the same on
 // every rank); its checkpoints resume and evaluate alone; the expert load
@@ -80,7 +81,8 @@ TEST_CASE("moe: an MoE GPT trains as one process under dp, tp, pp, cp and ZeRO-3
             Layout{"dp 2 ZeRO-3", 2, {"parallel.shard=parameters"}},
             Layout{"ep 2", 2, {"parallel.ep=2"}}, Layout{"ep 4", 4, {"parallel.ep=4"}},
             Layout{"dp 2 x ep 2", 4, {"parallel.dp=2", "parallel.ep=2"}},
-            Layout{"ep 2 x tp 2", 4, {"parallel.ep=2", "parallel.tp=2"}}})
+            Layout{"ep 2 x tp 2", 4, {"parallel.ep=2", "parallel.tp=2"}},
+            Layout{"ep 2 x cp 2", 4, {"parallel.ep=2", "parallel.cp=2"}}})
         layouts.push_back(l);
     for (const Layout& l : layouts) {
       INFO(l.name);

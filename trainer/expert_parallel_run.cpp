@@ -10,8 +10,8 @@
 namespace trainer {
 
 // Expert parallelism: a GPT with mixture-of-experts layers whose experts
-// divide over the ranks, with plain data parallelism, tensor parallelism
-// or none, on CPU tensors.
+// divide over the ranks, with plain data parallelism, tensor and context
+// parallelism or none, on CPU tensors.
 void check_expert_keys(const Recipe& r) {
   const ParallelRecipe& p = r.parallel;
   if (p.ep == 1) return;
@@ -32,7 +32,6 @@ void check_expert_keys(const Recipe& r) {
   refuse(p.mode != "allreduce", cat("parallel.mode = ", p.mode), "parallel.mode=allreduce");
   refuse(zero_stage(p) > 0, cat("parallel.shard = ", p.shard), "parallel.shard=none");
   refuse(p.pp > 1, cat("parallel.pp = ", p.pp), "parallel.pp=1");
-  refuse(p.cp > 1, cat("parallel.cp = ", p.cp), "parallel.cp=1");
   refuse(r.data.sampling != "random", cat("data.sampling = ", r.data.sampling),
          "data.sampling=random");
 }
@@ -47,8 +46,11 @@ void DistributedRun::apply_expert_parallel(Session& session) {
     for (int64_t e = first; e < first + local; ++e)
       for (const Tensor& p : l->expert_list[size_t(e)]->parameters()) expert_params_.push_back(p);
   }
-  // The ranks holding the same experts: the data-parallel ones.
-  expert_comm_ = dist_.mesh.comm(parallel::kDataParallel);
+  // The ranks holding the same experts: the data-parallel ones, and the
+  // context-parallel ones (other tokens of the same windows).
+  expert_comm_ = dist_.mesh.comm(dist_.layout.size(parallel::Dim::cp) > 1
+                                     ? parallel::kDataParallel | parallel::Dim::cp
+                                     : parallel::kDataParallel);
   session.record_pass("expert", cat("ep=", ep->size(), ", experts ", first, "-", first + local - 1,
                                     " of ", experts, " per layer"));
 }
