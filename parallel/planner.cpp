@@ -790,8 +790,6 @@ void score_layouts(const ModelDesc& model, const PlanRequest& request, const Blo
                    const LayoutChoice& c, PlanResult& result, Rejections& rejected) {
   const int world = request.cluster.world(), blocks = int(model.blocks.size());
   for (int pp : divisors(world / c.tp / c.cp / c.ep)) {
-    // The trainer runs expert parallelism on one stage.
-    if (c.ep > 1 && pp > 1) continue;
     const int dp = world / c.tp / c.cp / c.ep / pp;
     const std::string layout = cat("dp=", dp, c.ep > 1 ? cat(" ep=", c.ep) : "", " pp=", pp,
                                    c.cp > 1 ? cat(" cp=", c.cp) : "", " tp=", c.tp);

@@ -320,7 +320,7 @@ struct Plan {
   // Context parallelism: each sequence over cp ranks (ring attention).
   int cp = 1;
   // Expert parallelism: the experts over ep ranks, which split the batch
-  // as dp ranks do (pp and ZeRO 1 with it, as the trainer runs it).
+  // as dp ranks do (no ZeRO with it, as the trainer runs it).
   int ep = 1;
   int micro_batches = 1;
   int64_t micro_batch_size = 1;   // samples

@@ -1,7 +1,7 @@
 // Mixture-of-experts GPT in the trainer: on the KJV characters it trains
 // as one process at tp 2 (top-1 with dropping, top-2 dropless) and at dp 2,
-// pp 2, cp 2, dp 2 under ZeRO-3, ep 2 and 4, dp 2 x ep 2, ep 2 x tp 2 and
-// ep 2 x cp 2
+// pp 2, cp 2, dp 2 under ZeRO-3, ep 2 and 4, dp 2 x ep 2, ep 2 x tp 2,
+// ep 2 x cp 2 and ep 2 x pp 2 (zbh1)
 // (top-2 dropless; the
 // expert loads summed over the ranks, the balancing bias the same on
 // every rank); its checkpoints resume and evaluate alone; the expert load
@@ -82,7 +82,11 @@ TEST_CASE("moe: an MoE GPT trains as one process under dp, tp, pp, cp and ZeRO-3
             Layout{"ep 2", 2, {"parallel.ep=2"}}, Layout{"ep 4", 4, {"parallel.ep=4"}},
             Layout{"dp 2 x ep 2", 4, {"parallel.dp=2", "parallel.ep=2"}},
             Layout{"ep 2 x tp 2", 4, {"parallel.ep=2", "parallel.tp=2"}},
-            Layout{"ep 2 x cp 2", 4, {"parallel.ep=2", "parallel.cp=2"}}})
+            Layout{"ep 2 x cp 2", 4, {"parallel.ep=2", "parallel.cp=2"}},
+            Layout{"ep 2 x pp 2 zbh1",
+                   4,
+                   {"parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=4",
+                    "parallel.schedule=zbh1"}}})
         layouts.push_back(l);
     for (const Layout& l : layouts) {
       INFO(l.name);
@@ -181,5 +185,6 @@ TEST_CASE("moe: bad mixture-of-experts keys are errors naming them", "[parallel]
   refused({"model.moe.score=relu"}, "model.moe.score");
   refused({"model.moe.experts=0", "parallel.ep=2"}, "this model has none");
   refused({"model.moe.experts=3", "parallel.ep=2"}, "does not divide over 2 ranks");
-  refused({"parallel.ep=2", "parallel.pp=2"}, "parallel.ep = 2 with parallel.pp = 2");
+  refused({"parallel.ep=2", "parallel.shard=optimizer"},
+          "parallel.ep = 2 with parallel.shard = optimizer");
 }

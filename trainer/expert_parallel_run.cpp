@@ -11,7 +11,7 @@ namespace trainer {
 
 // Expert parallelism: a GPT with mixture-of-experts layers whose experts
 // divide over the ranks, with plain data parallelism, tensor and context
-// parallelism or none, on CPU tensors.
+// parallelism, pipelines or none, on CPU tensors.
 void check_expert_keys(const Recipe& r) {
   const ParallelRecipe& p = r.parallel;
   if (p.ep == 1) return;
@@ -31,7 +31,6 @@ void check_expert_keys(const Recipe& r) {
   refuse(r.device != "cpu", cat("device ", r.device), "device=cpu");
   refuse(p.mode != "allreduce", cat("parallel.mode = ", p.mode), "parallel.mode=allreduce");
   refuse(zero_stage(p) > 0, cat("parallel.shard = ", p.shard), "parallel.shard=none");
-  refuse(p.pp > 1, cat("parallel.pp = ", p.pp), "parallel.pp=1");
   refuse(r.data.sampling != "random", cat("data.sampling = ", r.data.sampling),
          "data.sampling=random");
 }
