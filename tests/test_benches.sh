@@ -33,6 +33,17 @@ for row in "2 ring" "2 all_to_all" "4 ring" "4 all_to_all"; do
 done
 if "$build/bench_cp" --bogus > "$out" 2>&1; then fail "bench_cp accepted --bogus"; fi
 
+"$build/bench_moe" --no-torch --rounds 1 --steps 1 --warmup 0 --tokens 256 --batch 4 --context 32 \
+  --ep 1,2,4 > "$out"
+grep -Eq "^ +ours top-2 softmax, dropless +\| 0 of 256 assignments dropped, aux $num, z $num$" "$out" ||
+  fail "bench_moe: no dropless check row"
+grep -Eq "^layer fwd\+bwd +1 \| +$num +$num +$num% \|" "$out" || fail "bench_moe: no layer row"
+for ep in 1 2 4; do
+  grep -Eq "^gpt train step +$ep \| +$num +$num +$num% \|" "$out" || fail "bench_moe: no gpt ep $ep row"
+done
+if "$build/bench_moe" --bogus > "$out" 2>&1; then fail "bench_moe accepted --bogus"; fi
+grep -q "usage: bench_moe" "$out" || fail "bench_moe --bogus: no usage"
+
 "$build/bench_pipeline" --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 \
   --schedule 1f1b --no-torch > "$out"
 grep -Eq "^gpt +1f1b +2 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \| +$num +$num +$num +$num \|" "$out" ||
