@@ -287,25 +287,7 @@ bool run_ranks(const Run& run, const Settings& s, int port, RankResult& out) {
   close(fd[1]);
   bool ok = read(fd[0], &out, sizeof out) == sizeof out;
   close(fd[0]);
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  return ok;
-}
-
-// "a,b,c" -> its numbers; false on anything but positive integers.
-bool parse_numbers(const char* text, std::vector<int64_t>& out) {
-  out.clear();
-  for (const char* p = text; *p;) {
-    char* end = nullptr;
-    const long long v = std::strtoll(p, &end, 10);
-    if (end == p || v <= 0 || (*end != ',' && *end != '\0')) return false;
-    out.push_back(v);
-    p = *end == ',' ? end + 1 : end;
-  }
-  return !out.empty();
+  return reap_ranks(pids) && ok;
 }
 
 bool parse_attentions(const std::string& text, std::vector<ContextAttention>& out) {

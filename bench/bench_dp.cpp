@@ -221,12 +221,7 @@ bool run_world(const ImageCase& c, const Settings& s, int processes, bool joined
     if (ok) out[size_t(res.first)] = res.second;
   }
   close(fd[0]);
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  return ok;
+  return reap_ranks(pids) && ok;
 }
 
 // bench_dp_torch.py's "efficiency hidden_fraction" for case c; false without torch.

@@ -221,12 +221,7 @@ bool run_layout(const std::string& model, Layout layout, const Settings& s, Rank
   close(fd[1]);
   bool ok = read(fd[0], &out, sizeof out) == sizeof out;
   close(fd[0]);
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  return ok;
+  return reap_ranks(pids) && ok;
 }
 
 // The analytic bytes per step of the tp=2 run (see the header).

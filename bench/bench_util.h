@@ -5,9 +5,11 @@
 #pragma once
 
 #include <sched.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -84,6 +86,30 @@ inline double median_step_seconds(int steps, const std::function<void()>& step, 
     if (i >= warmup) times.push_back(dt);
   }
   return median(times);
+}
+
+// Waits for every forked rank; true when each exited with status 0.
+inline bool reap_ranks(const std::vector<pid_t>& pids) {
+  bool ok = true;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
+}
+
+// "a,b,c" -> its numbers; false on anything but positive integers.
+inline bool parse_numbers(const char* text, std::vector<int64_t>& out) {
+  out.clear();
+  for (const char* p = text; *p;) {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p || v <= 0 || (*end != ',' && *end != '\0')) return false;
+    out.push_back(v);
+    p = *end == ',' ? end + 1 : end;
+  }
+  return !out.empty();
 }
 
 }  // namespace trainer::bench
