@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <tuple>
 
@@ -42,18 +43,36 @@ constexpr double kMaxHeartbeatSeconds = 86400;
 // The commands a rank of the trainer binary can run.
 constexpr const char* kRankCommands[] = {"train", "eval", "sample", "plan", "info"};
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  CHECK(fd >= 0) << std::strerror(errno);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(addr);
-  CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) << std::strerror(errno);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+// A port for rank 0's store, kept bound (not listening, SO_REUSEADDR) by
+// the launcher while its ranks run: no other process's bind to port 0 is
+// handed the same port before rank 0 listens on it (two launchers started
+// at once on one host otherwise could be), and rank 0, binding with
+// SO_REUSEADDR, still can.
+class ReservedPort {
+ public:
+  ReservedPort() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(fd_ >= 0) << std::strerror(errno);
+    int one = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    socklen_t len = sizeof(addr);
+    CHECK(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0)
+        << std::strerror(errno);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~ReservedPort() { ::close(fd_); }
+  ReservedPort(const ReservedPort&) = delete;
+  ReservedPort& operator=(const ReservedPort&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
 
 std::string random_token() {
   std::random_device device;
@@ -220,7 +239,9 @@ int run_launch(const LaunchOptions& o) {
   for (int restart = 0;; ++restart) {
     status.clear();
     // A fresh port for every start on one node: the last one's may linger.
-    const int port = o.master_port ? o.master_port : free_port();
+    std::optional<ReservedPort> reserved;
+    if (!o.master_port) reserved.emplace();
+    const int port = o.master_port ? o.master_port : reserved->port();
     int nnodes = o.nnodes, index = o.node_rank, round = restart;
     if (nodes) {
       const Membership m = nodes->join(restart);
