@@ -347,12 +347,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
-    auto number = [&](auto& v, int64_t least) {
-      if (!has_value) return false;
-      const long long n = std::atoll(argv[++i]);
-      v = std::remove_reference_t<decltype(v)>(n);
-      return n >= least;
-    };
+    auto number = [&](auto& v, int64_t least) { return next_number(argc, argv, i, v, least); };
     if (a == "--seq" && has_value) {
       if (!parse_numbers(argv[++i], s.seqs)) return usage();
     } else if (a == "--cp" && has_value) {

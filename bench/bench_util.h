@@ -99,6 +99,16 @@ inline bool reap_ranks(const std::vector<pid_t>& pids) {
   return ok;
 }
 
+// An option's integer value: argv[i + 1] into v (i moves past it); false
+// when there is none or it is below least.
+template <class T>
+bool next_number(int argc, char** argv, int& i, T& v, int64_t least) {
+  if (i + 1 >= argc) return false;
+  const long long n = std::atoll(argv[++i]);
+  v = T(n);
+  return n >= least;
+}
+
 // "a,b,c" -> its numbers; false on anything but positive integers.
 inline bool parse_numbers(const char* text, std::vector<int64_t>& out) {
   out.clear();

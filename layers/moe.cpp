@@ -233,19 +233,19 @@ Tensor MoEFeedForward::run_experts(const Tensor& xs, const std::vector<int64_t>&
   // from[s local + e]: rows rank s sends to this rank's expert e.
   const std::vector<int64_t> from = ep_->exchange(counts);
   const Tensor recv = autograd::apply<ExpertAllToAllFn>(xs, ep_.get(), send);  // by source
-  // Expert-major order: perm[i] is the received row at place i.
-  std::vector<int64_t> perm, rows(size_t(local), 0), back(size_t(n), 0), source_at(size_t(n), 0);
-  for (int s = 0; s < n; ++s)
-    for (int64_t e = 0; e < local; ++e) {
-      rows[size_t(e)] += from[size_t(s * local + e)];
-      back[size_t(s)] += from[size_t(s * local + e)];
-    }
-  for (int s = 1; s < n; ++s) source_at[size_t(s)] = source_at[size_t(s - 1)] + back[size_t(s - 1)];
+  // The rows arrive by source, by expert within one: block s local + e
+  // starts at start[s local + e]. Expert-major order: perm[i] is the
+  // received row at place i.
+  std::vector<int64_t> start(from.size()), perm, rows(size_t(local), 0), back(size_t(n), 0);
+  for (size_t b = 0, at = 0; b < from.size(); at += size_t(from[b]), ++b) {
+    start[b] = int64_t(at);
+    rows[b % size_t(local)] += from[b];
+    back[b / size_t(local)] += from[b];
+  }
   for (int64_t e = 0; e < local; ++e)
     for (int s = 0; s < n; ++s) {
-      int64_t start = source_at[size_t(s)];
-      for (int64_t f = 0; f < e; ++f) start += from[size_t(s * local + f)];
-      for (int64_t c = 0; c < from[size_t(s * local + e)]; ++c) perm.push_back(start + c);
+      const size_t b = size_t(s * local + e);
+      for (int64_t c = 0; c < from[b]; ++c) perm.push_back(start[b] + c);
     }
   const int64_t R = int64_t(perm.size());
   const Tensor order = index_tensor(perm, xs.device());

@@ -130,8 +130,8 @@ class MoEFeedForward : public Module {
   std::shared_ptr<Linear> router;
   std::shared_ptr<ModuleDict> experts;
   std::vector<std::shared_ptr<ExpertMLP>> expert_list;  // by global index; null: another rank's
-  std::shared_ptr<ExpertMLP> shared;  // null without shared experts
-  Tensor expert_bias;                 // [E] f32
+  std::shared_ptr<ExpertMLP> shared;                    // null without shared experts
+  Tensor expert_bias;                                   // [E] f32
 
  private:
   // xs [M, D], sorted by expert with counts [E] rows each -> each row

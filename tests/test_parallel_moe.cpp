@@ -60,7 +60,9 @@ Result run(MoEFeedForward& m, const Tensor& x, const Tensor& v) {
   r.router_grad = m.router->weight.grad();
   for (int64_t e = m.first_expert(); e < m.first_expert() + m.local_experts(); ++e) {
     const ExpertMLP& ex = *m.expert_list[size_t(e)];
-    auto grad_or_zeros = [](const Tensor& w) { return w.grad().defined() ? w.grad() : zeros(w.shape()); };
+    auto grad_or_zeros = [](const Tensor& w) {
+      return w.grad().defined() ? w.grad() : zeros(w.shape());
+    };
     r.experts[e] = {grad_or_zeros(ex.c_fc->weight), grad_or_zeros(ex.c_proj->weight)};
   }
   return r;
@@ -88,8 +90,8 @@ void check_case(const Case& c) {
     INFO("rank " << r);
     require_close(got[size_t(r)].y, want[size_t(r)].y, 1e-5, 1e-6, "output");
     require_close(got[size_t(r)].x_grad, want[size_t(r)].x_grad, 1e-5, 1e-6, "input gradient");
-    router_sum = router_sum.defined() ? router_sum + got[size_t(r)].router_grad
-                                      : got[size_t(r)].router_grad;
+    router_sum =
+        router_sum.defined() ? router_sum + got[size_t(r)].router_grad : got[size_t(r)].router_grad;
     REQUIRE(int64_t(got[size_t(r)].experts.size()) == c.options.experts / c.ep);
     for (const auto& [e, grads] : got[size_t(r)].experts) {
       INFO("expert " << e);
@@ -105,8 +107,7 @@ void check_case(const Case& c) {
 
 TEST_CASE("expert parallelism: experts over ep ranks give the whole layer's outputs and gradients",
           "[parallel][moe][ep]") {
-  const MoEOptions base{.d_model = 8, .hidden = 12, .experts = 4, .top_k = 2,
-                        .z_loss_coef = 0.01};
+  const MoEOptions base{.d_model = 8, .hidden = 12, .experts = 4, .top_k = 2, .z_loss_coef = 0.01};
   std::vector<Case> cases;
   for (int ep : {2, 4}) {
     MoEOptions dropless = base;

@@ -107,7 +107,8 @@ TEST_CASE("moe: an MoE GPT trains as one process under dp, tp, pp, cp and ZeRO-3
 TEST_CASE("moe: the logs hold the expert load and the auxiliary loss, and checkpoints resume",
           "[parallel][moe]") {
   const std::string run = fresh_temp_dir("moe_logs", false).string();
-  ProcessResult r = run_ranks(1, moe_args(run, {"model.moe.top_k=2", "model.moe.every_n_layers=2"}));
+  ProcessResult r =
+      run_ranks(1, moe_args(run, {"model.moe.top_k=2", "model.moe.every_n_layers=2"}));
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK(r.output.find("| aux ") != std::string::npos);
@@ -133,9 +134,8 @@ TEST_CASE("moe: the logs hold the expert load and the auxiliary loss, and checkp
   CHECK(m.count("transformer.h.1.mlp.experts.3.c_fc.weight") == 1);
   CHECK(m.count("transformer.h.1.mlp.router.weight") == 1);
   CHECK(m.count("transformer.h.0.mlp.c_fc.weight") == 1);  // the dense block
-  ProcessResult more = run_ranks(1, moe_args(run, {"model.moe.top_k=2",
-                                                    "model.moe.every_n_layers=2",
-                                                    "training.steps=7"}));
+  ProcessResult more = run_ranks(
+      1, moe_args(run, {"model.moe.top_k=2", "model.moe.every_n_layers=2", "training.steps=7"}));
   INFO(more.output);
   CHECK(more.code == 0);
   CHECK(step_log(run).loss.size() == 7);

@@ -25,8 +25,7 @@ void check_expert_keys(const Recipe& r) {
     throw Error(cat(what, ": model.moe.experts = ", experts, " does not divide over ", p.ep,
                     " ranks; use a parallel.ep dividing ", experts));
   auto refuse = [&](bool bad, const std::string& with, const std::string& fix) {
-    if (bad)
-      throw Error(cat(what, " with ", with, ": not supported together yet; set ", fix));
+    if (bad) throw Error(cat(what, " with ", with, ": not supported together yet; set ", fix));
   };
   refuse(r.device != "cpu", cat("device ", r.device), "device=cpu");
   refuse(p.mode != "allreduce", cat("parallel.mode = ", p.mode), "parallel.mode=allreduce");
@@ -45,11 +44,9 @@ void DistributedRun::apply_expert_parallel(Session& session) {
     for (int64_t e = first; e < first + local; ++e)
       for (const Tensor& p : l->expert_list[size_t(e)]->parameters()) expert_params_.push_back(p);
   }
-  // The ranks holding the same experts: the data-parallel ones, and the
-  // context-parallel ones (other tokens of the same windows).
-  expert_comm_ = dist_.mesh.comm(dist_.layout.size(parallel::Dim::cp) > 1
-                                     ? parallel::kDataParallel | parallel::Dim::cp
-                                     : parallel::kDataParallel);
+  // The ranks holding the same experts: the dp ranks and the cp ranks
+  // (other tokens of the same windows), those whose evaluation sums add up.
+  expert_comm_ = eval_comm();
   session.record_pass("expert", cat("ep=", ep->size(), ", experts ", first, "-", first + local - 1,
                                     " of ", experts, " per layer"));
 }
@@ -67,8 +64,7 @@ void DistributedRun::reduce_expert_gradients() {
     grads.push_back(p.grad().reshape({-1}));
   }
   Tensor flat = concat(grads, 0) * scale;
-  if (expert_comm_->size() > 1)
-    comm::allreduce(*expert_comm_, flat, {.op = comm::ReduceOp::avg});
+  if (expert_comm_->size() > 1) comm::allreduce(*expert_comm_, flat, {.op = comm::ReduceOp::avg});
   int64_t at = 0;
   for (const Tensor& p : expert_params_) {
     Tensor g = p.grad();
