@@ -36,6 +36,25 @@ struct ProcessResult {
   int code = -1;       // exit code, 128 + signal when killed
   std::string output;  // stdout and stderr
   double seconds = 0;
+  // The lines of output saying why a run failed (errors, the launcher's
+  // report, a crash), first in a failed test's messages: a long output
+  // printed whole is cut in the middle by logs that keep its ends.
+  std::string failure_lines() const {
+    std::string lines, line;
+    for (size_t begin = 0; begin < output.size();) {
+      size_t end = output.find('\n', begin);
+      if (end == std::string::npos) end = output.size();
+      line = output.substr(begin, end - begin);
+      begin = end + 1;
+      for (const char* mark : {"error", "trainer launch:", "terminate", "Aborted", "Segmentation",
+                               "cannot", "timed out"})
+        if (line.find(mark) != std::string::npos) {
+          lines += line + "\n";
+          break;
+        }
+    }
+    return lines.empty() ? "(no error lines)" : lines;
+  }
 };
 
 struct ProcessOptions {

@@ -149,7 +149,7 @@ namespace {
 std::vector<Outcome> run_world(int n, const std::vector<std::string>& args) {
   std::vector<std::thread> threads;
   std::vector<Outcome> outcomes(size_t(n), Outcome{});
-  int port = 20000 + int(::getpid() % 20000);
+  int port = 20000 + int(::getpid() % 12000);
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       std::vector<std::string> argv{COMM_WORKER_BINARY};

@@ -43,7 +43,7 @@ void check_p2p(int nproc, const Env& env, const std::vector<std::string>& args =
 std::vector<Outcome> run_killed(int n, int victim, const Env& extra) {
   std::vector<std::thread> threads;
   std::vector<Outcome> outcomes(size_t(n), Outcome{});
-  const int port = 20000 + int((::getpid() * 7 + n * 31 + victim) % 20000);
+  const int port = 20000 + int((::getpid() * 7 + n * 31 + victim) % 12000);
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       Env env = extra;

@@ -76,6 +76,7 @@ std::vector<std::string> gpt_args(const std::string& out, std::vector<std::strin
 
 ProcessResult trained(int ranks, const std::vector<std::string>& args) {
   ProcessResult r = run_ranks(ranks, args);
+  INFO("exit " << r.code << " after " << r.seconds << " s; why:\n" << r.failure_lines());
   INFO(r.output);
   REQUIRE(r.code == 0);
   return r;
