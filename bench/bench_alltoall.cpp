@@ -1,4 +1,4 @@
-// All-to-all benchmark, nccl-tests style: for sizes from 4 KiB to 64 MiB
+// All-to-all benchmark, nccl-tests style: for sizes from 1 KiB to 64 MiB
 // sent by each rank in all (bytes / n to each rank, itself included), the
 // time per all_to_all_v (the slowest rank's mean), algbw = bytes / time and
 // busbw = algbw * (n-1)/n (the bytes that leave each rank), beside OpenMPI's
@@ -79,7 +79,7 @@ size_t parse_number(int& i, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    size_t min_bytes = size_t(4) << 10, max_bytes = size_t(64) << 20;
+    size_t min_bytes = size_t(1) << 10, max_bytes = size_t(64) << 20;
     CommOptions comm_options;
     CollectiveOptions options;
     int rounds = 3;

@@ -3,7 +3,7 @@
 // printed as "bytes microseconds" lines for it to merge into its table.
 // bytes is what each rank sends in all, bytes / n to each rank (itself included).
 //
-//   mpirun --allow-run-as-root --oversubscribe -np 2 mpi_alltoall 4096 67108864
+//   mpirun --allow-run-as-root --oversubscribe -np 2 mpi_alltoall 1024 67108864
 //   mpirun ... mpi_alltoall --serve DIR 67108864   # sizes on request (bench/mpi/mpi_server.h)
 #include <mpi.h>
 
@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
   }
-  size_t min_bytes = serve ? 0 : argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 4096;
+  size_t min_bytes = serve ? 0 : argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1024;
   const int max_arg = serve ? 3 : 2;
   size_t max_bytes = argc > max_arg ? std::strtoull(argv[max_arg], nullptr, 10) : size_t(64) << 20;
   std::vector<char> send(max_bytes, 1), recv(max_bytes);
