@@ -17,14 +17,39 @@ std::atomic<size_t> g_local_bytes{0};  // this process's parts of the live regio
 }
 
 ShmRegion::ShmRegion(uint64_t id, size_t bytes, int rank, int size)
-    : id_(id), bytes_(bytes), rank_(rank), parts_(size_t(size), nullptr) {
+    : id_(id), bytes_(bytes), rank_(rank), parts_(size_t(size), nullptr), fds_(size_t(size), -1) {
   g_local_bytes += bytes_;
 }
 
 ShmRegion::~ShmRegion() {
   g_local_bytes -= bytes_;
+  for (auto [base, bytes] : side_by_side_) ::munmap(base, bytes);
   for (char* part : parts_)
     if (part) ::munmap(part, bytes_);
+  for (int fd : fds_)
+    if (fd >= 0) ::close(fd);
+}
+
+size_t ShmRegion::page_size() { return size_t(::sysconf(_SC_PAGESIZE)); }
+
+const char* ShmRegion::map_side_by_side(size_t offset, size_t bytes) {
+  const size_t page = page_size(), n = parts_.size();
+  CHECK(offset % page == 0 && bytes % page == 0 && bytes > 0 && offset + bytes <= bytes_)
+      << "map_side_by_side: [" << offset << ", +" << bytes << ") of a part of " << bytes_
+      << " bytes, in pages of " << page;
+  // Address space for all the blocks, then each rank's block mapped over its place.
+  void* base =
+      ::mmap(nullptr, n * bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  char* at = static_cast<char*>(base);
+  for (size_t r = 0; r < n; ++r)
+    if (fds_[r] < 0 || ::mmap(at + r * bytes, bytes, PROT_READ, MAP_SHARED | MAP_FIXED, fds_[r],
+                              off_t(offset)) == MAP_FAILED) {
+      ::munmap(base, n * bytes);
+      return nullptr;
+    }
+  side_by_side_.emplace_back(at, n * bytes);
+  return at;
 }
 
 size_t ShmRegion::local_bytes_in_use() { return g_local_bytes.load(); }
@@ -71,11 +96,11 @@ std::shared_ptr<ShmRegion> ShmRegion::create(Store& store, const std::vector<lon
       *why = cat("cannot map rank ", r, "'s part: ", std::strerror(errno));
     else
       region->parts_[size_t(r)] = static_cast<char*>(base);
-    if (r != rank) ::close(part_fd);
+    region->fds_[size_t(r)] = part_fd;
   }
-  // Every peer has opened this rank's memfd (or given up): the mappings keep it.
+  // Every peer has opened this rank's memfd (or given up).
   store.barrier(key + "mapped", n);
-  if (fd >= 0) ::close(fd);
+  if (fd >= 0 && region->fds_[size_t(rank)] != fd) ::close(fd);
   if (!why->empty()) store.add(key + "failed", 1);
   store.barrier(key + "checked", n);
   if (store.add(key + "failed", 0) > 0) {

@@ -7,7 +7,8 @@
 //
 // Each rank's part is a memfd of its own; the peers open it through
 // /proc/<pid>/fd/<fd> (the same permission as the channel's cross-memory
-// probe), map it and close the descriptor, so nothing outlives the processes.
+// probe) and map it, keeping the descriptor for map_side_by_side; nothing
+// outlives the processes.
 // Creation is collective and all-or-nothing: when any rank cannot map every
 // part, every rank gets null and the caller keeps ordinary memory.
 //
@@ -52,6 +53,12 @@ class ShmRegion {
   char* of(int rank) const { return parts_[size_t(rank)]; }
   // Whether [data, data + bytes) lies inside local().
   bool contains(const void* data, size_t bytes) const;
+  // Every rank's [offset, offset + bytes) of its part, side by side in one
+  // read-only mapping (rank r's at r * bytes): the blocks of an all-gather
+  // where they lie, with nothing copied. offset and bytes are multiples of
+  // the page size. Null when the mapping fails; unmapped with the region.
+  const char* map_side_by_side(size_t offset, size_t bytes);
+  static size_t page_size();
   size_t offset_of(const void* data) const {
     return size_t(static_cast<const char*>(data) - local());
   }
@@ -63,6 +70,8 @@ class ShmRegion {
   size_t bytes_;
   int rank_;
   std::vector<char*> parts_;  // every rank's part, mapped here (null where mapping failed)
+  std::vector<int> fds_;      // every rank's memfd, open here (-1 where opening failed)
+  std::vector<std::pair<char*, size_t>> side_by_side_;  // map_side_by_side's mappings
 };
 
 }  // namespace trainer::comm

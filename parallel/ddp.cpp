@@ -319,12 +319,13 @@ void broadcast_tensors(comm::Communicator& comm, const std::vector<NamedTensor>&
 }  // namespace
 
 std::vector<Tensor> shared_flat_buffers(comm::Communicator& comm,
-                                        const std::vector<std::pair<int64_t, DType>>& sizes) {
+                                        const std::vector<std::pair<int64_t, DType>>& sizes,
+                                        size_t align) {
   std::vector<size_t> offsets;
   size_t total = 0;
   for (const auto& [numel, dtype] : sizes) {
     offsets.push_back(total);
-    total += (size_t(numel) * dtype_size(dtype) + 63) / 64 * 64;
+    total += (size_t(numel) * dtype_size(dtype) + align - 1) / align * align;
   }
   std::shared_ptr<comm::ShmRegion> region =
       comm.size() > 1 && total > 0 ? comm.share_memory(total) : nullptr;  // zero-filled

@@ -139,11 +139,13 @@ struct DataParallelOptions {
 };
 
 // Flat CPU buffers of the given element counts and dtypes in one shared
-// region of comm (comm/shm_region.h), each 64-byte aligned and zero-filled,
-// so collectives on them run in place; empty when there is no region (one
-// rank, ranks on several hosts). Collective: every rank passes the same list.
+// region of comm (comm/shm_region.h), each aligned to align bytes (a power
+// of two) and zero-filled, so collectives on them run in place; empty when
+// there is no region (one rank, ranks on several hosts). Collective: every
+// rank passes the same list.
 std::vector<Tensor> shared_flat_buffers(comm::Communicator& comm,
-                                        const std::vector<std::pair<int64_t, DType>>& sizes);
+                                        const std::vector<std::pair<int64_t, DType>>& sizes,
+                                        size_t align = 64);
 
 class DataParallel {
  public:

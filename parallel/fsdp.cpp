@@ -19,9 +19,10 @@ struct ShardedParameters::Unit {
   std::vector<int> segments;
   std::vector<Tensor> flats;        // gathered: one per segment; empty when freed
   std::vector<comm::Work> pending;  // gathers in flight into flats; empty once waited for
+  bool pointed = false;             // the parameters point into flats
   bool keep_after_forward = false;
   size_t started = 0;  // its buckets whose reduction started in this backward
-  bool gathered() const { return !flats.empty() && pending.empty(); }
+  bool gathered() const { return pointed; }
 };
 
 namespace {
@@ -175,6 +176,7 @@ void ShardedParameters::shard_once() {
   // them): each rank takes its block, and the model's copies are freed.
   (*zero_)->shard_parameters();
   for (size_t u = 0; u < units_.size(); ++u) release(u);
+  (*zero_)->sync_blocks();  // every block taken before any rank reads one in place
   sharded_ = true;
 }
 
@@ -251,6 +253,11 @@ void ShardedParameters::start_gather(size_t u) {
   Unit& unit = units_[u];
   ZeroOptimizer& zero = **zero_;
   for (int segment : unit.segments) {
+    // On one host, the ranks' blocks where they lie (ZeroOptions::gather_in_place).
+    if (Tensor in_place = zero.gathered_in_place(segment); in_place.defined()) {
+      unit.flats.push_back(in_place);
+      continue;
+    }
     const ZeroSegment& seg = zero.segments()[size_t(segment)];
     unit.flats.push_back(empty({seg.shard_numel * zero.world_size()}, zero.gather_dtype()));
     unit.pending.push_back(zero.gather_segment_async(segment, unit.flats.back()));
@@ -260,7 +267,7 @@ void ShardedParameters::start_gather(size_t u) {
 void ShardedParameters::gather(size_t u) {
   Unit& unit = units_[u];
   if (unit.segments.empty() || unit.gathered()) return;
-  if (unit.pending.empty()) {
+  if (unit.flats.empty()) {  // not prefetched
     check_order(u);
     TraceScope span(options_.timeline, "zero3 gather", Track::comm);
     start_gather(u);
@@ -278,6 +285,7 @@ void ShardedParameters::gather(size_t u) {
       p->dtype = unit.flats[k].dtype();
     }
   }
+  unit.pointed = true;
 }
 
 void ShardedParameters::prefetch(size_t block, int direction) {
@@ -308,6 +316,7 @@ void ShardedParameters::release(size_t u) {
       p.tensor.impl()->dtype = (*zero_)->master_dtype();
     }
   unit.flats.clear();
+  unit.pointed = false;
 }
 
 void ShardedParameters::bucket_started(int bucket) {
@@ -322,6 +331,8 @@ void ShardedParameters::bucket_started(int bucket) {
 
 void ShardedParameters::end_step() {
   for (size_t u = 0; u < units_.size(); ++u) release(u);
+  // Every rank's blocks updated before the next forward reads them in place.
+  if (sharded_) (*zero_)->sync_blocks();
   if (sharded_) order_checked_ = true;
 }
 

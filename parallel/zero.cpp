@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "comm/shm_region.h"
 #include "comm/traffic.h"
 #include "core/autograd.h"
 #include "core/ops.h"
@@ -78,9 +79,15 @@ std::pair<int64_t, int64_t> ZeroSegment::shard_range(int rank) const {
   return {first, std::min(numel, first + shard_numel)};
 }
 
+int64_t gather_in_place_align(DType dtype) {
+  return int64_t(comm::ShmRegion::page_size() / dtype_size(dtype));
+}
+
 std::vector<ZeroSegment> zero_segments(
-    const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size) {
-  CHECK_GE(world_size, 1) << "zero_segments world size";
+    const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size,
+    int64_t align) {
+  CHECK(world_size >= 1 && align >= 1)
+      << "zero_segments: world size " << world_size << ", align " << align;
   std::vector<ZeroSegment> out;
   for (const std::vector<NamedTensor>& params : params_per_segment) {
     if (params.empty()) continue;
@@ -91,6 +98,7 @@ std::vector<ZeroSegment> zero_segments(
       s.numel += p.tensor.numel();
     }
     s.shard_numel = (s.numel + world_size - 1) / world_size;
+    s.shard_numel = (s.shard_numel + align - 1) / align * align;
     out.push_back(std::move(s));
   }
   return out;
@@ -123,7 +131,9 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<comm::Communicator> comm,
   if (options_.buckets) {
     std::vector<std::vector<NamedTensor>> lists;
     for (const Bucket& b : *options_.buckets) lists.push_back(b.params);
-    segments_ = zero_segments(lists, world_size());
+    if (options_.gather_in_place && options_.stage == 3)
+      block_align_ = gather_in_place_align(dtype_);
+    segments_ = zero_segments(lists, world_size(), block_align_);
     CHECK_EQ(segments_.size(), options_.buckets->size()) << "ZeRO-1: an empty bucket";
     // A parameter the module names otherwise (a tied weight's second name)
     // goes by the optimizer's name, in the pieces and the saved state.
@@ -180,7 +190,9 @@ void ZeroOptimizer::allocate_buffers() {
       sizes.emplace_back(seg.shard_numel * (options_.stage == 1 ? world_size() : 1), dtype_);
     for (size_t k = 0; k < n_slots; ++k) sizes.emplace_back(largest, reduce_dtype_);
     for (size_t k = 0; k < n_gather_slots; ++k) sizes.emplace_back(largest_shard, gather_dtype_);
-    shared = shared_flat_buffers(*comm_, sizes);
+    // Gathered in place: each block on pages of its own (the region starts on one).
+    shared =
+        shared_flat_buffers(*comm_, sizes, in_place_wanted() ? comm::ShmRegion::page_size() : 64);
   }
   shared_ = !shared.empty();
   const size_t first_slot = segments_.size();
@@ -218,6 +230,33 @@ void ZeroOptimizer::allocate_buffers() {
     if (staged_) buffers_[s].grad = zeros({seg.shard_numel}, dtype_, device_);
     buffers_[s].has_grad.assign(seg.params.size(), false);
   }
+  if (shared_ && in_place_wanted()) map_in_place();
+}
+
+bool ZeroOptimizer::in_place_wanted() const {
+  return options_.gather_in_place && options_.stage == 3 && gather_dtype_ == dtype_ && !staged_ &&
+         world_size() > 1;
+}
+
+void ZeroOptimizer::map_in_place() {
+  // The same on every rank: a rank that cannot map them all copies, and so
+  // does every other (sync_blocks is collective).
+  std::vector<Tensor> views;
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const Tensor& master = buffers_[s].master;
+    const std::shared_ptr<comm::ShmRegion> region =
+        comm_->shm()->find_region(master.data_ptr(), master.nbytes());
+    const char* side_by_side =
+        region ? region->map_side_by_side(region->offset_of(master.data_ptr()), master.nbytes())
+               : nullptr;
+    if (!side_by_side) break;
+    views.push_back(from_external(const_cast<char*>(side_by_side),
+                                  {segments_[s].shard_numel * world_size()}, dtype_, Device{},
+                                  region));
+  }
+  double failed = views.size() == segments_.size() ? 0 : 1;
+  comm::allreduce(*comm_, &failed, 1, DType::f64, {.op = comm::ReduceOp::max});
+  if (failed == 0) in_place_ = std::move(views);
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
@@ -529,6 +568,19 @@ void ZeroOptimizer::shard_parameters() {
   }
 }
 
+Tensor ZeroOptimizer::gathered_in_place(int segment) const {
+  if (in_place_.empty()) return Tensor();
+  const Tensor& view = in_place_[size_t(segment)];
+  // What the all-gather this replaces would count (comm/traffic.h).
+  comm::count_traffic(comm::TrafficKind::allgather,
+                      comm::scatter_gather_bus_bytes(world_size(), uint64_t(view.nbytes())));
+  return view;
+}
+
+void ZeroOptimizer::sync_blocks() {
+  if (!in_place_.empty()) comm::barrier(*comm_, options_.collective);
+}
+
 comm::Work ZeroOptimizer::gather_segment_async(int segment, const Tensor& flat) {
   const ZeroSegment& seg = segments_[size_t(segment)];
   const bool rounded = flat.dtype() != dtype_ && !gather_slots_.empty();
@@ -642,6 +694,8 @@ std::string ZeroOptimizer::layout_name() const { return cat("zero1.rank", rank()
 Tensor ZeroOptimizer::layout_tensor() const {
   std::vector<int64_t> v{world_size(), rank(), int64_t(segments_.size())};
   for (const ZeroSegment& s : segments_) v.push_back(s.numel);
+  // Blocks rounded to pages (gather_in_place) end elsewhere: the multiple after the segments.
+  if (block_align_ > 1) v.push_back(block_align_);
   return from_vector(v);
 }
 

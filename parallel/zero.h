@@ -34,7 +34,8 @@
 // Layout (deterministic from the parameter list and the world size): without
 // buckets one segment holds the parameters of the groups in order; with
 // buckets each bucket is a segment in its own order. A segment of numel
-// elements has blocks of shard_numel = ceil(numel / world_size); rank r owns
+// elements has blocks of shard_numel = ceil(numel / world_size) (rounded up
+// to whole pages under ZeroOptions::gather_in_place); rank r owns
 // elements [r * shard_numel, min(numel, (r + 1) * shard_numel)). The part of
 // one parameter inside a rank's block is a piece; the wrapped optimizer sees
 // each piece as a 1-d parameter of the piece's group (same weight decay and
@@ -47,8 +48,9 @@
 // State: each rank's shard, names recording the layout:
 //   "<param>.<slot>[<begin>:<end>]"  the piece's slot, elements begin..end of the
 //                                    flattened parameter ("fc.weight.exp_avg[0:640]")
-//   "zero1.rank<r>.layout"           i64 [3 + segments]: world size, rank,
-//                                    segment count, numel of each segment
+//   "zero1.rank<r>.layout"           i64 [3 + segments (+ 1)]: world size, rank,
+//                                    segment count, numel of each segment (and
+//                                    the blocks' multiple when it is not 1)
 // load_state() refuses a state saved with another layout (world size, rank,
 // segments) or without ZeRO-1 with an Error saying what differs.
 //
@@ -84,9 +86,16 @@ struct ZeroSegment {
   std::pair<int64_t, int64_t> shard_range(int rank) const;
 };
 
-// Builds the segments over params_per_segment (empty lists are dropped).
+// Builds the segments over params_per_segment (empty lists are dropped),
+// each block rounded up to a multiple of align elements.
 std::vector<ZeroSegment> zero_segments(
-    const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size);
+    const std::vector<std::vector<NamedTensor>>& params_per_segment, int world_size,
+    int64_t align = 1);
+
+// ZeroOptions::gather_in_place: the elements of dtype in a page, the
+// multiple every block is rounded to (and DataParallel's transient buckets
+// to world_size times it, DataParallelOptions::bucket_numel_multiple).
+int64_t gather_in_place_align(DType dtype);
 
 // This rank's elements [begin, end) of a flattened parameter and their
 // values (begin == end: it holds none of it).
@@ -152,6 +161,14 @@ struct ZeroOptions {
   // shard. The master block and the optimizer state stay in the parameters' dtype.
   std::optional<DType> param_dtype;
   std::optional<DType> reduce_dtype;
+  // Stage 3 with every rank on this host (the blocks in a shared region) and
+  // the parameters gathered in their own dtype: each block starts on a page
+  // and fills whole pages (gather_in_place_align), and a segment's gathered
+  // parameters are one read-only mapping of the ranks' blocks side by side
+  // (gathered_in_place), read where they lie: a gather copies nothing. The
+  // ranks wait for each other (sync_blocks) after the blocks change. Where
+  // the mapping cannot be made, gathers copy as without it.
+  bool gather_in_place = false;
   // The gradient norm of clip_grad_norm also sums over these communicators
   // (the other pipeline stages, the other tensor-parallel ranks: they hold
   // the model's other parameters, or other parts of them); nulls are skipped.
@@ -244,6 +261,15 @@ class ZeroOptimizer final : public optim::Optimizer {
   // the segment's parameters and offsets, in flat's dtype: master_dtype(),
   // or gather_dtype() (the block rounded to it first).
   comm::Work gather_segment_async(int segment, const Tensor& flat);
+  // ZeroOptions::gather_in_place: segment s's parameters gathered, a
+  // read-only view of every rank's block where it lies ([world_size *
+  // shard_numel] of master_dtype()); undefined when gathers copy.
+  Tensor gathered_in_place(int segment) const;
+  bool gathers_in_place() const { return !in_place_.empty(); }
+  // After this rank's blocks changed (a step, a checkpoint loaded, the
+  // first sharding) and before any rank reads them in place: waits for
+  // every rank to get here. Collective; nothing when gathers copy.
+  void sync_blocks();
   // Every parameter of the segments, by tensor, with this rank's part of it:
   // views of the master blocks (a checkpoint's pieces, written without a gather).
   std::map<const TensorImpl*, ParameterShard> parameter_shards() const;
@@ -259,6 +285,10 @@ class ZeroOptimizer final : public optim::Optimizer {
   // The segments' flat buffers and blocks of parameters, and the slots of
   // transient buckets: in a shared region where the ranks share a host.
   void allocate_buffers();
+  // ZeroOptions::gather_in_place where it applies (stage 3, more than one
+  // rank, gathered in the master dtype, not staged), and its mappings.
+  bool in_place_wanted() const;
+  void map_in_place();
   void build_pieces(const OptimizerFactory& make_optimizer);
   void reduce_standalone();
   comm::Work reduce_transient_bucket(const Bucket& bucket);
@@ -308,6 +338,8 @@ class ZeroOptimizer final : public optim::Optimizer {
   };
   std::vector<GatherSlot> gather_slots_;
   size_t next_gather_slot_ = 0;
+  std::vector<Tensor> in_place_;  // per segment, ZeroOptions::gather_in_place's views
+  int64_t block_align_ = 1;       // each block a multiple of it (zero_segments)
   bool reduced_ = false;
 };
 

@@ -113,13 +113,18 @@ struct UnitRun {
   std::vector<bool> held_after_forward;
   std::vector<DType> dtype_after_forward;  // of each weight
   std::vector<float> weights;
+  // ZeroOptions::gather_in_place: whether the units were read where they lie,
+  // and whether the weight kept after forward pointed into the ranks' blocks.
+  bool in_place = false, weight_in_view = false;
 };
 
 // Mixed precision: forward under autocast bf16, ZeRO-3's gathers and
-// ZeRO-2/3's reduction in these dtypes (unset: f32).
+// ZeRO-2/3's reduction in these dtypes (unset: f32); gather_in_place as
+// ZeroOptions's.
 struct UnitPrecision {
   bool autocast = false;
   std::optional<DType> param, reduce;
+  bool gather_in_place = false;
 };
 
 UnitRun run_units(comm::Communicator& world, int stage, bool diverge = false,
@@ -134,7 +139,9 @@ UnitRun run_units(comm::Communicator& world, int stage, bool diverge = false,
   o.reduce = parallel::zero_bucket_reduce(&zero);
   if (stage > 1) {
     o.transient_buckets = true;
-    o.bucket_numel_multiple = world.size();
+    o.bucket_numel_multiple =
+        world.size() *
+        (precision.gather_in_place ? parallel::gather_in_place_align(DType::f32) : 1);
     o.units = parallel::unit_parameters(model->blocks(), units);
     o.transient_buffer = [&](int64_t numel, DType dtype) {  // in the reduce dtype
       return zero->transient_buffer(numel, dtype);
@@ -147,6 +154,7 @@ UnitRun run_units(comm::Communicator& world, int stage, bool diverge = false,
   zero_options.buckets = &dp.buckets();
   zero_options.param_dtype = precision.param;
   zero_options.reduce_dtype = precision.reduce;
+  zero_options.gather_in_place = precision.gather_in_place;
   zero = std::make_shared<parallel::ZeroOptimizer>(
       comm, std::vector<optim::ParamGroup>{{model->named_parameters()}},
       [](std::vector<optim::ParamGroup> g) {
@@ -172,6 +180,14 @@ UnitRun run_units(comm::Communicator& world, int stage, bool diverge = false,
         if (p.name.ends_with(".weight")) {
           run.held_after_forward.push_back(p.tensor.storage()->data != nullptr);
           run.dtype_after_forward.push_back(p.tensor.dtype());
+          for (size_t k = 0; stage == 3 && p.tensor.storage()->data && k < zero->segments().size();
+               ++k)
+            if (Tensor view = zero->gathered_in_place(int(k)); view.defined()) {
+              const char* at = static_cast<const char*>(p.tensor.data_ptr());
+              const char* begin = static_cast<const char*>(view.data_ptr());
+              run.weight_in_view = run.weight_in_view ||
+                                   (at >= begin && at + p.tensor.nbytes() <= begin + view.nbytes());
+            }
         }
     loss.backward();
     dp.end_backward();
@@ -186,6 +202,7 @@ UnitRun run_units(comm::Communicator& world, int stage, bool diverge = false,
     gathered = sharded->gathered_copies();
     run.gathers = sharded->gathers();
     run.prefetches = sharded->prefetches();
+    run.in_place = zero->gathered_in_place(0).defined();
   }
   for (const NamedTensor& p : model->named_parameters()) {
     const Tensor& t = gathered.count(p.tensor.impl()) ? gathered.at(p.tensor.impl()) : p.tensor;
@@ -218,6 +235,30 @@ TEST_CASE("fsdp: units gathered per use, prefetched after the first step, freed 
       worst = std::max(worst, std::fabs(run.weights[i] - zero1[size_t(r)].weights[i]));
     CHECK(worst < 1e-6f);
     CHECK(run.weights == zero3[0].weights);
+  }
+}
+
+TEST_CASE("fsdp: on one host the units are read where the ranks' blocks lie, as gathered copies",
+          "[parallel][fsdp][threads]") {
+  for (int n : {2, 3}) {
+    const std::vector<UnitRun> copied = testing::run_thread_ranks<UnitRun>(
+        n, [](comm::Communicator& world) { return run_units(world, 3); });
+    const std::vector<UnitRun> in_place =
+        testing::run_thread_ranks<UnitRun>(n, [](comm::Communicator& world) {
+          return run_units(world, 3, false, {.gather_in_place = true});
+        });
+    for (int r = 0; r < n; ++r) {
+      INFO(n << " ranks, rank " << r);
+      CHECK_FALSE(copied[size_t(r)].in_place);
+      CHECK(in_place[size_t(r)].in_place);
+      // The weight kept after forward is a view of the ranks' blocks, not a copy.
+      CHECK(in_place[size_t(r)].weight_in_view);
+      CHECK_FALSE(copied[size_t(r)].weight_in_view);
+      CHECK(in_place[size_t(r)].held_after_forward == copied[size_t(r)].held_after_forward);
+      CHECK(in_place[size_t(r)].gathers == copied[size_t(r)].gathers);
+      // The same values: bit for bit (the sums run in the same order).
+      CHECK(in_place[size_t(r)].weights == copied[size_t(r)].weights);
+    }
   }
 }
 

@@ -287,6 +287,7 @@ class DistributedRun {
   std::unique_ptr<parallel::DataParallel> dp_;
   // ZeRO-3: the gathers of the blocks' parameters (after dp_: it reads its buckets).
   std::unique_ptr<parallel::ShardedParameters> sharded_parameters_;
+  bool gather_in_place_ = false;  // ZeRO-3 on one host: units read where they lie
   std::shared_ptr<parallel::ParameterServerClient> ps_;
 };
 

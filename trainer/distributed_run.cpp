@@ -258,6 +258,13 @@ std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& se
     };
   }
   if (stage == 3) {
+    // On one host the gathered units are the ranks' blocks where they lie,
+    // each block whole pages (parallel/zero.h gather_in_place).
+    const DType master = session.trained().parameters().front().dtype();
+    const ShardDtypes d = shard_dtypes(session.recipe(), stage);
+    gather_in_place_ = session.recipe().device == "cpu" && shard_comm()->size() > 1 &&
+                       shard_comm()->shm() != nullptr && (!d.param || *d.param == master);
+    if (gather_in_place_) o.bucket_numel_multiple *= parallel::gather_in_place_align(master);
     o.on_bucket_started = [this](int bucket) {
       if (sharded_parameters_) sharded_parameters_->bucket_started(bucket);
     };
@@ -289,6 +296,7 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
           .replicate = hybrid ? dist_.mesh.comm(parallel::Dim::dp_replicate) : nullptr,
           .param_dtype = dtypes.param,
           .reduce_dtype = dtypes.reduce,
+          .gather_in_place = gather_in_place_,
           .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
                              dist_.mesh.comm(parallel::Dim::tp)},
           .norm_skips = std::move(skips)});
