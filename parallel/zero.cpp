@@ -305,12 +305,28 @@ void ZeroOptimizer::build_pieces(const OptimizerFactory& make_optimizer) {
   std::stable_sort(pieces.begin(), pieces.end(),
                    [](const Piece& a, const Piece& b) { return a.group < b.group; });
   pieces_ = std::move(pieces);
+  // ZeroOptions::local: whole, after the group's pieces.
+  std::set<const TensorImpl*> local;
+  for (const Tensor& t : options_.local) local.insert(t.impl());
   std::vector<optim::ParamGroup> shard_groups;
   for (const optim::ParamGroup& g : groups_)
     shard_groups.push_back({{}, g.weight_decay, g.lr_scale});
-  for (const Piece& p : pieces_)
-    shard_groups[size_t(p.group)].params.push_back(
-        {segments_[size_t(p.segment)].params[size_t(p.param)].name, p.value});
+  size_t next_piece = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (; next_piece < pieces_.size() && pieces_[next_piece].group == int(g); ++next_piece) {
+      const Piece& p = pieces_[next_piece];
+      shard_groups[g].params.push_back(
+          {segments_[size_t(p.segment)].params[size_t(p.param)].name, p.value});
+      wrapped_.push_back({int(next_piece), {}});
+    }
+    for (const NamedTensor& p : groups_[g].params)
+      if (local.count(p.tensor.impl())) {
+        shard_groups[g].params.push_back(p);
+        wrapped_.push_back({-1, p});
+        local_.push_back(p);
+      }
+  }
+  CHECK_EQ(local_.size(), local.size()) << "ZeRO: a local parameter is in no group";
   optimizer_ = make_optimizer(std::move(shard_groups));
   CHECK(optimizer_) << "ZeRO-1: the optimizer factory returned null";
 }
@@ -497,6 +513,15 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
     sumsq += dtype_ == DType::f64 ? sum_of_squares(p.host_grad.data<double>(), p.host_grad.numel())
                                   : sum_of_squares(p.host_grad.data<float>(), p.host_grad.numel());
   }
+  // Local parameters: held by local_copies ranks of comm, each counted once.
+  double local_sumsq = 0;
+  for (const NamedTensor& p : local_)
+    if (p.tensor.grad().defined() && !norm_skips_.count(p.tensor.impl())) {
+      const Tensor g = p.tensor.grad().contiguous();
+      local_sumsq += dtype_ == DType::f64 ? sum_of_squares(g.data<double>(), g.numel())
+                                          : sum_of_squares(g.data<float>(), g.numel());
+    }
+  sumsq += local_sumsq / std::max(options_.local_copies, 1);
   if (world_size() > 1)
     comm::allreduce(*comm_, &sumsq, 1, DType::f64,
                     {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
@@ -506,9 +531,12 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
                       {.op = comm::ReduceOp::sum, .timeout = options_.collective.timeout});
   double norm = std::sqrt(sumsq);
   double factor = max_norm / (norm + 1e-6);  // optim::clip_grad_norm's rule
-  if (!(factor >= 1.0))
+  if (!(factor >= 1.0)) {
     for (const Piece& p : pieces_)
       if (p.value.grad().defined()) mul_(p.grad, factor);
+    for (const NamedTensor& p : local_)
+      if (p.tensor.grad().defined()) mul_(p.tensor.grad(), factor);
+  }
   return norm;
 }
 
@@ -702,15 +730,19 @@ Tensor ZeroOptimizer::layout_tensor() const {
 std::vector<std::pair<std::string, std::string>> ZeroOptimizer::state_names() const {
   std::vector<NamedTensor> inner = optimizer_->state();
   std::vector<std::pair<std::string, std::string>> out;
-  if (pieces_.empty()) return out;
-  CHECK_EQ(inner.size() % pieces_.size(), size_t(0)) << "ZeRO-1: state entries per piece";
-  const size_t per_piece = inner.size() / pieces_.size();
+  if (wrapped_.empty()) return out;
+  CHECK_EQ(inner.size() % wrapped_.size(), size_t(0)) << "ZeRO-1: state entries per piece";
+  const size_t per_piece = inner.size() / wrapped_.size();
   for (size_t i = 0; i < inner.size(); ++i) {
-    const Piece& p = pieces_[i / per_piece];
-    const std::string& param = segments_[size_t(p.segment)].params[size_t(p.param)].name;
+    const Wrapped& w = wrapped_[i / per_piece];
+    const Piece* p = w.piece >= 0 ? &pieces_[size_t(w.piece)] : nullptr;
+    const std::string& param =
+        p ? segments_[size_t(p->segment)].params[size_t(p->param)].name : w.local.name;
     CHECK(inner[i].name.rfind(param + ".", 0) == 0)
         << "ZeRO-1: state entry " << inner[i].name << " is not of " << param;
-    out.push_back({inner[i].name, cat(inner[i].name, "[", p.begin, ":", p.end, "]")});
+    // A local parameter's state is whole: named as without ZeRO.
+    out.push_back(
+        {inner[i].name, p ? cat(inner[i].name, "[", p->begin, ":", p->end, "]") : inner[i].name});
   }
   return out;
 }
@@ -718,11 +750,15 @@ std::vector<std::pair<std::string, std::string>> ZeroOptimizer::state_names() co
 void ZeroOptimizer::load_whole_state(const std::map<std::string, Tensor>& whole) {
   std::vector<NamedTensor> inner = optimizer_->state();
   std::vector<NamedTensor> inner_state;
-  if (pieces_.empty()) return;
-  const size_t per_piece = inner.size() / pieces_.size();
+  if (wrapped_.empty()) return;
+  const size_t per_piece = inner.size() / wrapped_.size();
   for (size_t i = 0; i < inner.size(); ++i) {
-    const Piece& p = pieces_[i / per_piece];
-    const NamedTensor& param = segments_[size_t(p.segment)].params[size_t(p.param)];
+    const Wrapped& w = wrapped_[i / per_piece];
+    const Piece whole_piece{.begin = 0,
+                            .end = w.local.tensor.defined() ? w.local.tensor.numel() : 0};
+    const Piece& p = w.piece >= 0 ? pieces_[size_t(w.piece)] : whole_piece;
+    const NamedTensor& param =
+        w.piece >= 0 ? segments_[size_t(p.segment)].params[size_t(p.param)] : w.local;
     auto it = whole.find(inner[i].name);
     if (it == whole.end())
       throw Error(cat("optimizer state: no entry '", inner[i].name, "' for ZeRO-1 rank ", rank(),
@@ -738,8 +774,11 @@ void ZeroOptimizer::load_whole_state(const std::map<std::string, Tensor>& whole)
     if (t.numel() != param.tensor.numel())
       throw Error(cat("optimizer state: entry '", inner[i].name, "' has ", t.numel(),
                       " elements, parameter '", param.name, "' ", param.tensor.numel()));
-    inner_state.push_back(
-        {inner[i].name, t.contiguous().reshape({-1}).narrow(0, p.begin, p.end - p.begin)});
+    if (w.piece < 0)  // local: whole, in the parameter's shape
+      inner_state.push_back({inner[i].name, t.contiguous().reshape(param.tensor.shape())});
+    else
+      inner_state.push_back(
+          {inner[i].name, t.contiguous().reshape({-1}).narrow(0, p.begin, p.end - p.begin)});
   }
   optimizer_->load_state(inner_state);
 }
@@ -774,7 +813,7 @@ void ZeroOptimizer::load_state(const std::vector<NamedTensor>& state) {
   std::vector<int64_t> got;
   if (layout->tensor.defined() && layout->tensor.dtype() == DType::i64 && layout->tensor.dim() == 1)
     got = layout->tensor.to_vector<int64_t>();
-  if (got.size() < 3 || got.size() != size_t(3 + got[2]))
+  if (got.size() < 3 || (got.size() != size_t(3 + got[2]) && got.size() != size_t(4 + got[2])))
     throw Error(cat("ZeRO-1 state: entry '", expected_layout,
                     "' is malformed (expected i64 [world size, rank, segments, numel...])"));
   if (got != want)

@@ -169,6 +169,14 @@ struct ZeroOptions {
   // ranks wait for each other (sync_blocks) after the blocks change. Where
   // the mapping cannot be made, gathers copy as without it.
   bool gather_in_place = false;
+  // Parameters of the groups held whole on this rank, outside the segments
+  // and their collectives (the experts of expert parallelism): the wrapped
+  // optimizer updates them with the gradients they hold, which the caller
+  // has averaged; their state is saved whole, named as without ZeRO
+  // ("<param>.<slot>"). local_copies: how many ranks of comm hold each (the
+  // gradient norm counts it once).
+  std::vector<Tensor> local;
+  int local_copies = 1;
   // The gradient norm of clip_grad_norm also sums over these communicators
   // (the other pipeline stages, the other tensor-parallel ranks: they hold
   // the model's other parameters, or other parts of them); nulls are skipped.
@@ -316,7 +324,15 @@ class ZeroOptimizer final : public optim::Optimizer {
   bool shared_ = false;  // the flat buffers lie in a shared region: collectives in place
   std::vector<ZeroSegment> segments_;
   std::vector<SegmentBuffers> buffers_;  // per segment
-  std::vector<Piece> pieces_;            // this rank's, in the wrapped optimizer's order
+  std::vector<Piece> pieces_;            // this rank's, by group
+  // The wrapped optimizer's parameters in its order: a piece (its index) or
+  // a local parameter (piece -1).
+  struct Wrapped {
+    int piece = -1;
+    NamedTensor local;
+  };
+  std::vector<Wrapped> wrapped_;
+  std::vector<NamedTensor> local_;  // ZeroOptions::local, by group
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::set<const TensorImpl*> norm_skips_;  // options_.norm_skips
   std::vector<comm::Work> pending_;         // bucket reductions of this step

@@ -82,7 +82,8 @@ struct ParallelLayout {
   // The ranks a ZeRO shard is one of: a replica group's dp ranks and the cp
   // ranks, which hold the same parameters.
   int shard_group() const {
-    return mesh.size(parallel::kDataParallel) / replica_groups() * mesh[parallel::Dim::cp];
+    return mesh.size(parallel::kDataParallel) / replica_groups() * mesh[parallel::Dim::cp] *
+           mesh[parallel::Dim::ep];
   }
   bool operator==(const ParallelLayout&) const = default;
 };

@@ -253,6 +253,12 @@ std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& se
         blocks_model->blocks(), parallel::sharding_units(blocks_model->blocks(), stage_blocks),
         int64_t(session.recipe().parallel.shard_unit_mb * 262144));  // MiB of f32
     o.units = parallel::unit_parameters(blocks_model->blocks(), units);
+    // The experts of expert parallelism stay whole, outside the units.
+    for (std::vector<Tensor>& unit : o.units)
+      std::erase_if(unit, [&](const Tensor& t) {
+        return std::any_of(o.exclude.begin(), o.exclude.end(),
+                           [&](const Tensor& e) { return e.impl() == t.impl(); });
+      });
     o.transient_buffer = [this](int64_t numel, DType dtype) {
       return zero_->transient_buffer(numel, dtype);
     };
@@ -297,6 +303,8 @@ void DistributedRun::build_sharded_optimizer(Session& session) {
           .param_dtype = dtypes.param,
           .reduce_dtype = dtypes.reduce,
           .gather_in_place = gather_in_place_,
+          .local = expert_params_,
+          .local_copies = shard_comm()->size() / dist_.layout.size(parallel::Dim::ep),
           .norm_also_over = {dist_.mesh.comm(parallel::Dim::pp),
                              dist_.mesh.comm(parallel::Dim::tp)},
           .norm_skips = std::move(skips)});
@@ -317,11 +325,13 @@ std::shared_ptr<comm::Communicator> DistributedRun::eval_comm() const {
 }
 
 std::shared_ptr<comm::Communicator> DistributedRun::shard_comm() const {
-  // Hybrid sharding shards within dp_shard; the cp ranks always join the
-  // shards (as torchtitan's dp_shard_cp), holding the same parameters.
+  // Hybrid sharding shards within dp_shard; the cp and ep ranks always join
+  // the shards (as torchtitan's dp_shard_cp), holding the same dense
+  // parameters (the experts stay whole, ZeroOptions::local).
   parallel::Dims dims =
       dist_.layout.job.hybrid() ? parallel::Dims(parallel::Dim::dp_shard) : parallel::kDataParallel;
-  if (dist_.layout.size(parallel::Dim::cp) > 1) dims = dims | parallel::Dim::cp;
+  for (parallel::Dim d : {parallel::Dim::cp, parallel::Dim::ep})
+    if (dist_.layout.size(d) > 1) dims = dims | d;
   return dist_.mesh.comm(dims);
 }
 

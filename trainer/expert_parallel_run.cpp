@@ -10,8 +10,9 @@
 namespace trainer {
 
 // Expert parallelism: a GPT with mixture-of-experts layers whose experts
-// divide over the ranks, with plain data parallelism, tensor and context
-// parallelism, pipelines or none, on CPU tensors.
+// divide over the ranks, with plain or sharded data parallelism (ZeRO-1,
+// -2, -3 without replica groups), tensor and context parallelism,
+// pipelines or none, on CPU tensors.
 void check_expert_keys(const Recipe& r) {
   const ParallelRecipe& p = r.parallel;
   if (p.ep == 1) return;
@@ -29,7 +30,8 @@ void check_expert_keys(const Recipe& r) {
   };
   refuse(r.device != "cpu", cat("device ", r.device), "device=cpu");
   refuse(p.mode != "allreduce", cat("parallel.mode = ", p.mode), "parallel.mode=allreduce");
-  refuse(zero_stage(p) > 0, cat("parallel.shard = ", p.shard), "parallel.shard=none");
+  refuse(zero_stage(p) > 0 && p.dp_replicate > 1, "hybrid sharding (parallel.dp_replicate)",
+         "parallel.dp_replicate=1");
   refuse(r.data.sampling != "random", cat("data.sampling = ", r.data.sampling),
          "data.sampling=random");
 }

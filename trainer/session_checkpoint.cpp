@@ -14,13 +14,16 @@ namespace trainer {
 
 namespace {
 
-// The coordinate with the data-parallel indices set to 0, and the cp index
-// too when `sharded`: the ZeRO shards spread over the cp ranks, which
-// otherwise hold copies (trainer/distributed_run.cpp, shard_comm).
+// The coordinate with the data-parallel indices set to 0, and the cp and ep
+// indices too when `sharded`: the ZeRO shards spread over the cp and ep
+// ranks, which otherwise hold copies of the dense parameters
+// (trainer/distributed_run.cpp, shard_comm).
 parallel::MeshCoord first_replica(const parallel::ParallelPlan& plan, bool sharded) {
   parallel::MeshCoord coord = plan.coord;
   for (parallel::Dim d : parallel::kAllDims)
-    if (parallel::kDataParallel.contains(d) || (sharded && d == parallel::Dim::cp)) coord.set(d, 0);
+    if (parallel::kDataParallel.contains(d) ||
+        (sharded && (d == parallel::Dim::cp || d == parallel::Dim::ep)))
+      coord.set(d, 0);
   return coord;
 }
 
@@ -56,6 +59,9 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
     if (copies.count(param)) continue;
     const parallel::TensorPlacement& placed = plan.placement(param);
     const bool range = end >= 0 && e.tensor.dim() == 1 && e.tensor.numel() == end - begin;
+    // A whole entry beside the shards (an expert's, ZeroOptions::local):
+    // written as without sharding, by one replica.
+    const bool whole = plan.shards_optimizer && end < 0;
     // A slot is placed as its parameter; a step count and the like whole,
     // where the parameter is (one copy: a ZeRO-1 shard's, by the rank
     // holding the parameter's first element).
@@ -67,8 +73,8 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
       for (parallel::Placement& on : p.on)
         if (on.kind == parallel::Placement::Kind::shard) on = parallel::Placement::replicate();
     }
-    if (!parallel::writes(p, coord)) continue;
-    if (!plan.shards_optimizer && replica != plan.replica_writer_of(param)) continue;
+    if (!parallel::writes(p, whole ? first_replica(plan, false) : coord)) continue;
+    if ((!plan.shards_optimizer || whole) && replica != plan.replica_writer_of(param)) continue;
     TensorPiece piece = piece_of(name, e.tensor, p, plan.mesh, plan.coord);
     if (range) piece.begin = begin, piece.end = end;
     out.push_back(std::move(piece));
