@@ -2,7 +2,8 @@
 // as one process at tp 2 (top-1 with dropping, top-2 dropless) and at dp 2,
 // pp 2, cp 2, dp 2 under ZeRO-3, ep 2 and 4, dp 2 x ep 2, ep 2 x tp 2,
 // ep 2 x cp 2, ep 2 x pp 2 (zbh1), ep 2 under ZeRO-3 and dp 2 x ep 2 under
-// ZeRO-1, -2 and -3
+// ZeRO-1, -2 and -3; with dropping (top-1, top-2) ep 2, ep 4 and dp 2 x ep 2
+// as dp 2 and dp 4
 // (top-2 dropless; the
 // expert loads summed over the ranks, the balancing bias the same on
 // every rank); its checkpoints resume and evaluate alone; the expert load
@@ -113,6 +114,39 @@ TEST_CASE("moe: an MoE GPT trains as one process under dp, tp, pp, cp and ZeRO-3
       check_close(expected.loss, got.loss, 1e-5, "loss");
       check_close(expected.grad_norm, got.grad_norm, 1e-4, "gradient norm");
       check_models(model_at(ref, 5), model_at(run, 5), 1e-5);
+    }
+  }
+}
+
+TEST_CASE("moe: ep routes as data parallelism does, top-1 and top-2, with dropping and dropless",
+          "[parallel][mp][moe]") {
+  // Capacity, dropping and the Switch loss are per forward's tokens: an ep
+  // rank routes its own share of the batch as a dp rank does, so ep 2 gives
+  // dp 2's run and ep 4 and dp 2 x ep 2 give dp 4's (the experts computed
+  // on other ranks change nothing).
+  for (const std::vector<std::string>& routing :
+       {std::vector<std::string>{"model.moe.top_k=1", "model.moe.capacity_factor=1.0"},
+        std::vector<std::string>{"model.moe.top_k=2", "model.moe.capacity_factor=1.0"},
+        std::vector<std::string>{"model.moe.top_k=1", "model.moe.dropless=true"}}) {
+    INFO(routing[0] << " " << routing[1]);
+    auto run = [&](int ranks, std::vector<std::string> keys) {
+      const std::string dir = fresh_temp_dir("moe_ep_routing", false).string();
+      keys.insert(keys.end(), routing.begin(), routing.end());
+      ProcessResult r = run_ranks(ranks, moe_args(dir, keys));
+      INFO(r.failure_lines());
+      REQUIRE(r.code == 0);
+      return dir;
+    };
+    const std::string dp2 = run(2, {}), dp4 = run(4, {});
+    for (const auto& [ranks, keys, ref] :
+         {std::tuple{2, std::vector<std::string>{"parallel.ep=2"}, dp2},
+          std::tuple{4, std::vector<std::string>{"parallel.ep=4"}, dp4},
+          std::tuple{4, std::vector<std::string>{"parallel.dp=2", "parallel.ep=2"}, dp4}}) {
+      INFO(keys.back() << " on " << ranks << " ranks");
+      const std::string got = run(ranks, keys);
+      check_close(step_log(ref).loss, step_log(got).loss, 1e-5, "loss");
+      check_close(step_log(ref).grad_norm, step_log(got).grad_norm, 1e-4, "gradient norm");
+      check_models(model_at(ref, 5), model_at(got, 5), 1e-5);
     }
   }
 }
