@@ -308,11 +308,13 @@ size_t stage_end(const ModelDesc& model, const Plan& plan, int stage) {
                                                       : model.blocks.size();
 }
 
-// The most parameters one block of the stage holds (a ZeRO-3 gather's).
+// The most dense parameters one block of the stage holds on a rank (a
+// ZeRO-3 gather's; an ep rank's experts stay whole).
 double largest_params(const ModelDesc& model, const Plan& plan, int stage) {
   double largest = 0;
   for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i)
-    largest = std::max(largest, model.blocks[i].params / (model.blocks[i].tp_split ? plan.tp : 1));
+    largest = std::max(largest, (model.blocks[i].params - model.blocks[i].expert_params) /
+                                    (model.blocks[i].tp_split ? plan.tp : 1));
   return largest;
 }
 
@@ -358,10 +360,11 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
   const double scale = value_scale(request.precision);
   std::vector<StageMemory> memory(size_t(plan.pp));
   for (int stage = 0; stage < plan.pp; ++stage) {
-    double params = 0, per_sample = 0, largest = 0;
+    double params = 0, experts = 0, per_sample = 0, largest = 0;
     for (size_t i = plan.stage_starts[size_t(stage)]; i < stage_end(model, plan, stage); ++i) {
       const BlockCost& block = model.blocks[i];
       params += rank_params(block, plan);
+      experts += block.expert_params / plan.ep;
       // Context parallelism: this rank's 1/cp of each sequence's tokens.
       per_sample += block_activations(block, plan) / plan.cp;
       if (plan.recompute == Recompute::blocks) {
@@ -374,12 +377,13 @@ std::vector<StageMemory> stage_memory(const ModelDesc& model, const PlanRequest&
     StageMemory& m = memory[size_t(stage)];
     // ZeRO-3 keeps 1/dp of the parameters (1/shard group under hybrid
     // sharding) and, gathered, the block that runs and the one prefetched.
-    const double dp = plan.shard_group();
+    // An ep rank's experts stay whole beside the shards.
+    const double dp = plan.shard_group(), dense = params - experts;
     m.params = plan.zero == 3
-                   ? (params / dp + 2 * largest_params(model, plan, stage)) * weight_bytes
+                   ? (dense / dp + experts + 2 * largest_params(model, plan, stage)) * weight_bytes
                    : params * weight_bytes;
-    m.grads = params * grad_bytes / (plan.zero >= 2 ? dp : 1);
-    m.optimizer = params * optimizer_bytes / (plan.zero >= 1 ? dp : 1);
+    m.grads = (plan.zero >= 2 ? dense / dp + experts : params) * grad_bytes;
+    m.optimizer = (plan.zero >= 1 ? dense / dp + experts : params) * optimizer_bytes;
     const double in_flight =
         activations_in_flight(plan.schedule, plan.pp, stage, plan.micro_batches, plan.chunks);
     // Under recomputation one block's whole activations live again during its backward.
@@ -705,10 +709,9 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
   // With the optimizer timed, ZeRO-1 may be the faster (it updates
   // 1/dp of the parameters): then it is dominated only by itself.
   const bool zero_may_win = request.optimizer_seconds_per_param > 0;
-  // The shards spread over dp x cp.
-  // The trainer runs expert parallelism without ZeRO.
+  // The shards spread over dp x cp x ep.
   const int max_zero =
-      !request.allow_zero1 || base.dp * base.cp == 1 || base.ep > 1 ? 0 : request.max_zero;
+      !request.allow_zero1 || base.dp * base.cp * base.ep == 1 ? 0 : request.max_zero;
   bool fits[3][4] = {};
   // Scores a variant: true when it fits (it then joins the ranking).
   auto score = [&](Plan plan) {
@@ -743,8 +746,11 @@ void score_variants(const ModelDesc& model, const PlanRequest& request, const Bl
     // dp ranks (at least 2), replicas across hosts. Scored beside each
     // sharded plan above; it takes more memory, and its cross-host traffic
     // is one allreduce of a shard.
+    // (The trainer runs expert parallelism without replica groups.)
     const int per_host = request.cluster.per_node / (base.tp * base.pp * base.cp);
-    if (max_zero == 0 || per_host < 2 || per_host >= base.dp || base.dp % per_host != 0) continue;
+    if (max_zero == 0 || base.ep > 1 || per_host < 2 || per_host >= base.dp ||
+        base.dp % per_host != 0)
+      continue;
     for (int zero = 1; zero <= max_zero; ++zero) {
       Plan plan = base;
       plan.zero = zero;

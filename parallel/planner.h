@@ -331,9 +331,9 @@ struct Plan {
   // ranks), each sharding as `zero` says, the groups' shards averaged
   // across hosts. 1: one group of dp ranks.
   int replicas = 1;
-  // The ranks a shard is one of: a replica group's dp ranks and the cp
-  // ranks, which hold the same parameters.
-  int shard_group() const { return dp / replicas * cp; }
+  // The ranks a shard is one of: a replica group's dp ranks and the cp and
+  // ep ranks, which hold the same dense parameters.
+  int shard_group() const { return dp / replicas * cp * ep; }
   bool sequence_parallel = false;
   Recompute recompute = Recompute::none;
   StepTerms terms;

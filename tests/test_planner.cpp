@@ -351,6 +351,24 @@ TEST_CASE("planner: a mixture of experts too large for a rank is divided over ep
   REQUIRE(!without.ranked.empty());
   for (const Plan& p : without.ranked) CHECK(p.ep == 1);
   CHECK(without.ranked[0].terms.total() > best.terms.total());
+  // ZeRO with ep shards the dense parameters over dp x ep; the experts stay
+  // whole: ZeRO-3's memory for weights, gradients and AdamW is the dense
+  // part's 1/(dp ep) plus the rank's experts (and the gathered blocks).
+  request.max_ep = 8;
+  request.max_zero = 3;
+  const PlanResult sharded = plan_cluster(moe, request, timer);
+  const Plan* at_ep8 = nullptr;
+  for (const Plan& p : sharded.ranked)
+    if (p.ep == 8 && p.pp == 1 && !at_ep8) at_ep8 = &p;
+  REQUIRE(at_ep8 != nullptr);
+  Plan zero3 = *at_ep8;
+  zero3.zero = 3;
+  CHECK(zero3.shard_group() == 8);
+  const std::vector<StageMemory> m = stage_memory(moe, request, zero3);
+  double dense_params = 0;
+  for (const BlockCost& b : moe.blocks) dense_params += b.params - b.expert_params;
+  const double own = dense_params / 8 + experts / 8;  // fp32 moments and master: 12 bytes
+  CHECK(m[0].optimizer == Approx(own * 12).epsilon(0.02));
 }
 
 TEST_CASE("planner: hybrid sharding keeps ZeRO's collectives on a host and is scored",
