@@ -34,8 +34,11 @@
 // binary minutes apart), so the two sides run alternately: --rounds R (default
 // 3) sweeps the sizes R times, each size timed by ours and then at once by
 // OpenMPI's (bench/mpi/mpi_allreduce --serve, started once), so both see the
-// same machine; each side's figure per size is its best round, and "won"
-// counts the rounds where ours was faster. OpenMPI's
+// same machine. Per size the table prints each side's best round, "won"
+// (the rounds where ours was faster), each side's median round, and the
+// median of the per-round speedups (OpenMPI's time / ours) with their range,
+// e.g. "1.42x (1.31-1.55)": the figure that survives the VM's swings. "of
+// copy" is our median algbw over the copy bound. OpenMPI's
 // ranks are bound the way ours are: mpirun --bind-to core when this rank runs
 // on fewer cores than the machine has (trainer launch --bind-to core;
 // mpirun's own default for 2 ranks), --bind-to none otherwise.
@@ -207,6 +210,147 @@ void compare_algorithms(Communicator& world, float* data, size_t min_bytes, size
   }
 }
 
+// One size's figures, round by round: ours (the slowest rank's mean per
+// allreduce) and OpenMPI's seconds (negative where it did not answer).
+struct SizeRounds {
+  size_t bytes = 0;
+  std::vector<Timing> ours;
+  std::vector<double> mpi_seconds;
+};
+
+// The median (the mean of the middle two for an even count) and the range.
+struct Spread {
+  double median = 0, low = 0, high = 0;
+};
+
+Spread spread_of(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return {0.5 * (values[(n - 1) / 2] + values[n / 2]), values.front(), values.back()};
+}
+
+// Per round that measured both sides, OpenMPI's time / ours (> 1: ours is faster).
+std::vector<double> speedups(const SizeRounds& size) {
+  std::vector<double> out;
+  for (size_t k = 0; k < size.ours.size(); ++k)
+    if (size.mpi_seconds[k] > 0) out.push_back(size.mpi_seconds[k] / size.ours[k].seconds);
+  return out;
+}
+
+// Both sides time each size in turn (ours, then OpenMPI's while our ranks
+// sleep in a barrier); the sweep repeats `rounds` times. `server` is null on
+// ranks other than 0, which only take part in ours.
+std::vector<SizeRounds> sweep_sizes(Communicator& world, float* data, size_t min_bytes,
+                                    size_t max_bytes, int rounds, const AllreduceOptions& options,
+                                    MpiServer* server) {
+  std::vector<SizeRounds> sizes;
+  for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) sizes.push_back({bytes, {}, {}});
+  for (int round = 0; round < rounds; ++round)
+    for (SizeRounds& size : sizes) {
+      size.ours.push_back(time_allreduce(world, data, size.bytes, options));
+      barrier(world);
+      const double us = server ? server->time(size.bytes) : -1.0;
+      size.mpi_seconds.push_back(us >= 0 ? us * 1e-6 : -1.0);
+      barrier(world);
+    }
+  return sizes;
+}
+
+// A row per size: each side's best round (and the rounds ours won), then
+// each side's median round, our median algbw against the copy bound and
+// the median speedup with its range.
+void print_sizes(const std::vector<SizeRounds>& sizes, int n, double copy) {
+  auto bus = [&](double algbw) { return algbw * 2.0 * (n - 1) / n; };
+  std::printf("# %12s %11s | %10s %9s %9s %10s | %10s %9s %9s | %7s %5s | %10s %10s %7s | %s\n",
+              "bytes", "count", "time(us)", "algbw", "busbw", "cpu(us)", "mpi(us)", "algbw",
+              "busbw", "speedup", "won", "med(us)", "mpi med", "of copy", "median speedup (range)");
+  for (const SizeRounds& size : sizes) {
+    const Timing best =
+        *std::min_element(size.ours.begin(), size.ours.end(),
+                          [](const Timing& a, const Timing& b) { return a.seconds < b.seconds; });
+    std::vector<double> ours_seconds, mpi_seconds;
+    int won = 0;
+    for (size_t k = 0; k < size.ours.size(); ++k) {
+      ours_seconds.push_back(size.ours[k].seconds);
+      if (size.mpi_seconds[k] < 0) continue;
+      mpi_seconds.push_back(size.mpi_seconds[k]);
+      won += size.ours[k].seconds < size.mpi_seconds[k];
+    }
+    const double bytes = double(size.bytes), algbw = bytes / best.seconds / 1e9;
+    const double median_seconds = spread_of(ours_seconds).median;
+    std::printf("  %12zu %11zu | %10.1f %9.3f %9.3f %10.1f |", size.bytes,
+                size.bytes / sizeof(float), best.seconds * 1e6, algbw, bus(algbw),
+                best.cpu_seconds * 1e6);
+    const double of_copy = bytes / median_seconds / 1e9 / copy;
+    if (mpi_seconds.empty()) {
+      std::printf(" %10s %9s %9s | %7s %5s | %10.1f %10s %7.3f | -\n", "-", "-", "-", "-", "-",
+                  median_seconds * 1e6, "-", of_copy);
+      continue;
+    }
+    const double mpi_best = *std::min_element(mpi_seconds.begin(), mpi_seconds.end());
+    const double mpi_algbw = bytes / mpi_best / 1e9;
+    const Spread speedup = spread_of(speedups(size));
+    std::printf(" %10.1f %9.3f %9.3f | %6.2fx %3d/%zu | %10.1f %10.1f %7.3f | %.2fx (%.2f-%.2f)\n",
+                mpi_best * 1e6, mpi_algbw, bus(mpi_algbw), mpi_best / best.seconds, won,
+                size.ours.size(), median_seconds * 1e6, spread_of(mpi_seconds).median * 1e6,
+                of_copy, speedup.median, speedup.low, speedup.high);
+  }
+}
+
+// Rank 0's table: the machine, the settings, the copy bound (measured now,
+// after the sweep, when the other ranks and OpenMPI's have finished) and a
+// row per size.
+void print_report(const std::vector<SizeRounds>& sizes, int n, int rounds, bool bound,
+                  const CommOptions& options, const AllreduceOptions& allreduce_options,
+                  bool shared_buffer) {
+  const double copy = memcpy_bandwidth();
+  std::printf("# %s\n", cpu::describe_machine().c_str());
+  std::printf("# allreduce f32 sum, %d ranks, in place; time = slowest rank's mean; %s\n", n,
+              options.detect_peer_failure
+                  ? "peer failure detection on (local peers: shared memory + pidfd)"
+                  : "peer failure detection off (--no-failure-detection)");
+  std::printf("# algorithm %s%s%s%s\n",
+              std::string(algorithm_name(allreduce_options.algorithm)).c_str(),
+              options.shared_memory ? "" : ", no shared-memory channel",
+              allreduce_options.cross_memory ? ", shm large messages by cross-memory attach" : "",
+              shared_buffer ? ", buffer in a shared region (large messages reduced in place)" : "");
+  std::printf("# %s\n", bound ? "ranks bound to cores (trainer launch --bind-to core); OpenMPI's "
+                                "too (mpirun --bind-to core)"
+                              : "ranks not bound to cores; OpenMPI's neither (mpirun --bind-to "
+                                "none); trainer launch --bind-to core binds them");
+  std::printf(
+      "# %d rounds, each size timed by ours and then by OpenMPI's; time, algbw, busbw, cpu, "
+      "mpi: each side's best round; speedup = OpenMPI's best / ours; won = rounds ours was "
+      "faster\n",
+      rounds);
+  std::printf(
+      "# med = each side's median round; of copy = our median algbw / the copy bound; median "
+      "speedup = the median of the rounds' OpenMPI time / ours (lowest-highest)\n");
+  std::printf(
+      "# copy bound: single-thread memcpy %.2f GB/s (256 MiB, best of 5, after the sweep)\n", copy);
+  print_sizes(sizes, n, copy);
+  // The largest size against the copy bound: best round, median round, and
+  // per CPU second of the busiest rank (the figure a loaded machine, whose
+  // ranks wait for a core, does not change).
+  const SizeRounds& largest = sizes.back();
+  const double bytes = double(largest.bytes);
+  double best_seconds = largest.ours[0].seconds;
+  std::vector<double> seconds, cpu_seconds;
+  for (const Timing& t : largest.ours) {
+    best_seconds = std::min(best_seconds, t.seconds);
+    seconds.push_back(t.seconds);
+    cpu_seconds.push_back(t.cpu_seconds);
+  }
+  const double largest_busbw = bytes / best_seconds / 1e9 * 2.0 * (n - 1) / n;
+  const double median_algbw = bytes / spread_of(seconds).median / 1e9;
+  const double cpu_algbw = bytes / spread_of(cpu_seconds).median / 1e9;
+  std::printf(
+      "# largest size: busbw %.2f GB/s = %.2f of the copy bound (best round); median algbw "
+      "%.2f GB/s = %.2f of it; per CPU second %.2f GB/s = %.2f of it\n",
+      largest_busbw, largest_busbw / copy, median_algbw, median_algbw / copy, cpu_algbw,
+      cpu_algbw / copy);
+}
+
 size_t parse_number(int& i, int argc, char** argv) {
   if (i + 1 >= argc) throw Error(cat(argv[i], " needs a value"));
   return std::strtoull(argv[++i], nullptr, 10);
@@ -250,13 +394,13 @@ int main(int argc, char** argv) {
                 "NAME|all --segment-bytes B --cross-memory --no-shared-memory --shared-buffer "
                 "--rounds R"));
     }
+    if (min_bytes == 0 || min_bytes > max_bytes)
+      throw Error(
+          cat("--min-bytes ", min_bytes, " --max-bytes ", max_bytes, ": need 0 < min <= max"));
     Bootstrap boot = detect_bootstrap();
     const int n = boot.world_size;
     const bool bound = bound_to_cores();
-    // Per size: our best round, OpenMPI's best round, rounds ours was faster.
-    std::vector<std::pair<size_t, Timing>> ours;
-    std::map<size_t, double> mpi;
-    std::map<size_t, int> won;
+    std::vector<SizeRounds> sizes;
     {
       auto world = init_world(boot, options);
       std::vector<float> private_data(shared_buffer ? 0 : max_bytes / sizeof(float), 1.0f);
@@ -269,71 +413,16 @@ int main(int argc, char** argv) {
         compare_algorithms(*world, data, min_bytes, max_bytes, rounds, allreduce_options);
         return 0;
       }
-      // Both sides measure each size in turn (ours, then OpenMPI's while our
-      // ranks sleep in a barrier); the sweep repeats `rounds` times.
       std::unique_ptr<MpiServer> server;
       if (boot.rank == 0)
         server = std::make_unique<MpiServer>(kMpiExec, kMpiAllreduce, n, max_bytes, bound);
       barrier(*world);
-      for (int round = 0; round < rounds; ++round) {
-        size_t k = 0;
-        for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2, ++k) {
-          const Timing timing = time_allreduce(*world, data, bytes, allreduce_options);
-          if (round == 0) ours.emplace_back(bytes, timing);
-          if (timing.seconds < ours[k].second.seconds) ours[k].second = timing;
-          barrier(*world);
-          if (boot.rank == 0) {
-            if (const double us = server->time(bytes); us >= 0) {
-              won[bytes] += timing.seconds * 1e6 < us;
-              if (!mpi.count(bytes) || us < mpi[bytes]) mpi[bytes] = us;
-            }
-          }
-          barrier(*world);
-        }
-      }
+      sizes =
+          sweep_sizes(*world, data, min_bytes, max_bytes, rounds, allreduce_options, server.get());
       server.reset();
     }
     if (boot.rank != 0) return 0;
-    double copy = memcpy_bandwidth();
-    auto bus = [&](double algbw) { return algbw * 2.0 * (n - 1) / n; };
-    std::printf("# %s\n", cpu::describe_machine().c_str());
-    std::printf("# allreduce f32 sum, %d ranks, in place; time = slowest rank's mean; %s\n", n,
-                options.detect_peer_failure
-                    ? "peer failure detection on (local peers: shared memory + pidfd)"
-                    : "peer failure detection off (--no-failure-detection)");
-    std::printf(
-        "# algorithm %s%s%s%s\n", std::string(algorithm_name(allreduce_options.algorithm)).c_str(),
-        options.shared_memory ? "" : ", no shared-memory channel",
-        allreduce_options.cross_memory ? ", shm large messages by cross-memory attach" : "",
-        shared_buffer ? ", buffer in a shared region (large messages reduced in place)" : "");
-    std::printf("# %s\n", bound ? "ranks bound to cores (trainer launch --bind-to core); OpenMPI's "
-                                  "too (mpirun --bind-to core)"
-                                : "ranks not bound to cores; OpenMPI's neither (mpirun --bind-to "
-                                  "none); trainer launch --bind-to core binds them");
-    std::printf(
-        "# best of %d rounds, each size timed by ours and then by OpenMPI's; won = rounds "
-        "ours was faster\n",
-        rounds);
-    std::printf("# copy bound: single-thread memcpy %.2f GB/s\n", copy);
-    std::printf("# %12s %11s | %10s %9s %9s %10s | %10s %9s %9s | %7s %5s\n", "bytes", "count",
-                "time(us)", "algbw", "busbw", "cpu(us)", "mpi(us)", "algbw", "busbw", "speedup",
-                "won");
-    for (auto [bytes, timing] : ours) {
-      const double seconds = timing.seconds;
-      double algbw = double(bytes) / seconds / 1e9;
-      std::printf("  %12zu %11zu | %10.1f %9.3f %9.3f %10.1f |", bytes, bytes / sizeof(float),
-                  seconds * 1e6, algbw, bus(algbw), timing.cpu_seconds * 1e6);
-      if (auto it = mpi.find(bytes); it != mpi.end()) {
-        double mpi_algbw = double(bytes) / (it->second * 1e-6) / 1e9;
-        std::printf(" %10.1f %9.3f %9.3f | %6.2fx %3d/%d\n", it->second, mpi_algbw, bus(mpi_algbw),
-                    it->second / (seconds * 1e6), won[bytes], rounds);
-      } else {
-        std::printf(" %10s %9s %9s | %7s\n", "-", "-", "-", "-");
-      }
-    }
-    const double largest_busbw = bus(double(ours.back().first) / ours.back().second.seconds / 1e9);
-    std::printf("# largest size: busbw %.2f GB/s = %.2f of the copy bound\n", largest_busbw,
-                largest_busbw / copy);
+    print_report(sizes, n, rounds, bound, options, allreduce_options, shared_buffer);
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_allreduce: %s\n", e.what());

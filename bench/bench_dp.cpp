@@ -30,7 +30,8 @@
 //   bench_dp --cross-memory            # large allreduces by process_vm_readv
 //   bench_dp --no-shared-buckets       # buckets in private memory, copied through staging
 //   bench_dp --zero1 --no-torch        # ZeRO-1 (optimizer state sharded) instead of replicated SGD
-//   bench_dp --rounds 5                # five alternated rounds, medians (default 3)
+//   bench_dp --rounds 5                # five alternated rounds, medians (default 3);
+//                                      # ours/DDP = median of the per-round ratios (range)
 //   bench_dp --batch 64                # per-rank batch for every case (default: the case's)
 //   bench_dp --dp2-only                # one dp=2 run, its step's phases (for A/B runs)
 //   bench_dp --no-bind                 # ranks free to run on any core
@@ -282,17 +283,44 @@ bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
   return true;
 }
 
-void print_row(const char* label, long long batch, const Round& r) {
+// The per-round ratios of one side's figure to the other's: their median
+// (the mean of the middle two for an even count) and their range.
+struct RatioSummary {
+  double median = 0, low = 0, high = 0;
+};
+
+RatioSummary summarize_ratios(std::vector<double> ratios) {
+  std::sort(ratios.begin(), ratios.end());
+  const size_t n = ratios.size();
+  return {0.5 * (ratios[(n - 1) / 2] + ratios[n / 2]), ratios.front(), ratios.back()};
+}
+
+// "1.42x (1.31-1.55)": the median and range of several rounds' ratios; one
+// round's alone as "1.42x", none as "-".
+std::string format_ratios(const std::vector<double>& ratios) {
+  if (ratios.empty()) return "-";
+  const RatioSummary r = summarize_ratios(ratios);
+  char text[48];
+  if (ratios.size() == 1)
+    std::snprintf(text, sizeof text, "%.2fx", r.median);
+  else
+    std::snprintf(text, sizeof text, "%.2fx (%.2f-%.2f)", r.median, r.low, r.high);
+  return text;
+}
+
+// `ours_vs_torch`: our efficiency / DDP's, of one round or over the rounds.
+void print_row(const char* label, long long batch, const Round& r,
+               const std::string& ours_vs_torch) {
   char torch_cols[48] = "         -       -";
   if (r.torch_eff >= 0)
     std::snprintf(torch_cols, sizeof torch_cols, "%9.1f%% %6.1f%%", 100 * r.torch_eff,
                   100 * r.torch_hidden);
   std::printf(
       "%-13s %5lld | %10.1f %10.1f | %8.1f%% %8.1f %8.1f %6.1f%% %7.1f%% | %8.1f%% %7.1f%% "
-      "%8.1f%% %7.1f%% | %s\n",
+      "%8.1f%% %7.1f%% | %s | %s\n",
       label, batch, r.sps1, r.sps2, 100.0 * r.eff, r.comm_ms, r.bwd_ms[1], 100.0 * r.hidden,
       100.0 * r.exposed, 100.0 * r.pair_eff, 100.0 * r.eff / r.pair_eff, 100.0 * r.sync_eff,
-      100.0 * r.eff / r.sync_eff, torch_cols);
+      100.0 * r.eff / r.sync_eff, torch_cols, ours_vs_torch.c_str());
 }
 
 // Each field's median over the rounds (torch's over the rounds that measured it).
@@ -322,6 +350,55 @@ Round median_round(const std::vector<Round>& rounds) {
     m.opt_ms[i] = med([i](const Round& r) { return r.opt_ms[i]; });
   }
   return m;
+}
+
+// Only the dp=2 world, its rank 0's phases: for A/B runs of one setting
+// against another, alternated by the caller. False when a rank failed.
+bool measure_dp2_only(const ImageCase& c, const Settings& s) {
+  std::vector<RankResult> twos;
+  if (!run_world(c, s, 2, true, twos)) return false;
+  const RankResult& t = twos[0];
+  std::printf(
+      "%-13s %5lld | dp=2 step %.1f ms: forward %.1f + backward %.1f + finish %.1f + "
+      "optimizer %.1f; comm %.1f ms\n",
+      c.name, (long long)c.batch, 1e3 * t.step_seconds, 1e3 * t.forward_seconds,
+      1e3 * t.backward_seconds, 1e3 * t.finish_seconds, 1e3 * t.optimizer_seconds,
+      1e3 * t.comm_seconds);
+  std::fflush(stdout);
+  return true;
+}
+
+// `rounds` rounds of case c, each row printed, then the medians and where a
+// dp=2 step's time goes. Rounds alternate the measurements, so a slow spell
+// of the machine touches each of them instead of one; the medians are the
+// figures, and our efficiency / DDP's is the median of its per-round values,
+// with their range. False when a rank failed.
+bool measure_case(const ImageCase& c, const Settings& s, bool torch, int rounds) {
+  std::vector<Round> all;
+  std::vector<double> ratios;  // our efficiency / DDP's, per round that measured both
+  for (int k = 0; k < rounds; ++k) {
+    Round r;
+    if (!run_round(c, s, torch, r)) return false;
+    all.push_back(r);
+    std::string ratio = "-";
+    if (r.torch_eff > 0) {
+      ratios.push_back(r.eff / r.torch_eff);
+      ratio = format_ratios({ratios.back()});
+    }
+    if (rounds > 1) print_row(cat("  round ", k + 1).c_str(), (long long)c.batch, r, ratio);
+    std::fflush(stdout);
+  }
+  const Round m = rounds > 1 ? median_round(all) : all[0];
+  print_row(c.name, (long long)c.batch, m, format_ratios(ratios));
+  // Where a dp=2 step's time goes, against the same code without communication.
+  std::printf("  step ms%s: forward + backward + finish + optimizer (step: median step)\n",
+              rounds > 1 ? ", medians" : "");
+  const char* labels[Round::kRows] = {"dp=1", "dp=2", "pair 0", "pair 1", "sync 0"};
+  for (int i = 0; i < Round::kRows; ++i)
+    std::printf("    %-7s %6.1f + %6.1f + %5.1f + %5.1f (%6.1f)\n", labels[i], m.fwd_ms[i],
+                m.bwd_ms[i], m.finish_ms[i], m.opt_ms[i], m.step_ms[i]);
+  std::fflush(stdout);
+  return true;
 }
 
 }  // namespace
@@ -393,53 +470,17 @@ int main(int argc, char** argv) {
   // machine's own limit for two ranks; of pair = efficiency / pair eff. sync eff =
   // the pair joined by a barrier per step over 2 x dp=1 alone; of sync = efficiency / sync eff.
   if (!dp2_only)
-    std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s %9s %8s | %10s %7s\n",
+    std::printf("%-13s %5s | %10s %10s | %9s %8s %8s %7s %8s | %9s %8s %9s %8s | %10s %7s | %s\n",
                 "case", "batch", "dp1 samp/s", "dp2 samp/s", "efficiency", "comm ms", "bwd ms",
                 "hidden", "exposed", "pair eff", "of pair", "sync eff", "of sync", "torch eff",
-                "hidden");
+                "hidden", "ours/DDP (range)");
   for (ImageCase c : kCases) {
     if (!only.empty() && only != c.name) continue;
     if (batch > 0) c.batch = batch;
-    if (dp2_only) {
-      // Only the dp=2 world, its rank 0's phases: for A/B runs of one setting
-      // against another, alternated by the caller.
-      std::vector<RankResult> twos;
-      if (!run_world(c, s, 2, true, twos)) {
-        std::printf("%-13s: a rank failed\n", c.name);
-        return 1;
-      }
-      const RankResult& t = twos[0];
-      std::printf(
-          "%-13s %5lld | dp=2 step %.1f ms: forward %.1f + backward %.1f + finish %.1f + "
-          "optimizer %.1f; comm %.1f ms\n",
-          c.name, (long long)c.batch, 1e3 * t.step_seconds, 1e3 * t.forward_seconds,
-          1e3 * t.backward_seconds, 1e3 * t.finish_seconds, 1e3 * t.optimizer_seconds,
-          1e3 * t.comm_seconds);
-      continue;
+    if (!(dp2_only ? measure_dp2_only(c, s) : measure_case(c, s, torch, rounds))) {
+      std::printf("%-13s: a rank failed\n", c.name);
+      return 1;
     }
-    // Rounds alternate the measurements, so a slow spell of the machine
-    // touches each of them instead of one; the medians are the figures.
-    std::vector<Round> all;
-    for (int k = 0; k < rounds; ++k) {
-      Round r;
-      if (!run_round(c, s, torch, r)) {
-        std::printf("%-13s: a rank failed\n", c.name);
-        return 1;
-      }
-      all.push_back(r);
-      if (rounds > 1) print_row(cat("  round ", k + 1).c_str(), (long long)c.batch, r);
-      std::fflush(stdout);
-    }
-    const Round m = rounds > 1 ? median_round(all) : all[0];
-    print_row(c.name, (long long)c.batch, m);
-    // Where a dp=2 step's time goes, against the same code without communication.
-    std::printf("  step ms%s: forward + backward + finish + optimizer (step: median step)\n",
-                rounds > 1 ? ", medians" : "");
-    const char* labels[Round::kRows] = {"dp=1", "dp=2", "pair 0", "pair 1", "sync 0"};
-    for (int i = 0; i < Round::kRows; ++i)
-      std::printf("    %-7s %6.1f + %6.1f + %5.1f + %5.1f (%6.1f)\n", labels[i], m.fwd_ms[i],
-                  m.bwd_ms[i], m.finish_ms[i], m.opt_ms[i], m.step_ms[i]);
-    std::fflush(stdout);
   }
   return 0;
 }

@@ -12,6 +12,7 @@ from the hook's call (the bucket is ready) to the completion callback of the
 gloo work. Not a project dependency: bench_dp calls it when torch is importable.
 """
 import os
+import queue
 import statistics
 import sys
 import time
@@ -119,7 +120,18 @@ def measure(world, args):
     procs = [ctx.Process(target=run, args=(r, world, args, port, results)) for r in range(world)]
     for p in procs:
         p.start()
-    out = results.get()
+    # Poll rather than block: a rank that dies before reporting (torchvision
+    # missing for ResNet-18, a failed rendezvous) must end the run, not hang it.
+    out = None
+    while out is None:
+        try:
+            out = results.get(timeout=1.0)
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.terminate()
+                raise SystemExit(f"rank exited with {failed[0]}")
     for p in procs:
         p.join()
         if p.exitcode != 0:

@@ -21,8 +21,8 @@ STD = (0.229, 0.224, 0.225)
 
 
 def torchvision_pipeline(root):
+    import torchvision  # first: without it, fail before the slow import of torch
     import torch
-    import torchvision
     from torchvision import datasets, transforms
 
     torch.set_num_threads(1)
