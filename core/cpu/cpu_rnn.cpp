@@ -148,26 +148,45 @@ void gemm(const Mat& a, const Mat& b, float* c, int64_t ldc, bool accumulate = f
   run_gemm(plan, a.p, b.p, c, scratch.data<float>());
 }
 
-// The recurrent weights of one call, reordered once for the per-step GEMM
-// c (ldc) = a_like b (+ c): every step's a has a_like's shape and strides.
+// The recurrent weights of one call reordered into the layout a packed
+// plan's primitive wants: one copy per call, reordered with all threads and
+// shared by every worker whose plan wants that layout.
+Tensor pack_weights(const GemmPlan& plan, const Mat& b) {
+  Tensor storage = empty({int64_t(plan.b_md.get_size() / sizeof(float)) + 1}, DType::f32);
+  dnnl::engine& engine = cpu::dnnl_engine();
+  dnnl::memory src = DNNL_CHECK(dnnl::memory(plan.b_user_md, engine, const_cast<float*>(b.p)));
+  dnnl::memory dst = DNNL_CHECK(dnnl::memory(plan.b_md, engine, storage.data<float>()));
+  DNNL_CHECK(dnnl::reorder(src, dst).execute(cpu::dnnl_stream(), src, dst));
+  return storage;
+}
+
+// One worker's per-step GEMM c (ldc) = a b (+ c) on packed weights: its
+// primitive, scratchpad and memory objects are made once per call, and each
+// step only binds its a and c.
 class PackedGemm {
  public:
-  PackedGemm(const Mat& a_like, const Mat& b, int64_t ldc, bool accumulate)
-      : plan_(gemm_plan(a_like, b, ldc, accumulate, /*packed=*/true)) {
-    storage_ = empty({int64_t(plan_.b_md.get_size() / sizeof(float)) + 1}, DType::f32);
+  PackedGemm(const GemmPlan& plan, const Tensor& weights) : plan_(plan), weights_(weights) {
     dnnl::engine& engine = cpu::dnnl_engine();
-    dnnl::memory src = DNNL_CHECK(dnnl::memory(plan_.b_user_md, engine, const_cast<float*>(b.p)));
-    dnnl::memory dst = DNNL_CHECK(dnnl::memory(plan_.b_md, engine, storage_.data<float>()));
-    DNNL_CHECK(dnnl::reorder(src, dst).execute(cpu::dnnl_stream(), src, dst));
-    scratch_ = scratch_buffer(plan_.scratch_md.get_size());
+    scratch_ = scratch_buffer(plan.scratch_md.get_size());
+    a_ = DNNL_CHECK(dnnl::memory(plan.a_md, engine, DNNL_MEMORY_NONE));
+    b_ = DNNL_CHECK(dnnl::memory(plan.b_md, engine, weights_.data<float>()));
+    c_ = DNNL_CHECK(dnnl::memory(plan.c_md, engine, DNNL_MEMORY_NONE));
+    scratch_mem_ = DNNL_CHECK(dnnl::memory(plan.scratch_md, engine, scratch_.data<float>()));
   }
-  void run(const float* a, float* c, dnnl::stream& stream) const {
-    run_gemm(plan_, a, storage_.data<float>(), c, scratch_.data<float>(), stream);
+  // Not thread-safe: one worker runs it.
+  void run(const float* a, float* c, dnnl::stream& stream) {
+    a_.set_data_handle(const_cast<float*>(a));
+    c_.set_data_handle(c);
+    DNNL_CHECK(plan_.prim->execute(stream, {{DNNL_ARG_SRC, a_},
+                                            {DNNL_ARG_WEIGHTS, b_},
+                                            {DNNL_ARG_DST, c_},
+                                            {DNNL_ARG_SCRATCHPAD, scratch_mem_}}));
   }
 
  private:
   const GemmPlan& plan_;
-  Tensor storage_, scratch_;  // packed weights; this instance's scratchpad
+  Tensor weights_, scratch_;  // shared packed weights; this worker's scratchpad
+  dnnl::memory a_, b_, c_, scratch_mem_;
 };
 
 // One worker's per-step GEMM c = a b (+ c) over its rows: the AVX2 kernel on
@@ -180,7 +199,7 @@ class StepGemm {
     bool accumulate;
   };
   explicit StepGemm(const Avx2& avx2) : avx2_(avx2) {}
-  StepGemm(const PackedGemm& onednn, dnnl::stream& stream) : onednn_(&onednn), stream_(&stream) {}
+  StepGemm(PackedGemm& onednn, dnnl::stream& stream) : onednn_(&onednn), stream_(&stream) {}
   void run(const float* a, float* c) const {
     if (onednn_ != nullptr)
       onednn_->run(a, c, *stream_);
@@ -191,7 +210,7 @@ class StepGemm {
 
  private:
   Avx2 avx2_{};
-  const PackedGemm* onednn_ = nullptr;
+  PackedGemm* onednn_ = nullptr;
   dnnl::stream* stream_ = nullptr;
 };
 
@@ -204,9 +223,9 @@ class StepGemm {
 // workers: oneDNN 2.6's AVX2 sgemm ran it at 40-47 GFLOP/s on a Zen 3 core,
 // the kernel at 80-90, and its rows come out the same however the batch is
 // split (the oneDNN primitives' do not: their row count is the worker's).
-// Otherwise each worker has its own single-threaded oneDNN primitive
-// and packed weights (a primitive built for n threads splits its work n ways,
-// so it must not run inside a parallel region).
+// Otherwise each worker runs a single-threaded oneDNN primitive (one built
+// for n threads splits its work n ways, so it must not run inside a parallel
+// region) on one copy of the packed weights that all workers share.
 class Recurrence {
  public:
   // a_like(b0, rows): the per-step GEMM's left operand for rows [b0, b0 + rows)
@@ -228,19 +247,29 @@ class Recurrence {
                .accumulate = accumulate};
       return;
     }
+    // Single-threaded primitives (a plan is cached per thread count); the
+    // weights are reordered with all threads, once per layout.
+    std::vector<const GemmPlan*> plans;
     int threads = omp_get_max_threads();
     omp_set_num_threads(1);
-    gemms_.reserve(size_t(workers_));
     for (int k = 0; k < workers_; ++k)
-      gemms_.emplace_back(a_like(first_row(k), first_row(k + 1) - first_row(k)), b, ldc,
-                          accumulate);
+      plans.push_back(&gemm_plan(a_like(first_row(k), first_row(k + 1) - first_row(k)), b, ldc,
+                                 accumulate, /*packed=*/true));
     omp_set_num_threads(threads);
+    std::vector<Tensor> packed;
+    gemms_.reserve(size_t(workers_));
+    for (size_t k = 0; k < plans.size(); ++k) {
+      size_t same = 0;
+      while (same < k && plans[same]->b_md != plans[k]->b_md) ++same;
+      packed.push_back(same < k ? packed[same] : pack_weights(*plans[k], b));
+      gemms_.emplace_back(*plans[k], packed.back());
+    }
   }
 
   // Runs body(b0, b1, gemm) for every worker's rows [b0, b1), the workers in
   // parallel; gemm.run(a, c) is the worker's per-step GEMM.
   template <class Body>
-  void run(const Body& body) const {
+  void run(const Body& body) {
 #pragma omp parallel num_threads(workers_) if (workers_ > 1)
     {
       std::optional<dnnl::stream> stream;
@@ -286,13 +315,16 @@ inline float sigmoid_approx(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 inline float tanh_approx(float x) { return 1.0f - 2.0f / (1.0f + exp_approx(2.0f * x)); }
 
 // The cell loops of one batch row and step, over j < H; their arguments are
-// locals, so the compiler knows no store reloads them and vectorises.
+// locals, so the compiler knows no store reloads them and vectorises. The
+// LSTM's are inlined into an AVX2 and an AVX-512 instance (core/cpu/isa.h):
+// the same arithmetic on 8 or 16 lanes.
 
 // a: input projection [4H] (less bias), replaced by the activated i, f, g,
 // o of the pre-activations a + gh + bias (gh [4H]: the recurrent projection);
 // c = f c_prev + i g; h = hn = o tanh(c).
-void lstm_cell_forward(float* a, const float* gh, const float* bias, const float* c_prev, float* c,
-                       float* h, float* hn, int64_t H) {
+[[gnu::always_inline]] inline void lstm_cell_forward(float* a, const float* gh, const float* bias,
+                                                     const float* c_prev, float* c, float* h,
+                                                     float* hn, int64_t H) {
 #pragma omp simd
   for (int64_t j = 0; j < H; ++j) {
     float i = sigmoid_approx(a[j] + gh[j] + bias[j]);
@@ -312,8 +344,10 @@ void lstm_cell_forward(float* a, const float* gh, const float* bias, const float
 
 // From the activated gates a [4H], c and c_prev: d [4H] the pre-activation
 // gradients; dh_next (in: from step t + 1) is read, dc_next updated to dc f.
-void lstm_cell_backward(const float* a, const float* c, const float* c_prev, const float* grad_y,
-                        const float* dh_next, float* dc_next, float* d, int64_t H) {
+[[gnu::always_inline]] inline void lstm_cell_backward(const float* a, const float* c,
+                                                      const float* c_prev, const float* grad_y,
+                                                      const float* dh_next, float* dc_next,
+                                                      float* d, int64_t H) {
 #pragma omp simd
   for (int64_t j = 0; j < H; ++j) {
     float i = a[j], f = a[H + j], g = a[2 * H + j], o = a[3 * H + j];
@@ -326,6 +360,26 @@ void lstm_cell_backward(const float* a, const float* c, const float* c_prev, con
     d[3 * H + j] = dh * tc * o * (1.0f - o);
     dc_next[j] = dc * f;
   }
+}
+
+TRAINER_AVX512 void lstm_cell_forward_avx512(float* a, const float* gh, const float* bias,
+                                             const float* c_prev, float* c, float* h, float* hn,
+                                             int64_t H) {
+  lstm_cell_forward(a, gh, bias, c_prev, c, h, hn, H);
+}
+void lstm_cell_forward_avx2(float* a, const float* gh, const float* bias, const float* c_prev,
+                            float* c, float* h, float* hn, int64_t H) {
+  lstm_cell_forward(a, gh, bias, c_prev, c, h, hn, H);
+}
+TRAINER_AVX512 void lstm_cell_backward_avx512(const float* a, const float* c, const float* c_prev,
+                                              const float* grad_y, const float* dh_next,
+                                              float* dc_next, float* d, int64_t H) {
+  lstm_cell_backward(a, c, c_prev, grad_y, dh_next, dc_next, d, H);
+}
+void lstm_cell_backward_avx2(const float* a, const float* c, const float* c_prev,
+                             const float* grad_y, const float* dh_next, float* dc_next, float* d,
+                             int64_t H) {
+  lstm_cell_backward(a, c, c_prev, grad_y, dh_next, dc_next, d, H);
 }
 
 // gi [3H] input projection, gh [3H] recurrent projection (both less bias);
@@ -433,6 +487,7 @@ Tensor CpuBackend::lstm_forward(const Tensor& x, const Tensor& h0, const Tensor&
   float* yp = y.data<float>();
   gemm(rows_of(x.data<float>(), B * T, I, I), rows_of(weight_ih.data<float>(), G, I, I).t(), gates,
        G);
+  const bool avx512 = cpu::use_avx512();
   Recurrence recurrence(
       B, [&](int64_t b0, int64_t rows) { return rows_of(hs + b0 * H, rows, H, H); },
       rows_of(weight_hh.data<float>(), G, H, H).t(), G, /*accumulate=*/false);
@@ -445,7 +500,8 @@ Tensor CpuBackend::lstm_forward(const Tensor& x, const Tensor& h0, const Tensor&
         float* c = cs + (b * T + t) * H;
         float* h = yp + (b * T + t) * H;
         float* hn = hs + ((t + 1) * B + b) * H;
-        lstm_cell_forward(a, gh + b * G, bs, cp, c, h, hn, H);
+        (avx512 ? lstm_cell_forward_avx512 : lstm_cell_forward_avx2)(a, gh + b * G, bs, cp, c, h,
+                                                                     hn, H);
       }
     }
   });
@@ -491,6 +547,7 @@ void CpuBackend::lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, con
   std::memcpy(dh_next, grad_h_n.data<float>(), size_t(B * H) * sizeof(float));
   std::memcpy(dc_next, grad_c_n.data<float>(), size_t(B * H) * sizeof(float));
   const float* c0p = c0.data<float>();
+  const bool avx512 = cpu::use_avx512();
   Recurrence recurrence(
       B, [&](int64_t b0, int64_t rows) { return rows_of(dstep + b0 * G, rows, G, G); },
       rows_of(weight_hh.data<float>(), G, H, H), H, /*accumulate=*/false);
@@ -504,7 +561,8 @@ void CpuBackend::lstm_backward(const Tensor& grad_y, const Tensor& grad_h_n, con
         float* d = dstep + b * G;
         float* dhn = dh_next + b * H;
         float* dcn = dc_next + b * H;
-        lstm_cell_backward(a, c, cp, gyt, dhn, dcn, d, H);
+        (avx512 ? lstm_cell_backward_avx512 : lstm_cell_backward_avx2)(a, c, cp, gyt, dhn, dcn, d,
+                                                                       H);
         std::memcpy(dg + (b * T + t) * G, d, size_t(G) * sizeof(float));
       }
       gemm.run(dstep + b0 * G, dh_next + b0 * H);
