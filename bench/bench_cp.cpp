@@ -11,6 +11,11 @@
 //   vs t1/N     step / (step at cp 1 / N): 1 when N ranks each take 1/N of
 //               one process's time; on a machine with fewer cores than N the
 //               ranks share cores and it cannot reach 1
+//   vs p1/N     step / (step at cp 1 of a pair / N): the reference run as two
+//               independent processes at once, bound to two cores (row
+//               "1 pair"), so it meets what N ranks meet on a machine whose
+//               cores are all busy (shared caches, memory bandwidth, the
+//               VM's neighbours); --no-pair leaves it out
 //   wait ms     rank 0's time per step blocked in context-parallel
 //               communication: waiting for a ring message the block's
 //               attention did not hide, or a whole all-to-all
@@ -87,7 +92,8 @@ struct Settings {
   int steps = 5, warmup = 1;
   bool load_balance = true;
   bool bind = !allowed_cores().empty();
-  std::string trace;  // empty: none
+  bool pair = allowed_cores().size() >= 2;  // the "1 pair" reference (vs p1/N)
+  std::string trace;                        // empty: none
 };
 
 // One measured configuration; cp 1 has no attention of its own.
@@ -95,10 +101,11 @@ struct Run {
   int64_t seq = 0;
   int cp = 1;
   ContextAttention attention = ContextAttention::ring;
+  int copies = 1;  // independent worlds of cp ranks run at once (2: cp 1's pair)
 };
 
 const char* attention_name(const Run& run) {
-  if (run.cp == 1) return "-";
+  if (run.cp == 1) return run.copies > 1 ? "pair" : "-";
   return run.attention == ContextAttention::ring ? "ring" : "all_to_all";
 }
 
@@ -265,17 +272,18 @@ bool run_ranks(const Run& run, const Settings& s, int port, RankResult& out) {
   if (pipe(fd) != 0) return false;
   std::fflush(nullptr);  // or the children write what this process has buffered
   std::vector<pid_t> pids;
-  for (int r = 0; r < run.cp; ++r) {
+  for (int at = 0; at < run.cp * run.copies; ++at) {
+    const int r = at % run.cp;
     const pid_t pid = fork();
     if (pid == 0) {
       close(fd[0]);
-      if (s.bind) bind_to_core(r);
+      if (s.bind) bind_to_core(at);
       set_num_threads(1);
       try {
         std::shared_ptr<comm::Communicator> world;
-        if (run.cp > 1) world = join_bench_world(r, run.cp, port, "bench_cp");
+        if (run.cp > 1) world = join_bench_world(r, run.cp, port + at / run.cp, "bench_cp");
         const RankResult res = run_rank(run, s, world);
-        if (r == 0 && write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
+        if (at == 0 && write(fd[1], &res, sizeof res) != sizeof res) _exit(1);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "bench_cp: rank %d: %s\n", r, e.what());
         _exit(1);
@@ -310,7 +318,7 @@ int usage() {
   std::fprintf(stderr,
                "usage: bench_cp [--seq N,N,..] [--cp N,N,..] [--attention ring,all_to_all] "
                "[--steps N] [--warmup N] [--layers N] [--width N] [--heads N] "
-               "[--no-load-balance] [--no-bind] [--trace FILE]\n");
+               "[--no-load-balance] [--no-bind] [--no-pair] [--trace FILE]\n");
   return 2;
 }
 
@@ -329,14 +337,19 @@ std::string check(const RankResult& got, const RankResult& reference, bool& ok) 
   return text;
 }
 
+// pair: cp 1's pair run (vs p1/N), or null.
 void print_row(const Run& run, const RankResult& r, const RankResult& reference,
-               const std::string& check_text) {
+               const RankResult* pair, const std::string& check_text) {
   const double ideal_seconds = reference.step_seconds / run.cp;
   const double ideal_bytes = reference.activation_bytes / run.cp;
-  std::printf("%6lld %3d %-10s | %9.1f %7.2f %8.1f | %8.1f %7.2f %8.1f | %s\n", (long long)run.seq,
-              run.cp, attention_name(run), 1e3 * r.step_seconds, r.step_seconds / ideal_seconds,
-              1e3 * r.wait_seconds, r.activation_bytes / kMiB, r.activation_bytes / ideal_bytes,
-              r.peak_bytes / kMiB, check_text.c_str());
+  char vs_pair[32] = "-";
+  if (pair)
+    std::snprintf(vs_pair, sizeof vs_pair, "%.2f", r.step_seconds * run.cp / pair->step_seconds);
+  std::printf("%6lld %3d %-10s | %9.1f %7.2f %7s %8.1f | %8.1f %7.2f %8.1f | %s\n",
+              (long long)run.seq, run.cp, attention_name(run), 1e3 * r.step_seconds,
+              r.step_seconds / ideal_seconds, vs_pair, 1e3 * r.wait_seconds,
+              r.activation_bytes / kMiB, r.activation_bytes / ideal_bytes, r.peak_bytes / kMiB,
+              check_text.c_str());
   std::fflush(stdout);
 }
 
@@ -363,6 +376,8 @@ int main(int argc, char** argv) {
       s.load_balance = false;
     } else if (a == "--no-bind") {
       s.bind = false;
+    } else if (a == "--no-pair") {
+      s.pair = false;
     } else if (a == "--trace" && has_value) {
       s.trace = argv[++i];
     } else {
@@ -377,8 +392,8 @@ int main(int argc, char** argv) {
       "thread per rank, %s%zu cores; causal load balancing %s\n",
       (long long)s.layers, (long long)s.width, (long long)s.heads, (long long)s.vocab, s.steps,
       s.warmup, s.bind ? "ranks bound to " : "", cores, s.load_balance ? "on" : "off");
-  std::printf("%6s %3s %-10s | %9s %7s %8s | %8s %7s %8s | %s\n", "seq", "cp", "attention",
-              "step ms", "vs t1/N", "wait ms", "act MiB", "vs a1/N", "peak MiB",
+  std::printf("%6s %3s %-10s | %9s %7s %7s %8s | %8s %7s %8s | %s\n", "seq", "cp", "attention",
+              "step ms", "vs t1/N", "vs p1/N", "wait ms", "act MiB", "vs a1/N", "peak MiB",
               "check: |loss - cp 1's|");
   const int base_port = 23000 + int(::getpid() % 20000);
   int runs = 0;
@@ -390,7 +405,12 @@ int main(int argc, char** argv) {
       std::printf("%6lld %3d %-10s | failed\n", (long long)seq, 1, "-");
       return 1;
     }
-    print_row(one, reference, reference, "reference");
+    print_row(one, reference, reference, nullptr, "reference");
+    // The same, twice at once on two cores: the reference of vs p1/N.
+    RankResult pair;
+    const Run two{seq, 1, ContextAttention::ring, 2};
+    const bool paired = s.pair && run_ranks(two, s, base_port + runs++, pair);
+    if (paired) print_row(two, pair, reference, &pair, check(pair, reference, ok));
     for (int64_t cp : s.cps) {
       if (cp == 1) continue;
       for (ContextAttention attention : s.attentions) {
@@ -401,7 +421,7 @@ int main(int argc, char** argv) {
           ok = false;
           continue;
         }
-        print_row(run, r, reference, check(r, reference, ok));
+        print_row(run, r, reference, paired ? &pair : nullptr, check(r, reference, ok));
         if (!s.trace.empty() && attention == ContextAttention::ring)
           std::printf("  trace: %s\n", trace_path(s.trace, run).c_str());
       }
