@@ -63,6 +63,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/mpi/mpi_server.h"
 #include "comm/alpha_beta.h"
 #include "comm/collectives.h"
@@ -71,6 +72,8 @@
 
 using namespace trainer;
 using namespace trainer::comm;
+using trainer::bench::Spread;
+using trainer::bench::spread_of;
 
 namespace {
 
@@ -217,17 +220,6 @@ struct SizeRounds {
   std::vector<Timing> ours;
   std::vector<double> mpi_seconds;
 };
-
-// The median (the mean of the middle two for an even count) and the range.
-struct Spread {
-  double median = 0, low = 0, high = 0;
-};
-
-Spread spread_of(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return {0.5 * (values[(n - 1) / 2] + values[n / 2]), values.front(), values.back()};
-}
 
 // Per round that measured both sides, OpenMPI's time / ours (> 1: ours is faster).
 std::vector<double> speedups(const SizeRounds& size) {

@@ -283,23 +283,11 @@ bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
   return true;
 }
 
-// The per-round ratios of one side's figure to the other's: their median
-// (the mean of the middle two for an even count) and their range.
-struct RatioSummary {
-  double median = 0, low = 0, high = 0;
-};
-
-RatioSummary summarize_ratios(std::vector<double> ratios) {
-  std::sort(ratios.begin(), ratios.end());
-  const size_t n = ratios.size();
-  return {0.5 * (ratios[(n - 1) / 2] + ratios[n / 2]), ratios.front(), ratios.back()};
-}
-
 // "1.42x (1.31-1.55)": the median and range of several rounds' ratios; one
 // round's alone as "1.42x", none as "-".
 std::string format_ratios(const std::vector<double>& ratios) {
   if (ratios.empty()) return "-";
-  const RatioSummary r = summarize_ratios(ratios);
+  const Spread r = spread_of(ratios);
   char text[48];
   if (ratios.size() == 1)
     std::snprintf(text, sizeof text, "%.2fx", r.median);

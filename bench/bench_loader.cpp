@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/cpu/isa.h"
 #include "data/idx.h"
 #include "data/image_folder.h"
@@ -38,6 +39,8 @@
 
 using namespace trainer;
 using namespace trainer::data;
+using trainer::bench::Spread;
+using trainer::bench::spread_of;
 namespace fs = std::filesystem;
 
 namespace {
@@ -135,17 +138,6 @@ double memcpy_bandwidth() {
     best = std::min(best, seconds_since(start));
   }
   return double(bytes) / best / 1e9;
-}
-
-// The median (the mean of the middle two for an even count) and the range.
-struct Spread {
-  double median = 0, low = 0, high = 0;
-};
-
-Spread spread_of(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return {0.5 * (values[(n - 1) / 2] + values[n / 2]), values.front(), values.back()};
 }
 
 // One thread's CPU seconds spent reading, decoding and transforming `images` images.

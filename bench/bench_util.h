@@ -76,6 +76,18 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Rounds of a measurement (or their ratios): the median (the mean of the
+// middle two for an even count) and the range. values: not empty.
+struct Spread {
+  double median = 0, low = 0, high = 0;
+};
+
+inline Spread spread_of(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return {0.5 * (values[(n - 1) / 2] + values[n / 2]), values.front(), values.back()};
+}
+
 // Median seconds of step() over `steps` timed runs after `warmup` untimed ones.
 inline double median_step_seconds(int steps, const std::function<void()>& step, int warmup = 2) {
   std::vector<double> times;
