@@ -93,8 +93,8 @@ load() { cut -d' ' -f1-3 /proc/loadavg; }
 commands_of() {
   local b=$BUILD_DIR
   case "$1:$quick" in
-    train:0) echo "$b/bench_train --threads 1 --steps 5"; echo "$b/bench_train --threads 2 --steps 5" ;;
-    train:1) echo "$b/bench_train --threads 1 --steps 1 --case small_cnn_28" ;;
+    train:0) echo "$b/bench_train --threads 1 --steps 5 --rounds 3"; echo "$b/bench_train --threads 2 --steps 5 --rounds 3" ;;
+    train:1) echo "$b/bench_train --threads 1 --steps 1 --rounds 1 --case small_cnn_28" ;;
     dp:0) echo "$b/bench_dp --steps 8 --rounds 3" ;;
     dp:1) echo "$b/bench_dp --case small_cnn_28 --steps 2 --warmup 1 --rounds 1" ;;
     allreduce:0) echo "$b/trainer launch --nproc-per-node 2 --program $b/bench_allreduce -- --rounds 3" ;;
@@ -103,8 +103,8 @@ commands_of() {
     alltoall:1) echo "$b/trainer launch --nproc-per-node 2 --program $b/bench_alltoall -- --max-bytes 65536 --rounds 1" ;;
     matmul:0) echo "$b/bench_matmul" ;;
     matmul:1) echo "$b/bench_matmul --quick" ;;
-    loader:0) echo "$b/bench_loader" ;;
-    loader:1) echo "$b/bench_loader --images 16 --epochs 1" ;;
+    loader:0) echo "$b/bench_loader --rounds 3" ;;
+    loader:1) echo "$b/bench_loader --images 16 --epochs 1 --rounds 1" ;;
     pipeline:0) echo "$b/bench_pipeline" ;;
     pipeline:1) echo "$b/bench_pipeline --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 --schedule 1f1b" ;;
     tp:0) echo "$b/bench_tp" ;;
