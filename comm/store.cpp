@@ -111,25 +111,33 @@ Store::Store(const StoreOptions& options) : options_(options), port_(options.por
   hints.ai_socktype = SOCK_STREAM;
   Clock::time_point deadline = Clock::now() + options_.connect_timeout;
   std::string where = cat(options_.host, ":", port_);
-  // The server may not be up yet (rank 0 starts last): retry until the deadline.
+  std::string hello;
+  put_u8(hello, kHello);
+  put_str(hello, options_.token);
+  put_u32(hello, uint32_t(options_.rank));
+  // The server may not be up yet (rank 0 starts last), or a restarted rank
+  // may reach the last start's store as it closes: retry until the deadline.
   for (Millis backoff{10};; backoff = std::min(backoff * 2, Millis(500))) {
     addrinfo* res = nullptr;
     if (::getaddrinfo(options_.host.c_str(), std::to_string(port_).c_str(), &hints, &res) == 0) {
       for (addrinfo* ai = res; ai && fd_ < 0; ai = ai->ai_next) fd_ = try_connect(ai, deadline);
       ::freeaddrinfo(res);
     }
-    if (fd_ >= 0) break;
+    if (fd_ >= 0) {
+      try {
+        request(hello, options_.connect_timeout, cat("joining the store at ", where));
+        return;
+      } catch (const Error&) {
+        // A refusal (the connection stays open) is final; a closed one is retried.
+        if (fd_ >= 0 || Clock::now() + backoff >= deadline) throw;
+      }
+    }
     if (Clock::now() + backoff >= deadline)
       throw Error(cat("rank ", options_.rank, ": cannot connect to the store at ", where,
                       " within ", options_.connect_timeout.count(),
                       " ms; is rank 0 running and MASTER_ADDR/MASTER_PORT right?"));
     std::this_thread::sleep_for(backoff);
   }
-  std::string hello;
-  put_u8(hello, kHello);
-  put_str(hello, options_.token);
-  put_u32(hello, uint32_t(options_.rank));
-  request(hello, options_.connect_timeout, cat("joining the store at ", where));
 }
 
 Store::~Store() {
