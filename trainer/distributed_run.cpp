@@ -253,12 +253,6 @@ std::vector<std::vector<size_t>> DistributedRun::shard_buckets(const Session& se
         blocks_model->blocks(), parallel::sharding_units(blocks_model->blocks(), stage_blocks),
         int64_t(session.recipe().parallel.shard_unit_mb * 262144));  // MiB of f32
     o.units = parallel::unit_parameters(blocks_model->blocks(), units);
-    // The experts of expert parallelism stay whole, outside the units.
-    for (std::vector<Tensor>& unit : o.units)
-      std::erase_if(unit, [&](const Tensor& t) {
-        return std::any_of(o.exclude.begin(), o.exclude.end(),
-                           [&](const Tensor& e) { return e.impl() == t.impl(); });
-      });
     o.transient_buffer = [this](int64_t numel, DType dtype) {
       return zero_->transient_buffer(numel, dtype);
     };
