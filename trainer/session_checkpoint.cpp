@@ -35,6 +35,7 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
   // index writes its own), a whole entry is written by the replica that
   // writes its parameter; the other dimensions as the parameter's placement.
   const parallel::MeshCoord coord = first_replica(plan, plan.shards_optimizer);
+  const parallel::MeshCoord unsharded = first_replica(plan, false);  // whole entries beside shards
   const int replica = parallel::group_index(plan.mesh, plan.coord, parallel::kDataParallel);
   // Hybrid sharding: the first replica group writes the shards, the others hold copies.
   if (plan.shards_optimizer && layout_.job.hybrid() && plan.coord[parallel::Dim::dp_replicate] != 0)
@@ -73,7 +74,7 @@ std::vector<TensorPiece> Session::optimizer_pieces() const {
       for (parallel::Placement& on : p.on)
         if (on.kind == parallel::Placement::Kind::shard) on = parallel::Placement::replicate();
     }
-    if (!parallel::writes(p, whole ? first_replica(plan, false) : coord)) continue;
+    if (!parallel::writes(p, whole ? unsharded : coord)) continue;
     if ((!plan.shards_optimizer || whole) && replica != plan.replica_writer_of(param)) continue;
     TensorPiece piece = piece_of(name, e.tensor, p, plan.mesh, plan.coord);
     if (range) piece.begin = begin, piece.end = end;
