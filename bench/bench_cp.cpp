@@ -224,15 +224,23 @@ RankResult run_rank(const Run& run, const Settings& s, std::shared_ptr<comm::Com
     return loss;
   };
 
-  // The checked step. Its gradients stay (later steps add to them), so
-  // what the allocator holds before a timed step's forward is the weights,
-  // their gradients and the tokens.
+  // The checked step. Its gradients then stay as each parameter's gradient
+  // destination, cleared before every later step, as the trainer's data
+  // parallelism keeps them in its buckets: what the allocator holds before
+  // a timed step's forward is the weights, their gradients and the tokens,
+  // and backward writes the gradients there.
   RankResult r;
   r.loss = double(step().item<float>()) / run.cp;
   if (world) comm::allreduce(*world, &r.loss, 1, DType::f64);
   r.grad_norm = whole_gradient_norm(*model, world.get());
+  for (const NamedTensor& p : model->named_parameters())
+    p.tensor.set_grad_destination(p.tensor.grad().contiguous());
+  const auto timed_step = [&] {
+    for (const NamedTensor& p : model->named_parameters()) p.tensor.set_grad(Tensor());
+    return step();
+  };
 
-  for (int i = 0; i < s.warmup; ++i) step();
+  for (int i = 0; i < s.warmup; ++i) timed_step();
   if (world) comm::barrier(*world);
   Allocator& memory = allocator(Device{});
   std::vector<double> times;
@@ -242,7 +250,7 @@ RankResult run_rank(const Run& run, const Settings& s, std::shared_ptr<comm::Com
     const int64_t before = memory.stats().current_bytes;
     memory.reset_peak();
     const auto t0 = std::chrono::steady_clock::now();
-    step();
+    timed_step();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     const int64_t top = memory.stats().peak_bytes;
     activation = std::max(activation, double(top - before));

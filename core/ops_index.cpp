@@ -96,7 +96,10 @@ struct IndexSelectFn {
     return out;
   }
   static TensorList backward(Saved& s, const TensorList& g, const GradMask&) {
-    Tensor grad = zeros(s.in_shape, g[0].dtype(), g[0].device());
+    // Straight into the leaf's gradient destination when the engine offers
+    // it (an embedding table's DataParallel bucket view): no dense temporary.
+    Tensor grad = autograd::grad_buffer(0, s.in_shape, g[0].dtype(), g[0].device());
+    grad.fill_(0.0);
     backend(grad.device()).index_add(grad, s.dim, s.index, g[0]);
     return {grad, Tensor()};
   }

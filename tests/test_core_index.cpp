@@ -186,6 +186,26 @@ TEST_CASE("embedding: lookups and scatter-add gradient", "[index][grad]") {
   gradcheck([&](const TensorList& in) { return embedding(in[0], ids32); }, {rand_f64({3, 4}, gen)});
 }
 
+TEST_CASE("embedding: backward writes into the table's gradient destination", "[index][grad]") {
+  // Data parallelism points the table's gradient at its bucket: the
+  // scatter-add lands there (stale contents cleared), no dense temporary.
+  Tensor ids = index_of({3, 0, 3, 1}, DType::i64, {2, 2});
+  Tensor w = zeros({4, 2}, DType::f64).requires_grad_();
+  Tensor dest = full({4, 2}, -5.0, DType::f64);
+  w.set_grad_destination(dest);
+  sum(embedding(w, ids) * 2.0).backward();
+  REQUIRE(w.grad().data_ptr() == dest.data_ptr());
+  REQUIRE(values_of(dest) == std::vector<double>{2, 2, 2, 2, 0, 0, 4, 4});
+  // A second pass accumulates there.
+  sum(embedding(w, ids)).backward();
+  REQUIRE(values_of(dest) == std::vector<double>{3, 3, 3, 3, 0, 0, 6, 6});
+  // Tied (two producers): the sum is copied in, the lookup's part intact.
+  w.set_grad(Tensor());
+  sum(embedding(w, ids) + embedding(w, ids) * 0.5).backward();
+  REQUIRE(w.grad().data_ptr() == dest.data_ptr());
+  REQUIRE(values_of(dest) == std::vector<double>{1.5, 1.5, 1.5, 1.5, 0, 0, 3, 3});
+}
+
 TEST_CASE("index ops: fast kernels match the reference on odd shapes", "[index]") {
   std::mt19937 rng(17);
   Generator gen(17);
