@@ -7,10 +7,14 @@
 // cross-entropy (no optimizer, no gradient sum over the ranks: the trainer
 // does that with data parallelism, and it does not grow with the sequence).
 //
-//   step ms     rank 0's median step over the timed steps
+// Every configuration runs once per round (--rounds, default 3), cp 1 and
+// its pair first; ratios are taken within a round and their median printed.
+//
+//   step ms     rank 0's median step over the timed steps, median of rounds
 //   vs t1/N     step / (step at cp 1 / N): 1 when N ranks each take 1/N of
 //               one process's time; on a machine with fewer cores than N the
 //               ranks share cores and it cannot reach 1
+//   range       vs t1/N's lowest and highest round
 //   vs p1/N     step / (step at cp 1 of a pair / N): the reference run as two
 //               independent processes at once, bound to two cores (row
 //               "1 pair"), so it meets what N ranks meet on a machine whose
@@ -36,7 +40,7 @@
 //
 //   bench_cp                                     # 1k 4k 16k, cp 1 2 4, ring and all_to_all
 //   bench_cp --seq 1024,4096 --cp 2,4 --attention ring --steps 5
-//   bench_cp --seq 16384 --attention ring --steps 2 --warmup 0
+//   bench_cp --seq 16384 --attention ring --steps 2 --warmup 0 --rounds 1
 //   bench_cp --layers 2 --width 256 --heads 4 --no-load-balance
 //   bench_cp --seq 4096 --cp 2 --attention ring --trace cp.json   # cp.json -> cp_seq4096_cp2.json
 //
@@ -90,6 +94,7 @@ struct Settings {
   std::vector<ContextAttention> attentions{ContextAttention::ring, ContextAttention::all_to_all};
   int64_t layers = 2, width = 256, heads = 4, vocab = 256;
   int steps = 5, warmup = 1;
+  int rounds = 3;  // each configuration once per round, cp 1 first
   bool load_balance = true;
   bool bind = !allowed_cores().empty();
   bool pair = allowed_cores().size() >= 2;  // the "1 pair" reference (vs p1/N)
@@ -199,11 +204,13 @@ std::string trace_path(const std::string& file, const Run& run) {
 
 RankResult run_rank(const Run& run, const Settings& s, std::shared_ptr<comm::Communicator> world) {
   const int rank = world ? world->rank() : 0;
-  auto model = make_gpt({.vocab_size = s.vocab,
-                         .block_size = run.seq,
-                         .n_layer = s.layers,
-                         .n_head = s.heads,
-                         .n_embd = s.width});
+  GPTOptions options;
+  options.vocab_size = s.vocab;
+  options.block_size = run.seq;
+  options.n_layer = s.layers;
+  options.n_head = s.heads;
+  options.n_embd = s.width;
+  auto model = make_gpt(options);
   parallel::Timeline timeline(rank);
   timeline.set_recording(false);
   if (world)
@@ -325,7 +332,7 @@ bool parse_attentions(const std::string& text, std::vector<ContextAttention>& ou
 int usage() {
   std::fprintf(stderr,
                "usage: bench_cp [--seq N,N,..] [--cp N,N,..] [--attention ring,all_to_all] "
-               "[--steps N] [--warmup N] [--layers N] [--width N] [--heads N] "
+               "[--steps N] [--warmup N] [--rounds N] [--layers N] [--width N] [--heads N] "
                "[--no-load-balance] [--no-bind] [--no-pair] [--trace FILE]\n");
   return 2;
 }
@@ -345,19 +352,32 @@ std::string check(const RankResult& got, const RankResult& reference, bool& ok) 
   return text;
 }
 
-// pair: cp 1's pair run (vs p1/N), or null.
-void print_row(const Run& run, const RankResult& r, const RankResult& reference,
-               const RankResult* pair, const std::string& check_text) {
-  const double ideal_seconds = reference.step_seconds / run.cp;
-  const double ideal_bytes = reference.activation_bytes / run.cp;
-  char vs_pair[32] = "-";
-  if (pair)
-    std::snprintf(vs_pair, sizeof vs_pair, "%.2f", r.step_seconds * run.cp / pair->step_seconds);
-  std::printf("%6lld %3d %-10s | %9.1f %7.2f %7s %8.1f | %8.1f %7.2f %8.1f | %s\n",
-              (long long)run.seq, run.cp, attention_name(run), 1e3 * r.step_seconds,
-              r.step_seconds / ideal_seconds, vs_pair, 1e3 * r.wait_seconds,
-              r.activation_bytes / kMiB, r.activation_bytes / ideal_bytes, r.peak_bytes / kMiB,
-              check_text.c_str());
+// A configuration's rounds against cp 1's and, when not null, the pair's of
+// the same rounds: times as medians, each round's ratio taken within the
+// round (vs t1/N's range beside it), memory as the largest round's.
+void print_row(const Run& run, const std::vector<RankResult>& rounds,
+               const std::vector<RankResult>& reference, const std::vector<RankResult>* pair,
+               const std::string& check_text) {
+  std::vector<double> steps, waits, vs_one, vs_pair;
+  double activation = 0, peak = 0, reference_activation = 0;
+  for (size_t k = 0; k < rounds.size(); ++k) {
+    const RankResult& r = rounds[k];
+    steps.push_back(r.step_seconds);
+    waits.push_back(r.wait_seconds);
+    vs_one.push_back(r.step_seconds * run.cp / reference[k].step_seconds);
+    if (pair) vs_pair.push_back(r.step_seconds * run.cp / (*pair)[k].step_seconds);
+    activation = std::max(activation, r.activation_bytes);
+    peak = std::max(peak, r.peak_bytes);
+    reference_activation = std::max(reference_activation, reference[k].activation_bytes);
+  }
+  const Spread one = spread_of(vs_one);
+  char range[32], vs_p[16] = "-";
+  std::snprintf(range, sizeof range, "%.2f-%.2f", one.low, one.high);
+  if (pair) std::snprintf(vs_p, sizeof vs_p, "%.2f", spread_of(vs_pair).median);
+  std::printf("%6lld %3d %-10s | %9.1f %7.2f %9s %7s %8.1f | %8.1f %7.2f %8.1f | %s\n",
+              (long long)run.seq, run.cp, attention_name(run), 1e3 * spread_of(steps).median,
+              one.median, range, vs_p, 1e3 * spread_of(waits).median, activation / kMiB,
+              activation * run.cp / reference_activation, peak / kMiB, check_text.c_str());
   std::fflush(stdout);
 }
 
@@ -377,6 +397,7 @@ int main(int argc, char** argv) {
       if (!parse_attentions(argv[++i], s.attentions)) return usage();
     } else if (a == "--steps" && number(s.steps, 1)) {
     } else if (a == "--warmup" && number(s.warmup, 0)) {
+    } else if (a == "--rounds" && number(s.rounds, 1)) {
     } else if (a == "--layers" && number(s.layers, 1)) {
     } else if (a == "--width" && number(s.width, 1)) {
     } else if (a == "--heads" && number(s.heads, 1)) {
@@ -396,43 +417,59 @@ int main(int argc, char** argv) {
   std::printf("%s\n", cpu::describe_machine().c_str());
   std::printf(
       "bench_cp: GPT %lld layers x %lld, %lld heads, vocabulary %lld, batch 1; forward + "
-      "backward, loss = mean cross-entropy; %d timed steps after %d warm-up and 1 checked; one "
-      "thread per rank, %s%zu cores; causal load balancing %s\n",
+      "backward, loss = mean cross-entropy; %d timed steps after %d warm-up and 1 checked; %d "
+      "round%s, medians; one thread per rank, %s%zu cores; causal load balancing %s\n",
       (long long)s.layers, (long long)s.width, (long long)s.heads, (long long)s.vocab, s.steps,
-      s.warmup, s.bind ? "ranks bound to " : "", cores, s.load_balance ? "on" : "off");
-  std::printf("%6s %3s %-10s | %9s %7s %7s %8s | %8s %7s %8s | %s\n", "seq", "cp", "attention",
-              "step ms", "vs t1/N", "vs p1/N", "wait ms", "act MiB", "vs a1/N", "peak MiB",
+      s.warmup, s.rounds, s.rounds == 1 ? "" : "s", s.bind ? "ranks bound to " : "", cores,
+      s.load_balance ? "on" : "off");
+  std::printf("%6s %3s %-10s | %9s %7s %9s %7s %8s | %8s %7s %8s | %s\n", "seq", "cp", "attention",
+              "step ms", "vs t1/N", "range", "vs p1/N", "wait ms", "act MiB", "vs a1/N", "peak MiB",
               "check: |loss - cp 1's|");
-  const int base_port = 23000 + int(::getpid() % 20000);
-  int runs = 0;
+  // Below the kernel's ephemeral ports (32768 up), where other programs'
+  // connections take theirs.
+  const int base_port = 20000 + int(::getpid() % 10000);
+  int ports = 0;
   bool ok = true;
   for (int64_t seq : s.seqs) {
-    const Run one{seq, 1, ContextAttention::ring};
-    RankResult reference;
-    if (!run_ranks(one, s, base_port + runs++, reference)) {
+    // cp 1, its pair, then every cp and attention, in each round.
+    std::vector<Run> runs{{seq, 1, ContextAttention::ring}};
+    if (s.pair) runs.push_back({seq, 1, ContextAttention::ring, 2});
+    for (int64_t cp : s.cps)
+      if (cp != 1)
+        for (ContextAttention attention : s.attentions) runs.push_back({seq, int(cp), attention});
+    std::vector<std::vector<RankResult>> got(runs.size());
+    std::vector<bool> failed(runs.size(), false);
+    for (int k = 0; k < s.rounds; ++k)
+      for (size_t i = 0; i < runs.size(); ++i) {
+        RankResult r;
+        if (failed[i]) continue;
+        if (run_ranks(runs[i], s, base_port + ports++ % 2000, r))
+          got[i].push_back(r);
+        else
+          failed[i] = true;
+      }
+    if (failed[0]) {
       std::printf("%6lld %3d %-10s | failed\n", (long long)seq, 1, "-");
       return 1;
     }
-    print_row(one, reference, reference, nullptr, "reference");
-    // The same, twice at once on two cores: the reference of vs p1/N.
-    RankResult pair;
-    const Run two{seq, 1, ContextAttention::ring, 2};
-    const bool paired = s.pair && run_ranks(two, s, base_port + runs++, pair);
-    if (paired) print_row(two, pair, reference, &pair, check(pair, reference, ok));
-    for (int64_t cp : s.cps) {
-      if (cp == 1) continue;
-      for (ContextAttention attention : s.attentions) {
-        const Run run{seq, int(cp), attention};
-        RankResult r;
-        if (!run_ranks(run, s, base_port + runs++, r)) {
-          std::printf("%6lld %3d %-10s | failed\n", (long long)seq, run.cp, attention_name(run));
-          ok = false;
-          continue;
-        }
-        print_row(run, r, reference, paired ? &pair : nullptr, check(r, reference, ok));
-        if (!s.trace.empty() && attention == ContextAttention::ring)
-          std::printf("  trace: %s\n", trace_path(s.trace, run).c_str());
+    const bool paired = s.pair && !failed[1];
+    const std::vector<RankResult>* pair = paired ? &got[1] : nullptr;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Run& run = runs[i];
+      if (failed[i]) {
+        std::printf("%6lld %3d %-10s | failed\n", (long long)seq, run.cp, attention_name(run));
+        ok = ok && run.copies > 1;  // a missing pair only drops its column
+        continue;
       }
+      std::string text = "reference";
+      if (i > 0)
+        for (const RankResult& r : got[i]) {
+          text = check(r, got[0][0], ok);
+          if (text.find("FAILED") != std::string::npos) break;
+        }
+      print_row(run, got[i], got[0], run.cp > 1 || run.copies > 1 ? pair : nullptr, text);
+      if (!s.trace.empty() && run.cp > 1 && run.attention == ContextAttention::ring)
+        std::printf("  trace: %s\n", trace_path(s.trace, run).c_str());
     }
   }
   for (int64_t cp : s.cps)

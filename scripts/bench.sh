@@ -113,8 +113,8 @@ commands_of() {
     checkpoint:1) echo "$b/bench_checkpoint --case gpt --ranks 2 --layers 1 --width 64" ;;
     fsdp:0) echo "$b/bench_fsdp" ;;
     fsdp:1) echo "$b/bench_fsdp --case gpt --ranks 2 --layers 1 --width 64 --steps 1 --warmup 1" ;;
-    cp:0) echo "$b/bench_cp --seq 1024,4096 --steps 5"; echo "$b/bench_cp --seq 16384 --attention ring --steps 2 --warmup 0" ;;
-    cp:1) echo "$b/bench_cp --seq 256 --layers 1 --width 64 --steps 1 --warmup 0" ;;
+    cp:0) echo "$b/bench_cp --seq 1024,4096 --steps 5"; echo "$b/bench_cp --seq 16384 --attention ring --steps 2 --warmup 0 --rounds 1" ;;
+    cp:1) echo "$b/bench_cp --seq 256 --layers 1 --width 64 --steps 1 --warmup 0 --rounds 1" ;;
   esac
 }
 

@@ -45,12 +45,13 @@ fi
 if "$build/bench_loader" --bogus > "$out" 2>&1; then fail "bench_loader accepted --bogus"; fi
 grep -q "usage: bench_loader" "$out" || fail "bench_loader --bogus: no usage"
 
-"$build/bench_cp" --seq 256 --layers 1 --width 64 --steps 1 --warmup 0 > "$out"
+"$build/bench_cp" --seq 256 --layers 1 --width 64 --steps 1 --warmup 0 --rounds 2 > "$out"
 for row in "2 ring" "2 all_to_all" "4 ring" "4 all_to_all"; do
-  grep -Eq "^ +256 +${row% *} +${row#* } +\| +$num +$num +$num +$num \| +$num +$num +$num \| +[0-9.e+-]+ ok" "$out" ||
+  grep -Eq "^ +256 +${row% *} +${row#* } +\| +$num +$num +$num-$num +$num +$num \| +$num +$num +$num \| +[0-9.e+-]+ ok" "$out" ||
     fail "bench_cp: no checked cp ${row% *} ${row#* } row"
 done
-grep -Eq "^ +256 +1 +pair +\| +$num +$num +1.00 +$num \|" "$out" || fail "bench_cp: no cp 1 pair row"
+grep -Eq "^ +256 +1 +pair +\| +$num +$num +$num-$num +1.00 +$num \|" "$out" || fail "bench_cp: no cp 1 pair row"
+grep -q "2 rounds, medians" "$out" || fail "bench_cp: rounds not stated"
 if "$build/bench_cp" --bogus > "$out" 2>&1; then fail "bench_cp accepted --bogus"; fi
 
 "$build/bench_moe" --no-torch --rounds 1 --steps 1 --warmup 0 --tokens 256 --batch 4 --context 32 \
