@@ -48,25 +48,44 @@ def ratio(a, b):
     return f"**{a / b:.2f}x**" if a > b else f"{a / b:.2f}x"
 
 
-# ---- bench_train: "case batch thr | ours samp/s peak | torch samp/s peak | ratio"
+# ---- bench_train: "case batch thr | ours peak-MiB | torch peak-MiB | ratio (range) |
+#      GFLOP/s of-peak torch-GF/s", the row of medians after its rounds' lines
+TRAIN_ROW = re.compile(
+    rf"^(\S+)\s+(\d+)\s+(\d+) \|\s+{NUM}\s+(\d+) \|\s+(?:{NUM}\s+(\d+)|-\s+-) \|"
+    rf"\s+(-|{NUM}x(?: \({NUM}-{NUM}\))?)\s+\|\s+{NUM}\s+{NUM}%\s+(\S+)")
+TRAIN_PEAK = re.compile(rf"^peak over the run: matmul (\S+) {NUM} GFLOP/s at (\d+) thread")
+
+
+def train_ratio(median, low, high):
+    if median is None:
+        return "-"
+    text = ratio(float(median), 1.0)
+    return text + (f" ({low}-{high})" if low else "")
+
+
 def train_section(text):
-    rows = []
-    pattern = re.compile(
-        rf"^(\S+)\s+(\d+)\s+(\d+) \|\s+{NUM}\s+(\d+) \|\s+(?:{NUM}\s+(\d+)|-\s+-) \|")
+    rows, peaks = [], []
     for line in text.splitlines():
-        m = pattern.match(line)
+        p = TRAIN_PEAK.match(line)
+        if p:
+            peaks.append(f"{p.group(1)} {p.group(2)} GFLOP/s at {p.group(3)} thread(s)")
+        m = TRAIN_ROW.match(line)
         if not m:
             continue
-        case, batch, threads, ours, ours_mib, torch, torch_mib = m.groups()
-        unit = "tokens/s" if case in ("gpt", "lstm_lm") else "samples/s"
+        (case, batch, threads, ours, ours_mib, torch, torch_mib, _, median, low, high, gflops,
+         of_peak, torch_gflops) = m.groups()
+        unit = "tokens/s" if case in ("gpt", "llama", "lstm_lm") else "samples/s"
         rows.append([case, batch, threads, f"{float(ours):.1f} {unit}",
-                     f"{float(torch):.1f}" if torch else "-",
-                     ratio(float(ours), float(torch)) if torch else "-",
-                     f"{ours_mib} / {torch_mib or '-'}"])
-    lines = ["Training step (forward, backward, SGD with momentum) on synthetic data,",
-             "median step. **Faster** = more samples (tokens) per second; the ratio is",
-             "ours / PyTorch's, measured in the same run (> 1: ours is faster).", ""]
+                     f"{float(torch):.1f}" if torch else "-", train_ratio(median, low, high),
+                     f"{gflops} ({of_peak}%)", torch_gflops, f"{ours_mib} / {torch_mib or '-'}"])
+    lines = ["Training step (forward, backward, SGD with momentum) on synthetic data: each",
+             "side's median over the rounds (ours and PyTorch alternate). **Faster** = more",
+             "samples (tokens) per second; the ratio is the median of the rounds' ours /",
+             "PyTorch (> 1: ours is faster) with its range. GFLOP/s = 3 x forward FLOPs x",
+             "steps/s, in brackets as a share of our matmul's peak"
+             + (" (" + "; ".join(peaks) + ")" if peaks else "") + ".", ""]
     return lines + table(["case", "batch", "threads", "ours", "PyTorch", "ours / PyTorch",
+                          "ours GFLOP/s (of peak)", "PyTorch GFLOP/s",
                           "peak MiB ours / PyTorch"], rows), rows
 
 
