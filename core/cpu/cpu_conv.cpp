@@ -168,9 +168,9 @@ void run_direct_conv(const cpu::DirectConv& s, const Tensor& in, const float* w,
 
 void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         const Conv2dAttrs& a, bool fuse_relu, const Tensor& out) {
-  if (cpu::all_of_dtype({&x, &weight, &bias, &out}, DType::bf16) && cpu::has_bf16_kernels())
+  if (cpu::all_of_dtype({&x, &weight, &bias, &out}, DType::bf16) && cpu::use_bf16_kernels())
     return cpu::conv2d_bf16(x, weight, bias, a, fuse_relu, out);
-  // f16, and bf16 where oneDNN has no bf16 kernels: on the f32 kernels (core/cpu/lowp.h).
+  // f16, and bf16 where oneDNN's bf16 kernels are not used: on the f32 kernels (core/cpu/lowp.h).
   if (cpu::any_half({&x, &weight, &bias, &out}))
     return cpu::run_in_f32({x, weight, bias}, {out}, [&](const TensorList& i, const TensorList& o) {
       conv2d(i[0], i[1], i[2], a, fuse_relu, o[0]);
@@ -303,7 +303,7 @@ void conv2d_backward_data_as_forward(const Tensor& grad_out, const Tensor& weigh
 // Forward: out = conv(x, w) + b. Backward data: grad_x = conv_transpose(grad_out, w).
 void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weight,
                                       const Conv2dAttrs& a, const Tensor& grad_x) {
-  if (cpu::all_of_dtype({&grad_out, &weight, &grad_x}, DType::bf16) && cpu::has_bf16_kernels())
+  if (cpu::all_of_dtype({&grad_out, &weight, &grad_x}, DType::bf16) && cpu::use_bf16_kernels())
     return cpu::conv2d_backward_data_bf16(grad_out, weight, a, grad_x);
   if (cpu::any_half({&grad_out, &weight, &grad_x}))
     return cpu::run_in_f32({grad_out, weight}, {grad_x},
@@ -359,7 +359,7 @@ void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x
                                          const Conv2dAttrs& a, const Tensor& grad_weight,
                                          const Tensor& grad_bias) {
   if (cpu::all_of_dtype({&grad_out, &x, &grad_weight, &grad_bias}, DType::bf16) &&
-      cpu::has_bf16_kernels())
+      cpu::use_bf16_kernels())
     return cpu::conv2d_backward_weights_bf16(grad_out, x, a, grad_weight, grad_bias);
   if (cpu::any_half({&grad_out, &x, &grad_weight, &grad_bias}))
     return cpu::run_in_f32({grad_out, x}, {grad_weight, grad_bias},

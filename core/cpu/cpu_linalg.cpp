@@ -193,9 +193,9 @@ const MatmulPlan& plan_for(const Tensor& a, const Tensor& b, const Tensor& out,
 
 // out[..., M, N] = a[..., M, K] @ b[..., K, N]
 void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
-  // f16, and bf16 where oneDNN has no bf16 kernels: on the f32 kernels (core/cpu/lowp.h).
+  // f16, and bf16 where oneDNN's bf16 kernels are not used: on the f32 kernels (core/cpu/lowp.h).
   const bool native_bf16 =
-      cpu::all_of_dtype({&a, &b, &out}, DType::bf16) && cpu::has_bf16_kernels();
+      cpu::all_of_dtype({&a, &b, &out}, DType::bf16) && cpu::use_bf16_kernels();
   if (cpu::any_half({&a, &b, &out}) && !native_bf16)
     return cpu::run_in_f32(
         {a, b}, {out}, [&](const TensorList& i, const TensorList& o) { matmul(i[0], i[1], o[0]); });

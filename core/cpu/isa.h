@@ -53,7 +53,7 @@ struct KernelIsas {
       onednn;    // oneDNN's ISA after DNNL_MAX_CPU_ISA: matmul, convolution, pooling, batch norm
   Isa loops;     // the project's loops with a run-time choice (elementwise)
   Isa baseline;  // the rest (softmax, layer norm, attention, RNN cells, optimizers): the build's
-  bool bf16_native;  // oneDNN has bf16 matmul and convolution kernels here
+  bool bf16_native;  // bf16 matmul and convolution run oneDNN's bf16 kernels (use_bf16_kernels)
 };
 KernelIsas kernel_isas();  // core/cpu/onednn.cpp
 

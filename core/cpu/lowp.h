@@ -3,8 +3,9 @@
 // or f16).
 //
 // bf16 has oneDNN kernels from AVX-512 up (native with AVX512-BF16 or AMX):
-// matmul in cpu_linalg.cpp, convolution in cpu_conv_bf16.cpp. Below that
-// (AVX2 CPUs, or DNNL_MAX_CPU_ISA) oneDNN 2.6 has none, not even reference
+// matmul in cpu_linalg.cpp, convolution in cpu_conv_bf16.cpp, used where
+// they beat the f32 kernels (with AMX; cpu::use_bf16_kernels()). Below
+// AVX-512 (or DNNL_MAX_CPU_ISA) oneDNN 2.6 has none, not even reference
 // ones (cpu::has_bf16_kernels() probes), and neither has it f16 CPU kernels;
 // the attention and recurrent kernels are written for f32,
 // so those run on f32 copies of the operands and round their results back

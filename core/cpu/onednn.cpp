@@ -3,7 +3,9 @@
 #include <oneapi/dnnl/dnnl_debug.h>
 
 #include <algorithm>
+#include <cstdlib>
 
+#include "core/check.h"
 #include "core/cpu/isa.h"
 #include "core/ops_conv.h"
 
@@ -86,6 +88,19 @@ bool has_bf16_kernels() {
   return has;
 }
 
+bool use_bf16_kernels() {
+  static const bool use = [] {
+    const char* env = std::getenv("TRAINER_BF16_KERNELS");
+    const std::string choice = env && *env ? env : "auto";
+    if (choice != "auto" && choice != "onednn" && choice != "f32")
+      throw Error(cat("TRAINER_BF16_KERNELS=", choice,
+                      ": expected auto (oneDNN's bf16 kernels where it has AMX), onednn or f32"));
+    if (choice == "f32" || !has_bf16_kernels()) return false;
+    return choice == "onednn" || dnnl_isa_name().rfind("avx512_core_amx", 0) == 0;
+  }();
+  return use;
+}
+
 std::string dnnl_isa_name() {
   switch (dnnl::get_effective_cpu_isa()) {
     case dnnl::cpu_isa::sse41:
@@ -120,7 +135,7 @@ KernelIsas kernel_isas() {
 #else
   const Isa baseline = Isa::avx2;
 #endif
-  return {dnnl_isa_name(), active_isa(), baseline, has_bf16_kernels()};
+  return {dnnl_isa_name(), active_isa(), baseline, use_bf16_kernels()};
 }
 
 void run(const dnnl::primitive& p, const std::unordered_map<int, dnnl::memory>& args) {

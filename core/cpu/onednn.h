@@ -50,6 +50,16 @@ dnnl::memory::dims right_padding(int64_t in_h, int64_t in_w, int64_t out_h, int6
 // (core/cpu/lowp.h). Probed once by creating small primitives, so it honours
 // DNNL_MAX_CPU_ISA.
 bool has_bf16_kernels();
+// Whether bf16 matmul and convolution run oneDNN's bf16 kernels (else the
+// f32 kernels on converted copies, results rounded to bf16; f32
+// accumulation either way). Without AMX those kernels are slower than the
+// f32 ones: AVX512-BF16's dot product issues half as often as FMA and
+// AVX-512 F/BW only emulates it (1024^3 products on an Emerald Rapids VM
+// without AMX, one thread: 82 GFLOP/s in bf16 against 150 in f32, PyTorch's
+// alike), so by default (TRAINER_BF16_KERNELS=auto) they run only where
+// oneDNN's ISA has AMX; TRAINER_BF16_KERNELS=onednn uses them wherever
+// they exist, =f32 never. Read once; a bad value is an error naming it.
+bool use_bf16_kernels();
 // oneDNN's instruction set in effect (its own name, e.g. "avx512_core_amx"),
 // after DNNL_MAX_CPU_ISA.
 std::string dnnl_isa_name();
