@@ -1,5 +1,8 @@
 // Tensor metadata, views, copies, dtype conversion, the allocator and autograd mechanics.
+#include <limits>
+
 #include "core/cpu/cpu_backend.h"
+#include "core/ops_conv.h"
 #include "tests/testing.h"
 
 using namespace trainer;
@@ -74,6 +77,50 @@ TEST_CASE("tensor: bf16 and f16 round to nearest even", "[tensor]") {
   REQUIRE(to_float(to_f16(-0.0f)) == 0.0f);
   for (float v : {0.1f, -3.75f, 1000.5f, 1e-3f})
     REQUIRE(std::fabs(to_float(to_f16(v)) - v) <= std::fabs(v) * 1e-3f);
+}
+
+TEST_CASE("tensor: dense conversions match element by element", "[tensor]") {
+  // Contiguous and channels-last copies convert as one flat vectorised run;
+  // each element must equal the scalar conversion (ties to even, NaN stays
+  // NaN, infinities, subnormals), on sizes that leave vector tails.
+  Generator gen(5);
+  std::vector<float> special = {1.0f + 1.0f / 256,
+                                1.0f + 3.0f / 256,
+                                -0.0f,
+                                1e-40f,
+                                std::numeric_limits<float>::infinity(),
+                                std::numeric_limits<float>::quiet_NaN(),
+                                3.4e38f,
+                                -65520.0f};
+  for (const Shape& shape : {Shape{3, 5, 7, 9}, Shape{2, 17, 1, 33}, Shape{1000, 37}}) {
+    Tensor x = normal(shape, 0.0, 100.0, gen);
+    std::vector<float> values = x.to_vector<float>();
+    for (size_t i = 0; i < special.size(); ++i) values[i * 7 % values.size()] = special[i];
+    x = from_vector<float>(values, shape);
+    for (bool channels_last : {false, true}) {
+      if (channels_last && shape.size() != 4) continue;
+      Tensor src = channels_last ? empty_channels_last(shape, DType::f32) : empty(shape);
+      src.copy_(x);
+      for (DType to : {DType::bf16, DType::f16, DType::f64}) {
+        Tensor low = channels_last ? empty_channels_last(shape, to) : empty(shape, to);
+        low.copy_(src);
+        Tensor back = channels_last ? empty_channels_last(shape, DType::f32) : empty(shape);
+        back.copy_(low);
+        const std::vector<float> got = back.to_vector<float>();
+        for (size_t i = 0; i < values.size(); ++i) {
+          const float v = values[i];
+          const float want = to == DType::bf16  ? to_float(to_bf16(v))
+                             : to == DType::f16 ? to_float(to_f16(v))
+                                                : v;
+          INFO("element " << i << " of " << shape_str(shape) << " value " << v);
+          if (std::isnan(want))
+            REQUIRE(std::isnan(got[i]));
+          else
+            REQUIRE(got[i] == want);
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("allocator: caches blocks, aligns them and tracks peak", "[tensor]") {

@@ -8,6 +8,7 @@
 #include "core/cpu/loops.h"
 #include "core/cpu/vec_math.h"
 #include "core/elementwise_math.h"
+#include "core/ops_conv.h"
 
 namespace trainer {
 
@@ -52,6 +53,22 @@ inline void dense(T* o, int64_t n, F& f, const In*... in) {
     dense_run_avx512(o, n, f, in...);
   else
     dense_run_avx2(o, n, f, in...);
+}
+
+// o[i] = x[i] converted (dtype casts such as f32 <-> bf16, which autocast
+// and the f32 kernels on bf16 operands run on whole activations).
+template <class D, class S>
+[[gnu::always_inline]] inline void convert_run(D* o, const S* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) o[i] = store_as<D>(acc_t<D>(load(x[i])));
+}
+template <class D, class S>
+TRAINER_AVX512 void convert_run_avx512(D* o, const S* x, int64_t n) {
+  convert_run(o, x, n);
+}
+template <class D, class S>
+void convert_run_avx2(D* o, const S* x, int64_t n) {
+  convert_run(o, x, n);
 }
 
 // out = f(a, b) over element type T (all operands T).
@@ -119,13 +136,37 @@ bool same_dtype(std::initializer_list<const Tensor*> ts, DType t) {
 }  // namespace
 
 void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
-  if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous() &&
-      src.shape() == dst.shape()) {
+  // Both dense in the same order (contiguous, or channels-last as the
+  // convolutions keep activations): element i of one is element i of the
+  // other, so the copy is one flat run, a conversion where dtypes differ.
+  const bool flat =
+      src.shape() == dst.shape() && ((src.is_contiguous() && dst.is_contiguous()) ||
+                                     (is_channels_last(src) && is_channels_last(dst)));
+  if (flat && src.dtype() == dst.dtype()) {
     const char* s = static_cast<const char*>(src.data_ptr());
     char* d = static_cast<char*>(dst.data_ptr());
     size_t es = dtype_size(src.dtype());
     cpu::parallel_for(src.numel(), 1 << 18, [&](int64_t b, int64_t e) {
       std::memcpy(d + b * es, s + b * es, size_t(e - b) * es);
+    });
+    return;
+  }
+  if (flat && dst.dtype() != DType::boolean) {
+    dispatch_all(dst.dtype(), "copy", [&](auto dtag) {
+      using D = typename decltype(dtag)::type;
+      dispatch_all(src.dtype(), "copy", [&](auto stag) {
+        using S = typename decltype(stag)::type;
+        if constexpr (!std::is_same_v<D, bool>) {
+          D* o = static_cast<D*>(dst.data_ptr());
+          const S* x = static_cast<const S*>(src.data_ptr());
+          cpu::parallel_for(src.numel(), 1 << 16, [&](int64_t b, int64_t e) {
+            if (cpu::use_avx512())
+              convert_run_avx512(o + b, x + b, e - b);
+            else
+              convert_run_avx2(o + b, x + b, e - b);
+          });
+        }
+      });
     });
     return;
   }
