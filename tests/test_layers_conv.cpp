@@ -368,6 +368,60 @@ TEST_CASE("pooling: oneDNN matches the reference on odd shapes", "[layers][pool]
   }
 }
 
+TEST_CASE("max pooling: the own loops match the reference", "[layers][pool]") {
+  // Ties (values from a small set: the first max of a window wins), NaN
+  // (propagates; the gradient goes to the last NaN), channel counts with
+  // vector tails, overlapping windows, and a window of 256 positions
+  // (oneDNN's kernel, past the record's limit).
+  Generator gen(8);
+  struct Case {
+    Shape x;
+    Pool2dAttrs a;
+  };
+  const std::vector<Case> cases = {
+      {{3, 17, 9, 8}, {}},
+      {{2, 64, 11, 10}, {.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}}},
+      {{2, 37, 7, 9}, {.kernel = {3, 2}, .stride = {1, 1}, .padding = {1, 0}}},
+      {{1, 1, 6, 7}, {.kernel = {2, 3}, .stride = {2, 3}}},
+      {{2, 5, 17, 16}, {.kernel = {16, 16}, .stride = {1, 1}}}};
+  for (const Case& c : cases) {
+    INFO("x " << shape_str(c.x) << " kernel " << c.a.kernel[0] << "x" << c.a.kernel[1]);
+    std::vector<float> v = uniform(c.x, 0.0, 4.0, gen).to_vector<float>();
+    for (float& e : v) e = std::floor(e);
+    // oneDNN's kernel (the 256-position window) does not propagate NaN.
+    const bool own = c.a.kernel[0] * c.a.kernel[1] <= 255;
+    for (size_t i = 5; own && i < v.size(); i += 97) v[i] = std::numeric_limits<float>::quiet_NaN();
+    const Tensor x = to_channels_last(from_vector<float>(v, c.x));
+    const Tensor probe = uniform(max_pool2d(x, c.a).shape(), -1.0, 1.0, gen);
+    auto run = [&](std::vector<float>& grad) {
+      Tensor in = x.detach().requires_grad_();
+      Tensor out = max_pool2d(in, c.a);
+      out.backward(probe);
+      grad = in.grad().contiguous().to_vector<float>();
+      return out.contiguous().to_vector<float>();
+    };
+    std::vector<float> fast_grad, ref_grad, ref;
+    const std::vector<float> fast = run(fast_grad);
+    {
+      ReferenceKernelsGuard guard;
+      ref = run(ref_grad);
+    }
+    REQUIRE(fast.size() == ref.size());
+    for (size_t i = 0; i < fast.size(); ++i) {
+      INFO("output " << i);
+      REQUIRE((std::isnan(fast[i]) ? std::isnan(ref[i]) : fast[i] == ref[i]));
+    }
+    // Overlapping windows add several outputs' gradients into one input:
+    // in f32 here, in f64 rounded once by the reference.
+    const bool overlap = c.a.stride[0] < c.a.kernel[0] || c.a.stride[1] < c.a.kernel[1];
+    if (!overlap) REQUIRE(fast_grad == ref_grad);
+    for (size_t i = 0; i < fast_grad.size(); ++i) {
+      INFO("gradient " << i);
+      REQUIRE(std::fabs(fast_grad[i] - ref_grad[i]) <= 1e-6f * (1.0f + std::fabs(ref_grad[i])));
+    }
+  }
+}
+
 TEST_CASE("batch_norm: training forward and gradients", "[layers][bn]") {
   Generator gen(7);
   Tensor x = image_f64({3, 4, 5, 3}, gen);
