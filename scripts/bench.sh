@@ -14,10 +14,12 @@
 #   PyTorch, torchvision, matplotlib:  pip install -r bench/requirements.txt
 #   OpenMPI (allreduce, alltoall):     apt-get install openmpi-bin libopenmpi-dev, then scripts/setup.sh
 # Without them the figures of ours are still measured and the peer columns read "-".
-# train dp allreduce matmul loader take about 30 minutes on 2 cores, pipeline
+# train dp allreduce matmul loader take an hour or more on 2 cores with their three
+# rounds (bench_train's 2-thread table alone took 18 minutes on the Xeon VM,
+# 2026-11-29; its 1-thread table takes longer), pipeline
 # and tp (two ranks each, with PyTorch's runs) add to that, checkpoint about 25
 # minutes (GPT 12 x 768 and ResNet-50 on 1, 2 and 4 ranks, with PyTorch DCP), fsdp about 30
-# (the same models under each parallel.shard, with DDP and FSDP2), cp about 3 (GPT at 1k, 4k
+# (the same models under each parallel.shard, with DDP and FSDP2), cp about 10 (GPT at 1k, 4k
 # and 16k tokens on 1, 2 and 4 ranks); two ranks on a
 # 2-core machine need both cores free, so run it on an otherwise idle machine.
 set -euo pipefail
