@@ -140,7 +140,8 @@ std::string describe_kernel_isas() {
     own_conv =
         "; convolutions larger than 1x1 on 16+ channels own avx2 (direct, "
         "core/cpu/conv_direct_avx2.h)";
-  return "oneDNN " + k.onednn + " (matmul, convolution, pooling, batch norm); elementwise " +
+  return "oneDNN " + k.onednn +
+         " (matmul, convolution, average pooling, batch norm); elementwise and max pooling " +
          isa_name(k.loops) + " (chosen at run time); softmax, layer norm, attention, RNN cells, " +
          "optimizers " + isa_name(k.baseline) + " (the build's target)" + own_conv;
 }

@@ -49,16 +49,16 @@ std::string feature_summary(const CpuFeatures& f);
 
 // Which instruction sets run each kernel family on this machine now.
 struct KernelIsas {
-  std::string
-      onednn;    // oneDNN's ISA after DNNL_MAX_CPU_ISA: matmul, convolution, pooling, batch norm
-  Isa loops;     // the project's loops with a run-time choice (elementwise)
+  std::string onednn;  // oneDNN's ISA after DNNL_MAX_CPU_ISA: matmul, convolution, average pooling,
+                       // batch norm
+  Isa loops;           // the project's loops with a run-time choice (elementwise, max pooling)
   Isa baseline;  // the rest (softmax, layer norm, attention, RNN cells, optimizers): the build's
   bool bf16_native;  // bf16 matmul and convolution run oneDNN's bf16 kernels (use_bf16_kernels)
 };
 KernelIsas kernel_isas();  // core/cpu/onednn.cpp
 
 // One line for `trainer info` and a run's header: "oneDNN avx512_core_bf16
-// (matmul, conv, pool, batch norm); elementwise avx512 (chosen at run time);
+// (matmul, conv, avg pool, batch norm); elementwise and max pooling avx512 (chosen at run time);
 // softmax, ... avx2 (the build's target)".
 std::string describe_kernel_isas();
 // The line every benchmark table starts with: "cpu <cpu_name>: <features>;
