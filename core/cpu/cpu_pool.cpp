@@ -88,40 +88,48 @@ PoolGeometry geometry_of(const Tensor& x, const Tensor& out, const Pool2dAttrs& 
           a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1]};
 }
 
+// Calls tap(pos, pixel) for each in-bounds window position of output pixel
+// (oy, ox), in order: pos = ky * KW + kx, pixel = iy * W + ix.
+template <class Tap>
+[[gnu::always_inline]] inline void for_each_tap(const PoolGeometry& g, int64_t oy, int64_t ox,
+                                                Tap&& tap) {
+  const int64_t y0 = oy * g.SH - g.PH, x0 = ox * g.SW - g.PW;
+  for (int64_t ky = 0; ky < g.KH; ++ky) {
+    const int64_t iy = y0 + ky;
+    if (iy < 0 || iy >= g.H) continue;
+    for (int64_t kx = 0; kx < g.KW; ++kx) {
+      const int64_t ix = x0 + kx;
+      if (ix >= 0 && ix < g.W) tap(uint8_t(ky * g.KW + kx), iy * g.W + ix);
+    }
+  }
+}
+
 // Output row oy of one image: each pixel's channels take the max over the
 // in-bounds window positions (the first of equal values; a NaN wins, the
 // last NaN last, as the reference kernel), rec the position ky * KW + kx.
 [[gnu::always_inline]] inline void max_pool_row(const float* x, float* out, uint8_t* rec,
                                                 const PoolGeometry& g, int64_t oy) {
   const int64_t C = g.C;
-  const int64_t y0 = oy * g.SH - g.PH;
   for (int64_t ox = 0; ox < g.OW; ++ox) {
     float* o = out + (oy * g.OW + ox) * C;
     uint8_t* r = rec + (oy * g.OW + ox) * C;
-    const int64_t x0 = ox * g.SW - g.PW;
     bool first = true;
-    for (int64_t ky = 0; ky < g.KH; ++ky) {
-      const int64_t iy = y0 + ky;
-      if (iy < 0 || iy >= g.H) continue;
-      for (int64_t kx = 0; kx < g.KW; ++kx) {
-        const int64_t ix = x0 + kx;
-        if (ix < 0 || ix >= g.W) continue;
-        const float* v = x + (iy * g.W + ix) * C;
-        const uint8_t pos = uint8_t(ky * g.KW + kx);
-        if (first) {
-          std::memcpy(o, v, size_t(C) * sizeof(float));
-          std::memset(r, pos, size_t(C));
-          first = false;
-          continue;
-        }
+    for_each_tap(
+        g, oy, ox, [&](uint8_t pos, int64_t pixel) __attribute__((always_inline)) {
+          const float* v = x + pixel * C;
+          if (first) {
+            std::memcpy(o, v, size_t(C) * sizeof(float));
+            std::memset(r, pos, size_t(C));
+            first = false;
+            return;
+          }
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) {
-          const bool take = v[c] > o[c] || v[c] != v[c];
-          o[c] = take ? v[c] : o[c];
-          r[c] = take ? pos : r[c];
-        }
-      }
-    }
+          for (int64_t c = 0; c < C; ++c) {
+            const bool take = v[c] > o[c] || v[c] != v[c];
+            o[c] = take ? v[c] : o[c];
+            r[c] = take ? pos : r[c];
+          }
+        });
   }
 }
 
@@ -131,23 +139,15 @@ PoolGeometry geometry_of(const Tensor& x, const Tensor& out, const Pool2dAttrs& 
                                                          float* gx, const PoolGeometry& g,
                                                          int64_t oy) {
   const int64_t C = g.C;
-  const int64_t y0 = oy * g.SH - g.PH;
   for (int64_t ox = 0; ox < g.OW; ++ox) {
     const float* go = gout + (oy * g.OW + ox) * C;
     const uint8_t* r = rec + (oy * g.OW + ox) * C;
-    const int64_t x0 = ox * g.SW - g.PW;
-    for (int64_t ky = 0; ky < g.KH; ++ky) {
-      const int64_t iy = y0 + ky;
-      if (iy < 0 || iy >= g.H) continue;
-      for (int64_t kx = 0; kx < g.KW; ++kx) {
-        const int64_t ix = x0 + kx;
-        if (ix < 0 || ix >= g.W) continue;
-        float* d = gx + (iy * g.W + ix) * C;
-        const uint8_t pos = uint8_t(ky * g.KW + kx);
+    for_each_tap(
+        g, oy, ox, [&](uint8_t pos, int64_t pixel) __attribute__((always_inline)) {
+          float* d = gx + pixel * C;
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) d[c] += r[c] == pos ? go[c] : 0.0f;
-      }
-    }
+          for (int64_t c = 0; c < C; ++c) d[c] += r[c] == pos ? go[c] : 0.0f;
+        });
   }
 }
 
