@@ -151,21 +151,23 @@ template <class Tap>
   }
 }
 
-TRAINER_AVX512 void max_pool_rows_avx512(const float* x, float* out, uint8_t* rec,
-                                         const PoolGeometry& g, int64_t oy0, int64_t oy1) {
-  for (int64_t oy = oy0; oy < oy1; ++oy) max_pool_row(x, out, rec, g, oy);
+// Output rows [oy0, oy1) of one image through Row (max_pool_row or
+// max_pool_backward_row), compiled for AVX-512 and for AVX2, the instance
+// chosen by use_avx512().
+template <auto Row, class... P>
+TRAINER_AVX512 void rows_avx512(const PoolGeometry& g, int64_t oy0, int64_t oy1, P... p) {
+  for (int64_t oy = oy0; oy < oy1; ++oy) Row(p..., g, oy);
 }
-void max_pool_rows_avx2(const float* x, float* out, uint8_t* rec, const PoolGeometry& g,
-                        int64_t oy0, int64_t oy1) {
-  for (int64_t oy = oy0; oy < oy1; ++oy) max_pool_row(x, out, rec, g, oy);
+template <auto Row, class... P>
+void rows_avx2(const PoolGeometry& g, int64_t oy0, int64_t oy1, P... p) {
+  for (int64_t oy = oy0; oy < oy1; ++oy) Row(p..., g, oy);
 }
-TRAINER_AVX512 void max_pool_backward_rows_avx512(const float* gout, const uint8_t* rec, float* gx,
-                                                  const PoolGeometry& g, int64_t oy0, int64_t oy1) {
-  for (int64_t oy = oy0; oy < oy1; ++oy) max_pool_backward_row(gout, rec, gx, g, oy);
-}
-void max_pool_backward_rows_avx2(const float* gout, const uint8_t* rec, float* gx,
-                                 const PoolGeometry& g, int64_t oy0, int64_t oy1) {
-  for (int64_t oy = oy0; oy < oy1; ++oy) max_pool_backward_row(gout, rec, gx, g, oy);
+template <auto Row, class... P>
+void run_rows(const PoolGeometry& g, int64_t oy0, int64_t oy1, P... p) {
+  if (use_avx512())
+    rows_avx512<Row>(g, oy0, oy1, p...);
+  else
+    rows_avx2<Row>(g, oy0, oy1, p...);
 }
 
 // Whether the loops take this max pooling: f32, channels-last operands, a
@@ -188,12 +190,8 @@ Tensor max_pool2d_own(const Tensor& x, const Pool2dAttrs& a, const Tensor& out) 
                  for (int64_t i = b; i < e;) {
                    const int64_t n = i / g.OH, oy0 = i % g.OH;
                    const int64_t oy1 = std::min(g.OH, oy0 + (e - i));
-                   if (use_avx512())
-                     max_pool_rows_avx512(xp + n * in_image, op + n * out_image, rp + n * out_image,
-                                          g, oy0, oy1);
-                   else
-                     max_pool_rows_avx2(xp + n * in_image, op + n * out_image, rp + n * out_image,
-                                        g, oy0, oy1);
+                   run_rows<max_pool_row>(g, oy0, oy1, xp + n * in_image, op + n * out_image,
+                                          rp + n * out_image);
                    i += oy1 - oy0;
                  }
                });
@@ -212,10 +210,7 @@ void max_pool2d_backward_own(const Tensor& grad_out, const Tensor& rec, const Po
     for (int64_t n = b; n < e; ++n) {
       float* gx = xp + n * in_image;
       std::memset(gx, 0, size_t(in_image) * sizeof(float));
-      if (use_avx512())
-        max_pool_backward_rows_avx512(gp + n * out_image, rp + n * out_image, gx, g, 0, g.OH);
-      else
-        max_pool_backward_rows_avx2(gp + n * out_image, rp + n * out_image, gx, g, 0, g.OH);
+      run_rows<max_pool_backward_row>(g, 0, g.OH, gp + n * out_image, rp + n * out_image, gx);
     }
   });
 }

@@ -5,7 +5,7 @@
 // on every AVX2 machine of a cluster; TRAINER_NATIVE=ON tunes it for the
 // build machine instead. The loops that gain from AVX-512 are compiled twice,
 // for x86-64-v3 and x86-64-v4, and pick their version at run time through
-// use_avx512() (see TRAINER_ISA_KERNEL below), the way PyTorch's
+// use_avx512() (see TRAINER_AVX512 below), the way PyTorch's
 // CPU_CAPABILITY and oneDNN's dispatchers work.
 //
 //   if (cpu::use_avx512()) softmax_rows_avx512(...); else softmax_rows_avx2(...);
