@@ -1,11 +1,12 @@
 // f32 convolutions of ResNet-18 and the small CNN, forward, data gradient
-// and weight gradient, on oneDNN against the project's own AVX2 kernel
-// (core/cpu/conv_direct_avx2.h), both measured in the same run, alternating.
+// and weight gradient, on oneDNN against the project's own kernels
+// (core/cpu/conv_direct_avx2.h; one input channel: conv_single_channel.h),
+// both measured in the same run, alternating. --model keeps one model's rows.
 // With --isa avx2 oneDNN is capped at AVX2 (DNNL_MAX_CPU_ISA), which is what
 // an AVX2-only CPU runs; on an AVX-512 machine without it oneDNN runs its
 // brgemm kernels.
 //
-//   bench_conv [--threads N] [--reps N] [--isa avx2] [--quick]
+//   bench_conv [--threads N] [--reps N] [--isa avx2] [--model NAME] [--quick]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,7 +36,10 @@ struct Case {
 
 // The distinct convolutions with at least 16 input channels: ResNet-18 at
 // 224 x 224, batch 16 (bench_train's resnet18_224), at 28 x 28 with the 3x3
-// stem, batch 8 (resnet18_small_28), and the small CNN's second conv (batch 128).
+// stem, batch 8 (resnet18_small_28), and the small CNN's second conv (batch
+// 128); then the small CNN's first, on one channel, where "own" is the
+// one-channel kernel (core/cpu/conv_single_channel.h). The small CNN's weight
+// gradients include the bias's, as in training.
 const Case kCases[] = {
     {"resnet18_224", 16, 64, 56, 64, 3, 1},      {"resnet18_224", 16, 64, 56, 128, 3, 2},
     {"resnet18_224", 16, 128, 28, 128, 3, 1},    {"resnet18_224", 16, 128, 28, 256, 3, 2},
@@ -43,7 +47,7 @@ const Case kCases[] = {
     {"resnet18_224", 16, 512, 7, 512, 3, 1},     {"resnet18_224", 16, 64, 56, 128, 1, 2},
     {"resnet18_small_28", 8, 64, 28, 64, 3, 1},  {"resnet18_small_28", 8, 128, 14, 128, 3, 1},
     {"resnet18_small_28", 8, 256, 7, 256, 3, 1}, {"resnet18_small_28", 8, 512, 4, 512, 3, 1},
-    {"small_cnn_28", 128, 32, 14, 64, 3, 1},
+    {"small_cnn_28", 128, 32, 14, 64, 3, 1},     {"small_cnn_28", 128, 1, 28, 32, 3, 1},
 };
 
 // Median seconds of fn over reps runs after one warm-up.
@@ -65,12 +69,15 @@ double median_seconds(int reps, Fn fn) {
 int main(int argc, char** argv) {
   int threads = 1, reps = 7;
   bool quick = false;
+  std::string only_model;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--threads" && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
     } else if (a == "--reps" && i + 1 < argc) {
       reps = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--model" && i + 1 < argc) {
+      only_model = argv[++i];
     } else if (a == "--quick") {
       quick = true;
     } else if (a == "--isa" && i + 1 < argc && std::string(argv[i + 1]) == "avx2") {
@@ -78,7 +85,9 @@ int main(int argc, char** argv) {
       setenv("DNNL_MAX_CPU_ISA", "AVX2", 1);  // before oneDNN's first use
       cpu::set_max_isa(cpu::Isa::avx2);
     } else {
-      std::fprintf(stderr, "usage: bench_conv [--threads N] [--reps N] [--isa avx2] [--quick]\n");
+      std::fprintf(
+          stderr,
+          "usage: bench_conv [--threads N] [--reps N] [--isa avx2] [--model NAME] [--quick]\n");
       return 2;
     }
   }
@@ -101,6 +110,7 @@ int main(int argc, char** argv) {
   int cases = 0;
   for (const Case& c : kCases) {
     if (quick && cases > 0) break;
+    if (!only_model.empty() && only_model != c.model) continue;
     ++cases;
     const int64_t pad = c.K / 2, OH = (c.H + 2 * pad - c.K) / c.stride + 1;
     Tensor x = to_channels_last(uniform({c.N, c.C, c.H, c.H}, -1.0, 1.0, gen));
@@ -109,6 +119,8 @@ int main(int argc, char** argv) {
     Tensor gy = to_channels_last(uniform({c.N, c.O, OH, OH}, -1.0, 1.0, gen));
     Tensor gx = empty_channels_last({c.N, c.C, c.H, c.H});
     Tensor gw = empty({c.O, c.C, c.K, c.K});
+    // The small CNN's convolutions have a bias; ResNet's (before batch norm) none.
+    const Tensor gb = std::string(c.model) == "small_cnn_28" ? empty({c.O}) : Tensor();
     Conv2dAttrs a{.stride = {c.stride, c.stride}, .padding = {pad, pad}};
     const double flops = 2.0 * c.N * OH * OH * c.O * c.C * c.K * c.K;
     // Alternating the two within one shape, so that drift hits both alike;
@@ -125,7 +137,7 @@ int main(int argc, char** argv) {
             std::min(t[1][own],
                      median_seconds(reps, [&] { cpu_backend.conv2d_backward_data(gy, w, a, gx); }));
         t[2][own] = std::min(t[2][own], median_seconds(reps, [&] {
-                               cpu_backend.conv2d_backward_weights(gy, x, a, gw, Tensor());
+                               cpu_backend.conv2d_backward_weights(gy, x, a, gw, gb);
                              }));
       }
     cpu::set_direct_conv_use(cpu::DirectConvUse::automatic);

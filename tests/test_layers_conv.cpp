@@ -8,6 +8,8 @@
 
 #include "core/backend.h"
 #include "core/cpu/conv_direct_avx2.h"
+#include "core/cpu/isa.h"
+#include "core/cpu/threads.h"
 #include "core/ops_conv.h"
 #include "layers/linear.h"
 
@@ -218,9 +220,9 @@ TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]")
       {5, 9, 10, 7, 12, 1, 3, 1, 0, 1, true, false},
       {2, 32, 9, 9, 17, 3, 3, 3, 3, 1, false, false},
       {8, 12, 7, 6, 64, 2, 2, 1, 1, 1, true, false},
-      // Weight-gradient tiles of 1 and 2 channels; from 256 channels the
+      // Weight-gradient tiles of 6 + 1 and 2 channels; from 256 channels the
       // weight gradient packs its input channels (260: tiles of 5 and 6).
-      {3, 1, 6, 6, 10, 3, 3, 1, 1, 1, true, false},
+      {3, 7, 6, 6, 10, 3, 3, 1, 1, 1, true, false},
       {2, 2, 5, 7, 16, 3, 3, 2, 0, 1, false, false},
       {2, 260, 5, 4, 20, 3, 3, 1, 1, 1, false, false},
   };
@@ -264,6 +266,81 @@ TEST_CASE("conv2d: the own AVX2 kernel's results do not depend on the batch", "[
     cpu_backend.conv2d_backward_data(gy.slice(0, n, n + 1), w, a, gx1);
     CHECK(max_abs_diff(y.slice(0, n, n + 1), y1) == 0.0);
     CHECK(max_abs_diff(gx.slice(0, n, n + 1), gx1) == 0.0);
+  }
+}
+
+TEST_CASE("conv2d: the one-channel kernels match the reference", "[layers][conv]") {
+  // Forward (bias, fused relu) and weight gradient of one-channel images
+  // (core/cpu/conv_single_channel.h), in both ISA instances. O around the
+  // 32-output blocks (1, 16, 33, 70) gives partial blocks; 5x5 has three
+  // groups of tap sums; padding beyond the kernel and a stride that skips
+  // the last column read the zero border; 30 rows of 10 pixels make two
+  // bands of rows per image.
+  struct Case {
+    int64_t N, H, W, O, kh, kw, stride, pad, dilation;
+    bool bias, relu;
+  };
+  const Case cases[] = {
+      {3, 9, 8, 32, 3, 3, 1, 1, 1, true, false},   {2, 7, 7, 1, 3, 3, 1, 1, 1, false, true},
+      {4, 6, 9, 16, 3, 3, 2, 1, 1, true, true},    {1, 11, 10, 33, 5, 5, 1, 2, 1, true, false},
+      {5, 8, 8, 70, 3, 3, 1, 2, 2, false, false},  {2, 9, 6, 24, 1, 3, 1, 0, 1, true, false},
+      {2, 30, 10, 48, 3, 3, 1, 1, 1, true, false}, {3, 10, 12, 20, 7, 7, 3, 3, 1, false, true},
+  };
+  // always: the forward's AVX2 instance too (automatic leaves AVX2 forwards to oneDNN).
+  DirectConvGuard always(cpu::DirectConvUse::always);
+  const cpu::Isa before = cpu::active_isa();
+  Generator gen(23);
+  for (cpu::Isa isa : {cpu::Isa::avx512, cpu::Isa::avx2}) {
+    cpu::set_max_isa(isa);
+    for (const Case& c : cases) {
+      Conv2dAttrs a{.stride = {c.stride, c.stride},
+                    .padding = {c.kh == c.kw ? c.pad : 0, c.pad},
+                    .dilation = {c.dilation, c.dilation}};
+      INFO(cpu::isa_name(isa) << ": N " << c.N << " " << c.H << "x" << c.W << " O " << c.O << " k "
+                              << c.kh << "x" << c.kw << " stride " << c.stride << " pad " << c.pad
+                              << " dilation " << c.dilation);
+      TensorList in = {image_cl({c.N, 1, c.H, c.W}, gen), rand_tensor({c.O, 1, c.kh, c.kw}, gen)};
+      if (c.bias) in.push_back(rand_tensor({c.O}, gen));
+      check_fast_vs_reference(
+          [&](const TensorList& t) {
+            return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a, c.relu);
+          },
+          in, conv_reduction(in[0], in[1]));
+    }
+  }
+  cpu::set_max_isa(before);
+}
+
+TEST_CASE("conv2d: the one-channel weight gradient does not depend on the threads",
+          "[layers][conv]") {
+  // Each band of rows sums alone and the bands add in order: one thread and
+  // two give the same bits; and the forward of each image alone equals its
+  // part of the batch's.
+  Generator gen(24);
+  Conv2dAttrs a{.padding = {1, 1}};
+  Tensor x = image_cl({6, 1, 40, 20}, gen), w = rand_tensor({32, 1, 3, 3}, gen);
+  Tensor b = rand_tensor({32}, gen), gy = image_cl({6, 32, 40, 20}, gen);
+  autograd::NoGradGuard no_grad;
+  Backend& cpu_backend = backend(Device{});
+  const int threads = num_threads();
+  auto weight_grads = [&](int n_threads) {
+    set_num_threads(n_threads);
+    Tensor gw = empty({32, 1, 3, 3}), gb = empty({32});
+    cpu_backend.conv2d_backward_weights(gy, x, a, gw, gb);
+    return std::pair{gw, gb};
+  };
+  auto [gw1, gb1] = weight_grads(1);
+  auto [gw2, gb2] = weight_grads(2);
+  set_num_threads(threads);
+  CHECK(max_abs_diff(gw1, gw2) == 0.0);
+  CHECK(max_abs_diff(gb1, gb2) == 0.0);
+  Tensor y = empty_channels_last({6, 32, 40, 20});
+  cpu_backend.conv2d(x, w, b, a, false, y);
+  for (int64_t n = 0; n < 6; ++n) {
+    INFO("image " << n);
+    Tensor y1 = empty_channels_last({1, 32, 40, 20});
+    cpu_backend.conv2d(x.slice(0, n, n + 1), w, b, a, false, y1);
+    CHECK(max_abs_diff(y.slice(0, n, n + 1), y1) == 0.0);
   }
 }
 

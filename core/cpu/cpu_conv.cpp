@@ -14,9 +14,9 @@
 // the forward and weight gradient of 3x3 (and larger) convolutions and the
 // data gradient of large stride-1 ones run the project's own kernels
 // (core/cpu/conv_direct_avx2.h: 1.1-1.6x oneDNN 2.6's on ResNet-18's
-// shapes). bf16 convolutions run cpu_conv_bf16.cpp, f16 ones the f32 kernels
-// on converted copies (core/cpu/lowp.h); other types run the reference
-// kernels.
+// shapes). One-channel images (a grayscale stem) run the project's own
+// loops (core/cpu/conv_single_channel.h). bf16 convolutions run cpu_conv_bf16.cpp, f16 ones the f32
+// kernels on converted copies (core/cpu/lowp.h); other types run the reference kernels.
 #include <omp.h>
 
 #include <algorithm>
@@ -29,7 +29,9 @@
 
 #include "core/cpu/conv_direct_avx2.h"
 #include "core/cpu/conv_pointwise.h"
+#include "core/cpu/conv_single_channel.h"
 #include "core/cpu/cpu_backend.h"
+#include "core/cpu/isa.h"
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
 #include "core/cpu/primitive_cache.h"
@@ -129,11 +131,12 @@ memory weights_for(const std::optional<dnnl::reorder>& reorder, const memory::de
 
 // The kernel's description of a convolution of `in` (channels-last) into
 // `out` with O x C x KH x KW weights, or nullopt where it does not run.
-std::optional<cpu::DirectConv> direct_conv(const Tensor& in, int64_t O, int64_t KH, int64_t KW,
-                                           const Tensor& out, const Conv2dAttrs& a,
-                                           const Pair& padding, cpu::DirectPass pass) {
-  const cpu::DirectConvUse use = cpu::direct_conv_use();
-  if (use == cpu::DirectConvUse::never || a.groups != 1) return std::nullopt;
+// The own kernels' description of a convolution of `in` into `out` (both
+// channels-last, no groups), or nullopt.
+std::optional<cpu::DirectConv> own_conv_shape(const Tensor& in, int64_t O, int64_t KH, int64_t KW,
+                                              const Tensor& out, const Conv2dAttrs& a,
+                                              const Pair& padding) {
+  if (cpu::direct_conv_use() == cpu::DirectConvUse::never || a.groups != 1) return std::nullopt;
   if (!is_channels_last(in) || !is_channels_last(out)) return std::nullopt;
   cpu::DirectConv s{.N = in.size(0),
                     .H = in.size(2),
@@ -149,9 +152,36 @@ std::optional<cpu::DirectConv> direct_conv(const Tensor& in, int64_t O, int64_t 
     s.padding[d] = padding[d];
     s.dilation[d] = a.dilation[d];
   }
-  if (!cpu::direct_conv_supported(s)) return std::nullopt;
-  if (use == cpu::DirectConvUse::automatic && !cpu::direct_conv_automatic(s, pass))
+  return s;
+}
+
+// The AVX2 kernel's description of the convolution, or nullopt where it does not run.
+std::optional<cpu::DirectConv> direct_conv(const Tensor& in, int64_t O, int64_t KH, int64_t KW,
+                                           const Tensor& out, const Conv2dAttrs& a,
+                                           const Pair& padding, cpu::DirectPass pass) {
+  std::optional<cpu::DirectConv> s = own_conv_shape(in, O, KH, KW, out, a, padding);
+  if (!s || !cpu::direct_conv_supported(*s)) return std::nullopt;
+  if (cpu::direct_conv_use() == cpu::DirectConvUse::automatic &&
+      !cpu::direct_conv_automatic(*s, pass))
     return std::nullopt;
+  return s;
+}
+
+// The one-channel kernels' description (core/cpu/conv_single_channel.h),
+// or nullopt where they do not run: the weight gradient wherever it applies,
+// the forward where the project's loops run AVX-512 (on AVX2 oneDNN's
+// jit:avx2 forward is the faster), or everywhere when the own kernels are
+// forced (TRAINER_CONV=direct).
+std::optional<cpu::DirectConv> single_channel_conv(const Tensor& x, const Tensor& weight,
+                                                   const Tensor& bias, const Tensor& out,
+                                                   const Conv2dAttrs& a, cpu::DirectPass pass) {
+  if (!weight.is_contiguous() || (bias.defined() && !bias.is_contiguous())) return std::nullopt;
+  if (pass == cpu::DirectPass::forward && !cpu::use_avx512() &&
+      cpu::direct_conv_use() == cpu::DirectConvUse::automatic)
+    return std::nullopt;
+  std::optional<cpu::DirectConv> s =
+      own_conv_shape(x, weight.size(0), weight.size(2), weight.size(3), out, a, a.padding);
+  if (!s || !cpu::single_channel_conv_supported(*s)) return std::nullopt;
   return s;
 }
 
@@ -177,6 +207,10 @@ void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bia
     });
   if (!fast_dtype({&x, &weight, &bias, &out}))
     return RefBackend::conv2d(x, weight, bias, a, fuse_relu, out);
+  if (auto s = single_channel_conv(x, weight, bias, out, a, cpu::DirectPass::forward))
+    return cpu::single_channel_conv(x.data<float>(), weight.data<float>(),
+                                    bias.defined() ? bias.data<float>() : nullptr, fuse_relu,
+                                    out.data<float>(), *s);
   const int64_t KH = weight.size(2), KW = weight.size(3);
   if (auto s = direct_conv(x, weight.size(0), KH, KW, out, a, a.padding, cpu::DirectPass::forward);
       s && weight.is_contiguous() && (!bias.defined() || bias.is_contiguous()))
@@ -370,6 +404,11 @@ void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x
     return RefBackend::conv2d_backward_weights(grad_out, x, a, grad_weight, grad_bias);
   if (!grad_bias.defined() && cpu::pointwise(grad_weight.shape(), a, x, grad_out))
     return cpu::pointwise_backward_weights(grad_out, x, a, grad_weight);
+  if (auto s =
+          single_channel_conv(x, grad_weight, grad_bias, grad_out, a, cpu::DirectPass::weights))
+    return cpu::single_channel_conv_backward_weights(
+        x.data<float>(), grad_out.data<float>(), grad_weight.data<float>(),
+        grad_bias.defined() ? grad_bias.data<float>() : nullptr, *s);
   if (auto s = direct_conv(x, grad_weight.size(0), grad_weight.size(2), grad_weight.size(3),
                            grad_out, a, a.padding, cpu::DirectPass::weights);
       s && grad_weight.is_contiguous() && (!grad_bias.defined() || grad_bias.is_contiguous())) {

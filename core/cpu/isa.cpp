@@ -140,6 +140,10 @@ std::string describe_kernel_isas() {
     own_conv =
         "; convolutions larger than 1x1 on 16+ channels own avx2 (direct, "
         "core/cpu/conv_direct_avx2.h)";
+  if (direct_conv_use() != DirectConvUse::never)
+    own_conv += std::string("; one-channel convolutions own ") +
+                (k.loops == Isa::avx512 ? "(forward and weight gradient" : "(weight gradient") +
+                ", core/cpu/conv_single_channel.h)";
   return "oneDNN " + k.onednn +
          " (matmul, convolution, average pooling, batch norm); elementwise and max pooling " +
          isa_name(k.loops) + " (chosen at run time); softmax, layer norm, attention, RNN cells, " +
