@@ -2,7 +2,16 @@
 // 384, 6 heads, character-level KJV) and ResNet-18 (3x3 stem, 28x28x1
 // Fashion-MNIST-shaped images) at pp = 2, each schedule run by the trainer
 // itself (`trainer launch --nproc-per-node 2 -- train ... --trace`, one
-// thread per rank) and read back from its timeline (parallel/trace.h):
+// thread per rank) and read back from its timeline (parallel/trace.h).
+//
+// Each row is run --rounds times (default 3). A round runs every row once,
+// ours and then its peer (PyTorch's, or the LSTM's one-process run), so a
+// slow spell of the machine lands on both sides of a ratio. The row's
+// figures below are those of its median-step round (the faster of the
+// middle two for an even count): one real run, whose F, B and bubble the
+// prediction can be checked against, rather than medians of different runs
+// that no schedule produced together. Each round is printed as a line
+// before the rows.
 //
 //   step          median interval between consecutive optimizer steps (the
 //                 later stage's end), over the steps after the warm-up
@@ -17,31 +26,40 @@
 //                 per-step work outside the spans) or spans slower than
 //                 their median; "of means" is the same from the spans'
 //                 means, which keeps the slow ones
+//   torch ms      the median of PyTorch's rounds
+//   torch/ours    the median of the per-round ratios (torch's step / ours
+//                 in the same round) and their range
+//   step range    ours' fastest and slowest round (every row has it, with
+//                 or without a peer)
 //   in flight     peak_in_flight() (parallel/schedule.h): micro-batches whose
 //                 activations a stage holds at once (GPipe M, 1F1B P - s);
 //                 zbh1 also counted until W, "(W n)": a weight half keeps
 //                 what it reads until it runs
 //   act MiB       in flight x the dry run's activations per micro-batch
 //   peak RSS      each rank's VmHWM, read from /proc while it runs: the
-//                 whole process (every rank builds the whole model)
+//                 whole process (every rank builds the whole model); ours
+//                 of the median-step round, torch's the median of its rounds
 //
 // The LSTM LM case (lstm) runs a layer per stage as a wavefront: its M
 // micro-batches are M time chunks of one batch (parallel.time_chunks,
 // schedule wavefront, the only schedule it takes); torch.distributed.pipelining
 // has no state carried between micro-batches, so it has no torch column.
 // Instead the same batch is timed in one process with 2 threads (the same
-// cores, no pipeline), printed below the table with the ratio.
+// cores, no pipeline) in each round after the wavefront, printed below the
+// table with the median ratio and its range.
 //
 // When python3 can import torch, bench/bench_pipeline_torch.py runs the same
 // model shapes, stages, micro-batches and optimizer under
 // torch.distributed.pipelining (gloo, ScheduleGPipe / Schedule1F1B, one
-// thread per rank) and the table prints its step time and torch/ours.
+// thread per rank) and the table prints its step time and torch/ours. It has
+// no ZB-H1, so that row has ours only.
 //
-//   bench_pipeline                                   # every case, gpipe 1f1b zbh1 (lstm:
-//   wavefront) bench_pipeline --case lstm --micro-batches 8     # the wavefront over 8 time chunks
+//   bench_pipeline                                # every case, gpipe 1f1b zbh1 (lstm: wavefront)
+//   bench_pipeline --rounds 5                     # five rounds (default 3); 1: one run of each
+//   bench_pipeline --case lstm --micro-batches 8  # the wavefront over 8 time chunks
 //   bench_pipeline --case gpt --schedule 1f1b --micro-batches 8 --steps 6
-//   bench_pipeline --seq 64 --batch 2 --no-torch     # GPT context, micro-batch size
-//   bench_pipeline --keep                            # leave the runs' traces, print where
+//   bench_pipeline --seq 64 --batch 2 --no-torch  # GPT context, micro-batch size
+//   bench_pipeline --keep                         # leave the runs' traces, print where
 //
 // The trainer binary is the one next to this executable (build both targets).
 #include <signal.h>
@@ -56,11 +74,13 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/programs.h"
 #include "core/check.h"
 #include "core/cpu/isa.h"
@@ -85,8 +105,11 @@ struct Settings {
   int warmup = 2;  // untimed, before them
   int seq = 128;   // GPT context and window
   int batch = 0;   // samples per micro-batch; 0: the case's own
+  int rounds = 3;
   bool torch = true;
   bool keep = false;
+  // Set by main: the trainer binary, and the directory the runs write in.
+  std::string trainer, work;
 };
 
 // A model trained by the trainer from a recipe and key=value overrides.
@@ -121,13 +144,23 @@ struct Measured {
   double peak_rss_mib[kStages] = {};
 };
 
+// What a row's ours is compared with in each round: PyTorch's pipeline, or
+// for the wavefront the same batch in one process on both cores.
+enum class Peer { none, torch, one_process };
+
+// A (case, schedule) over the rounds.
 struct Row {
   std::string schedule;
+  Peer peer = Peer::none;
+  std::vector<Measured> ours;  // each round whose run succeeded
+  // The peer's step ms and peer / ours, each round where both ran.
+  std::vector<double> peer_ms, ratios;
+  std::vector<double> torch_rss_mib[kStages];  // each torch round's
+  std::string peer_note;                       // why a peer's round has no figure
+  // The figures printed, from the median-step round (settle()).
   Measured m;
   parallel::SimResult sim, sim_of_means;  // from the medians, from the means
   std::vector<int> in_flight, in_flight_until_w;
-  double torch_ms = -1, torch_rss_mib[kStages] = {-1, -1};
-  std::string torch_note;  // why there is no torch figure
 };
 
 std::vector<PipelineCase> make_cases(const Settings& s, const std::string& work) {
@@ -250,11 +283,7 @@ std::vector<double> dry_run_activations(const PipelineCase& c, const Settings& s
 
 // The median, the mean of the middle two for an even count (a few spans per
 // kind: bench_util's median() takes the upper one).
-double middle(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+double middle(const std::vector<double>& v) { return bench::spread_of(v).median; }
 
 struct Span {
   std::string name;
@@ -368,28 +397,147 @@ bool torch_available() {
   return std::system("python3 -c 'import torch.distributed.pipelining' >/dev/null 2>&1") == 0;
 }
 
-// bench_pipeline_torch.py's median step time and per-rank peak RSS; on
-// failure, why (its last line of output) in row.torch_note.
-void measure_torch(const PipelineCase& c, const Settings& s, const std::string& work, Row& row) {
+// One run of bench_pipeline_torch.py: its median step ms and per-rank peak
+// RSS; false on failure, why (its last line of output) in note.
+bool measure_torch(const PipelineCase& c, const Settings& s, const std::string& schedule,
+                   double& ms, double rss_mib[kStages], std::string& note) {
   std::string cmd = cat("python3 ", TRAINER_SOURCE_DIR, "/bench/bench_pipeline_torch.py");
   for (const std::string& a : c.torch_args) cmd += " " + a;
-  cmd += cat(" --schedule ", row.schedule, " --micro-batches ", s.micro_batches, " --batch ",
+  cmd += cat(" --schedule ", schedule, " --micro-batches ", s.micro_batches, " --batch ",
              c.micro_batch, " --steps ", s.steps, " --warmup ", s.warmup);
   if (allowed_cores().size() >= size_t(kStages)) cmd += " --bind";  // as trainer launch binds
-  const std::string log = work + "/torch.log";
+  const std::string log = s.work + "/torch.log";
   cmd += " 2>" + log;
   if (FILE* p = popen(cmd.c_str(), "r")) {
-    double ms = 0, rss0 = 0, rss1 = 0;
-    const bool got = std::fscanf(p, "%lf %lf %lf", &ms, &rss0, &rss1) == 3;
+    double seconds = 0;
+    const bool got = std::fscanf(p, "%lf %lf %lf", &seconds, &rss_mib[0], &rss_mib[1]) == 3;
     if (pclose(p) == 0 && got) {
-      row.torch_ms = 1e3 * ms;
-      row.torch_rss_mib[0] = rss0;
-      row.torch_rss_mib[1] = rss1;
-      return;
+      ms = 1e3 * seconds;
+      return true;
     }
   }
   std::string last = bench::tail_of(log, 1);
-  row.torch_note = last.empty() ? "no output" : last.substr(4, last.size() - 5);
+  note = last.empty() ? "no output" : last.substr(4, last.size() - 5);
+  return false;
+}
+
+// One run of ours: case c under schedule by `trainer launch`, in dir, read
+// back from its trace. False (and why printed) when it failed.
+bool run_ours(const PipelineCase& c, const Settings& s, const std::string& schedule,
+              const std::string& dir, Measured& m) {
+  std::vector<std::string> argv{s.trainer, "launch", "--nproc-per-node", cat(kStages), "--"};
+  for (const std::string& a : train_args(c, s, schedule, dir)) argv.push_back(a);
+  argv.push_back("--trace");
+  const std::string log = dir + ".log";
+  double rss[kStages] = {};
+  if (!run_logged(argv, log, rss)) {
+    std::printf("%-15s %-6s: the trainer failed; the end of %s:\n%s", c.name.c_str(),
+                schedule.c_str(), log.c_str(), bench::tail_of(log, 8).c_str());
+    return false;
+  }
+  try {
+    m = analyse(read_trace(dir + "/trace.json"), s);
+  } catch (const std::exception& e) {
+    std::printf("%-15s %-6s: %s\n", c.name.c_str(), schedule.c_str(), e.what());
+    return false;
+  }
+  std::copy(rss, rss + kStages, m.peak_rss_mib);
+  return true;
+}
+
+// The wavefront's peer: the same batch in one process with a thread per
+// stage (the same cores, no pipeline), its median step ms. Throws when it
+// failed.
+double run_one_process(const PipelineCase& c, const Settings& s, const std::string& dir) {
+  std::vector<std::string> argv{s.trainer};
+  for (std::string a : train_args(c, s, "wavefront", dir)) {
+    if (a.rfind("parallel.", 0) == 0) continue;
+    argv.push_back(a == "training.threads=1" ? cat("training.threads=", kStages) : a);
+  }
+  argv.push_back("--trace");
+  double unused[kStages] = {};
+  if (!run_logged(argv, dir + ".log", unused))
+    throw Error(cat("the trainer failed; see ", dir, ".log"));
+  return one_process_step_ms(dir + "/trace.json", s);
+}
+
+// "1.24 (1.10-1.31)": the median of per-round values and their range; one
+// round's alone as "1.24", none as "-".
+std::string spread_text(const std::vector<double>& values, const char* format) {
+  if (values.empty()) return "-";
+  const bench::Spread r = bench::spread_of(values);
+  char m[24], low[24], high[24];
+  std::snprintf(m, sizeof m, format, r.median);
+  if (values.size() == 1) return m;
+  std::snprintf(low, sizeof low, format, r.low);
+  std::snprintf(high, sizeof high, format, r.high);
+  return cat(m, " (", low, "-", high, ")");
+}
+
+// One round of case c: each row's run of ours, then its peer's, and a line
+// of what the round measured. False when a run of ours (or the one-process
+// peer) failed; the rows keep the runs that did not.
+bool run_round(const PipelineCase& c, const Settings& s, int round, std::vector<Row>& rows) {
+  bool ok = true;
+  std::string line = cat("  round ", round + 1, ":");
+  for (Row& row : rows) {
+    const std::string dir = cat(s.work, "/", c.name, "_", row.schedule, "_", round + 1);
+    Measured m;
+    if (!run_ours(c, s, row.schedule, dir, m)) {
+      ok = false;
+      line += cat(" ", row.schedule, " failed;");
+      continue;
+    }
+    row.ours.push_back(m);
+    double peer_ms = -1, rss[kStages] = {};
+    if (row.peer == Peer::torch) {
+      if (measure_torch(c, s, row.schedule, peer_ms, rss, row.peer_note))
+        for (int r = 0; r < kStages; ++r) row.torch_rss_mib[r].push_back(rss[r]);
+    } else if (row.peer == Peer::one_process) {
+      try {
+        peer_ms = run_one_process(c, s, dir + "_one");
+      } catch (const std::exception& e) {
+        row.peer_note = e.what();
+        ok = false;
+      }
+    }
+    char text[96];
+    std::snprintf(text, sizeof text, " %s %.1f ms", row.schedule.c_str(), m.step_ms);
+    line += text;
+    if (peer_ms > 0) {
+      row.peer_ms.push_back(peer_ms);
+      row.ratios.push_back(peer_ms / m.step_ms);
+      std::snprintf(text, sizeof text, ", %s %.1f ms (%.2f)",
+                    row.peer == Peer::torch ? "torch" : "one process", peer_ms, row.ratios.back());
+      line += text;
+    }
+    line += ";";
+    // A run's checkpoint and trace are read; only --keep wants them on disk.
+    if (!s.keep) {
+      fs::remove_all(dir);
+      fs::remove_all(dir + "_one");
+    }
+  }
+  line.pop_back();
+  if (s.rounds > 1) std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  return ok;
+}
+
+// The row's printed figures: its median-step round's (the faster of the
+// middle two for an even count), and the simulator's prediction from that
+// round's spans, so step, F, B, bubble and prediction describe one run.
+void settle(Row& row, const Settings& s) {
+  std::vector<size_t> order(row.ours.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return row.ours[a].step_ms < row.ours[b].step_ms; });
+  row.m = row.ours[order[(order.size() - 1) / 2]];
+  const parallel::Schedule table = parallel::make_schedule(row.schedule, kStages, s.micro_batches);
+  row.sim = predict(table, row.m.median);
+  row.sim_of_means = predict(table, row.m.mean);
+  row.in_flight = parallel::peak_in_flight(table);
+  row.in_flight_until_w = parallel::peak_in_flight(table, parallel::InFlightUntil::backward_weight);
 }
 
 std::string verdict(double ratio) {
@@ -404,27 +552,45 @@ std::string verdict(double ratio) {
 // e.g. a core shared with other work, lift the mean above the median).
 void print_header() {
   const char* format =
-      "%-15s %-9s %2s | %8s %8s %5s %-11s %8s | %6s %6s | %7s %7s %7s %7s | %8s %6s\n";
+      "%-15s %-9s %2s | %8s %8s %5s %-11s %8s | %6s %6s | %7s %7s %7s %7s | %8s %-17s | %s\n";
   std::printf(format, "case", "sched", "M", "step ms", "pred ms", "meas/", "", "pred ms", "bubble",
-              "pred", "F0 ms", "B0 ms", "F1 ms", "B1 ms", "torch ms", "torch/");
+              "pred", "F0 ms", "B0 ms", "F1 ms", "B1 ms", "torch ms", "torch/ours", "step ms");
   std::printf(format, "", "", "", "", "", "pred", "", "of means", "", "", "", "", "", "", "",
-              "ours");
+              "(range)", "range");
 }
 
 void print_row(const PipelineCase& c, const Settings& s, const Row& row) {
   const Measured& m = row.m;
   const double ratio = m.step_ms / row.sim.step_time;
-  char torch_cols[40] = "       -      -";
-  if (row.torch_ms > 0)
-    std::snprintf(torch_cols, sizeof torch_cols, "%8.1f %6.2f", row.torch_ms,
-                  row.torch_ms / m.step_ms);
+  char torch_ms[24] = "-";
+  std::string torch_ratio = "-";
+  if (row.peer == Peer::torch && !row.peer_ms.empty()) {
+    std::snprintf(torch_ms, sizeof torch_ms, "%.1f", bench::spread_of(row.peer_ms).median);
+    torch_ratio = spread_text(row.ratios, "%.2f");
+  }
+  std::vector<double> steps;
+  for (const Measured& round : row.ours) steps.push_back(round.step_ms);
+  const bench::Spread step = bench::spread_of(steps);
+  char step_range[48] = "-";
+  if (steps.size() > 1)
+    std::snprintf(step_range, sizeof step_range, "%.1f-%.1f", step.low, step.high);
   std::printf(
       "%-15s %-9s %2d | %8.1f %8.1f %5.2f %-11s %8.1f | %5.1f%% %5.1f%% | %7.1f %7.1f %7.1f "
-      "%7.1f | %s\n",
+      "%7.1f | %8s %-17s | %s\n",
       c.name.c_str(), row.schedule.c_str(), s.micro_batches, m.step_ms, row.sim.step_time, ratio,
       verdict(ratio).c_str(), row.sim_of_means.step_time, 100.0 * m.bubble,
       100.0 * row.sim.bubble_fraction(), m.median.forward_ms[0], m.median.backward_ms[0],
-      m.median.forward_ms[1], m.median.backward_ms[1], torch_cols);
+      m.median.forward_ms[1], m.median.backward_ms[1], torch_ms, torch_ratio.c_str(), step_range);
+}
+
+// Below the wavefront's row: its peer, the same batch in one process.
+void print_one_process(const PipelineCase& c, const Row& row) {
+  if (row.peer_ms.empty()) return;
+  std::printf(
+      "  %s in one process, %d threads: %.1f ms per step (median); the wavefront's speed / one "
+      "process's: %s\n",
+      c.name.c_str(), kStages, bench::spread_of(row.peer_ms).median,
+      spread_text(row.ratios, "%.2f").c_str());
 }
 
 void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
@@ -446,7 +612,9 @@ void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
         in_flight[r] += cat(" (W ", row.in_flight_until_w[size_t(r)], ")");
       const double mib = act_mib[size_t(r)];
       act[r] = figure(mib >= 0 ? mib * row.in_flight[size_t(r)] : -1.0, "%.1f");
-      torch_rss[r] = figure(row.torch_rss_mib[r], "%.0f");
+      torch_rss[r] = figure(
+          row.torch_rss_mib[r].empty() ? -1.0 : bench::spread_of(row.torch_rss_mib[r]).median,
+          "%.0f");
     }
     std::printf("%-15s %-9s | %9s %9s | %7s %7s | %8.0f %8.0f | %8s %8s\n", c.name.c_str(),
                 row.schedule.c_str(), in_flight[0].c_str(), in_flight[1].c_str(), act[0].c_str(),
@@ -455,10 +623,52 @@ void print_memory(const PipelineCase& c, const std::vector<Row>& rows,
   }
 }
 
+// Case c's rows: the schedules it takes, each with what it is compared with.
+std::vector<Row> rows_of(const PipelineCase& c, const Settings& s) {
+  std::vector<Row> rows;
+  for (const std::string& schedule : s.schedules) {
+    // The wavefront is for time chunks, and time chunks take only it.
+    if (c.time_chunks != (schedule == "wavefront")) continue;
+    Row row;
+    row.schedule = schedule;
+    // torch.distributed.pipelining has no ZB-H1 with one stage per rank.
+    if (c.time_chunks)
+      row.peer = Peer::one_process;
+    else if (s.torch && schedule != "zbh1")
+      row.peer = Peer::torch;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+// Case c: its rounds (a line each), then a row per schedule from its
+// median-step round and what its peer runs said. The rows that ran, for the
+// memory table; failed is set when a run failed.
+std::vector<Row> measure_case(const PipelineCase& c, const Settings& s, bool& failed) {
+  std::vector<Row> rows = rows_of(c, s);
+  for (int k = 0; k < s.rounds; ++k)
+    if (!run_round(c, s, k, rows)) failed = true;
+  std::vector<Row> done;
+  for (Row& row : rows) {
+    if (row.ours.empty()) continue;
+    settle(row, s);
+    print_row(c, s, row);
+    done.push_back(row);
+  }
+  for (const Row& row : done) {
+    if (row.peer == Peer::one_process) print_one_process(c, row);
+    if (!row.peer_note.empty())
+      std::printf("  %s %s: %s\n", row.peer == Peer::torch ? "torch" : "one process",
+                  row.schedule.c_str(), row.peer_note.c_str());
+  }
+  std::fflush(stdout);
+  return done;
+}
+
 int usage() {
   std::fprintf(stderr,
                "usage: bench_pipeline [--case gpt|resnet18_small|lstm] [--schedule NAME[,NAME...]] "
-               "[--micro-batches M] [--steps N] [--warmup N] [--seq T] [--batch N] "
+               "[--micro-batches M] [--steps N] [--warmup N] [--rounds N] [--seq T] [--batch N] "
                "[--no-torch] [--keep]\n");
   return 2;
 }
@@ -482,6 +692,8 @@ int main(int argc, char** argv) {
       s.steps = std::atoi(argv[++i]);
     } else if (a == "--warmup" && has_value) {
       s.warmup = std::atoi(argv[++i]);
+    } else if (a == "--rounds" && has_value) {
+      s.rounds = std::atoi(argv[++i]);
     } else if (a == "--seq" && has_value) {
       s.seq = std::atoi(argv[++i]);
     } else if (a == "--batch" && has_value) {
@@ -494,10 +706,11 @@ int main(int argc, char** argv) {
       return usage();
     }
   }
-  if (s.micro_batches < 1 || s.steps < 1 || s.warmup < 1 || s.seq < 1 || s.batch < 0) {
+  if (s.micro_batches < 1 || s.steps < 1 || s.warmup < 1 || s.rounds < 1 || s.seq < 1 ||
+      s.batch < 0) {
     std::fprintf(stderr,
                  "bench_pipeline: --micro-batches, --steps, --warmup (the first step's "
-                 "period needs a step before it) and --seq must be at least 1\n");
+                 "period needs a step before it), --rounds and --seq must be at least 1\n");
     return 2;
   }
   for (const std::string& name : s.schedules)
@@ -507,14 +720,16 @@ int main(int argc, char** argv) {
       return 2;
     }
 
-  const std::string trainer = bench::self_dir() + "/trainer";
-  if (access(trainer.c_str(), X_OK) != 0) {
-    std::fprintf(stderr, "bench_pipeline: no %s; build the trainer target too\n", trainer.c_str());
+  s.trainer = bench::self_dir() + "/trainer";
+  if (access(s.trainer.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "bench_pipeline: no %s; build the trainer target too\n",
+                 s.trainer.c_str());
     return 1;
   }
   char work_template[] = "/tmp/bench_pipeline.XXXXXX";
   if (!mkdtemp(work_template)) return 1;
-  const std::string work = work_template;
+  s.work = work_template;
+  const std::string& work = s.work;
   const std::vector<PipelineCase> cases = make_cases(s, work);
   // The LSTM case runs the wavefront whichever schedules were asked for.
   if (std::none_of(s.schedules.begin(), s.schedules.end(),
@@ -532,86 +747,26 @@ int main(int argc, char** argv) {
   std::printf("%s\n", cpu::describe_machine().c_str());
   std::printf(
       "pp=%d under `trainer launch --nproc-per-node %d` (1 thread per rank), %d micro-batches, "
-      "median of %d steps after %d warm-up; predicted = parallel/pipeline_sim.h from the measured "
-      "F, B, optimizer (meas/pred within %.0f%%: ok); torch: %s\n",
-      kStages, kStages, s.micro_batches, s.steps, s.warmup, 100 * kPredictionTolerance,
-      torch_state.c_str());
+      "median of %d steps after %d warm-up; %d round%s of ours then its peer, each row from its "
+      "median-step round, torch/ours = median (range) of the rounds' ratios; predicted = "
+      "parallel/pipeline_sim.h from the measured F, B, optimizer (meas/pred within %.0f%%: ok); "
+      "torch: %s\n",
+      kStages, kStages, s.micro_batches, s.steps, s.warmup, s.rounds, s.rounds == 1 ? "" : "s",
+      100 * kPredictionTolerance, torch_state.c_str());
   for (const PipelineCase& c : cases) std::printf("  %s\n", c.describe.c_str());
   std::fflush(stdout);
 
   std::map<std::string, std::vector<Row>> results;
   print_header();
   bool failed = false;
-  for (const PipelineCase& c : cases) {
-    for (const std::string& schedule : s.schedules) {
-      // The wavefront is for time chunks, and time chunks take only it.
-      if (c.time_chunks != (schedule == "wavefront")) continue;
-      Row row;
-      row.schedule = schedule;
-      const std::string out_dir = cat(work, "/", c.name, "_", schedule);
-      std::vector<std::string> argv{trainer, "launch", "--nproc-per-node", cat(kStages), "--"};
-      for (const std::string& a : train_args(c, s, schedule, out_dir)) argv.push_back(a);
-      argv.push_back("--trace");
-      const std::string log = out_dir + ".log";
-      if (!run_logged(argv, log, row.m.peak_rss_mib)) {
-        std::printf("%-15s %-6s: the trainer failed; the end of %s:\n%s", c.name.c_str(),
-                    schedule.c_str(), log.c_str(), bench::tail_of(log, 8).c_str());
-        failed = true;
-        continue;
-      }
-      try {
-        const double rss[kStages] = {row.m.peak_rss_mib[0], row.m.peak_rss_mib[1]};
-        row.m = analyse(read_trace(out_dir + "/trace.json"), s);
-        std::copy(rss, rss + kStages, row.m.peak_rss_mib);
-      } catch (const std::exception& e) {
-        std::printf("%-15s %-6s: %s\n", c.name.c_str(), schedule.c_str(), e.what());
-        failed = true;
-        continue;
-      }
-      const parallel::Schedule table = parallel::make_schedule(schedule, kStages, s.micro_batches);
-      row.sim = predict(table, row.m.median);
-      row.sim_of_means = predict(table, row.m.mean);
-      row.in_flight = parallel::peak_in_flight(table);
-      row.in_flight_until_w =
-          parallel::peak_in_flight(table, parallel::InFlightUntil::backward_weight);
-      if (s.torch && schedule != "zbh1" && !c.time_chunks) measure_torch(c, s, work, row);
-      print_row(c, s, row);
-      if (c.time_chunks) {
-        // The same batch in one process on both cores.
-        const std::string one_dir = cat(work, "/", c.name, "_one");
-        std::vector<std::string> one{trainer};
-        for (std::string a : train_args(c, s, schedule, one_dir)) {
-          if (a.rfind("parallel.", 0) == 0) continue;
-          one.push_back(a == "training.threads=1" ? cat("training.threads=", kStages) : a);
-        }
-        one.push_back("--trace");
-        double unused[kStages] = {};
-        try {
-          if (!run_logged(one, one_dir + ".log", unused))
-            throw Error(cat("the trainer failed; see ", one_dir, ".log"));
-          const double ms = one_process_step_ms(one_dir + "/trace.json", s);
-          std::printf(
-              "  %s in one process, %d threads: %.1f ms per step; wavefront / one "
-              "process %.2fx the speed\n",
-              c.name.c_str(), kStages, ms, ms / row.m.step_ms);
-        } catch (const std::exception& e) {
-          std::printf("  %s in one process: %s\n", c.name.c_str(), e.what());
-          failed = true;
-        }
-      }
-      if (!row.torch_note.empty())
-        std::printf("  torch %s: %s\n", schedule.c_str(), row.torch_note.c_str());
-      std::fflush(stdout);
-      results[c.name].push_back(row);
-    }
-  }
+  for (const PipelineCase& c : cases) results[c.name] = measure_case(c, s, failed);
   // Activation memory: what the schedule keeps in flight, and what the ranks used.
   std::printf(
       "\nactivation memory: in flight = micro-batches held at peak (peak_in_flight), act MiB = "
       "that x the dry run's activations per micro-batch; peak RSS = each rank's VmHWM\n");
   for (const PipelineCase& c : cases) {
     if (results[c.name].empty()) continue;
-    print_memory(c, results[c.name], dry_run_activations(c, s, trainer, work));
+    print_memory(c, results[c.name], dry_run_activations(c, s, s.trainer, work));
   }
   if (s.keep)
     std::printf("runs, logs and traces in %s\n", work.c_str());

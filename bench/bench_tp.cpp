@@ -28,7 +28,15 @@
 // at tp=2, as DDP at dp=2 and in one process with two threads, and the
 // table prints its step time and torch/ours for each layout.
 //
-//   bench_tp                            # both models, every layout, with torch
+// Each case is measured --rounds times (default 3). A round runs every
+// layout once, ours and then PyTorch's, so a slow spell of the machine lands
+// on both sides of a ratio; a line per round is printed before the case's
+// rows. The rows print each side's median step over the rounds and
+// torch/ours as the median of the per-round ratios with their range, e.g.
+// "1.24x (1.10-1.31)".
+//
+//   bench_tp                            # both models, every layout, with torch, 3 rounds
+//   bench_tp --case mlp --rounds 5      # five rounds; --rounds 1: one run of each side
 //   bench_tp --case gpt --steps 5 --warmup 2 --no-torch
 //   bench_tp --sequence-parallel        # tp=2 with Megatron-SP
 //   bench_tp --layers 2 --width 128 --seq 64   # a smaller GPT (smoke tests)
@@ -66,6 +74,7 @@ struct Settings {
   std::string only_case;  // empty: both
   int steps = 8;
   int warmup = 3;
+  int rounds = 3;
   bool torch = true;
   bool sequence_parallel = false;
   bool bind = allowed_cores().size() >= 2;
@@ -269,11 +278,99 @@ bool torch_available() {
   return std::system("python3 -c 'import torch.distributed.tensor.parallel' >/dev/null 2>&1") == 0;
 }
 
+// A layout of one case over the rounds: ours, and PyTorch's step seconds
+// with torch / ours, each round where both ran.
+struct LayoutRuns {
+  Layout layout;
+  std::vector<RankResult> ours;
+  std::vector<double> torch_seconds, ratios;
+  std::string note;  // why a round of PyTorch's has no figure
+};
+
+// One round of model: every layout, ours and then PyTorch's (with torch),
+// and a line of what it measured. False when a run of ours failed.
+bool run_round(const std::string& model, const Settings& s, bool torch, int round,
+               std::vector<LayoutRuns>& layouts) {
+  std::string line = cat("  round ", round + 1, ":");
+  for (LayoutRuns& l : layouts) {
+    RankResult r;
+    if (!run_layout(model, l.layout, s, r)) {
+      std::printf("%-5s %-17s | failed\n", model.c_str(), layout_name(l.layout));
+      return false;
+    }
+    l.ours.push_back(r);
+    char text[96];
+    std::snprintf(text, sizeof text, " %s %.1f ms", layout_name(l.layout), 1e3 * r.step_seconds);
+    line += text;
+    const double t = torch ? measure_torch(model, l.layout, s, l.note) : -1;
+    if (t > 0) {
+      l.torch_seconds.push_back(t);
+      l.ratios.push_back(t / r.step_seconds);
+      std::snprintf(text, sizeof text, ", torch %.1f ms (%.2fx)", 1e3 * t, l.ratios.back());
+      line += text;
+    }
+    line += ";";
+  }
+  line.pop_back();
+  if (s.rounds > 1) std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  return true;
+}
+
+// "1.24x (1.10-1.31)": the median of the per-round ratios and their range;
+// one round's alone as "1.24x", none as "-".
+std::string ratio_text(const std::vector<double>& ratios) {
+  if (ratios.empty()) return "-";
+  const Spread r = spread_of(ratios);
+  char text[48];
+  if (ratios.size() == 1)
+    std::snprintf(text, sizeof text, "%.2fx", r.median);
+  else
+    std::snprintf(text, sizeof text, "%.2fx (%.2f-%.2f)", r.median, r.low, r.high);
+  return text;
+}
+
+void print_header() {
+  std::printf("%-5s %-17s | %10s %12s | %12s %12s %6s | %10s %s\n", "case", "layout", "step ms",
+              "items/s", "bytes/step", "analytic", "ratio", "torch ms", "torch/ours (range)");
+}
+
+// A layout's row: each side's median step over the rounds, torch/ours the
+// median of the rounds' ratios; tp=2's bytes are the same every step, so
+// the first round's.
+void print_layout(const std::string& model, const Settings& s, const LayoutRuns& l) {
+  std::vector<double> steps;
+  for (const RankResult& r : l.ours) steps.push_back(r.step_seconds);
+  const double step = spread_of(steps).median;
+  const double items = model == "gpt" ? double(s.batch * s.seq) : double(s.mlp_rows);
+  std::string bytes = "-", analytic = "-", ratio = "-";
+  if (l.layout == Layout::tp2) {
+    const double a = analytic_bytes(model, s);
+    bytes = cat(int64_t(l.ours.front().bytes_per_step));
+    analytic = cat(int64_t(a));
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3f", l.ours.front().bytes_per_step / a);
+    ratio = buf;
+  }
+  std::string torch_ms = "-";
+  if (!l.torch_seconds.empty()) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f", 1e3 * spread_of(l.torch_seconds).median);
+    torch_ms = buf;
+  } else if (!l.note.empty()) {
+    torch_ms = "(" + l.note + ")";
+  }
+  std::printf("%-5s %-17s | %10.1f %12.0f | %12s %12s %6s | %10s %s\n", model.c_str(),
+              layout_name(l.layout), 1e3 * step, items / step, bytes.c_str(), analytic.c_str(),
+              ratio.c_str(), torch_ms.c_str(), ratio_text(l.ratios).c_str());
+}
+
 int usage() {
-  std::fprintf(stderr,
-               "usage: bench_tp [--case gpt|mlp] [--steps N] [--warmup N] [--no-torch] "
-               "[--sequence-parallel] [--layers N] [--width N] [--heads N] [--seq N] [--batch N] "
-               "[--no-bind]\n");
+  std::fprintf(
+      stderr,
+      "usage: bench_tp [--case gpt|mlp] [--steps N] [--warmup N] [--rounds N] [--no-torch] "
+      "[--sequence-parallel] [--layers N] [--width N] [--heads N] [--seq N] [--batch N] "
+      "[--no-bind]\n");
   return 2;
 }
 
@@ -296,6 +393,8 @@ int main(int argc, char** argv) {
       s.steps = int(v);
     } else if (a == "--warmup" && next(v)) {
       s.warmup = int(v);
+    } else if (a == "--rounds" && next(v)) {
+      s.rounds = int(v);
     } else if (a == "--no-torch") {
       s.torch = false;
     } else if (a == "--sequence-parallel") {
@@ -313,53 +412,26 @@ int main(int argc, char** argv) {
   }
   const bool torch = s.torch && torch_available();
   std::printf("%s\n", cpu::describe_machine().c_str());
-  std::printf("bench_tp: %d timed steps after %d warm-up; one thread per rank%s\n", s.steps,
-              s.warmup, s.sequence_parallel ? "; tp=2 with sequence parallelism" : "");
+  std::printf(
+      "bench_tp: %d timed steps after %d warm-up, %d round%s of ours then torch for each layout, "
+      "medians (torch/ours: median and range of the rounds' ratios); one thread per rank%s\n",
+      s.steps, s.warmup, s.rounds, s.rounds == 1 ? "" : "s",
+      s.sequence_parallel ? "; tp=2 with sequence parallelism" : "");
   std::printf(
       "gpt: %lld layers x %lld, %lld heads, %lld x %lld tokens, AdamW; mlp: %lld blocks "
       "of %lld -> %lld -> %lld, %lld rows, SGD\n",
       (long long)s.layers, (long long)s.width, (long long)s.heads, (long long)s.batch,
       (long long)s.seq, (long long)s.mlp_blocks, (long long)s.mlp_width,
       (long long)(4 * s.mlp_width), (long long)s.mlp_width, (long long)s.mlp_rows);
-  std::printf("%-5s %-17s | %10s %12s | %12s %12s %6s | %10s %7s\n", "case", "layout", "step ms",
-              "items/s", "bytes/step", "analytic", "ratio", "torch ms", "torch/ours");
+  print_header();
   for (const char* model : {"gpt", "mlp"}) {
     if (!s.only_case.empty() && s.only_case != model) continue;
-    const double items = std::string(model) == "gpt" ? double(s.batch * s.seq) : double(s.mlp_rows);
-    for (Layout layout : {Layout::tp2, Layout::tp1, Layout::dp2}) {
-      RankResult r;
-      if (!run_layout(model, layout, s, r)) {
-        std::printf("%-5s %-17s | failed\n", model, layout_name(layout));
-        return 1;
-      }
-      std::string bytes = "-", analytic = "-", ratio = "-";
-      if (layout == Layout::tp2) {
-        const double a = analytic_bytes(model, s);
-        bytes = cat(int64_t(r.bytes_per_step));
-        analytic = cat(int64_t(a));
-        char buf[32];
-        std::snprintf(buf, sizeof buf, "%.3f", r.bytes_per_step / a);
-        ratio = buf;
-      }
-      std::string torch_ms = "-", torch_ratio = "-";
-      if (torch) {
-        std::string note;
-        const double t = measure_torch(model, layout, s, note);
-        if (t > 0) {
-          char buf[32];
-          std::snprintf(buf, sizeof buf, "%.1f", 1e3 * t);
-          torch_ms = buf;
-          std::snprintf(buf, sizeof buf, "%.2fx", t / r.step_seconds);
-          torch_ratio = buf;
-        } else {
-          torch_ms = "(" + note + ")";
-        }
-      }
-      std::printf("%-5s %-17s | %10.1f %12.0f | %12s %12s %6s | %10s %7s\n", model,
-                  layout_name(layout), 1e3 * r.step_seconds, items / r.step_seconds, bytes.c_str(),
-                  analytic.c_str(), ratio.c_str(), torch_ms.c_str(), torch_ratio.c_str());
-      std::fflush(stdout);
-    }
+    std::vector<LayoutRuns> layouts;
+    for (Layout l : {Layout::tp2, Layout::tp1, Layout::dp2}) layouts.emplace_back().layout = l;
+    for (int k = 0; k < s.rounds; ++k)
+      if (!run_round(model, s, torch, k, layouts)) return 1;
+    for (const LayoutRuns& l : layouts) print_layout(model, s, l);
+    std::fflush(stdout);
   }
   return 0;
 }

@@ -33,7 +33,7 @@ struct LlamaLayerOptions {
   int64_t num_heads = 8;             // NH (HD = D / NH)
   int64_t num_kv_heads = 8;          // KV, dividing NH
   double rms_norm_eps = 1e-6;
-  RopeOptions rope;
+  RopeOptions rope{};
   double attention_dropout = 0.0;  // of the attention weights
   uint64_t seed = 0;               // of the dropout generators
 };

@@ -47,7 +47,7 @@ struct GPTOptions {
   // Mixture of experts (layers/moe.h; d_model and gelu taken from above):
   // block i's MLP is one when moe_every > 0 and i % moe_every ==
   // moe_every - 1 (every block at 1, every other from the second at 2).
-  MoEOptions moe;
+  MoEOptions moe{};
   int64_t moe_every = 0;  // 0: no mixture of experts
 };
 

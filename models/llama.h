@@ -43,7 +43,7 @@ struct LlamaOptions {
   int64_t num_key_value_heads = 8;
   int64_t max_position_embeddings = 2048;  // longest sequence
   double rms_norm_eps = 1e-6;
-  RopeOptions rope;  // rope_theta and rope_scaling
+  RopeOptions rope{};  // rope_theta and rope_scaling
   bool tie_word_embeddings = false;
   double attention_dropout = 0.0;
   double initializer_range = 0.02;

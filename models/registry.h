@@ -43,9 +43,9 @@ struct ModelOptions {
   int64_t intermediate_size = 0;  // 0: llama_intermediate_size(d_model)
   int64_t n_kv_head = 0;          // 0: n_head
   double rms_norm_eps = 1e-6;
-  RopeOptions rope;
+  RopeOptions rope{};
   // gpt: mixture-of-experts blocks (models/gpt.h's moe and moe_every; 0: dense)
-  MoEOptions moe;
+  MoEOptions moe{};
   int64_t moe_every = 0;
   uint64_t seed = 0;
 };

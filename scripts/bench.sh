@@ -107,10 +107,10 @@ commands_of() {
     matmul:1) echo "$b/bench_matmul --quick" ;;
     loader:0) echo "$b/bench_loader --rounds 3" ;;
     loader:1) echo "$b/bench_loader --images 16 --epochs 1 --rounds 1" ;;
-    pipeline:0) echo "$b/bench_pipeline" ;;
-    pipeline:1) echo "$b/bench_pipeline --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 --schedule 1f1b" ;;
-    tp:0) echo "$b/bench_tp" ;;
-    tp:1) echo "$b/bench_tp --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 --warmup 1" ;;
+    pipeline:0) echo "$b/bench_pipeline --rounds 3" ;;
+    pipeline:1) echo "$b/bench_pipeline --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 --schedule 1f1b --rounds 1" ;;
+    tp:0) echo "$b/bench_tp --rounds 3" ;;
+    tp:1) echo "$b/bench_tp --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 --warmup 1 --rounds 1" ;;
     checkpoint:0) echo "$b/bench_checkpoint" ;;
     checkpoint:1) echo "$b/bench_checkpoint --case gpt --ranks 2 --layers 1 --width 64" ;;
     fsdp:0) echo "$b/bench_fsdp" ;;

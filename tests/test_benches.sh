@@ -65,24 +65,24 @@ done
 if "$build/bench_moe" --bogus > "$out" 2>&1; then fail "bench_moe accepted --bogus"; fi
 grep -q "usage: bench_moe" "$out" || fail "bench_moe --bogus: no usage"
 
-"$build/bench_pipeline" --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 \
+"$build/bench_pipeline" --case gpt --seq 32 --batch 2 --micro-batches 2 --steps 1 --warmup 1 --rounds 1 \
   --schedule 1f1b --no-torch > "$out"
 grep -Eq "^gpt +1f1b +2 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \| +$num +$num +$num +$num \|" "$out" ||
   fail "bench_pipeline: no figures row"
 grep -Eq "^gpt +1f1b +\| +2 +1 \| +$num +$num \| +$num +$num \|" "$out" || fail "bench_pipeline: no memory row"
-"$build/bench_pipeline" --case lstm --seq 16 --batch 2 --micro-batches 4 --steps 1 --warmup 1 \
+"$build/bench_pipeline" --case lstm --seq 16 --batch 2 --micro-batches 4 --steps 1 --warmup 1 --rounds 1 \
   > "$out"
 grep -Eq "^lstm +wavefront +4 \| +$num +$num +$num (ok|off by [+-][0-9]+%) +$num \| +$num% +$num% \|" "$out" ||
   fail "bench_pipeline --case lstm: no wavefront row"
 if "$build/bench_pipeline" --bogus > "$out" 2>&1; then fail "bench_pipeline accepted --bogus"; fi
 grep -q "usage: bench_pipeline" "$out" || fail "bench_pipeline --bogus: no usage"
 
-"$build/bench_tp" --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 \
+"$build/bench_tp" --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 --rounds 1 \
   --warmup 1 --no-torch > "$out"
 grep -Eq "^gpt +tp=2 +\| +$num +$num \| +$num +$num +1\.000 \|" "$out" ||
   fail "bench_tp: no tp=2 row, or its bytes differ from the analytic count"
 grep -Eq "^gpt +dp=2 +\| +$num +$num \|" "$out" || fail "bench_tp: no dp=2 row"
-"$build/bench_tp" --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 \
+"$build/bench_tp" --case gpt --layers 1 --width 64 --heads 2 --seq 32 --batch 2 --steps 1 --rounds 1 \
   --warmup 1 --no-torch --sequence-parallel > "$out"
 grep -Eq "^gpt +tp=2 +\| +$num +$num \| +$num +$num +1\.000 \|" "$out" ||
   fail "bench_tp --sequence-parallel: its bytes differ from the analytic count"
