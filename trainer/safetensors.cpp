@@ -1,12 +1,7 @@
 #include "trainer/safetensors.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -112,62 +107,7 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
   std::optional<std::string> found_;
 };
 
-void fsync_dir(const std::string& dir) {
-  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 }  // namespace
-
-void write_file_atomic(const std::string& path, const std::string& bytes) {
-  write_file_atomic(path, std::vector<std::string_view>{bytes});
-}
-
-void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
-  std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw Error(cat("cannot create ", tmp, ": ", std::strerror(errno)));
-  // The disk starts writing each chunk while the next is copied into the
-  // page cache (sync_file_range), so the fsync below waits for the last
-  // chunk only, not for the whole file.
-  constexpr size_t kChunk = size_t(32) << 20;
-  uint64_t written = 0, flushed = 0;
-  for (std::string_view bytes : pieces) {
-    size_t done = 0;
-    while (done < bytes.size()) {
-      ssize_t n = ::write(fd, bytes.data() + done, std::min(bytes.size() - done, kChunk));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        int e = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());  // a failed write leaves nothing behind
-        throw Error(cat("cannot write ", tmp, ": ", std::strerror(e)));
-      }
-      done += size_t(n);
-      written += uint64_t(n);
-#ifdef __linux__
-      if (written - flushed >= kChunk) {
-        ::sync_file_range(fd, off_t(flushed), off_t(written - flushed), SYNC_FILE_RANGE_WRITE);
-        flushed = written;
-      }
-#endif
-    }
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    throw Error(cat("cannot flush ", tmp, ": ", std::strerror(e)));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    throw Error(cat("cannot rename ", tmp, " to ", path, ": ", std::strerror(e)));
-  }
-  fsync_dir(std::filesystem::path(path).parent_path().string());
-}
 
 std::string read_file(const std::string& path, const std::string& what) {
   return data::read_regular_file(path, what);
