@@ -2,8 +2,9 @@
 // rename, fsync of the directory, so that a crash at any moment leaves
 // either the old file or the whole new one.
 //
-// Large files (checkpoint shards) are written with O_DIRECT through a
-// 4 KiB-aligned buffer of 32 MiB: the bytes go from the tensors to the disk
+// Large files (checkpoint shards) are written with O_DIRECT through two
+// 4 KiB-aligned buffers of 32 MiB, one filled while the other is written:
+// the bytes go from the tensors to the disk
 // without passing through the page cache. A buffered write needs a fresh
 // page-cache page for every 4 KiB, and where a first touch of memory is
 // slow that dominates: on a VM whose host reclaims the guest's idle memory,
@@ -21,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <memory>
 
 #include "core/check.h"
@@ -84,40 +86,54 @@ struct FreeDeleter {
   void operator()(char* p) const { std::free(p); }
 };
 
-// The pieces into an O_DIRECT fd through this thread's aligned buffer: full
-// chunks, then the tail padded to the alignment and the file cut back to
-// its size. False (nothing else done) where the filesystem refuses the
-// first write's alignment, so that the caller can start over buffered.
+// The pieces into an O_DIRECT fd through this thread's two aligned buffers:
+// one is filled while the other's chunk is written, then the tail is padded
+// to the alignment and the file cut back to its size. False (nothing else
+// done) where the filesystem refuses the first write's alignment, so that
+// the caller can start over buffered.
 bool write_direct(int fd, const std::string& tmp, const std::vector<std::string_view>& pieces,
                   uint64_t total) {
-  thread_local std::unique_ptr<char, FreeDeleter> buffer(
-      static_cast<char*>(std::aligned_alloc(kDirectAlign, kChunk)));
-  if (!buffer) fail(fd, tmp, "allocate a write buffer for", ENOMEM);
-  char* b = buffer.get();
-  size_t fill = 0;
+  thread_local std::unique_ptr<char, FreeDeleter> buffers[2];
+  for (auto& b : buffers) {
+    if (!b) b.reset(static_cast<char*>(std::aligned_alloc(kDirectAlign, kChunk)));
+    if (!b) fail(fd, tmp, "allocate a write buffer for", ENOMEM);
+  }
+  std::future<int> in_flight;  // the write in flight: 0, or its errno
   bool first = true;
-  auto flush = [&](size_t n) {
-    if (write_all(fd, b, n)) return true;
-    if (first && errno == EINVAL) return false;
-    fail(fd, tmp, "write", errno);
+  auto wait = [&] {
+    if (!in_flight.valid()) return true;
+    const int e = in_flight.get();
+    if (e == 0) return first = false, true;
+    if (first && e == EINVAL) return false;
+    fail(fd, tmp, "write", e);
+  };
+  int current = 0;
+  size_t fill = 0;
+  auto submit = [&](size_t n) {
+    if (!wait()) return false;
+    const char* b = buffers[current].get();
+    in_flight =
+        std::async(std::launch::async, [fd, b, n] { return write_all(fd, b, n) ? 0 : errno; });
+    current ^= 1;
+    fill = 0;
+    return true;
   };
   for (std::string_view bytes : pieces)
     for (size_t done = 0; done < bytes.size();) {
       const size_t n = std::min(bytes.size() - done, kChunk - fill);
-      std::memcpy(b + fill, bytes.data() + done, n);
+      std::memcpy(buffers[current].get() + fill, bytes.data() + done, n);
       fill += n;
       done += n;
-      if (fill < kChunk) continue;
-      if (!flush(kChunk)) return false;
-      first = false;
-      fill = 0;
+      if (fill == kChunk && !submit(kChunk)) return false;
     }
   if (fill > 0) {
     const size_t padded = (fill + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
-    std::memset(b + fill, 0, padded - fill);
-    if (!flush(padded)) return false;
-    if (::ftruncate(fd, off_t(total)) != 0) fail(fd, tmp, "truncate", errno);
+    std::memset(buffers[current].get() + fill, 0, padded - fill);
+    if (!submit(padded)) return false;
   }
+  if (!wait()) return false;
+  if (total % kDirectAlign != 0 && ::ftruncate(fd, off_t(total)) != 0)
+    fail(fd, tmp, "truncate", errno);
   return true;
 }
 
