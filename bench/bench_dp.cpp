@@ -283,19 +283,6 @@ bool run_round(const ImageCase& c, const Settings& s, bool torch, Round& r) {
   return true;
 }
 
-// "1.42x (1.31-1.55)": the median and range of several rounds' ratios; one
-// round's alone as "1.42x", none as "-".
-std::string format_ratios(const std::vector<double>& ratios) {
-  if (ratios.empty()) return "-";
-  const Spread r = spread_of(ratios);
-  char text[48];
-  if (ratios.size() == 1)
-    std::snprintf(text, sizeof text, "%.2fx", r.median);
-  else
-    std::snprintf(text, sizeof text, "%.2fx (%.2f-%.2f)", r.median, r.low, r.high);
-  return text;
-}
-
 // `ours_vs_torch`: our efficiency / DDP's, of one round or over the rounds.
 void print_row(const char* label, long long batch, const Round& r,
                const std::string& ours_vs_torch) {
@@ -371,13 +358,13 @@ bool measure_case(const ImageCase& c, const Settings& s, bool torch, int rounds)
     std::string ratio = "-";
     if (r.torch_eff > 0) {
       ratios.push_back(r.eff / r.torch_eff);
-      ratio = format_ratios({ratios.back()});
+      ratio = bench::ratio_text({ratios.back()});
     }
     if (rounds > 1) print_row(cat("  round ", k + 1).c_str(), (long long)c.batch, r, ratio);
     std::fflush(stdout);
   }
   const Round m = rounds > 1 ? median_round(all) : all[0];
-  print_row(c.name, (long long)c.batch, m, format_ratios(ratios));
+  print_row(c.name, (long long)c.batch, m, bench::ratio_text(ratios));
   // Where a dp=2 step's time goes, against the same code without communication.
   std::printf("  step ms%s: forward + backward + finish + optimizer (step: median step)\n",
               rounds > 1 ? ", medians" : "");

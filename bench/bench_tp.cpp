@@ -317,19 +317,6 @@ bool run_round(const std::string& model, const Settings& s, bool torch, int roun
   return true;
 }
 
-// "1.24x (1.10-1.31)": the median of the per-round ratios and their range;
-// one round's alone as "1.24x", none as "-".
-std::string ratio_text(const std::vector<double>& ratios) {
-  if (ratios.empty()) return "-";
-  const Spread r = spread_of(ratios);
-  char text[48];
-  if (ratios.size() == 1)
-    std::snprintf(text, sizeof text, "%.2fx", r.median);
-  else
-    std::snprintf(text, sizeof text, "%.2fx (%.2f-%.2f)", r.median, r.low, r.high);
-  return text;
-}
-
 void print_header() {
   std::printf("%-5s %-17s | %10s %12s | %12s %12s %6s | %10s %s\n", "case", "layout", "step ms",
               "items/s", "bytes/step", "analytic", "ratio", "torch ms", "torch/ours (range)");
@@ -362,7 +349,7 @@ void print_layout(const std::string& model, const Settings& s, const LayoutRuns&
   }
   std::printf("%-5s %-17s | %10.1f %12.0f | %12s %12s %6s | %10s %s\n", model.c_str(),
               layout_name(l.layout), 1e3 * step, items / step, bytes.c_str(), analytic.c_str(),
-              ratio.c_str(), torch_ms.c_str(), ratio_text(l.ratios).c_str());
+              ratio.c_str(), torch_ms.c_str(), bench::ratio_text(l.ratios).c_str());
 }
 
 int usage() {

@@ -9,9 +9,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/bootstrap.h"
@@ -86,6 +88,19 @@ inline Spread spread_of(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
   return {0.5 * (values[(n - 1) / 2] + values[n / 2]), values.front(), values.back()};
+}
+
+// "1.42x (1.31-1.55)": the median of several rounds' ratios and their
+// range; one round's alone as "1.42x", none as "-".
+inline std::string ratio_text(const std::vector<double>& ratios) {
+  if (ratios.empty()) return "-";
+  const Spread r = spread_of(ratios);
+  char text[48];
+  if (ratios.size() == 1)
+    std::snprintf(text, sizeof text, "%.2fx", r.median);
+  else
+    std::snprintf(text, sizeof text, "%.2fx (%.2f-%.2f)", r.median, r.low, r.high);
+  return text;
 }
 
 // Median seconds of step() over `steps` timed runs after `warmup` untimed ones.

@@ -39,8 +39,8 @@ fi
 # The sources each target instruments (the parser under test and its helpers).
 declare -A SOURCES=(
   [recipe]="trainer/recipe.cpp trainer/recipe_fields.cpp data/files.cpp"
-  [safetensors]="trainer/safetensors.cpp data/files.cpp"
-  [trainer_state]="trainer/checkpoint.cpp trainer/checkpoint_state.cpp trainer/checkpoint_optimizer.cpp trainer/checkpoint_pieces.cpp trainer/checkpoint_index.cpp trainer/safetensors.cpp data/files.cpp"
+  [safetensors]="trainer/safetensors.cpp trainer/durable_file.cpp data/files.cpp"
+  [trainer_state]="trainer/checkpoint.cpp trainer/checkpoint_state.cpp trainer/checkpoint_optimizer.cpp trainer/checkpoint_pieces.cpp trainer/checkpoint_index.cpp trainer/safetensors.cpp trainer/durable_file.cpp data/files.cpp"
   [idx]="data/idx.cpp data/files.cpp"
   [image]="data/image_folder.cpp data/files.cpp"
   [store]="comm/store.cpp comm/store_server.cpp"
