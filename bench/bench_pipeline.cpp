@@ -461,19 +461,6 @@ double run_one_process(const PipelineCase& c, const Settings& s, const std::stri
   return one_process_step_ms(dir + "/trace.json", s);
 }
 
-// "1.24 (1.10-1.31)": the median of per-round values and their range; one
-// round's alone as "1.24", none as "-".
-std::string spread_text(const std::vector<double>& values, const char* format) {
-  if (values.empty()) return "-";
-  const bench::Spread r = bench::spread_of(values);
-  char m[24], low[24], high[24];
-  std::snprintf(m, sizeof m, format, r.median);
-  if (values.size() == 1) return m;
-  std::snprintf(low, sizeof low, format, r.low);
-  std::snprintf(high, sizeof high, format, r.high);
-  return cat(m, " (", low, "-", high, ")");
-}
-
 // One round of case c: each row's run of ours, then its peer's, and a line
 // of what the round measured. False when a run of ours (or the one-process
 // peer) failed; the rows keep the runs that did not.
@@ -566,7 +553,7 @@ void print_row(const PipelineCase& c, const Settings& s, const Row& row) {
   std::string torch_ratio = "-";
   if (row.peer == Peer::torch && !row.peer_ms.empty()) {
     std::snprintf(torch_ms, sizeof torch_ms, "%.1f", bench::spread_of(row.peer_ms).median);
-    torch_ratio = spread_text(row.ratios, "%.2f");
+    torch_ratio = bench::spread_text(row.ratios);
   }
   std::vector<double> steps;
   for (const Measured& round : row.ours) steps.push_back(round.step_ms);
@@ -590,7 +577,7 @@ void print_one_process(const PipelineCase& c, const Row& row) {
       "  %s in one process, %d threads: %.1f ms per step (median); the wavefront's speed / one "
       "process's: %s\n",
       c.name.c_str(), kStages, bench::spread_of(row.peer_ms).median,
-      spread_text(row.ratios, "%.2f").c_str());
+      bench::spread_text(row.ratios).c_str());
 }
 
 void print_memory(const PipelineCase& c, const std::vector<Row>& rows,

@@ -90,17 +90,24 @@ inline Spread spread_of(std::vector<double> values) {
   return {0.5 * (values[(n - 1) / 2] + values[n / 2]), values.front(), values.back()};
 }
 
-// "1.42x (1.31-1.55)": the median of several rounds' ratios and their
-// range; one round's alone as "1.42x", none as "-".
+// "1.42 (1.31-1.55)": the median of several rounds' values in format, then
+// suffix, and their range; one round's alone as "1.42", none as "-".
+inline std::string spread_text(const std::vector<double>& values, const char* format = "%.2f",
+                               const char* suffix = "") {
+  if (values.empty()) return "-";
+  const Spread r = spread_of(values);
+  char m[32], low[32], high[32];
+  std::snprintf(m, sizeof m, format, r.median);
+  std::string text = std::string(m) + suffix;
+  if (values.size() == 1) return text;
+  std::snprintf(low, sizeof low, format, r.low);
+  std::snprintf(high, sizeof high, format, r.high);
+  return text + " (" + low + "-" + high + ")";
+}
+
+// Rounds' ratios as "1.42x (1.31-1.55)".
 inline std::string ratio_text(const std::vector<double>& ratios) {
-  if (ratios.empty()) return "-";
-  const Spread r = spread_of(ratios);
-  char text[48];
-  if (ratios.size() == 1)
-    std::snprintf(text, sizeof text, "%.2fx", r.median);
-  else
-    std::snprintf(text, sizeof text, "%.2fx (%.2f-%.2f)", r.median, r.low, r.high);
-  return text;
+  return spread_text(ratios, "%.2f", "x");
 }
 
 // Median seconds of step() over `steps` timed runs after `warmup` untimed ones.

@@ -33,8 +33,8 @@ namespace trainer {
 namespace {
 
 constexpr size_t kChunk = size_t(32) << 20;
-constexpr size_t kDirectAlign = 4096;     // memory, offset and length of each O_DIRECT write
-constexpr size_t kDirectFrom = kChunk;    // files at least this large go O_DIRECT
+constexpr size_t kDirectAlign = 4096;   // memory, offset and length of each O_DIRECT write
+constexpr size_t kDirectFrom = kChunk;  // files at least this large go O_DIRECT
 
 void fsync_dir(const std::string& dir) {
   int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
@@ -103,7 +103,10 @@ bool write_direct(int fd, const std::string& tmp, const std::vector<std::string_
   auto wait = [&] {
     if (!in_flight.valid()) return true;
     const int e = in_flight.get();
-    if (e == 0) return first = false, true;
+    if (e == 0) {
+      first = false;
+      return true;
+    }
     if (first && e == EINVAL) return false;
     fail(fd, tmp, "write", e);
   };

@@ -13,8 +13,8 @@ namespace trainer::cpu {
 namespace {
 
 constexpr int64_t kMaxTaps = 64;
-constexpr int64_t kBlock = 32;     // the outputs are padded to a multiple of this
-constexpr int kTapGroup = 9;       // weight gradient: tap sums held in registers at once
+constexpr int64_t kBlock = 32;        // the outputs are padded to a multiple of this
+constexpr int kTapGroup = 9;          // weight gradient: tap sums held in registers at once
 constexpr int64_t kBandPixels = 256;  // a work item: whole output rows, at least this many pixels
 
 // W floats in one vector, GCC's vector extension: zmm in the AVX-512
@@ -86,9 +86,9 @@ struct Cursor {
 // P output pixels (m, m + 1, ...) x the NV W outputs from ob: every sum starts
 // from the bias and takes the taps in order.
 template <int W, int NV, int P>
-[[gnu::always_inline]] inline void forward_tile(const float* xp, Cursor& at, int64_t m,
-                                                int64_t ob, const float* wt, const float* bias,
-                                                bool relu, float* out, const DirectConv& s,
+[[gnu::always_inline]] inline void forward_tile(const float* xp, Cursor& at, int64_t m, int64_t ob,
+                                                const float* wt, const float* bias, bool relu,
+                                                float* out, const DirectConv& s,
                                                 const Geometry& g) {
   using V = typename Lanes<W>::V;
   const float* base[P];
@@ -182,8 +182,8 @@ struct Taps3x3 {
 // dy[m, o] with the first group.
 template <int W, int NV, class Taps>
 [[gnu::always_inline]] inline void weight_sums(const float* xp, const float* dy, int64_t m0,
-                                               int64_t m1, int64_t ob, int64_t t0,
-                                               const Taps& taps, float* sums, const DirectConv& s,
+                                               int64_t m1, int64_t ob, int64_t t0, const Taps& taps,
+                                               float* sums, const DirectConv& s,
                                                const Geometry& g) {
   using V = typename Lanes<W>::V;
   V acc[kTapGroup][NV] = {}, bias_acc[NV] = {};

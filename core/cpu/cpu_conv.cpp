@@ -15,8 +15,9 @@
 // data gradient of large stride-1 ones run the project's own kernels
 // (core/cpu/conv_direct_avx2.h: 1.1-1.6x oneDNN 2.6's on ResNet-18's
 // shapes). One-channel images (a grayscale stem) run the project's own
-// loops (core/cpu/conv_single_channel.h). bf16 convolutions run cpu_conv_bf16.cpp, f16 ones the f32
-// kernels on converted copies (core/cpu/lowp.h); other types run the reference kernels.
+// loops (core/cpu/conv_single_channel.h). bf16 convolutions run
+// cpu_conv_bf16.cpp, f16 ones the f32 kernels on converted copies
+// (core/cpu/lowp.h); other types run the reference kernels.
 #include <omp.h>
 
 #include <algorithm>
