@@ -224,6 +224,27 @@ TEST_CASE("checkpoint: an interrupted write leaves the previous checkpoint finda
   REQUIRE(fs::path(*ckpt.latest_complete()).filename() == "step_00000100");
 }
 
+TEST_CASE("checkpoint: a commit leaves the directory of the checkpoint being written",
+          "[checkpoint]") {
+  fs::path root = fresh_dir("ckpt_overlap");
+  // A stale temporary of a crashed write of step 300 goes at the next commit.
+  fs::create_directories(root / "step_00000300.tmp");
+  std::string second;
+  {
+    CheckpointDir ckpt(root.string(), 2);
+    std::string first = ckpt.begin(100);
+    write_file_atomic(first + "/trainer_state.json", "{}");
+    // Step 200 is being written while step 100 is committed (in the
+    // background while training goes on, trainer/checkpoint_writer.h).
+    second = ckpt.begin(200);
+    write_file_atomic(second + "/model.safetensors", "being written");
+    ckpt.commit(100, false);
+    REQUIRE(fs::path(*ckpt.latest_complete()).filename() == "step_00000100");
+  }  // waits for the deletion of what the commit pruned
+  REQUIRE(fs::is_regular_file(fs::path(second) / "model.safetensors"));
+  REQUIRE(!fs::exists(root / "step_00000300.tmp"));
+}
+
 #include "trainer/metrics.h"
 
 TEST_CASE("metrics: JSONL records and the progress line", "[logs]") {

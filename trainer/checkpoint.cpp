@@ -80,7 +80,8 @@ bool CheckpointDir::is_complete(const std::string& dir) {
          fs::is_regular_file(status_of(fs::path(dir) / "trainer_state.json"));
 }
 
-std::string CheckpointDir::begin(int64_t step) const {
+std::string CheckpointDir::begin(int64_t step) {
+  writing_step_ = step;
   fs::path tmp = fs::path(root_) / (step_name(step) + ".tmp");
   checked_fs(root_, [&] { fs::remove_all(tmp); });
   data::make_directories(tmp.string(), "a checkpoint's temporary directory");
@@ -155,11 +156,14 @@ void CheckpointDir::prune() {
     }
   });
   // Stale temporaries of other steps (a crash mid-write) and what a run
-  // stopped while deleting left go too.
+  // stopped while deleting left go too; not the one being written.
+  const int64_t writing = writing_step_;
+  const std::string being_written = writing >= 0 ? step_name(writing) + ".tmp" : "";
   std::vector<fs::path> doomed;
   checked_fs(root_, [&] {
     for (const auto& e : fs::directory_iterator(root_)) {
       const std::string n = e.path().filename().string();
+      if (n == being_written) continue;
       if (e.is_directory() && (n.ends_with(".tmp") || n.ends_with(".pruned")))
         doomed.push_back(e.path());
     }

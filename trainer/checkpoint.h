@@ -33,6 +33,7 @@
 // trainer_state.json (write_trainer_state). No rank gathers another's.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -254,8 +255,10 @@ class CheckpointDir {
   CheckpointDir(const CheckpointDir&) = delete;
   CheckpointDir& operator=(const CheckpointDir&) = delete;
 
-  // Creates an empty step_N.tmp directory (removing a stale one) and returns its path.
-  std::string begin(int64_t step) const;
+  // Creates an empty step_N.tmp directory (removing a stale one) and returns
+  // its path. A commit of another step may run meanwhile on another thread:
+  // its pruning leaves this directory alone.
+  std::string begin(int64_t step);
   // Publishes step_N: fsync, rename, update `latest` (and `best`), prune old ones.
   std::string commit(int64_t step, bool is_best);
 
@@ -280,6 +283,8 @@ class CheckpointDir {
   std::string root_;
   int64_t keep_last_;
   std::thread pruner_;  // deleting the checkpoints the last commit pruned
+  // The step whose .tmp directory begin() made last (-1: none).
+  std::atomic<int64_t> writing_step_{-1};
 };
 
 // fsyncs every regular file in dir, then dir itself.

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/cpu/threads.h"
 #include "trainer/distributed.h"
 
 namespace trainer {
@@ -49,7 +50,8 @@ StagingOrder staging_order(CheckpointPart& part) {
 // (a part's tensors come in the same order each time), so a run allocates
 // its staging memory once. The tensor then refers to its copy.
 void copy_into(const std::vector<Tensor*>& tensors, std::vector<Tensor>& buffers, size_t first) {
-  buffers.resize(first + tensors.size());
+  // Grow only: the `now` copy comes first and must not drop the `later` buffers.
+  if (buffers.size() < first + tensors.size()) buffers.resize(first + tensors.size());
   for (size_t k = 0; k < tensors.size(); ++k) {
     Tensor& t = *tensors[k];
     Tensor& buffer = buffers[first + k];
@@ -79,39 +81,63 @@ CheckpointWriter::~CheckpointWriter() {
   if (committer_.joinable()) committer_.join();
 }
 
-std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64_t step, bool best,
-                                                   CheckpointPart part, const DistributedRun& run) {
-  CHECK(!thread_.joinable() && !committer_.joinable())
-      << "a checkpoint started while another is being written";
-  step_ = step;
-  best_ = best;
-  commit_ = 0;
-  staging_wait_ = 0;
+std::vector<CommittedCheckpoint> CheckpointWriter::settle(const DistributedRun& run, int64_t step) {
+  std::vector<CommittedCheckpoint> done;
+  // A commit of this step renames the directory the checkpoint makes again.
+  if (committer_.joinable() && (committed_.load() || committing_.step == step))
+    done.push_back(join_commit());
+  if (!thread_.joinable()) return done;
+  join();
+  run.barrier();  // every rank has written its part
+  if (main_) commit_in_background(done);
+  return done;
+}
+
+std::vector<CommittedCheckpoint> CheckpointWriter::start(const std::string& tmp, int64_t step,
+                                                         bool best, CheckpointPart part,
+                                                         const DistributedRun& run,
+                                                         Clock::time_point since) {
+  CHECK(!thread_.joinable()) << "a checkpoint started while another is being written";
+  writing_ = Flight{};
+  writing_.step = step;
+  writing_.best = best;
   fallback_.clear();
   const int rank = run.dist().rank();
   // Staging copies every tensor whole: the part's bytes are the staged bytes.
-  staged_bytes_ = part_bytes(part);
+  writing_.report.bytes = part_bytes(part);
   // The ranks agree on writing in the background: the cap is per rank.
   bool async = options_.async;
   if (async && options_.max_staging_bytes > 0) {
-    const bool over = staged_bytes_ > options_.max_staging_bytes;
+    const bool over = writing_.report.bytes > options_.max_staging_bytes;
     if (run.any_rank(over)) {
       async = false;
-      fallback_ = cat("a rank's state is over training.async_checkpoint_mb (",
-                      options_.max_staging_bytes >> 20, " MiB; this rank's: ", staged_bytes_ >> 20,
-                      " MiB): written synchronously");
+      fallback_ = cat(
+          "a rank's state is over training.async_checkpoint_mb (", options_.max_staging_bytes >> 20,
+          " MiB; this rank's: ", writing_.report.bytes >> 20, " MiB): written synchronously");
     }
   }
   if (!async) {
     write_checkpoint_part(tmp, rank, part);
     run.barrier();
-    return commit(run);
+    if (!main_) return {};
+    std::vector<CommittedCheckpoint> done;
+    // The commit before this one first: `latest` moves in step order.
+    if (committer_.joinable()) done.push_back(join_commit());
+    writing_.report.dir = dir_.commit(step, best);
+    writing_.report.blocked_seconds = seconds_since(since);
+    done.push_back(writing_.report);
+    return done;
   }
   copy_into(staging_order(part).now, staging_, 0);
+  writing_.report.background = true;
+  writing_.report.blocked_seconds = seconds_since(since);
   done_ = false;
   staged_ = false;
   error_ = nullptr;
   thread_ = std::thread([this, tmp, rank, part = std::move(part)]() mutable {
+    // One thread: a thread of its own starts with OpenMP's default team (every
+    // core), whose spinning workers would take the cores training runs on.
+    set_num_threads(1);
     try {
       const StagingOrder order = staging_order(part);
       copy_into(order.later, staging_, order.now.size());
@@ -143,15 +169,15 @@ std::optional<std::string> CheckpointWriter::start(const std::string& tmp, int64
     }
     done_ = true;
   });
-  return std::nullopt;
+  return {};
 }
 
 void CheckpointWriter::wait_staged() {
   if (!thread_.joinable() || staged_.load()) return;
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(staged_mutex_);
   staged_changed_.wait(lock, [this] { return staged_.load(); });
-  staging_wait_ += seconds_since(t0);
+  writing_.report.blocked_seconds += seconds_since(t0);
 }
 
 void CheckpointWriter::join() {
@@ -159,54 +185,51 @@ void CheckpointWriter::join() {
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
-std::optional<std::string> CheckpointWriter::poll(const DistributedRun& run) {
-  // The main rank's commit, in the background since the last poll.
-  if (committer_.joinable()) return committed_.load() ? join_commit() : std::nullopt;
-  if (!thread_.joinable()) return std::nullopt;
+std::vector<CommittedCheckpoint> CheckpointWriter::poll(const DistributedRun& run) {
+  std::vector<CommittedCheckpoint> done;
+  // The main rank's commit, in the background since an earlier call.
+  if (committer_.joinable() && committed_.load()) done.push_back(join_commit());
+  if (!thread_.joinable()) return done;
   // Every rank holds a write in flight here (they started it at the same step).
-  if (run.any_rank(!done_.load())) return std::nullopt;
+  if (run.any_rank(!done_.load())) return done;
   join();
-  if (!main_) return std::nullopt;
-  // Committing (the index, fsyncs, the rename, `latest`, pruning) is the
-  // main rank's alone and needs no other: it goes on in the background too.
+  if (main_) commit_in_background(done);
+  return done;
+}
+
+// Committing (the index, fsyncs, the rename, `latest`, pruning) is the main
+// rank's alone and needs no other rank: it goes on while training does.
+void CheckpointWriter::commit_in_background(std::vector<CommittedCheckpoint>& done) {
+  if (committer_.joinable()) done.push_back(join_commit());  // in step order
+  committing_ = writing_;
   committed_ = false;
-  commit_ = 0;
   committer_ = std::thread([this] {
     try {
-      committed_dir_ = dir_.commit(step_, best_);
+      committing_.report.dir = dir_.commit(committing_.step, committing_.best);
     } catch (...) {
-      error_ = std::current_exception();
+      commit_error_ = std::current_exception();
     }
     committed_ = true;
   });
-  return std::nullopt;
 }
 
-std::optional<std::string> CheckpointWriter::join_commit() {
+CommittedCheckpoint CheckpointWriter::join_commit() {
+  const auto t0 = Clock::now();
   committer_.join();
-  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  return std::exchange(committed_dir_, std::nullopt);
+  committing_.report.commit_seconds += seconds_since(t0);
+  if (commit_error_) std::rethrow_exception(std::exchange(commit_error_, nullptr));
+  return committing_.report;
 }
 
-std::optional<std::string> CheckpointWriter::finish(const DistributedRun& run) {
-  if (committer_.joinable()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::optional<std::string> dir = join_commit();
-    commit_ = seconds_since(t0);
-    return dir;
+std::vector<CommittedCheckpoint> CheckpointWriter::finish(const DistributedRun& run) {
+  std::vector<CommittedCheckpoint> done;
+  if (thread_.joinable()) {
+    join();
+    run.barrier();
+    if (main_) commit_in_background(done);
   }
-  if (!thread_.joinable()) return std::nullopt;
-  join();
-  run.barrier();
-  return commit(run);
-}
-
-std::optional<std::string> CheckpointWriter::commit(const DistributedRun&) {
-  if (!main_) return std::nullopt;
-  const auto t0 = std::chrono::steady_clock::now();
-  std::string committed = dir_.commit(step_, best_);
-  commit_ = seconds_since(t0);
-  return committed;
+  if (committer_.joinable()) done.push_back(join_commit());
+  return done;
 }
 
 }  // namespace trainer

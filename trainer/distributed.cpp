@@ -400,7 +400,11 @@ Distributed join_job(Recipe& recipe, bool dry_run) {
     std::fprintf(out, "%s\n", note.c_str());
     std::fflush(out);
   }
-  if (world != boot.world_size) return Distributed{.layout = rank_layout(job, 0)};
+  if (world != boot.world_size) {
+    Distributed spare;
+    spare.layout = rank_layout(job, 0);
+    return spare;
+  }
   Distributed d;
   if (ps) {
     // Workers first, the servers last; the mesh spans the workers.

@@ -243,7 +243,6 @@ EvalSums TextBatches::evaluate_shard() {
   model_->eval();
   EvalSums sums;
   const data::EvalWindows& val = *val_windows_;
-  const Device device = module_device(*model_);
   auto on_device = [&](data::TextBatch b) {
     return data::TextBatch{local(b.inputs), local(b.targets)};
   };

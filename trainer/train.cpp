@@ -235,9 +235,9 @@ class TrainLoop {
   // Rank 0 creates the directory, then every rank hands its part to the
   // writer (trainer/checkpoint_writer.h): written now, or copied and
   // written in the background; `latest` moves once every rank has written
-  // its part. A checkpoint in flight is finished first: never two.
+  // its part. A write in flight is finished first: never two.
   void save() {
-    finish_checkpoint();
+    report(writer_.settle(run_, state_.step));
     // What the step waits from here: the directory, the part, the copy or the write.
     const auto t0 = std::chrono::steady_clock::now();
     // The name CheckpointDir::begin gives the directory on rank 0.
@@ -249,30 +249,33 @@ class TrainLoop {
     run_.barrier();
     state_.link_models = run_.link_models();
     if (print_) precision_.save(tmp);
-    std::optional<std::string> dir =
-        writer_.start(tmp, state_.step, pending_best_, s_.checkpoint_part(state_), run_);
-    save_seconds_ = seconds_since(t0);
+    std::vector<CommittedCheckpoint> done =
+        writer_.start(tmp, state_.step, pending_best_, s_.checkpoint_part(state_), run_, t0);
     if (!writer_.fallback().empty()) say(cat("checkpoint: ", writer_.fallback()));
-    if (dir) say(cat("checkpoint: ", *dir, " (", waited("write"), ")"));
+    report(done);
     pending_best_ = false;
   }
 
   // Commits a checkpoint written in the background once every rank is done.
-  void poll_checkpoint() { announce(writer_.poll(run_)); }
-  void finish_checkpoint() { announce(writer_.finish(run_)); }
-  void announce(const std::optional<std::string>& dir) {
-    if (!dir) return;
-    char commit[48];
-    std::snprintf(commit, sizeof commit, " and %.0f ms to commit", writer_.commit_seconds() * 1e3);
-    say(cat("checkpoint: ", *dir, " (written in the background; ", waited("copy"), commit, ")"));
-  }
-  // "the step waited 12 ms to copy 35.2 MiB" (rank 0's part).
-  std::string waited(const char* what) const {
-    char text[96];
-    std::snprintf(text, sizeof text, "the step waited %.0f ms to %s %.1f MiB",
-                  (save_seconds_ + writer_.staging_wait_seconds()) * 1e3, what,
-                  double(writer_.staged_bytes()) / (1 << 20));
-    return text;
+  void poll_checkpoint() { report(writer_.poll(run_)); }
+  void finish_checkpoint() { report(writer_.finish(run_)); }
+  // "checkpoint: DIR (the step waited 12 ms to write 35.2 MiB)", or "(written
+  // in the background; the step waited 3 ms to copy 35.2 MiB and 0 ms to
+  // commit)" (rank 0's part).
+  void report(const std::vector<CommittedCheckpoint>& done) const {
+    for (const CommittedCheckpoint& c : done) {
+      char text[128];
+      const double mib = double(c.bytes) / (1 << 20);
+      if (c.background)
+        std::snprintf(text, sizeof text,
+                      "written in the background; the step waited %.0f ms to copy %.1f MiB and "
+                      "%.0f ms to commit",
+                      c.blocked_seconds * 1e3, mib, c.commit_seconds * 1e3);
+      else
+        std::snprintf(text, sizeof text, "the step waited %.0f ms to write %.1f MiB",
+                      c.blocked_seconds * 1e3, mib);
+      say(cat("checkpoint: ", c.dir, " (", text, ")"));
+    }
   }
 
   std::string trace_path() const { return r_.output_dir + "/trace.json"; }
@@ -315,9 +318,6 @@ class TrainLoop {
   int64_t nonfinite_in_a_row_ = 0;
   double last_loss_ = 0, last_lr_ = 0, last_grad_norm_ = 0;
   bool pending_best_ = false;
-  // What the last checkpoint step waited (after the one in flight); the
-  // next optimizer step's wait for the background copy is added to it.
-  double save_seconds_ = 0;
   bool stop_ = false;  // the ranks agreed to checkpoint and exit
   EvalMetrics last_eval_;
   CommPerStep comm_per_step_{state_.step};  // since the last logged step (made last)
