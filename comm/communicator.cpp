@@ -7,6 +7,7 @@
 #include "comm/algorithms.h"
 #include "comm/log.h"
 #include "comm/watchdog.h"
+#include "core/cpu/threads.h"
 
 namespace trainer::comm {
 
@@ -62,6 +63,10 @@ class ProgressThread {
 
  private:
   void run() {
+    // Tensor operations of queued work (a bucket widened from bf16) run on
+    // this thread alone: a thread of its own starts with OpenMP's default
+    // team (every core), whose spinning workers would take training's cores.
+    set_num_threads(1);
     for (;;) {
       std::pair<std::function<void()>, std::shared_ptr<Work::State>> item;
       {

@@ -1,6 +1,7 @@
 // safetensors: round trip, and rejection of every truncation and of corrupted headers.
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -195,9 +196,9 @@ TEST_CASE("safetensors: a key given twice or bytes after the header's JSON are r
 
 TEST_CASE("write_file_atomic: large files go through the aligned buffer byte for byte",
           "[checkpoint]") {
-  // From 32 MiB a file is written with O_DIRECT through a 32 MiB aligned
-  // buffer: pieces of odd sizes straddle its chunks, and the last chunk is
-  // padded to 4 KiB and the file cut back. /dev/shm (tmpfs) is a second
+  // From 1 MiB a file is written with O_DIRECT through 32 MiB aligned
+  // buffers: pieces of odd sizes straddle their chunks, and the last chunk
+  // is padded to 4 KiB and the file cut back. /dev/shm (tmpfs) is a second
   // filesystem (kernels before 6.6 refuse O_DIRECT there: the buffered
   // path then writes the same bytes). A small file is always buffered.
   std::string big(size_t(70) << 20, '\0');
@@ -222,8 +223,18 @@ TEST_CASE("write_file_atomic: large files go through the aligned buffer byte for
     // A whole number of chunks and a smaller file over the first.
     write_file_atomic(path, {all.substr(0, size_t(64) << 20)});
     CHECK(read_file(path) == big.substr(0, size_t(64) << 20));
+    // Less than a chunk, more than the O_DIRECT threshold.
+    write_file_atomic(path, {all.substr(0, cut1), all.substr(cut1, (size_t(3) << 20) + 5)});
+    CHECK(read_file(path) == big.substr(0, cut1 + (size_t(3) << 20) + 5));
     write_file_atomic(path, std::string("small"));
     CHECK(read_file(path) == "small");
+    // A filesystem that refuses the first O_DIRECT write: the same bytes, buffered.
+    ::setenv("TRAINER_FAULT_DIRECT_EINVAL", "1", 1);
+    write_file_atomic(path, pieces);
+    ::unsetenv("TRAINER_FAULT_DIRECT_EINVAL");
+    CHECK(std::filesystem::file_size(path) == end);
+    CHECK(read_file(path) == big.substr(0, end));
+    CHECK_FALSE(std::filesystem::exists(path + ".tmp"));
     std::filesystem::remove(path);
   }
 }
