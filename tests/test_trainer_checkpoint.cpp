@@ -436,6 +436,43 @@ std::vector<TensorPiece> pieces_at(const std::string& name, const Tensor& logica
 
 }  // namespace
 
+TEST_CASE("checkpoint: the index names every piece, under any tensor name", "[checkpoint]") {
+  fs::path dir = fresh_temp_dir("ckpt_index");
+  Generator gen(6);
+  const Tensor w = rand_tensor({6, 4}, gen), b = rand_tensor({3}, gen);
+  const parallel::MeshShape mesh{{parallel::Dim::tp, 2}};
+  const parallel::TensorPlacement split = parallel::TensorPlacement::replicated({6, 4}).with(
+      parallel::Dim::tp, parallel::Placement::shard(0, 1));
+  // A name JSON must escape: quotes, a backslash, a tab.
+  const std::string odd = "odd \"name\"\\ with\ta tab";
+  for (int rank = 0; rank < 2; ++rank) {
+    const parallel::MeshCoord coord = parallel::mesh_coord(mesh, rank);
+    CheckpointPart part;
+    part.model.push_back(piece_of("w", w.narrow(0, 3 * rank, 3).contiguous(), split, mesh, coord));
+    if (rank == 0)
+      part.model.push_back(
+          piece_of(odd, b, parallel::TensorPlacement::replicated({3}), mesh, coord));
+    write_checkpoint_part(dir.string(), rank, part);
+  }
+  write_checkpoint_index(dir.string());
+  CHECK_NOTHROW(verify_checkpoint_index(dir.string()));
+  const nlohmann::json index =
+      nlohmann::json::parse(read_file(checkpoint_index_file(dir.string())));
+  CHECK(index["format"] == "trainer.checkpoint_index");
+  const nlohmann::json& pieces = index["model"]["w"]["pieces"];
+  CHECK(index["model"]["w"]["shape"] == nlohmann::json({6, 4}));
+  REQUIRE(pieces.size() == 2);
+  CHECK(pieces[1]["file"] == "model-rank00001.safetensors");
+  CHECK(pieces[1]["boxes"][0]["offset"] == nlohmann::json({3, 0}));
+  CHECK(pieces[1]["boxes"][0]["extent"] == nlohmann::json({3, 4}));
+  CHECK(pieces[1]["elements"] == nlohmann::json({0, 12}));
+  REQUIRE(index["model"].contains(odd));
+  CHECK(index["model"][odd]["dtype"] == "F32");
+  CHECK(index["files"]["model-rank00000.safetensors"] ==
+        fs::file_size(pieces_file(dir.string(), "model", 0)));
+  CHECK(read_model(dir.string()).count(odd) == 1);
+}
+
 TEST_CASE("checkpoint: every rank's pieces join into the logical tensors, on any layout",
           "[checkpoint]") {
   using parallel::Dim;
