@@ -82,14 +82,13 @@ CheckpointWriter::~CheckpointWriter() {
 }
 
 std::vector<CommittedCheckpoint> CheckpointWriter::settle(const DistributedRun& run, int64_t step) {
+  // A write in flight: the step waits for it, and for its commit as well
+  // (a few ms more, and `latest` is where the write ended).
+  if (thread_.joinable()) return finish(run);
   std::vector<CommittedCheckpoint> done;
-  // A commit of this step renames the directory the checkpoint makes again.
+  // A commit goes on, unless it renames the directory this checkpoint makes again.
   if (committer_.joinable() && (committed_.load() || committing_.step == step))
     done.push_back(join_commit());
-  if (!thread_.joinable()) return done;
-  join();
-  run.barrier();  // every rank has written its part
-  if (main_) commit_in_background(done);
   return done;
 }
 

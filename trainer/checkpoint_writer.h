@@ -10,8 +10,9 @@
 // step boundary (DistributedRun::any_rank, one small allreduce per step
 // while a write is in flight), and the main rank commits on a thread of
 // its own, in order: a checkpoint is committed after the one before it.
-// A second checkpoint waits for the write in flight (never two), not for
-// its commit; the end of training and a stop signal wait for both. A
+// A second checkpoint waits for the write in flight (never two), and
+// commits it; a commit already under way when its write had ended goes on
+// meanwhile. The end of training and a stop signal wait for both. A
 // SIGKILL at any moment leaves `latest` at the last committed checkpoint.
 // When the staged copy would exceed the cap, or without async_checkpoint,
 // the step writes synchronously.
@@ -70,8 +71,8 @@ class CheckpointWriter {
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
   // Before a checkpoint of `step` (collective): waits for the write in
-  // flight and hands it to the main rank's background commit; a commit
-  // in flight goes on (unless it is of the same step). What it committed.
+  // flight and commits it; a commit in flight (its write was done) goes on
+  // unless it is of the same step. What it committed.
   std::vector<CommittedCheckpoint> settle(const DistributedRun& run, int64_t step);
   // Writes `part` into tmp (every rank calls it, after settle() and after
   // the main rank made tmp): staged and written in the background, or
