@@ -48,6 +48,7 @@ const Case kCases[] = {
     {"resnet18_small_28", 8, 64, 28, 64, 3, 1},  {"resnet18_small_28", 8, 128, 14, 128, 3, 1},
     {"resnet18_small_28", 8, 256, 7, 256, 3, 1}, {"resnet18_small_28", 8, 512, 4, 512, 3, 1},
     {"small_cnn_28", 128, 32, 14, 64, 3, 1},     {"small_cnn_28", 128, 1, 28, 32, 3, 1},
+    {"resnet18_64", 32, 512, 2, 512, 3, 1},
 };
 
 // Median seconds of fn over reps runs after one warm-up.

@@ -15,7 +15,9 @@
 // data gradient of large stride-1 ones run the project's own kernels
 // (core/cpu/conv_direct_avx2.h: 1.1-1.6x oneDNN 2.6's on ResNet-18's
 // shapes). One-channel images (a grayscale stem) run the project's own
-// loops (core/cpu/conv_single_channel.h). bf16 convolutions run
+// loops (core/cpu/conv_single_channel.h), images of at most 4 pixels one
+// matmul with a dense matrix of the weights (core/cpu/conv_small_image.h:
+// 1.8-2.4x oneDNN 2.6's kernels on ResNet-18's 2 x 2 last stage). bf16 convolutions run
 // cpu_conv_bf16.cpp, f16 ones the f32 kernels on converted copies
 // (core/cpu/lowp.h); other types run the reference kernels.
 #include <omp.h>
@@ -31,8 +33,10 @@
 #include "core/cpu/conv_direct_avx2.h"
 #include "core/cpu/conv_pointwise.h"
 #include "core/cpu/conv_single_channel.h"
+#include "core/cpu/conv_small_image.h"
 #include "core/cpu/cpu_backend.h"
 #include "core/cpu/isa.h"
+#include "core/cpu/loops.h"
 #include "core/cpu/lowp.h"
 #include "core/cpu/onednn.h"
 #include "core/cpu/primitive_cache.h"
@@ -186,6 +190,59 @@ std::optional<cpu::DirectConv> single_channel_conv(const Tensor& x, const Tensor
   return s;
 }
 
+// ---- images of at most 4 pixels as one product (core/cpu/conv_small_image.h) ----
+
+// The product's description of a convolution of `in` into `out` with
+// weights shaped like `weight` (contiguous), or nullopt where it does not run.
+std::optional<cpu::DirectConv> small_image_conv(const Tensor& in, const Tensor& weight,
+                                                const Tensor& out, const Conv2dAttrs& a) {
+  if (!weight.is_contiguous()) return std::nullopt;
+  std::optional<cpu::DirectConv> s =
+      own_conv_shape(in, weight.size(0), weight.size(2), weight.size(3), out, a, a.padding);
+  if (!s || !cpu::small_image_conv_supported(*s)) return std::nullopt;
+  return s;
+}
+
+// A channels-last batch of images [N, C, H, W] as its rows [N, H W C].
+Tensor image_rows(const Tensor& x) {
+  const int64_t n = x.size(0), row = x.size(1) * x.size(2) * x.size(3);
+  return make_view(x, {n, row}, {row, 1}, x.offset());
+}
+
+// The dense matrix D [H W C, OH OW O] of the weights.
+Tensor small_image_dense(const Tensor& weight, const cpu::DirectConv& s) {
+  Tensor dense = empty({s.H * s.W * s.C, s.OH * s.OW * s.O});
+  Tensor workspace = empty({s.KH * s.KW * s.C * s.O});
+  cpu::small_image_dense_weights(weight.data<float>(), s, workspace.data<float>(),
+                                 dense.data<float>());
+  return dense;
+}
+
+// y[r, o] = max(0, y[r, o] + bias[o]) over rows of `width` (bias may be null).
+void add_bias_relu(float* y, int64_t rows, int64_t width, const float* bias, bool relu) {
+  if (!bias && !relu) return;
+  cpu::parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t o = 0; o < width; ++o) {
+        const float v = y[r * width + o] + (bias ? bias[o] : 0.0f);
+        y[r * width + o] = relu && v < 0.0f ? 0.0f : v;
+      }
+  });
+}
+
+// bias[o] = the sum of dy's rows, in row order.
+void sum_rows(const float* dy, int64_t rows, int64_t width, float* bias) {
+  cpu::parallel_for((width + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t o0 = b0 * 16; o0 < std::min(width, b1 * 16); o0 += 16) {
+      const int64_t n = std::min<int64_t>(16, width - o0);
+      float sum[16] = {};
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < n; ++k) sum[k] += dy[r * width + o0 + k];
+      std::copy(sum, sum + n, bias + o0);
+    }
+  });
+}
+
 void run_direct_conv(const cpu::DirectConv& s, const Tensor& in, const float* w,
                      const cpu::WeightStrides& ws, const Tensor& bias, bool relu,
                      const Tensor& out) {
@@ -212,6 +269,11 @@ void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bia
     return cpu::single_channel_conv(x.data<float>(), weight.data<float>(),
                                     bias.defined() ? bias.data<float>() : nullptr, fuse_relu,
                                     out.data<float>(), *s);
+  if (auto s = small_image_conv(x, weight, out, a); s && (!bias.defined() || bias.is_contiguous())) {
+    matmul(image_rows(x), small_image_dense(weight, *s), image_rows(out));
+    return add_bias_relu(out.data<float>(), s->N * s->OH * s->OW, s->O,
+                         bias.defined() ? bias.data<float>() : nullptr, fuse_relu);
+  }
   const int64_t KH = weight.size(2), KW = weight.size(3);
   if (auto s = direct_conv(x, weight.size(0), KH, KW, out, a, a.padding, cpu::DirectPass::forward);
       s && weight.is_contiguous() && (!bias.defined() || bias.is_contiguous()))
@@ -347,6 +409,8 @@ void CpuBackend::conv2d_backward_data(const Tensor& grad_out, const Tensor& weig
                            });
   if (!fast_dtype({&grad_out, &weight, &grad_x}))
     return RefBackend::conv2d_backward_data(grad_out, weight, a, grad_x);
+  if (auto s = small_image_conv(grad_x, weight, grad_out, a))
+    return matmul(image_rows(grad_out), small_image_dense(weight, *s).t(), image_rows(grad_x));
   if (a.stride != Pair{1, 1} && cpu::pointwise(weight.shape(), a, grad_x, grad_out))
     return cpu::pointwise_backward_data(grad_out, weight, a, grad_x);
   if (backward_data_as_forward(weight, a)) {
@@ -403,6 +467,17 @@ void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x
                            });
   if (!fast_dtype({&grad_out, &x, &grad_weight, &grad_bias}))
     return RefBackend::conv2d_backward_weights(grad_out, x, a, grad_weight, grad_bias);
+  if (auto s = small_image_conv(x, grad_weight, grad_out, a);
+      s && (!grad_bias.defined() || grad_bias.is_contiguous())) {
+    Tensor g = empty({s->H * s->W * s->C, s->OH * s->OW * s->O});
+    matmul(image_rows(x).t(), image_rows(grad_out), g);
+    Tensor workspace = empty({s->KH * s->KW * s->C * s->O});
+    cpu::small_image_fold_weights(g.data<float>(), *s, workspace.data<float>(),
+                                  grad_weight.data<float>());
+    if (grad_bias.defined())
+      sum_rows(grad_out.data<float>(), s->N * s->OH * s->OW, s->O, grad_bias.data<float>());
+    return;
+  }
   if (!grad_bias.defined() && cpu::pointwise(grad_weight.shape(), a, x, grad_out))
     return cpu::pointwise_backward_weights(grad_out, x, a, grad_weight);
   if (auto s =

@@ -143,7 +143,8 @@ std::string describe_kernel_isas() {
   if (direct_conv_use() != DirectConvUse::never)
     own_conv += std::string("; one-channel convolutions own ") +
                 (k.loops == Isa::avx512 ? "(forward and weight gradient" : "(weight gradient") +
-                ", core/cpu/conv_single_channel.h)";
+                ", core/cpu/conv_single_channel.h); convolutions of images of at most 4 "
+                "pixels as one matmul (core/cpu/conv_small_image.h)";
   return "oneDNN " + k.onednn +
          " (matmul, convolution, average pooling, batch norm); elementwise and max pooling " +
          isa_name(k.loops) + " (chosen at run time); softmax, layer norm, attention, RNN cells, " +
