@@ -197,6 +197,30 @@ struct DirectConvGuard {
   cpu::DirectConvUse before;
 };
 
+// A convolution against the reference kernels: forward, both gradients.
+struct ConvCase {
+  int64_t N, C, H, W, O, kh, kw, stride, pad, dilation;
+  bool bias, relu;
+};
+
+void check_conv_cases(const std::vector<ConvCase>& cases, Generator& gen) {
+  for (const ConvCase& c : cases) {
+    Conv2dAttrs a{.stride = {c.stride, c.stride},
+                  .padding = {c.kh == c.kw ? c.pad : 0, c.pad},
+                  .dilation = {c.dilation, c.dilation}};
+    INFO("N " << c.N << " C " << c.C << " " << c.H << "x" << c.W << " O " << c.O << " k " << c.kh
+              << "x" << c.kw << " stride " << c.stride << " pad " << c.pad << " dilation "
+              << c.dilation);
+    TensorList in = {image_cl({c.N, c.C, c.H, c.W}, gen), rand_tensor({c.O, c.C, c.kh, c.kw}, gen)};
+    if (c.bias) in.push_back(rand_tensor({c.O}, gen));
+    check_fast_vs_reference(
+        [&](const TensorList& t) {
+          return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a, c.relu);
+        },
+        in, conv_reduction(in[0], in[1]));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]") {
@@ -205,11 +229,7 @@ TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]")
   // 1..13 give tiles of 1 to 6 pairs and pairs of several pixels and images;
   // O not a multiple of 16 gives a partial panel; padding beyond the kernel
   // gives skipped taps.
-  struct Case {
-    int64_t N, C, H, W, O, kh, kw, stride, pad, dilation;
-    bool bias, relu;
-  };
-  const Case cases[] = {
+  const std::vector<ConvCase> cases = {
       {1, 16, 6, 7, 16, 3, 3, 1, 1, 1, false, false},
       {2, 5, 9, 8, 20, 3, 3, 1, 1, 1, true, false},
       {3, 17, 7, 7, 33, 3, 3, 2, 1, 1, false, true},
@@ -228,21 +248,7 @@ TEST_CASE("conv2d: the own AVX2 kernel matches the reference", "[layers][conv]")
   };
   DirectConvGuard always(cpu::DirectConvUse::always);
   Generator gen(21);
-  for (const Case& c : cases) {
-    Conv2dAttrs a{.stride = {c.stride, c.stride},
-                  .padding = {c.kh == c.kw ? c.pad : 0, c.pad},
-                  .dilation = {c.dilation, c.dilation}};
-    INFO("N " << c.N << " C " << c.C << " " << c.H << "x" << c.W << " O " << c.O << " k " << c.kh
-              << "x" << c.kw << " stride " << c.stride << " pad " << c.pad << " dilation "
-              << c.dilation);
-    TensorList in = {image_cl({c.N, c.C, c.H, c.W}, gen), rand_tensor({c.O, c.C, c.kh, c.kw}, gen)};
-    if (c.bias) in.push_back(rand_tensor({c.O}, gen));
-    check_fast_vs_reference(
-        [&](const TensorList& t) {
-          return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a, c.relu);
-        },
-        in, conv_reduction(in[0], in[1]));
-  }
+  check_conv_cases(cases, gen);
 }
 
 TEST_CASE("conv2d: the own AVX2 kernel's results do not depend on the batch", "[layers][conv]") {
@@ -275,32 +281,14 @@ TEST_CASE("conv2d: images of at most 4 pixels as one product match the reference
   // matrix of core/cpu/conv_small_image.h: 2 x 2 with every pixel pair a
   // tap, 1 x 1 (the centre tap alone), 2 x 1, a stride and a dilation that
   // leave pairs without a tap, 5x5 kernels, padding beyond the kernel.
-  struct Case {
-    int64_t N, C, H, W, O, kh, kw, stride, pad, dilation;
-    bool bias, relu;
-  };
-  const Case cases[] = {
+  const std::vector<ConvCase> cases = {
       {3, 16, 2, 2, 24, 3, 3, 1, 1, 1, true, false}, {5, 8, 1, 1, 12, 3, 3, 1, 1, 1, false, true},
       {2, 7, 2, 1, 9, 3, 3, 1, 1, 1, true, true},    {4, 12, 2, 2, 20, 3, 3, 2, 1, 1, false, false},
       {2, 6, 2, 2, 10, 3, 3, 1, 2, 2, true, false},  {1, 20, 2, 2, 17, 5, 5, 1, 2, 1, false, false},
       {3, 5, 2, 2, 33, 3, 3, 1, 3, 1, true, false},
   };
   Generator gen(25);
-  for (const Case& c : cases) {
-    Conv2dAttrs a{.stride = {c.stride, c.stride},
-                  .padding = {c.pad, c.pad},
-                  .dilation = {c.dilation, c.dilation}};
-    INFO("N " << c.N << " C " << c.C << " " << c.H << "x" << c.W << " O " << c.O << " k " << c.kh
-              << "x" << c.kw << " stride " << c.stride << " pad " << c.pad << " dilation "
-              << c.dilation);
-    TensorList in = {image_cl({c.N, c.C, c.H, c.W}, gen), rand_tensor({c.O, c.C, c.kh, c.kw}, gen)};
-    if (c.bias) in.push_back(rand_tensor({c.O}, gen));
-    check_fast_vs_reference(
-        [&](const TensorList& t) {
-          return conv2d(t[0], t[1], c.bias ? t[2] : Tensor(), a, c.relu);
-        },
-        in, conv_reduction(in[0], in[1]));
-  }
+  check_conv_cases(cases, gen);
 }
 
 TEST_CASE("conv2d: the one-channel kernels match the reference", "[layers][conv]") {
