@@ -63,10 +63,7 @@ class ProgressThread {
 
  private:
   void run() {
-    // Tensor operations of queued work (a bucket widened from bf16) run on
-    // this thread alone: a thread of its own starts with OpenMP's default
-    // team (every core), whose spinning workers would take training's cores.
-    set_num_threads(1);
+    use_one_kernel_thread();  // queued work may widen a bf16 bucket
     for (;;) {
       std::pair<std::function<void()>, std::shared_ptr<Work::State>> item;
       {

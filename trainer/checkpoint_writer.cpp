@@ -134,9 +134,7 @@ std::vector<CommittedCheckpoint> CheckpointWriter::start(const std::string& tmp,
   staged_ = false;
   error_ = nullptr;
   thread_ = std::thread([this, tmp, rank, part = std::move(part)]() mutable {
-    // One thread: a thread of its own starts with OpenMP's default team (every
-    // core), whose spinning workers would take the cores training runs on.
-    set_num_threads(1);
+    use_one_kernel_thread();  // the staging copy
     try {
       const StagingOrder order = staging_order(part);
       copy_into(order.later, staging_, order.now.size());

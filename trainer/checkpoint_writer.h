@@ -86,7 +86,6 @@ class CheckpointWriter {
   std::vector<CommittedCheckpoint> poll(const DistributedRun& run);
   // Waits for the write and the commit in flight (collective). What it committed.
   std::vector<CommittedCheckpoint> finish(const DistributedRun& run);
-  bool pending() const { return thread_.joinable() || committer_.joinable(); }
   // Waits until the background copy of the part started last is done:
   // before anything changes the parameters or the optimizer state (the
   // next optimizer step), which the background thread copies while the

@@ -230,19 +230,6 @@ void add_bias_relu(float* y, int64_t rows, int64_t width, const float* bias, boo
   });
 }
 
-// bias[o] = the sum of dy's rows, in row order.
-void sum_rows(const float* dy, int64_t rows, int64_t width, float* bias) {
-  cpu::parallel_for((width + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t o0 = b0 * 16; o0 < std::min(width, b1 * 16); o0 += 16) {
-      const int64_t n = std::min<int64_t>(16, width - o0);
-      float sum[16] = {};
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < n; ++k) sum[k] += dy[r * width + o0 + k];
-      std::copy(sum, sum + n, bias + o0);
-    }
-  });
-}
-
 void run_direct_conv(const cpu::DirectConv& s, const Tensor& in, const float* w,
                      const cpu::WeightStrides& ws, const Tensor& bias, bool relu,
                      const Tensor& out) {
@@ -269,7 +256,8 @@ void CpuBackend::conv2d(const Tensor& x, const Tensor& weight, const Tensor& bia
     return cpu::single_channel_conv(x.data<float>(), weight.data<float>(),
                                     bias.defined() ? bias.data<float>() : nullptr, fuse_relu,
                                     out.data<float>(), *s);
-  if (auto s = small_image_conv(x, weight, out, a); s && (!bias.defined() || bias.is_contiguous())) {
+  if (auto s = small_image_conv(x, weight, out, a);
+      s && (!bias.defined() || bias.is_contiguous())) {
     matmul(image_rows(x), small_image_dense(weight, *s), image_rows(out));
     return add_bias_relu(out.data<float>(), s->N * s->OH * s->OW, s->O,
                          bias.defined() ? bias.data<float>() : nullptr, fuse_relu);
@@ -474,8 +462,11 @@ void CpuBackend::conv2d_backward_weights(const Tensor& grad_out, const Tensor& x
     Tensor workspace = empty({s->KH * s->KW * s->C * s->O});
     cpu::small_image_fold_weights(g.data<float>(), *s, workspace.data<float>(),
                                   grad_weight.data<float>());
+    // grad_bias = the sum of grad_out's [N OH OW, O] rows.
     if (grad_bias.defined())
-      sum_rows(grad_out.data<float>(), s->N * s->OH * s->OW, s->O, grad_bias.data<float>());
+      reduce(ReduceOp::sum,
+             make_view(grad_out, {s->N * s->OH * s->OW, s->O}, {s->O, 1}, grad_out.offset()), 1,
+             make_view(grad_bias, {1, s->O}, {s->O, 1}, grad_bias.offset()));
     return;
   }
   if (!grad_bias.defined() && cpu::pointwise(grad_weight.shape(), a, x, grad_out))

@@ -14,6 +14,8 @@ void set_num_threads(int n) {
 
 int num_threads() { return omp_get_max_threads(); }
 
+void use_one_kernel_thread() { set_num_threads(1); }
+
 std::vector<int> allowed_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
