@@ -156,9 +156,10 @@ Breakdown breakdown(const ImageFolder& folder, const ImageTransform& t, int epoc
       double t0 = cpu_seconds(CLOCK_THREAD_CPUTIME_ID);
       std::vector<uint8_t> bytes = read_file(folder.path(i));
       double t1 = cpu_seconds(CLOCK_THREAD_CPUTIME_ID);
-      DecodedImage img = decode_image(bytes, t.min_decode_side(), folder.path(i));
+      const PhiloxKey key = augment_key(t.options().seed, e, i);
+      DecodedImage img = decode_image(bytes, t.decode_hint(key), folder.path(i));
       double t2 = cpu_seconds(CLOCK_THREAD_CPUTIME_ID);
-      t.apply(img, augment_key(0, e, i), out.data());
+      t.apply(img, key, out.data());
       b.read += t1 - t0;
       b.decode += t2 - t1;
       b.transform += cpu_seconds(CLOCK_THREAD_CPUTIME_ID) - t2;

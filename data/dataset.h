@@ -6,14 +6,17 @@
 //
 //   const Dataset& ds = ...;
 //   DecodedImage img = ds.load(i, /*min_side=*/256);   // may throw BadSampleError
+//   DecodedImage crop = ds.load(i, transform.decode_hint(key));   // only what the crop needs
 //   int64_t y = ds.label(i);
 #pragma once
 
 #include <algorithm>
 
 #include <cstdint>
+#include <functional>
 #include <opencv2/core.hpp>
 #include <string>
+#include <utility>
 
 #include "core/check.h"
 
@@ -32,13 +35,46 @@ class BadSampleError : public Error {
   explicit BadSampleError(const std::string& message) : Error(message) {}
 };
 
-// A decoded image and the size of the image it was decoded from. They differ
-// when a JPEG was decoded at 1/2, 1/4 or 1/8 scale; transforms place their
-// crop boxes in source coordinates so the geometry is the same either way.
+// A crop rectangle in pixels: columns [x, x + width), rows [y, y + height).
+struct CropBox {
+  int x = 0, y = 0, width = 0, height = 0;
+  bool operator==(const CropBox&) const = default;
+};
+
+// What a transform will read of an image, so that a decoder may decode less.
+// A JPEG decodes at a scale of M/8 (M = 1..8) in libjpeg's DCT:
+//   - without `crop`, the smallest scale that keeps the shorter side of the
+//     whole image at least min_side (0: full size);
+//   - with `crop`, only the rows and columns that cover the source box
+//     crop(height, width), at the smallest scale that keeps both sides of
+//     that box at least crop_side.
+// An int converts to a hint of that min_side: load(i, 0) decodes everything.
+struct DecodeHint {
+  DecodeHint(int min_side = 0) : min_side(min_side) {}  // NOLINT: an int means a min_side
+  int min_side = 0;
+  std::function<CropBox(int height, int width)> crop;
+  int crop_side = 0;
+};
+
+// A decoded image and the size of the image it was decoded from. The whole
+// source, scaled, is scaled_height x scaled_width; `pixels` are its rows
+// [y, y + rows) and columns [x, x + cols) (all of it unless the hint had a
+// crop). Transforms place their boxes in source coordinates and map them
+// through these, so the geometry is the same however much was decoded.
 struct DecodedImage {
+  DecodedImage() = default;
+  DecodedImage(cv::Mat pixels, int source_height, int source_width)
+      : pixels(std::move(pixels)),
+        source_height(source_height),
+        source_width(source_width),
+        scaled_height(this->pixels.rows),
+        scaled_width(this->pixels.cols) {}
   cv::Mat pixels;  // CV_8UC1 or CV_8UC3 (BGR), possibly a view of the dataset's memory
   int source_height = 0;
   int source_width = 0;
+  int scaled_height = 0;
+  int scaled_width = 0;
+  int x = 0, y = 0;
 };
 
 class Dataset {
@@ -50,11 +86,10 @@ class Dataset {
   virtual int64_t num_classes() const = 0;
   // Channels of every decoded image: 1 (grey) or 3 (colour).
   virtual int channels() const = 0;
-  // Decodes sample i. min_side is the shorter side the transform needs; a
-  // dataset may decode at a reduced size as long as the shorter side stays
-  // at least min_side (0: full size). Throws BadSampleError for a bad sample.
+  // Decodes sample i, or as much of it as `hint` says the transform reads (a
+  // dataset may always decode more). Throws BadSampleError for a bad sample.
   // Safe to call from several threads at once.
-  virtual DecodedImage load(int64_t index, int min_side) const = 0;
+  virtual DecodedImage load(int64_t index, const DecodeHint& hint) const = 0;
   // Where sample i comes from, for messages (a file path, or "file[i]").
   virtual std::string describe(int64_t index) const = 0;
 };
@@ -68,8 +103,8 @@ class FirstSamples final : public Dataset {
   int64_t label(int64_t index) const override { return base_.label(index); }
   int64_t num_classes() const override { return base_.num_classes(); }
   int channels() const override { return base_.channels(); }
-  DecodedImage load(int64_t index, int min_side) const override {
-    return base_.load(index, min_side);
+  DecodedImage load(int64_t index, const DecodeHint& hint) const override {
+    return base_.load(index, hint);
   }
   std::string describe(int64_t index) const override { return base_.describe(index); }
 

@@ -212,7 +212,7 @@ MnistDataset::MnistDataset(Tensor images, Tensor labels, int64_t num_classes, st
 
 int64_t MnistDataset::label(int64_t index) const { return labels_.data<int64_t>()[index]; }
 
-DecodedImage MnistDataset::load(int64_t index, int) const {
+DecodedImage MnistDataset::load(int64_t index, const DecodeHint&) const {
   int h = int(images_.size(1)), w = int(images_.size(2));
   uint8_t* p = images_.data<uint8_t>() + index * int64_t(h) * w;
   return DecodedImage{cv::Mat(h, w, CV_8UC1, p), h, w};

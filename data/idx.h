@@ -47,7 +47,7 @@ class MnistDataset final : public Dataset {
   int64_t num_classes() const override { return num_classes_; }
   int channels() const override { return 1; }
   // A view of the image (no copy); min_side is ignored.
-  DecodedImage load(int64_t index, int min_side) const override;
+  DecodedImage load(int64_t index, const DecodeHint& hint) const override;
   std::string describe(int64_t index) const override;
 
   const Tensor& images() const { return images_; }

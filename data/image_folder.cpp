@@ -7,8 +7,10 @@
 #include <filesystem>
 #include <iterator>
 #include <opencv2/imgcodecs.hpp>
+#include <optional>
 
 #include "data/files.h"
+#include "data/jpeg_decode.h"
 
 namespace trainer::data {
 
@@ -108,9 +110,9 @@ std::string ImageFolder::path(int64_t index) const {
   return root_ + "/" + samples_[size_t(index)].relative_path;
 }
 
-DecodedImage ImageFolder::load(int64_t index, int min_side) const {
+DecodedImage ImageFolder::load(int64_t index, const DecodeHint& hint) const {
   std::string file = path(index);
-  DecodedImage image = decode_image(read_file(file), min_side, file);
+  DecodedImage image = decode_image(read_file(file), hint, file);
   if (std::min(image.source_height, image.source_width) < kMinImageSide)
     throw BadSampleError(cat(file, ": an image ", image.source_width, " pixels wide and ",
                              image.source_height,
@@ -204,7 +206,7 @@ bool known_image_signature(const std::vector<uint8_t>& b) {
 
 }  // namespace
 
-DecodedImage decode_image(const std::vector<uint8_t>& bytes, int min_side,
+DecodedImage decode_image(const std::vector<uint8_t>& bytes, const DecodeHint& hint,
                           const std::string& what) {
   if (bytes.empty()) throw BadSampleError(cat(what, ": empty file"));
   if (!known_image_signature(bytes))
@@ -220,7 +222,9 @@ DecodedImage decode_image(const std::vector<uint8_t>& bytes, int min_side,
     if (!jpeg.complete)
       throw BadSampleError(
           cat(what, ": truncated JPEG (no end-of-image marker after the image data)"));
-    flags = reduced_color_flag(decode_reduction(jpeg.height, jpeg.width, min_side));
+    if (std::optional<DecodedImage> image = decode_jpeg(bytes, hint, what)) return *image;
+    // A colour space libjpeg does not turn into BGR (CMYK): OpenCV converts it.
+    flags = reduced_color_flag(decode_reduction(jpeg.height, jpeg.width, hint.min_side));
   }
   cv::Mat pixels;
   try {

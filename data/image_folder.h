@@ -8,12 +8,13 @@
 // one of torchvision's IMG_EXTENSIONS; within a class, files are ordered as
 // torchvision's make_dataset orders them (by folder path, then file name).
 //
-// Decoding uses OpenCV, BGR, EXIF orientation ignored (as PIL). A JPEG whose
-// shorter side is much larger than the transform needs decodes at 1/2, 1/4
-// or 1/8 scale in libjpeg's DCT: the largest reduction that keeps the
-// shorter side >= min_side. A file that cannot be decoded (corrupt,
-// truncated, not an image), or an image with a side below kMinImageSide,
-// is a BadSampleError naming it.
+// Decoding gives BGR, EXIF orientation ignored (as PIL). JPEGs decode on
+// libjpeg directly, only the part and at the scale the DecodeHint allows
+// (data/jpeg_decode.h); other formats, and JPEGs in CMYK, through OpenCV,
+// whole (a JPEG at 1/2, 1/4 or 1/8 scale if its shorter side stays at least
+// hint.min_side). A file that cannot be decoded (corrupt, truncated, not an
+// image), or an image with a side below kMinImageSide, is a BadSampleError
+// naming it.
 //
 //   ImageFolderSplits data = open_image_folder_splits("/data/imagenet");   // train/ and val/
 //   DecodedImage img = data.train.load(0, /*min_side=*/224);
@@ -38,7 +39,7 @@ class ImageFolder final : public Dataset {
   int64_t label(int64_t index) const override { return samples_[size_t(index)].label; }
   int64_t num_classes() const override { return int64_t(classes_.size()); }
   int channels() const override { return 3; }
-  DecodedImage load(int64_t index, int min_side) const override;
+  DecodedImage load(int64_t index, const DecodeHint& hint) const override;
   std::string describe(int64_t index) const override { return path(index); }
 
   const std::string& root() const { return root_; }
@@ -76,9 +77,11 @@ struct JpegInfo {
 JpegInfo parse_jpeg(const uint8_t* bytes, size_t size);
 // The largest reduction in {1, 2, 4, 8} with ceil(min(height, width) / r) >= min_side.
 int decode_reduction(int height, int width, int min_side);
-// Decodes an encoded image (any format OpenCV reads) to CV_8UC3 BGR; `what`
-// names it in a BadSampleError.
-DecodedImage decode_image(const std::vector<uint8_t>& bytes, int min_side, const std::string& what);
+// Decodes an encoded image (JPEG, PNG, PPM/PGM, BMP, TIFF, WebP) to
+// CV_8UC3 BGR, as much of it as `hint` allows; `what` names it in a
+// BadSampleError.
+DecodedImage decode_image(const std::vector<uint8_t>& bytes, const DecodeHint& hint,
+                          const std::string& what);
 // The bytes of a file; a missing or unreadable file is a BadSampleError.
 std::vector<uint8_t> read_file(const std::string& path);
 

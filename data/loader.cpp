@@ -239,8 +239,9 @@ void Loader::Core::worker_loop(int worker) {
     std::exception_ptr error;
     std::string warning;
     try {
-      DecodedImage image = dataset_.load(index, transform_.min_decode_side());
-      transform_.apply(image, augment_key(transform_.options().seed, epoch, index), out);
+      const PhiloxKey key = augment_key(transform_.options().seed, epoch, index);
+      DecodedImage image = dataset_.load(index, transform_.decode_hint(key));
+      transform_.apply(image, key, out);
       ok = true;
     } catch (const BadSampleError& e) {
       if (options_.bad_files == BadFilePolicy::error) {

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <opencv2/imgproc.hpp>
 
+#include "data/resample.h"
+
 namespace trainer::data {
 
 namespace {
@@ -114,10 +116,23 @@ int ImageTransform::min_decode_side() const {
   return options_.mode == TransformMode::eval ? options_.resize : options_.size;
 }
 
+DecodeHint ImageTransform::decode_hint(PhiloxKey key) const {
+  DecodeHint hint(min_decode_side());
+  if (options_.mode == TransformMode::train && options_.reduced_decoding) {
+    hint.crop = [this, key](int height, int width) {
+      return random_resized_crop_box(height, width, options_, key);
+    };
+    hint.crop_side = options_.size;
+  }
+  return hint;
+}
+
 void ImageTransform::resize(const cv::Mat& src, cv::Mat& dst, int height, int width) const {
-  bool shrinks = src.rows > height || src.cols > width;
-  int interpolation = options_.antialias && shrinks ? cv::INTER_AREA : cv::INTER_LINEAR;
-  cv::resize(src, dst, cv::Size(width, height), 0, 0, interpolation);
+  if (options_.antialias) {
+    resize_bilinear(src, dst, height, width);
+    return;
+  }
+  cv::resize(src, dst, cv::Size(width, height), 0, 0, cv::INTER_LINEAR);
 }
 
 void ImageTransform::write_normalized(const cv::Mat& image, bool flip, float* out) const {
@@ -152,7 +167,13 @@ void ImageTransform::apply(const DecodedImage& image, PhiloxKey key, float* out)
   switch (options_.mode) {
     case TransformMode::train: {
       CropBox box = random_resized_crop_box(image.source_height, image.source_width, options_, key);
-      box = scale_box(box, image.source_height, image.source_width, pixels.rows, pixels.cols);
+      box = scale_box(box, image.source_height, image.source_width, image.scaled_height,
+                      image.scaled_width);
+      box.x -= image.x;
+      box.y -= image.y;
+      CHECK(box.x >= 0 && box.y >= 0 && box.x + box.width <= pixels.cols &&
+            box.y + box.height <= pixels.rows)
+          << "transform: the crop box reaches outside the decoded part of the image";
       cv::Mat roi = pixels(cv::Rect(box.x, box.y, box.width, box.height));
       if (roi.rows == s && roi.cols == s) {
         write_normalized(roi, random_flip(options_, key), out);
@@ -164,6 +185,8 @@ void ImageTransform::apply(const DecodedImage& image, PhiloxKey key, float* out)
     }
     case TransformMode::eval: {
       auto [h, w] = resize_shorter_size(image.source_height, image.source_width, options_.resize);
+      CHECK(pixels.rows == image.scaled_height && pixels.cols == image.scaled_width)
+          << "transform: eval needs the whole image decoded";
       if (pixels.rows != h || pixels.cols != w) resize(pixels, resized, h, w);
       const cv::Mat& scaled = resized.empty() ? pixels : resized;
       CropBox box = center_crop_box(h, w, s);

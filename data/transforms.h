@@ -20,12 +20,15 @@
 //   j = 20, 21       top and left offset of the accepted box
 //   j = 22           the horizontal flip (flip when < hflip_prob)
 //
-// Resizing. Bilinear (cv::INTER_LINEAR, pixel centres at +0.5 as
-// torchvision); with antialias, a side that shrinks uses cv::INTER_AREA, the
-// box-filter counterpart of PIL's antialiased bilinear that torchvision runs.
+// Resizing. With antialias (the default), Pillow's bilinear filter, the one
+// torchvision runs on PIL images: a side that shrinks averages every pixel
+// it covers, one that grows interpolates (data/resample.h); without it,
+// plain bilinear interpolation (cv::INTER_LINEAR, pixel centres at +0.5, as
+// torchvision's antialias=False on tensors).
 //
 //   ImageTransform t(TransformOptions{.mode = TransformMode::train, .size = 224}, 3);
-//   t.apply(image, augment_key(seed, epoch, index), out);   // out: 224*224*3 floats
+//   PhiloxKey key = augment_key(seed, epoch, index);
+//   t.apply(dataset.load(index, t.decode_hint(key)), key, out);   // out: 224*224*3 floats
 #pragma once
 
 #include <array>
@@ -50,18 +53,15 @@ struct TransformOptions {
   std::vector<float> mean = {0.485f, 0.456f, 0.406f};   // ImageNet, one value per channel
   std::vector<float> std = {0.229f, 0.224f, 0.225f};
   bool antialias = true;
-  // Let a JPEG decode at 1/2, 1/4 or 1/8 scale while its shorter side stays
-  // at least min_decode_side(): the size the transform resamples to (train:
-  // size, eval: resize). Much faster on large images; a small train crop of
-  // a large image is then upsampled from fewer pixels than torchvision's.
+  // Let a JPEG decode only what the transform reads, at a reduced scale M/8
+  // in libjpeg's DCT (see DecodeHint): train decodes the rows and columns of
+  // its crop box at the smallest scale that keeps both sides of the box at
+  // least `size`; eval the whole image at the smallest scale that keeps its
+  // shorter side at least `resize`. The crop then shrinks from fewer pixels
+  // than torchvision's full decode (the DCT's scaling is the first low-pass
+  // step); false decodes every pixel.
   bool reduced_decoding = true;
   uint64_t seed = 0;
-};
-
-// A crop rectangle in pixels: columns [x, x + width), rows [y, y + height).
-struct CropBox {
-  int x = 0, y = 0, width = 0, height = 0;
-  bool operator==(const CropBox&) const = default;
 };
 
 inline constexpr uint64_t kAugmentBlocksPerSample = 8;  // 32 draws, 23 used
@@ -97,12 +97,14 @@ class ImageTransform {
   int64_t sample_numel() const { return int64_t(options_.size) * options_.size * channels_; }
   // The shorter side a decoder must keep (0: decode at full size).
   int min_decode_side() const;
+  // What apply() with `key` reads of an image: the hint for Dataset::load.
+  DecodeHint decode_hint(PhiloxKey key) const;
   // Writes the transformed sample, [size, size, channels] f32, to out.
   // image.pixels has `channels` channels (BGR when 3).
   void apply(const DecodedImage& image, PhiloxKey key, float* out) const;
 
  private:
-  // Resizes src to height x width (bilinear, antialiased when shrinking).
+  // Resizes src to height x width (Pillow's bilinear, or plain without antialias).
   void resize(const cv::Mat& src, cv::Mat& dst, int height, int width) const;
   // Normalizes a size x size image into out, mirrored when flip, BGR -> RGB.
   void write_normalized(const cv::Mat& image, bool flip, float* out) const;

@@ -42,7 +42,7 @@ declare -A SOURCES=(
   [safetensors]="trainer/safetensors.cpp trainer/durable_file.cpp data/files.cpp"
   [trainer_state]="trainer/checkpoint.cpp trainer/checkpoint_state.cpp trainer/checkpoint_optimizer.cpp trainer/checkpoint_pieces.cpp trainer/checkpoint_index.cpp trainer/safetensors.cpp trainer/durable_file.cpp data/files.cpp"
   [idx]="data/idx.cpp data/files.cpp"
-  [image]="data/image_folder.cpp data/files.cpp"
+  [image]="data/image_folder.cpp data/jpeg_decode.cpp data/transforms.cpp data/resample.cpp data/files.cpp"
   [store]="comm/store.cpp comm/store_server.cpp"
   [cluster]="trainer/cluster_file.cpp trainer/numbers.cpp data/files.cpp"
   [command_line]="trainer/plan.cpp trainer/launch.cpp trainer/launch_attempt.cpp trainer/numbers.cpp trainer/cluster_file.cpp trainer/recipe.cpp trainer/recipe_fields.cpp data/files.cpp"
@@ -67,7 +67,7 @@ if [ -f "$BUILD/cuda_libraries.txt" ]; then
     [[ "$lib" == *.so* ]] && LIBS+=("-Wl,-rpath,$(dirname "$lib")")
   done
 fi
-SYSTEM_LIBS=(-lyaml-cpp -lz -lopencv_imgcodecs -lopencv_imgproc -lopencv_core -lucp -lucs
+SYSTEM_LIBS=(-lyaml-cpp -lz -ljpeg -lopencv_imgcodecs -lopencv_imgproc -lopencv_core -lucp -lucs
              -ldnnl -lsentencepiece_train -lsentencepiece -lgomp -lpthread -ldl)
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
        -fno-sanitize-recover=undefined -I"$ROOT" -I/usr/include/opencv4)

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
-  libdnnl-dev ocl-icd-opencl-dev libucx-dev libyaml-cpp-dev libopencv-dev catch2
+  libdnnl-dev ocl-icd-opencl-dev libucx-dev libyaml-cpp-dev libopencv-dev libjpeg-dev catch2
   nlohmann-json3-dev libcli11-dev zlib1g-dev libsentencepiece-dev
   openmpi-bin libopenmpi-dev
   iproute2 slurmctld slurmd slurm-client munge

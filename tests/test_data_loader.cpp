@@ -33,7 +33,7 @@ class SyntheticDataset final : public Dataset {
   int64_t label(int64_t index) const override { return index % 10; }
   int64_t num_classes() const override { return 10; }
   int channels() const override { return channels_; }
-  DecodedImage load(int64_t index, int) const override {
+  DecodedImage load(int64_t index, const DecodeHint&) const override {
     loads_++;
     if (sleep_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
     if (bad_.count(index)) throw BadSampleError(cat(describe(index), ": corrupt"));
@@ -281,7 +281,7 @@ class GatedDataset final : public Dataset {
   int64_t label(int64_t index) const override { return index % 10; }
   int64_t num_classes() const override { return 10; }
   int channels() const override { return 1; }
-  DecodedImage load(int64_t index, int) const override {
+  DecodedImage load(int64_t index, const DecodeHint&) const override {
     if (index >= fast_) {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return open_; });

@@ -177,10 +177,11 @@ TEST_CASE("transforms: bilinear upscaling of a gradient", "[data][transforms]") 
     }
 }
 
-TEST_CASE("transforms: eval resizes the shorter side with area averaging, then center crops",
+TEST_CASE("transforms: eval resizes the shorter side with Pillow's filter, then center crops",
           "[data][transforms]") {
   // A 160x240 grey image v = x / 2 + y / 4 (exact at even x and y multiples
-  // of 4); resize 80 halves it, so resized pixel (Y, X) averages 2x2 source
+  // of 4); resize 80 halves it, and on this linear ramp the 1/8, 3/8, 3/8,
+  // 1/8 taps of Pillow's widened triangle give the 2x2 average of the source
   // pixels; crop 64 starts at (8, 28).
   cv::Mat image(160, 240, CV_8UC1);
   for (int y = 0; y < 160; ++y)

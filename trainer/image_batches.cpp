@@ -50,9 +50,9 @@ class DelayedLoads final : public data::Dataset {
   int64_t label(int64_t index) const override { return base_->label(index); }
   int64_t num_classes() const override { return base_->num_classes(); }
   int channels() const override { return base_->channels(); }
-  data::DecodedImage load(int64_t index, int min_side) const override {
+  data::DecodedImage load(int64_t index, const data::DecodeHint& hint) const override {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
-    return base_->load(index, min_side);
+    return base_->load(index, hint);
   }
   std::string describe(int64_t index) const override { return base_->describe(index); }
 
@@ -107,7 +107,7 @@ class AssumedDataset final : public data::Dataset {
   int64_t label(int64_t index) const override { return index % classes_; }
   int64_t num_classes() const override { return classes_; }
   int channels() const override { return channels_; }
-  data::DecodedImage load(int64_t index, int) const override {
+  data::DecodedImage load(int64_t index, const data::DecodeHint&) const override {
     throw Error(cat("sample ", index, " read from the stand-in of a dataset not on disk"));
   }
   std::string describe(int64_t index) const override { return cat("assumed[", index, "]"); }
