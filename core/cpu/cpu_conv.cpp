@@ -344,11 +344,47 @@ void transpose_flip_weights(const Tensor& w, Tensor& out) {
     }
 }
 
+// The block B when `md` is oneDNN's Acdb<B>a layout of [I, O, KH, KW] f32
+// weights (what its AVX-512 and AVX2 forward kernels ask for), else 0.
+int64_t acdb_block(const memory::desc& md, const memory::dims& dims) {
+  const std::pair<int64_t, tag> layouts[] = {{8, tag::Acdb8a},
+                                             {16, tag::Acdb16a},
+                                             {32, tag::Acdb32a},
+                                             {48, tag::Acdb48a},
+                                             {64, tag::Acdb64a}};
+  for (const auto& [block, layout] : layouts)
+    if (md == memory::desc(dims, kF32, layout)) return block;
+  return 0;
+}
+
+// w' straight into Acdb<B>a: [I / B][KH KW][O][B], zeros past I. One pass
+// over w instead of the flip above and a reorder after it.
+void flip_weights_blocked(const Tensor& w, int64_t block, float* dst) {
+  const int64_t O = w.size(0), I = w.size(1), K = w.size(2) * w.size(3);
+  const int64_t blocks = (I + block - 1) / block;
+  const float* src = w.data<float>();
+  cpu::parallel_for(blocks * O, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t ib = r / O, o = r % O;
+      // The block's B runs of K taps are contiguous in w (in L1 after the
+      // first tap); each tap writes B contiguous floats.
+      const float* from = src + (o * I + ib * block) * K;
+      const int64_t valid = std::min(block, I - ib * block);
+      for (int64_t t = 0; t < K; ++t) {
+        float* out = dst + ((ib * K + t) * O + o) * block;
+        for (int64_t j = 0; j < valid; ++j) out[j] = from[j * K + K - 1 - t];
+        for (int64_t j = valid; j < block; ++j) out[j] = 0.0f;
+      }
+    }
+  });
+}
+
 struct ConvBackwardDataAsForward {
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward prim;
   memory::desc user_weights;  // w' as the buffer holding it describes it
   dnnl::reorder weights_in;   // that -> pd's weights layout
+  int64_t block;              // pd's weights are Acdb<block>a (0: another layout)
 };
 
 void conv2d_backward_data_as_forward(const Tensor& grad_out, const Tensor& weight,
@@ -371,13 +407,18 @@ void conv2d_backward_data_as_forward(const Tensor& grad_out, const Tensor& weigh
     return ConvBackwardDataAsForward{
         pd, dnnl::convolution_forward(pd), user,
         DNNL_CHECK(dnnl::reorder(dnnl::reorder::primitive_desc(
-            cpu::dnnl_engine(), user, cpu::dnnl_engine(), pd.weights_desc())))};
+            cpu::dnnl_engine(), user, cpu::dnnl_engine(), pd.weights_desc()))),
+        pointwise ? 0 : acdb_block(pd.weights_desc(), {I, O, KH, KW})};
   });
   Tensor flipped, w_buf;
-  if (!pointwise) transpose_flip_weights(weight, flipped);
   memory w = scratch(e.pd.weights_desc(), w_buf);
-  run(e.weights_in,
-      {{DNNL_ARG_FROM, bind(e.user_weights, pointwise ? weight : flipped)}, {DNNL_ARG_TO, w}});
+  if (e.block > 0 && weight.is_contiguous()) {
+    flip_weights_blocked(weight, e.block, static_cast<float*>(w.get_data_handle()));
+  } else {
+    if (!pointwise) transpose_flip_weights(weight, flipped);
+    run(e.weights_in,
+        {{DNNL_ARG_FROM, bind(e.user_weights, pointwise ? weight : flipped)}, {DNNL_ARG_TO, w}});
+  }
   run(e.prim, {{DNNL_ARG_SRC, bind(e.pd.src_desc(), grad_out)},
                {DNNL_ARG_WEIGHTS, w},
                {DNNL_ARG_DST, bind(e.pd.dst_desc(), grad_x)}});
