@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstring>
 #include <exception>
+#include <random>
 #include <thread>
 
 #include "comm/log.h"
@@ -121,8 +122,15 @@ std::unique_ptr<ShmChannel> ShmChannel::create(Store& store, Transport& transpor
   std::string name;
   int fd = -1;
   if (rank == 0) {
-    name = cat("/trainer-", ::getpid(), "-", comm_id);
-    fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    // A random part in the name: a segment left behind by a killed rank 0
+    // (it is unlinked only once every rank has opened it) can carry this
+    // process's pid after the pids wrapped, and would refuse O_EXCL.
+    std::random_device random;
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      name = cat("/trainer-", ::getpid(), "-", comm_id, "-", std::hex, random(), random());
+      fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd >= 0 || errno != EEXIST) break;
+    }
     if (fd >= 0 && ::ftruncate(fd, off_t(channel->bytes_)) != 0) {
       ::close(fd);
       ::shm_unlink(name.c_str());

@@ -3,10 +3,12 @@
 // interfere), running tests/comm_worker.cpp. World sizes 1, 2, 3, 4 and 8;
 // the worker checks closed forms and prints any mismatch with rank, index,
 // expected and actual, which the failure message here includes.
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <thread>
 
@@ -49,6 +51,39 @@ TEST_CASE("comm: every collective, dtype and op on 1, 2, 3, 4 and 8 ranks", "[co
     INFO("world size " << n);
     check_collectives(n);
   }
+}
+
+TEST_CASE("comm: segments left behind by killed ranks do not block a later job's channel",
+          "[comm][mp]") {
+  // A rank 0 killed before every peer opened its shared-memory segment
+  // leaves it in /dev/shm; once the pids wrap, a later rank 0 can get that
+  // pid. Old-style names (trainer-<pid>-<communicator>) for the next 4000
+  // pids to be handed out stand in for such leftovers: the 2-rank job must
+  // still get its channel (the collectives check a shared region on it).
+  auto read_long = [](const char* path) {
+    long v = 0;
+    if (FILE* f = std::fopen(path, "r")) {
+      if (std::fscanf(f, "%ld", &v) != 1) v = 0;
+      std::fclose(f);
+    }
+    return v;
+  };
+  const long last = read_long("/proc/sys/kernel/ns_last_pid");
+  const long max = read_long("/proc/sys/kernel/pid_max");
+  struct Leftovers {
+    std::vector<std::string> paths;
+    ~Leftovers() {
+      for (const std::string& path : paths) ::unlink(path.c_str());
+    }
+  } made;
+  for (long pid = last + 1; pid < std::min(last + 4000, max); ++pid) {
+    std::string path = trainer::cat("/dev/shm/trainer-", pid, "-0");
+    int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
+    if (fd < 0) continue;
+    ::close(fd);
+    made.paths.push_back(path);
+  }
+  check_collectives(2);
 }
 
 TEST_CASE("comm: every collective, dtype and op on 8 ranks", "[comm][mp][slow]") {
