@@ -222,7 +222,7 @@ DecodedImage decode_image(const std::vector<uint8_t>& bytes, const DecodeHint& h
     if (!jpeg.complete)
       throw BadSampleError(
           cat(what, ": truncated JPEG (no end-of-image marker after the image data)"));
-    if (std::optional<DecodedImage> image = decode_jpeg(bytes, hint, what)) return *image;
+    if (std::optional<DecodedImage> image = decode_jpeg(bytes, jpeg, hint, what)) return *image;
     // A colour space libjpeg does not turn into BGR (CMYK): OpenCV converts it.
     flags = reduced_color_flag(decode_reduction(jpeg.height, jpeg.width, hint.min_side));
   }

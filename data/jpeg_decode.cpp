@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "data/image_folder.h"
 #include "data/transforms.h"
 
 namespace trainer::data {
@@ -118,25 +117,18 @@ int decode_eighths(int height, int width, int min_side) {
 }
 
 DecodePlan plan_decode(int height, int width, const DecodeHint& hint) {
+  const CropBox source = hint.crop ? hint.crop(height, width) : CropBox{0, 0, width, height};
   DecodePlan plan;
-  if (hint.crop) {
-    CropBox source = hint.crop(height, width);
-    plan.eighths = decode_eighths(source.height, source.width, hint.crop_side);
-    plan.scaled_height = scaled(height, plan.eighths);
-    plan.scaled_width = scaled(width, plan.eighths);
-    plan.box = scale_box(source, height, width, plan.scaled_height, plan.scaled_width);
-    return plan;
-  }
-  plan.eighths = decode_eighths(height, width, hint.min_side);
+  plan.eighths = hint.crop ? decode_eighths(source.height, source.width, hint.crop_side)
+                           : decode_eighths(height, width, hint.min_side);
   plan.scaled_height = scaled(height, plan.eighths);
   plan.scaled_width = scaled(width, plan.eighths);
-  plan.box = CropBox{0, 0, plan.scaled_width, plan.scaled_height};
+  plan.box = scale_box(source, height, width, plan.scaled_height, plan.scaled_width);
   return plan;
 }
 
-std::optional<DecodedImage> decode_jpeg(const std::vector<uint8_t>& bytes, const DecodeHint& hint,
-                                        const std::string& what) {
-  JpegInfo info = parse_jpeg(bytes.data(), bytes.size());
+std::optional<DecodedImage> decode_jpeg(const std::vector<uint8_t>& bytes, const JpegInfo& info,
+                                        const DecodeHint& hint, const std::string& what) {
   CHECK(info.valid) << "decode_jpeg: " << what << " has no valid JPEG header";
   DecodePlan plan = plan_decode(info.height, info.width, hint);
   if (int64_t(plan.box.width) * plan.box.height > kMaxDecodedPixels)

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/image_folder.h"
 
 namespace trainer::data {
 
@@ -41,7 +42,7 @@ DecodePlan plan_decode(int height, int width, const DecodeHint& hint);
 // pixels as `hint` allows. std::nullopt when libjpeg cannot convert its
 // colour space to BGR (CMYK, YCCK): the caller decodes it another way. A
 // decoding error is a BadSampleError naming `what`.
-std::optional<DecodedImage> decode_jpeg(const std::vector<uint8_t>& bytes, const DecodeHint& hint,
-                                        const std::string& what);
+std::optional<DecodedImage> decode_jpeg(const std::vector<uint8_t>& bytes, const JpegInfo& info,
+                                        const DecodeHint& hint, const std::string& what);
 
 }  // namespace trainer::data

@@ -40,26 +40,28 @@ std::vector<int32_t> fixed_point(const ResampleTaps& taps) {
   return k;
 }
 
+// Output pixel x of one row along x: `channels` sums over its taps.
+template <int C>
+void resample_pixel(const uint8_t* in, int channels, const ResampleTaps& taps,
+                    const std::vector<int32_t>& k, int x, uint8_t* out) {
+  if constexpr (C > 0) channels = C;
+  const uint8_t* p = in + int64_t(taps.first[size_t(x)]) * channels;
+  const int32_t* w = k.data() + int64_t(x) * taps.width;
+  int32_t sum[4] = {1 << (kBits - 1), 1 << (kBits - 1), 1 << (kBits - 1), 1 << (kBits - 1)};
+  for (int t = 0; t < taps.count[size_t(x)]; ++t, p += channels)
+    for (int c = 0; c < channels; ++c) sum[c] += int32_t(p[c]) * w[t];
+  for (int c = 0; c < channels; ++c) out[x * channels + c] = clip8(sum[c]);
+}
+
 // Resamples each of rows [row0, row0 + dst.rows) of src along x into dst;
-// C channels (0: any), all channels of a pixel summed in one pass over its taps.
+// C channels (0: any).
 template <int C>
 void resample_rows(const cv::Mat& src, int row0, const ResampleTaps& taps,
                    const std::vector<int32_t>& k, cv::Mat& dst) {
-  const int channels = C > 0 ? C : src.channels();
-  const int* first = taps.first.data();
-  const int* count = taps.count.data();
-  for (int y = 0; y < dst.rows; ++y) {
-    const uint8_t* in = src.ptr<uint8_t>(row0 + y);
-    uint8_t* out = dst.ptr<uint8_t>(y);
-    for (int x = 0; x < dst.cols; ++x) {
-      const uint8_t* p = in + int64_t(first[x]) * channels;
-      const int32_t* w = k.data() + int64_t(x) * taps.width;
-      int32_t sum[4] = {1 << (kBits - 1), 1 << (kBits - 1), 1 << (kBits - 1), 1 << (kBits - 1)};
-      for (int t = 0; t < count[x]; ++t, p += channels)
-        for (int c = 0; c < channels; ++c) sum[c] += int32_t(p[c]) * w[t];
-      for (int c = 0; c < channels; ++c) out[x * channels + c] = clip8(sum[c]);
-    }
-  }
+  for (int y = 0; y < dst.rows; ++y)
+    for (int x = 0; x < dst.cols; ++x)
+      resample_pixel<C>(src.ptr<uint8_t>(row0 + y), src.channels(), taps, k, x,
+                        dst.ptr<uint8_t>(y));
 }
 
 #if defined(__AVX2__)
@@ -108,19 +110,7 @@ void resample_rows_bgr(const cv::Mat& src, int row0, const ResampleTaps& taps,
       _mm256_store_si256(reinterpret_cast<__m256i*>(pixel), packed);
       for (int i = 0; i < 8; ++i) std::memcpy(out + 3 * (x + i), &pixel[i], 4);
     }
-    for (int x = vector_end; x < width; ++x) {
-      const uint8_t* p = in + 3 * int64_t(taps.first[size_t(x)]);
-      const int32_t* w = k.data() + int64_t(x) * n_taps;
-      int32_t s0 = 1 << (kBits - 1), s1 = s0, s2 = s0;
-      for (int t = 0; t < taps.count[size_t(x)]; ++t, p += 3) {
-        s0 += int32_t(p[0]) * w[t];
-        s1 += int32_t(p[1]) * w[t];
-        s2 += int32_t(p[2]) * w[t];
-      }
-      out[3 * x] = clip8(s0);
-      out[3 * x + 1] = clip8(s1);
-      out[3 * x + 2] = clip8(s2);
-    }
+    for (int x = vector_end; x < width; ++x) resample_pixel<3>(in, 3, taps, k, x, out);
   }
 }
 #endif
