@@ -1,12 +1,24 @@
 // Allreduce among ranks of one host over the shared-memory channel
-// (comm/shm_channel.h), in one of three ways:
+// (comm/shm_channel.h), in one of five ways:
 //
 // staged (small): every rank copies its buffer into its staging area and
 //   publishes phase 1; once all have, each rank folds the areas in rank order
 //   (0, 1, ..., n-1) into its buffer, so all ranks compute the same bits. One
 //   synchronisation; a rank reuses its area two operations later, after every
 //   peer has moved past the operation that read it (wait_previous).
-// pipelined (large, the default): the buffer moves in blocks (block_bytes:
+// pair (large, 2 ranks): the buffer moves in blocks (block_bytes, as
+//   below), alternating between a rank's two areas; per block each rank
+//   copies its block into its area (phase "copied"), then adds the peer's
+//   area and its block into its block with rank 0's operand first (the same
+//   call on both ranks, so the same bits, NaN payloads included). One wait
+//   and two passes per block against pipelined's two waits and four passes;
+//   each rank does the whole block's arithmetic, which costs less than the
+//   copies it saves (bench_allreduce at 256 MiB: 0.36-0.40 of the copy bound
+//   alternated with 0.44-0.52). A block's area is written again two blocks
+//   later, when the peer has announced the block in between (and so has
+//   finished adding this one). The copy into the area reads the whole buffer
+//   from memory once, which on its own takes about the copy bound's time.
+// pipelined (large, 3 or more ranks): the buffer moves in blocks (block_bytes:
 //   a whole 1 MiB staging area up to 64 MiB, fewer steps; a quarter above,
 //   so a block, its area and the peer's stay in L2 while a large buffer
 //   streams through), alternating between a rank's two areas. Per block: every rank
@@ -29,10 +41,13 @@
 //   comm/shm_region.h): the buffer is cut into n chunks, chunk r owned by
 //   rank r. Phase 1: every rank's buffer is final; rank r folds chunk r of
 //   every rank's buffer in rank order, kShmPieceBytes at a time into a scratch
-//   piece, and copies the piece into every rank's buffer; phase 2: every
-//   chunk is written everywhere. Each byte moves once in and once out of each
-//   rank's memory, against five times through the staging areas, and there
-//   are two waits instead of two per block.
+//   piece, and copies the piece into every rank's buffer (on 2 ranks in one
+//   pass: each element read from both buffers, reduced and stored into both,
+//   no piece); phase 2: every chunk is written everywhere. Each byte moves
+//   once in and once out of each rank's memory, against five times through
+//   the staging areas, and there are two waits instead of two per block.
+//   Non-temporal stores measured slower here (0.5-0.7 of the copy bound at
+//   256 MiB against 0.8-0.9), so the stores are ordinary.
 #include <cstring>
 
 #include "comm/algorithms.h"
@@ -95,6 +110,11 @@ void allreduce_in_place(ShmChannel::Turn& turn, const ShmRegion& region, int n, 
   const Range mine = part_of({0, count}, n, rank);
   for_each_piece(mine, element_bytes, [&](size_t begin, size_t pc, char* piece) {
     const size_t at = offset + begin * element_bytes, piece_bytes = pc * element_bytes;
+    if (n == 2) {  // straight from both buffers into both, no scratch piece
+      reduce_pair_to_both(region.of(0) + at, region.of(1) + at, region.of(0) + at,
+                          region.of(1) + at, pc, dtype, op, 0.5);
+      return;
+    }
     fold_region_piece(piece, region, n, at, pc, dtype, op);
     for (int p = 0; p < n; ++p) std::memcpy(region.of(p) + at, piece, piece_bytes);
   });
@@ -111,6 +131,32 @@ void allreduce_in_place(ShmChannel::Turn& turn, const ShmRegion& region, int n, 
 size_t block_bytes(size_t bytes) {
   return bytes <= ShmChannel::kWholeAreaMaxBytes ? ShmChannel::kStagingBytes
                                                  : ShmChannel::kStagingBytes / 4;
+}
+
+// Phases: 1 posted; block k: 2 + k copied; 2 + blocks done.
+void allreduce_pair(ShmChannel::Turn& turn, int rank, char* data, size_t count, DType dtype,
+                    ReduceOp op) {
+  const size_t element_bytes = dtype_size(dtype);
+  const size_t block_count = block_bytes(count * element_bytes) / element_bytes;
+  const size_t blocks = (count + block_count - 1) / block_count;
+  turn.post(data, count * element_bytes);
+  turn.publish(1);
+  turn.wait_all(1);  // the peer has finished the previous operation: the areas are free
+  for (size_t k = 0; k < blocks; ++k) {
+    const Range block{k * block_count, std::min(block_count, count - k * block_count)};
+    const int index = int(k % 2);
+    const uint32_t copied = uint32_t(2 + k);
+    char* mine = data + block.begin * element_bytes;
+    std::memcpy(turn.area(rank, index), mine, block.count * element_bytes);
+    turn.publish(copied);
+    turn.wait_all(copied);
+    const char* peer = turn.area(1 - rank, index);
+    reduce_pair(mine, rank == 0 ? mine : peer, rank == 0 ? peer : mine, block.count, dtype, op);
+    if (op == ReduceOp::avg) scale(mine, block.count, dtype, 0.5);
+  }
+  const uint32_t done = uint32_t(2 + blocks);
+  turn.publish(done);
+  turn.wait_all(done);
 }
 
 // Phases: 1 posted; block k: 2 + 2k copied, 3 + 2k reduced; 2 + 2 * blocks done.
@@ -162,24 +208,25 @@ void allreduce_shm(ShmChannel& ch, uint64_t ticket, const char* op_name, Millis 
   ShmChannel::Turn turn(ch, ticket, op_name, timeout);
   const size_t bytes = count * dtype_size(dtype);
   const size_t blocks = (bytes + block_bytes(bytes) - 1) / block_bytes(bytes);
-  const bool staged = bytes <= std::min(staged_bytes, ShmChannel::kStagingBytes);
-  // Held for the operation: the region stays mapped while peers' copies are used.
-  const std::shared_ptr<ShmRegion> region = staged ? nullptr : ch.find_region(data, bytes);
-  const char* how = staged   ? "staged"
-                    : region ? "in place (shared region)"
-                    : cross_memory || 2 + 2 * blocks > ShmChannel::kMaxPhase
-                        ? "direct (cross-memory attach)"
-                        : "pipelined";
-  COMM_LOG(LogLevel::debug, "allreduce shm: ", count, " x ", dtype, ", ", how);
+  const int n = ch.size(), rank = ch.rank();
   char* d = static_cast<char*>(data);
-  if (region)
-    allreduce_in_place(turn, *region, ch.size(), ch.rank(), d, count, dtype, op);
-  else if (how[0] == 's')
-    allreduce_staged(turn, ch.size(), ch.rank(), d, count, dtype, op);
-  else if (how[0] == 'p')
-    allreduce_pipelined(turn, ch.size(), ch.rank(), d, count, dtype, op);
-  else
-    allreduce_direct(turn, ch.size(), ch.rank(), d, count, dtype, op);
+  if (bytes <= std::min(staged_bytes, ShmChannel::kStagingBytes)) {
+    COMM_LOG(LogLevel::debug, "allreduce shm: ", count, " x ", dtype, ", staged");
+    return allreduce_staged(turn, n, rank, d, count, dtype, op);
+  }
+  // Held for the operation: the region stays mapped while peers' copies are used.
+  if (const std::shared_ptr<ShmRegion> region = ch.find_region(data, bytes)) {
+    COMM_LOG(LogLevel::debug, "allreduce shm: ", count, " x ", dtype, ", in place");
+    return allreduce_in_place(turn, *region, n, rank, d, count, dtype, op);
+  }
+  if (cross_memory || 2 + 2 * blocks > ShmChannel::kMaxPhase) {
+    COMM_LOG(LogLevel::debug, "allreduce shm: ", count, " x ", dtype, ", direct");
+    return allreduce_direct(turn, n, rank, d, count, dtype, op);
+  }
+  COMM_LOG(LogLevel::debug, "allreduce shm: ", count, " x ", dtype,
+           n == 2 ? ", pair" : ", pipelined");
+  if (n == 2) return allreduce_pair(turn, rank, d, count, dtype, op);
+  allreduce_pipelined(turn, n, rank, d, count, dtype, op);
 }
 
 }  // namespace trainer::comm

@@ -19,8 +19,16 @@ std::string_view reduce_op_name(ReduceOp op);
 
 // dst[i] = dst[i] (op) src[i] for i < count; dst and src do not overlap.
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
-// dst[i] = a[i] (op) b[i] for i < count; dst overlaps neither.
+// dst[i] = a[i] (op) b[i] for i < count; dst is a, b or overlaps neither. The
+// same call with the same operands in the same places gives the same bits on
+// every rank, NaN payloads included (x86 keeps the first operand's).
 void reduce_pair(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
+// d0[i] = d1[i] = a[i] (op) b[i] for i < count, for avg then scaled by factor
+// (rounded after the sum, as scale() would): the two ranks' halves of a
+// shared-region allreduce in one pass. d0 and d1 are each a, b or overlap
+// neither.
+void reduce_pair_to_both(void* d0, void* d1, const void* a, const void* b, size_t count,
+                         DType dtype, ReduceOp op, double factor);
 // data[i] *= factor.
 void scale(void* data, size_t count, DType dtype, double factor);
 

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -37,6 +38,7 @@
 
 #include "comm/collectives.h"
 #include "comm/shm_channel.h"
+
 #include "tests/comm_worker.h"
 
 using namespace trainer;
@@ -132,6 +134,41 @@ void check_in_place_allreduces(Communicator& comm) {
                  [&] { allreduce(comm, data, 5000, DType::f32, {.staged_bytes = 0}); });
     check_allreduce<T>(comm, 5000, {.op = ReduceOp::sum, .staged_bytes = 0});
   }
+}
+
+// The shared-memory ways reduce in rank order, so every rank ends with the
+// same bits even where the order shows: NaN payloads (x86 keeps the first
+// operand's) and max against a NaN. Each rank's result is hashed and the
+// hashes are gathered; with 2 ranks this is the pair way, which lets both
+// ranks compute every element.
+void check_same_bits_everywhere(Communicator& comm) {
+  const int n = comm.size();
+  for (size_t count : {size_t(1000), ShmChannel::kStagingBytes * 5 / 4 + 11})
+    for (const AllreduceOptions& o : shm_variants(ReduceOp::sum))
+      for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
+        std::vector<uint32_t> bits(count);
+        for (size_t i = 0; i < count; ++i)
+          bits[i] = i % 3 == 0 ? 0x7fc00000u + uint32_t(comm.rank() + 1) + uint32_t(i % 101) * 8
+                               : std::bit_cast<uint32_t>(float(comm.rank() * 3 + int(i % 5)));
+        AllreduceOptions options = o;
+        options.op = op;
+        allreduce(comm, bits.data(), count, DType::f32, options);
+        uint64_t hash = 1469598103934665603ull;
+        for (uint32_t b : bits) hash = (hash ^ b) * 1099511628211ull;
+        std::vector<uint64_t> hashes(static_cast<size_t>(n), 0);
+        allgather(comm, &hash, hashes.data(), sizeof hash, {});
+        ++g_checks;
+        for (int r = 0; r < n; ++r)
+          if (hashes[size_t(r)] != hash) {
+            std::printf(
+                "rank %d: shm allreduce %s count %zu staged %zu cross-memory %d: rank %d "
+                "ended with other bits (%d ranks)\n",
+                g_rank, std::string(reduce_op_name(op)).c_str(), count, o.staged_bytes,
+                int(o.cross_memory), r, n);
+            ++g_failures;
+            break;
+          }
+      }
 }
 
 void check_reduce_scatter(Communicator& comm, size_t count);
@@ -333,6 +370,7 @@ int run_collectives(Communicator& world) {
   check_all_allreduces<f16>(world);
   check_in_place_allreduces<float>(world);
   check_in_place_allreduces<bf16>(world);
+  check_same_bits_everywhere(world);
   check_shared_region_scatter_gather(world);
   for (size_t count : {size_t(1), size_t(13), size_t(300)}) {
     check_reduce_scatter(world, count);
