@@ -59,8 +59,12 @@ void reduce_scatter_shm(ShmChannel& ch, uint64_t ticket, Millis timeout, const v
   char* out = static_cast<char*>(output);
   for_each_piece({0, count}, element_bytes, [&](size_t begin, size_t pc, char* piece) {
     const size_t at = block + begin * element_bytes;
-    fold_region_piece(piece, *region, n, at, pc, dtype, op);
-    std::memcpy(out + begin * element_bytes, piece, pc * element_bytes);
+    // On 2 ranks the fold's one reduce_pair may write where it reads
+    // (comm/reduce.h), so it goes straight into the output; with more, an
+    // output inside the input would be read after it was written.
+    char* to = n == 2 ? out + begin * element_bytes : piece;
+    fold_region_piece(to, *region, n, at, pc, dtype, op);
+    if (to == piece) std::memcpy(out + begin * element_bytes, piece, pc * element_bytes);
   });
   turn.publish(2);
   turn.wait_all(2);
