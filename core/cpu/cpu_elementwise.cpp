@@ -205,8 +205,9 @@ void CpuBackend::fill(const Tensor& dst, double value) {
 }
 
 void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
-  // f32 (and bf16/f16, computed in f32) GELU through cpu::tanh_f32 and
-  // cpu::normal_cdf_f32, which vectorise (libm's tanhf and erff do not).
+  // f32 (and bf16/f16, computed in f32) GELU and SiLU through cpu::tanh_f32,
+  // cpu::normal_cdf_f32 and cpu::exp_f32, which vectorise (libm's tanhf, erff
+  // and expf do not).
   if (op == UnaryOp::gelu_tanh && out.dtype() == x.dtype() && out.dtype() != DType::f64)
     return dispatch_floating(out.dtype(), "gelu_tanh", [&](auto tag) {
       map1<typename decltype(tag)::type>(out, x, [](float v) { return cpu::gelu_tanh_f32(v); });
@@ -214,6 +215,10 @@ void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out) {
   if (op == UnaryOp::gelu_erf && out.dtype() == x.dtype() && out.dtype() != DType::f64)
     return dispatch_floating(out.dtype(), "gelu_erf", [&](auto tag) {
       map1<typename decltype(tag)::type>(out, x, [](float v) { return cpu::gelu_erf_f32(v); });
+    });
+  if (op == UnaryOp::silu && out.dtype() == x.dtype() && out.dtype() != DType::f64)
+    return dispatch_floating(out.dtype(), "silu", [&](auto tag) {
+      map1<typename decltype(tag)::type>(out, x, [](float v) { return cpu::silu_f32(v); });
     });
   dispatch_floating(out.dtype(), unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -235,6 +240,12 @@ void CpuBackend::unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x,
     return dispatch_floating(x.dtype(), "gelu_erf", [&](auto tag) {
       map3<typename decltype(tag)::type>(
           grad_x, x, x, grad, [](float v, float, float g) { return cpu::gelu_erf_grad_f32(v, g); });
+    });
+  if (op == UnaryOp::silu && grad_x.dtype() == x.dtype() && grad.dtype() == x.dtype() &&
+      x.dtype() != DType::f64)
+    return dispatch_floating(x.dtype(), "silu", [&](auto tag) {
+      map3<typename decltype(tag)::type>(
+          grad_x, x, x, grad, [](float v, float, float g) { return cpu::silu_grad_f32(v, g); });
     });
   dispatch_floating(grad_x.dtype(), unary_op_name(op), [&](auto tag) {
     using T = typename decltype(tag)::type;

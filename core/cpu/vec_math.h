@@ -1,6 +1,7 @@
 // Scalar math written so the compiler vectorises the loops that call it
 // (std::exp is a libm call it keeps scalar without -ffast-math). Shared by
-// the CPU kernels (softmax, cross-entropy, attention, GELU in both forms).
+// the CPU kernels (softmax, cross-entropy, attention, GELU in both forms,
+// SiLU).
 //
 //   for (int64_t i = 0; i < n; ++i) y[i] = cpu::exp_f32(x[i] - mx);   // vectorised
 #pragma once
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "core/dtype.h"
 
@@ -67,6 +69,19 @@ inline float gelu_tanh_grad_f32(float x, float g) {
   float th = tanh_f32(k * (x + c * x * x * x));
   float dinner = k * (1.0f + 3.0f * c * x * x);
   return g * (0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * dinner);
+}
+
+// silu(x) = x / (1 + exp(-x)) and its gradient g s (1 + x (1 - s)), s the
+// sigmoid, as math::Silu computes them, with the vectorisable exp. Where
+// exp(-x) leaves f32's range (x < -88) it is infinite, as libm's would be, so
+// the far left tail is -0 and silu(-inf) NaN like the reference's.
+inline float silu_exp_f32(float x) {
+  return -x > 88.0f ? std::numeric_limits<float>::infinity() : exp_f32(-x);
+}
+inline float silu_f32(float x) { return x / (1.0f + silu_exp_f32(x)); }
+inline float silu_grad_f32(float x, float g) {
+  const float s = 1.0f / (1.0f + silu_exp_f32(x));
+  return g * s * (1.0f + x * (1.0f - s));
 }
 
 // Phi(x) = (1 + erf(x / sqrt 2)) / 2, the normal CDF of GELU's exact form,
