@@ -172,8 +172,11 @@ std::unique_ptr<ShmChannel> ShmChannel::create(Store& store, Transport& transpor
   store.barrier(key + "probed", n);
   const int64_t failed = store.add(key + "failed", 0);
   if (failed > 0) {
-    COMM_LOG(LogLevel::debug, "communicator ", comm_id, ": no shared-memory channel (", failed,
-             " ranks failed", why.empty() ? "" : "; here: ", why, "); collectives use UCX");
+    // The rank that failed says why at warn level (a job that falls back to
+    // UCX on one host runs several times slower); the others at debug.
+    COMM_LOG(why.empty() ? LogLevel::debug : LogLevel::warn, "communicator ", comm_id,
+             ": no shared-memory channel (", failed, " ranks failed",
+             why.empty() ? "" : "; here: ", why, "); collectives use UCX");
     return nullptr;
   }
   COMM_LOG(LogLevel::debug, "communicator ", comm_id, ": shared-memory channel over ", n,

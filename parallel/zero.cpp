@@ -754,8 +754,8 @@ void ZeroOptimizer::load_whole_state(const std::map<std::string, Tensor>& whole)
   const size_t per_piece = inner.size() / wrapped_.size();
   for (size_t i = 0; i < inner.size(); ++i) {
     const Wrapped& w = wrapped_[i / per_piece];
-    const Piece whole_piece{.begin = 0,
-                            .end = w.local.tensor.defined() ? w.local.tensor.numel() : 0};
+    Piece whole_piece;
+    whole_piece.end = w.local.tensor.defined() ? w.local.tensor.numel() : 0;
     const Piece& p = w.piece >= 0 ? pieces_[size_t(w.piece)] : whole_piece;
     const NamedTensor& param =
         w.piece >= 0 ? segments_[size_t(p.segment)].params[size_t(p.param)] : w.local;

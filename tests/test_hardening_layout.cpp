@@ -300,7 +300,7 @@ TEST_CASE(
   const ProcessResult info = run_trainer({"checkpoint", "info", run.string()});
   INFO(info.output);
   CHECK(info.code == 0);
-  for (const std::string& line :
+  for (const char* line :
        {"step 2, epoch 0", "layout: world 2 (dp=1, pp=1, tp=2)", "model-rank00001.safetensors",
         "transformer.h.0.attn.c_attn.weight  [96, 32] f32  2 pieces", "lm_head.weight  [74, 32]",
         "verified: every file whole, every tensor's pieces cover it once, the index matches the "

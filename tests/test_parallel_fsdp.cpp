@@ -245,7 +245,9 @@ TEST_CASE("fsdp: on one host the units are read where the ranks' blocks lie, as 
         n, [](comm::Communicator& world) { return run_units(world, 3); });
     const std::vector<UnitRun> in_place =
         testing::run_thread_ranks<UnitRun>(n, [](comm::Communicator& world) {
-          return run_units(world, 3, false, {.gather_in_place = true});
+          UnitPrecision precision;
+          precision.gather_in_place = true;
+          return run_units(world, 3, false, precision);
         });
     for (int r = 0; r < n; ++r) {
       INFO(n << " ranks, rank " << r);

@@ -234,7 +234,8 @@ TEST_CASE("checkpoint: trainer_state.json round-trips the state and the full lay
                 .position = 96,
                 .best_metric = 81.5,
                 .nonfinite_skipped = 2,
-                .layout = layout_of(2, 1, 1, true)};
+                .layout = layout_of(2, 1, 1, true),
+                .link_models = {}};
   // Exact: alpha, beta and gamma as measured (not round numbers).
   file.state.link_models[{0, 1}] = {.alpha = 1.0 / 3e5, .beta = 1e-9 / 0.7, .gamma = 1e-9 / 13.1};
   file.lr = 0.05;
