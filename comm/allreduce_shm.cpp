@@ -133,17 +133,29 @@ size_t block_bytes(size_t bytes) {
                                                  : ShmChannel::kStagingBytes / 4;
 }
 
+// count elements cut into blocks of block_bytes.
+struct Blocks {
+  size_t per_block, number, count;
+  Range at(size_t k) const { return {k * per_block, std::min(per_block, count - k * per_block)}; }
+};
+
+// Posts the buffer (phase 1) and waits until every peer has: each has then
+// finished the previous operation, so the staging areas are free.
+Blocks start_blocks(ShmChannel::Turn& turn, char* data, size_t count, size_t element_bytes) {
+  const size_t per_block = block_bytes(count * element_bytes) / element_bytes;
+  turn.post(data, count * element_bytes);
+  turn.publish(1);
+  turn.wait_all(1);
+  return {per_block, (count + per_block - 1) / per_block, count};
+}
+
 // Phases: 1 posted; block k: 2 + k copied; 2 + blocks done.
 void allreduce_pair(ShmChannel::Turn& turn, int rank, char* data, size_t count, DType dtype,
                     ReduceOp op) {
   const size_t element_bytes = dtype_size(dtype);
-  const size_t block_count = block_bytes(count * element_bytes) / element_bytes;
-  const size_t blocks = (count + block_count - 1) / block_count;
-  turn.post(data, count * element_bytes);
-  turn.publish(1);
-  turn.wait_all(1);  // the peer has finished the previous operation: the areas are free
-  for (size_t k = 0; k < blocks; ++k) {
-    const Range block{k * block_count, std::min(block_count, count - k * block_count)};
+  const Blocks blocks = start_blocks(turn, data, count, element_bytes);
+  for (size_t k = 0; k < blocks.number; ++k) {
+    const Range block = blocks.at(k);
     const int index = int(k % 2);
     const uint32_t copied = uint32_t(2 + k);
     char* mine = data + block.begin * element_bytes;
@@ -154,7 +166,7 @@ void allreduce_pair(ShmChannel::Turn& turn, int rank, char* data, size_t count, 
     reduce_pair(mine, rank == 0 ? mine : peer, rank == 0 ? peer : mine, block.count, dtype, op);
     if (op == ReduceOp::avg) scale(mine, block.count, dtype, 0.5);
   }
-  const uint32_t done = uint32_t(2 + blocks);
+  const uint32_t done = uint32_t(2 + blocks.number);
   turn.publish(done);
   turn.wait_all(done);
 }
@@ -163,13 +175,9 @@ void allreduce_pair(ShmChannel::Turn& turn, int rank, char* data, size_t count, 
 void allreduce_pipelined(ShmChannel::Turn& turn, int n, int rank, char* data, size_t count,
                          DType dtype, ReduceOp op) {
   const size_t element_bytes = dtype_size(dtype);
-  const size_t block_count = block_bytes(count * element_bytes) / element_bytes;
-  const size_t blocks = (count + block_count - 1) / block_count;
-  turn.post(data, count * element_bytes);
-  turn.publish(1);
-  turn.wait_all(1);  // every peer has finished the previous operation: the areas are free
-  for (size_t k = 0; k < blocks; ++k) {
-    const Range block{k * block_count, std::min(block_count, count - k * block_count)};
+  const Blocks blocks = start_blocks(turn, data, count, element_bytes);
+  for (size_t k = 0; k < blocks.number; ++k) {
+    const Range block = blocks.at(k);
     const int index = int(k % 2);
     const uint32_t copied = uint32_t(2 + 2 * k), reduced = copied + 1;
     char* mine = turn.area(rank, index);
@@ -196,7 +204,7 @@ void allreduce_pipelined(ShmChannel::Turn& turn, int n, int rank, char* data, si
                   turn.area(p, index) + theirs.begin * element_bytes, theirs.count * element_bytes);
     }
   }
-  const uint32_t done = uint32_t(2 + 2 * blocks);
+  const uint32_t done = uint32_t(2 + 2 * blocks.number);
   turn.publish(done);
   turn.wait_all(done);
 }

@@ -361,18 +361,37 @@ TEST_CASE("isa: the AVX2 and AVX-512 elementwise loops give the same bits", "[is
   }
 }
 
+// op's output and gradient (cotangent 1) at x = i / 1000 for i = lo, lo +
+// step, ..., up to hi.
+struct Sampled {
+  std::vector<float> x, y, g;
+};
+Sampled sample_with_gradient(UnaryOp op, int lo, int hi, int step) {
+  Sampled s;
+  for (int i = lo; i <= hi; i += step) s.x.push_back(float(i) / 1000.0f);
+  Tensor x = from_vector(s.x).requires_grad_();
+  Tensor y = unary(op, x);
+  y.backward(ones_like(y));
+  s.y = y.to_vector<float>();
+  s.g = x.grad().to_vector<float>();
+  return s;
+}
+
+// The error of got against want in f32 ulps of size; an error at or below
+// negligible (results near the end of f32's normal range) counts as none.
+double ulps(float got, double want, double size, double negligible) {
+  const double error = std::abs(double(got) - want);
+  return error <= negligible ? 0.0 : error / size / 0x1p-24;
+}
+
 // The vectorised exact GELU (cpu::normal_cdf_f32) over its whole range: far
 // tails where 1 + erf cancels and the result underflows, and the non-finite
 // inputs, against erfc in double. Its documented
 // accuracy is 10 f32 ulps, the gradient's too (against the size of its
 // terms; it crosses zero), down to about the smallest normal float.
 TEST_CASE("elementwise: exact GELU is accurate from tail to tail", "[elementwise]") {
-  std::vector<float> xs;
-  for (int i = -14000; i <= 14000; i += 7) xs.push_back(float(i) / 1000.0f);
-  Tensor x = from_vector(xs).requires_grad_();
-  Tensor fast = unary(UnaryOp::gelu_erf, x);
-  fast.backward(ones_like(fast));
-  const std::vector<float> fast_y = fast.to_vector<float>(), fast_g = x.grad().to_vector<float>();
+  const Sampled fast = sample_with_gradient(UnaryOp::gelu_erf, -14000, 14000, 7);
+  const std::vector<float>&xs = fast.x, &fast_y = fast.y, &fast_g = fast.g;
   // Exact values in double through erfc (1 + erf would cancel in the left tail).
   // The gradient Phi + x phi crosses zero near x = -0.75: its error is
   // measured against the size of its terms, Phi + |x| phi.
@@ -384,17 +403,14 @@ TEST_CASE("elementwise: exact GELU is accurate from tail to tail", "[elementwise
     exact_g.push_back(cdf + x * pdf);
     size_g.push_back(cdf + std::abs(x) * pdf);
   }
-  // Relative error in f32 ulps; results near the end of f32's normal range
-  // (2^-126) flush to zero, so an error below 2^-123 counts as none.
-  auto ulps = [](float got, double want, double size) {
-    const double error = std::abs(double(got) - want);
-    return error <= 0x1p-123 ? 0.0 : error / size / 0x1p-24;
-  };
+  // Results near the end of f32's normal range (2^-126) flush to zero, so
+  // an error below 2^-123 counts as none.
+  const double negligible = 0x1p-123;
   double worst_y = 0, worst_g = 0;
   float at_y = 0, at_g = 0;
   for (size_t k = 0; k < xs.size(); ++k) {
-    const double e_y = ulps(fast_y[k], exact_y[k], std::abs(exact_y[k]));
-    const double e_g = ulps(fast_g[k], exact_g[k], size_g[k]);
+    const double e_y = ulps(fast_y[k], exact_y[k], std::abs(exact_y[k]), negligible);
+    const double e_g = ulps(fast_g[k], exact_g[k], size_g[k], negligible);
     if (e_y > worst_y) worst_y = e_y, at_y = xs[k];
     if (e_g > worst_g) worst_g = e_g, at_g = xs[k];
   }
@@ -422,16 +438,9 @@ TEST_CASE("elementwise: exact GELU is accurate from tail to tail", "[elementwise
 // and libm's expf leaves the reference -0 too), and the non-finite inputs
 // give the reference's results.
 TEST_CASE("elementwise: SiLU is accurate from tail to tail", "[elementwise]") {
-  std::vector<float> xs;
-  for (int i = -100000; i <= 100000; i += 37) xs.push_back(float(i) / 1000.0f);
-  Tensor x = from_vector(xs).requires_grad_();
-  Tensor fast = unary(UnaryOp::silu, x);
-  fast.backward(ones_like(fast));
-  const std::vector<float> fast_y = fast.to_vector<float>(), fast_g = x.grad().to_vector<float>();
-  auto ulps = [](float got, double want, double size) {
-    const double error = std::abs(double(got) - want);
-    return error <= 0x1p-116 ? 0.0 : error / size / 0x1p-24;
-  };
+  const Sampled fast = sample_with_gradient(UnaryOp::silu, -100000, 100000, 37);
+  const std::vector<float>&xs = fast.x, &fast_y = fast.y, &fast_g = fast.g;
+  const double negligible = 0x1p-116;
   double worst_y = 0, worst_g = 0, reference_g = 0;
   float at_y = 0, at_g = 0;
   for (size_t k = 0; k < xs.size(); ++k) {
@@ -439,11 +448,10 @@ TEST_CASE("elementwise: SiLU is accurate from tail to tail", "[elementwise]") {
     // The formula's 1 - s cancels as s nears 1, in the reference's float
     // arithmetic (math::Silu) as much: the gradient is held to it there.
     const double size_g = s * (1.0 + std::abs(v) * (1.0 - s));
-    reference_g = std::max(
-        reference_g, ulps(math::Silu{}.grad(xs[k], 0.0f, 1.0f), s * (1.0 + v * (1.0 - s)), size_g));
-    const double e_y = ulps(fast_y[k], v * s, std::abs(v * s));
-    const double e_g =
-        ulps(fast_g[k], s * (1.0 + v * (1.0 - s)), s * (1.0 + std::abs(v) * (1.0 - s)));
+    reference_g = std::max(reference_g, ulps(math::Silu{}.grad(xs[k], 0.0f, 1.0f),
+                                             s * (1.0 + v * (1.0 - s)), size_g, negligible));
+    const double e_y = ulps(fast_y[k], v * s, std::abs(v * s), negligible);
+    const double e_g = ulps(fast_g[k], s * (1.0 + v * (1.0 - s)), size_g, negligible);
     if (e_y > worst_y) worst_y = e_y, at_y = xs[k];
     if (e_g > worst_g) worst_g = e_g, at_g = xs[k];
   }
