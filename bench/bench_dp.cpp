@@ -109,13 +109,13 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
   // --zero1: the same SGD sharded over the ranks, each bucket reduce-scattered in backward.
   std::shared_ptr<ZeroOptimizer> zero;
   if (world && !s.barrier_only) {
-    DataParallelOptions options{
-        .bucket_bytes = s.bucket_mb << 20,
-        .overlap = s.overlap,
-        .shared_buckets = s.shared_buckets,
-        .low_priority_progress = s.low_priority_progress,
-        .allreduce = {.op = comm::ReduceOp::avg, .cross_memory = s.cross_memory},
-        .timeline = &timeline};
+    DataParallelOptions options;
+    options.bucket_bytes = s.bucket_mb << 20;
+    options.overlap = s.overlap;
+    options.shared_buckets = s.shared_buckets;
+    options.low_priority_progress = s.low_priority_progress;
+    options.allreduce = {.op = comm::ReduceOp::avg, .cross_memory = s.cross_memory};
+    options.timeline = &timeline;
     if (s.zero1) options.reduce = zero_bucket_reduce(&zero);
     dp = std::make_unique<DataParallel>(model, world, options);
     if (!s.grad_destinations)
@@ -127,7 +127,12 @@ RankResult run_rank(const ImageCase& c, const Settings& s,
           [](std::vector<optim::ParamGroup> groups) {
             return std::make_unique<optim::SGD>(std::move(groups), kBenchSgd);
           },
-          ZeroOptions{.buckets = &dp->buckets(), .shared_buffers = s.shared_buckets});
+          [&] {
+            ZeroOptions o;
+            o.buckets = &dp->buckets();
+            o.shared_buffers = s.shared_buckets;
+            return o;
+          }());
     }
   }
   Generator gen(uint64_t(rank) + 1);

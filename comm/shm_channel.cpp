@@ -12,7 +12,6 @@
 #include <cstddef>
 #include <cstring>
 #include <exception>
-#include <random>
 #include <thread>
 
 #include "comm/log.h"
@@ -119,33 +118,37 @@ std::unique_ptr<ShmChannel> ShmChannel::create(Store& store, Transport& transpor
   channel->comm_id_ = comm_id;
   const size_t slots_bytes = round_up(sizeof(Slot) * size_t(n), 4096);
   channel->bytes_ = slots_bytes + size_t(n) * 2 * kStagingBytes;
-  std::string name;
+  // Rank 0's memfd, which the peers open through /proc (as shared regions'
+  // parts are): no name in /dev/shm, so nothing outlives the processes, even
+  // a rank 0 killed before every peer has opened it.
   int fd = -1;
-  if (rank == 0) {
-    // A random part in the name: a segment left behind by a killed rank 0
-    // (it is unlinked only once every rank has opened it) can carry this
-    // process's pid after the pids wrapped, and would refuse O_EXCL.
-    std::random_device random;
-    for (int attempt = 0; attempt < 8; ++attempt) {
-      name = cat("/trainer-", ::getpid(), "-", comm_id, "-", std::hex, random(), random());
-      fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-      if (fd >= 0 || errno != EEXIST) break;
-    }
-    if (fd >= 0 && ::ftruncate(fd, off_t(channel->bytes_)) != 0) {
-      ::close(fd);
-      ::shm_unlink(name.c_str());
-      fd = -1;
-    }
-    store.set(key + "name", fd >= 0 ? name : std::string());
-  } else {
-    name = store.get(key + "name");
-    if (!name.empty()) fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-  }
   std::string why;
+  if (rank == 0) {
+    fd = ::memfd_create("trainer-channel", MFD_CLOEXEC);
+    if (fd >= 0 && ::ftruncate(fd, off_t(channel->bytes_)) != 0) {
+      why = cat("cannot size a memfd to ", channel->bytes_, " bytes: ", std::strerror(errno));
+      ::close(fd);
+      fd = -1;
+    } else if (fd < 0) {
+      why = cat("memfd_create: ", std::strerror(errno));
+    }
+    store.set(key + "fd", std::to_string(fd));
+  } else {
+    const int theirs = std::stoi(store.get(key + "fd"));
+    const std::string path = cat("/proc/", channel->pids_[0], "/fd/", theirs);
+    if (theirs >= 0) fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (theirs >= 0 && fd < 0)
+      why = cat("cannot open rank ", members[0], "'s channel memory (", path,
+                "): ", std::strerror(errno));
+    else if (theirs < 0)
+      why = cat("rank ", members[0], " could not create the channel's memory");
+  }
   if (fd >= 0) {
     void* base = ::mmap(nullptr, channel->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);
-    if (base != MAP_FAILED) channel->base_ = base;
+    if (base != MAP_FAILED)
+      channel->base_ = base;
+    else
+      why = cat("cannot map the channel's memory: ", std::strerror(errno));
   }
   if (channel->base_) {
     Slot& mine = channel->slot(rank);
@@ -153,11 +156,9 @@ std::unique_ptr<ShmChannel> ShmChannel::create(Store& store, Transport& transpor
     mine.sleepers.store(0);
     mine.probe = kProbeValue;
     mine.probe_address = reinterpret_cast<uint64_t>(&mine.probe);
-  } else {
-    why = cat("cannot create or map the segment ", name, ": ", std::strerror(errno));
   }
   store.barrier(key + "mapped", n);
-  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  if (fd >= 0) ::close(fd);  // every peer has opened it (or given up)
   // Cross-memory attach needs ptrace permission over the peers; try it.
   for (int r = 0; r < n && channel->base_ && why.empty(); ++r) {
     uint64_t value = 0;

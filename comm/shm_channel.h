@@ -1,16 +1,16 @@
 // The shared-memory channel of a communicator whose members all run on this
-// host: one POSIX shared segment per communicator holding a control slot per
+// host: one block of shared memory per communicator holding a control slot per
 // rank (a stage counter other ranks wait on, the address and size of the
 // rank's buffer in the current operation) and two staging areas per rank for
 // small messages. Large data moves by cross-memory attach (process_vm_readv)
 // straight from the peer's buffer, so a reduce-scatter step reads the peer's
 // chunk and adds it into ours in one pass, and an all-gather step copies once.
 //
-// Setup is collective: rank 0 of the communicator creates the segment and
-// publishes its name through the store; every rank maps it, probes that it
-// may read its peers' memory (ptrace rules can forbid it) and the segment is
-// unlinked at once, so a crash leaves nothing behind. Every rank uses the
-// channel only if all of them can.
+// Setup is collective: rank 0 of the communicator creates the block (a
+// memfd) and publishes its descriptor through the store; every rank opens it
+// through /proc/<pid>/fd, maps it and probes that it may read its peers'
+// memory (ptrace rules can forbid both). The block has no name, so a crash
+// leaves nothing behind. Every rank uses the channel only if all of them can.
 //
 // Operations take a ticket when they are issued (issue order is the same on
 // every rank) and run strictly in ticket order, so a blocking collective and a

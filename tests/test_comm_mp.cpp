@@ -55,11 +55,10 @@ TEST_CASE("comm: every collective, dtype and op on 1, 2, 3, 4 and 8 ranks", "[co
 
 TEST_CASE("comm: segments left behind by killed ranks do not block a later job's channel",
           "[comm][mp]") {
-  // A rank 0 killed before every peer opened its shared-memory segment
-  // leaves it in /dev/shm; once the pids wrap, a later rank 0 can get that
-  // pid. Old-style names (trainer-<pid>-<communicator>) for the next 4000
-  // pids to be handed out stand in for such leftovers: the 2-rank job must
-  // still get its channel (the collectives check a shared region on it).
+  // Named segments (trainer-<pid>-<communicator>, as a killed rank 0 of an
+  // older build left them in /dev/shm) for the next 4000 pids to be handed
+  // out: the 2-rank job must still get its channel, whose memory has no name
+  // (the collectives check a shared region on it).
   auto read_long = [](const char* path) {
     long v = 0;
     if (FILE* f = std::fopen(path, "r")) {
